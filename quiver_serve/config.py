@@ -1,0 +1,177 @@
+"""Configuration: one pydantic model per section, composed into :class:`ServeConfig`.
+
+Every field has a one-line description (it is also the config reference in the README). Relative
+paths in a YAML file are resolved against the repository root (the directory holding ``configs/``),
+so ``python server.py --config configs/X.yaml`` works from any working directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GraphConfig(_Section):
+    """Which graph and node features to serve."""
+
+    format: Literal["planetoid", "npz", "pyg", "synthetic"] = Field(
+        "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic"
+    )
+    path: str | None = Field(
+        "data/planetoid/cora/raw", description="file or folder of the dataset (not used by synthetic)"
+    )
+    name: str = Field("cora", description="dataset name (Planetoid: cora/citeseer/pubmed; else a label)")
+    synthetic_preset: Literal["reddit", "products", "papers100m", "custom"] = Field(
+        "reddit", description="published statistics the synthetic generator matches"
+    )
+    synthetic_scale: float = Field(
+        1.0, gt=0, le=1.0, description="fraction of the preset's nodes and edges to generate"
+    )
+    synthetic_num_nodes: int | None = Field(None, gt=0, description="custom preset: node count")
+    synthetic_num_edges: int | None = Field(None, gt=0, description="custom preset: directed edge count")
+    synthetic_num_features: int | None = Field(None, gt=0, description="custom preset: feature width")
+    synthetic_seed: int = Field(0, description="seed of the synthetic generator (same seed, same graph)")
+
+
+class ModelConfig(_Section):
+    """The PyG model served, rebuilt from its class name and kwargs and loaded weights-only."""
+
+    name: str = Field("cora-graphsage", description="model name in URLs and responses")
+    pyg_class: Literal["GraphSAGE", "GCN", "GAT"] = Field(
+        "GraphSAGE", description="class in torch_geometric.nn.models"
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"hidden_channels": 128, "num_layers": 2, "out_channels": 64},
+        description="constructor kwargs; in_channels defaults to the graph's feature width",
+    )
+    weights: str | None = Field(
+        "models/cora_graphsage.pt", description="state_dict file (loaded with weights_only=True); null = random init"
+    )
+    random_init_seed: int = Field(0, description="seed for random weights when weights is null")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.kwargs.get("num_layers", 2))
+
+
+class SamplingConfig(_Section):
+    """Neighbour sampling (DESIGN §2)."""
+
+    fanouts: list[int] = Field(
+        default_factory=lambda: [25, 10], description="neighbours per hop, nearest first; -1 = all"
+    )
+    implementation: Literal["auto", "reference", "cpp"] = Field(
+        "auto", description="CPU sampler: compiled C++ when available (auto), or the pure-torch reference"
+    )
+    num_cpu_workers: int = Field(
+        1, ge=0, description="CPU sampler processes; 0 = sample inside the inference worker"
+    )
+    cpu_threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each CPU sampler")
+    route: Literal["auto", "cpu", "gpu", "local"] = Field(
+        "auto", description="routing policy: auto (router decides), or force one path"
+    )
+
+    @model_validator(mode="after")
+    def _check_fanouts(self) -> SamplingConfig:
+        if not self.fanouts:
+            raise ValueError("fanouts must name at least one hop")
+        bad = [k for k in self.fanouts if k == 0 or k < -1]
+        if bad:
+            raise ValueError(f"fanouts must be positive or -1 (all), got {bad}")
+        return self
+
+
+class BatchingConfig(_Section):
+    """The request batcher."""
+
+    max_batch_nodes: int = Field(1024, ge=1, description="most seed nodes in one batch")
+    max_delay_ms: float = Field(2.0, ge=0, description="longest wait after a batch's first request")
+    queue_capacity: int = Field(4096, ge=1, description="bound of every internal queue (requests or batches)")
+
+
+class InferenceConfig(_Section):
+    """Inference workers."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available (auto)")
+    num_workers: int = Field(0, ge=0, description="inference processes; 0 = one per GPU, or one on CPU")
+    torch_threads: int = Field(1, ge=1, description="intra-op threads per inference worker")
+
+
+class ServerConfig(_Section):
+    """HTTP front-end and admission limits."""
+
+    host: str = Field("127.0.0.1", description="bind address (loopback unless configured)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    max_request_nodes: int = Field(4096, ge=1, description="most node ids in one request (else 413)")
+    max_pending_requests: int = Field(2048, ge=1, description="admitted requests not yet answered (else 503)")
+    request_timeout_s: float = Field(10.0, gt=0, description="deadline of a request (else 504)")
+    start_timeout_s: float = Field(300.0, gt=0, description="longest wait for workers to become ready")
+    drain_timeout_s: float = Field(10.0, ge=0, description="time in-flight work gets on shutdown")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503")
+
+
+class ServeConfig(_Section):
+    """Everything the daemon needs; sections map to YAML top-level keys."""
+
+    graph: GraphConfig = Field(default_factory=GraphConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _check_layers(self) -> ServeConfig:
+        if len(self.sampling.fanouts) != self.model.num_layers:
+            raise ValueError(
+                f"sampling.fanouts has {len(self.sampling.fanouts)} hops but model.kwargs.num_layers "
+                f"is {self.model.num_layers}: they must match (one hop per layer)"
+            )
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ServeConfig:
+        """Load and validate a YAML file; errors name the file and the field."""
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            lines = [
+                f"  {'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                for err in exc.errors()
+            ]
+            raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
+
+    @classmethod
+    def default(cls) -> ServeConfig:
+        """The embedded default: Cora and the GraphSAGE shipped in ``models/``."""
+        return cls.from_yaml(DEFAULT_CONFIG_PATH)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and field."""
+
+
+def resolve_path(path: str | os.PathLike[str]) -> Path:
+    """Absolute paths stay; relative ones are taken from the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p

@@ -1,0 +1,118 @@
+"""Sampler types, the base class, and the counter-based random numbers every sampler shares.
+
+Semantics (DESIGN §2), identical for every implementation (reference torch, C++, CUDA):
+
+* ``n_id`` starts with the unique seeds in first-occurrence order; ``seed_index[i]`` is the row of
+  ``seeds[i]`` in ``n_id`` (so repeated ids map to the same row).
+* Hop ``l`` (1-based, fanout ``k = fanouts[l-1]``) expands every node added at hop ``l-1``, in
+  ``n_id`` order. A node of in-degree ``d`` contributes all its neighbours in CSC order when
+  ``k == -1`` or ``d <= k``; otherwise ``k`` distinct neighbours chosen uniformly without
+  replacement by Floyd's algorithm, in draw order (below).
+* The sampled neighbours of a hop, concatenated in frontier order, are the hop's edges
+  (``edge_index[0]`` = local id of the neighbour, ``edge_index[1]`` = local id of the expanded node).
+  Neighbours not yet in ``n_id`` are appended in order of first occurrence in that list.
+* ``num_sampled_nodes`` has ``L + 1`` entries (hop 0 = unique seeds), ``num_sampled_edges`` ``L``.
+
+Random numbers are a pure function of (batch seed, hop, node id, draw index), not a stream, so the
+same seed yields the same subgraph from every implementation, on any thread count.
+For a node ``v`` expanded at hop ``l`` with fanout ``k`` and degree ``d > k``, draw ``i`` in
+``0..k-1`` takes ``t = d - k + i``, ``r = rand32(seed, l, v, i)``, ``j = (r * (t + 1)) >> 32`` and
+keeps ``j`` unless an earlier draw took it, in which case it keeps ``t`` (Floyd).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MASK32 = 0xFFFFFFFF
+_MIX_MUL = 0x45D9F3B
+_GOLDEN = 0x9E3779B9
+_HOP_MUL = 0x632BE5AB
+_DRAW_MUL = 0x85EBCA6B
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplerOutput:
+    """A sampled subgraph in PyG's shape (see module docstring)."""
+
+    n_id: Tensor  # int64 [N] global ids, seeds first
+    edge_index: Tensor  # int64 [2, E] local ids (row: neighbour/source, col: expanded/target)
+    seed_index: Tensor  # int64 [len(seeds)] row of each requested seed in n_id
+    num_sampled_nodes: list[int]  # [L + 1]
+    num_sampled_edges: list[int]  # [L]
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.n_id.numel())
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_index.size(1))
+
+
+class BaseSampler(ABC):
+    """A neighbour sampler over one CSC graph (``indptr``/``indices`` in-neighbours)."""
+
+    #: short name shown in metrics and logs ("reference", "cpp", "cuda", "uva")
+    name: str = "base"
+
+    def __init__(self, indptr: Tensor, indices: Tensor) -> None:
+        self.indptr = indptr
+        self.indices = indices
+
+    @property
+    def num_nodes(self) -> int:
+        return self.indptr.numel() - 1
+
+    @abstractmethod
+    def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
+        """Sample the ``len(fanouts)``-hop subgraph of ``seeds`` with batch seed ``seed``."""
+
+
+# ---- counter-based random numbers (shared spec; see csrc/ for the C++ and CUDA twins) ----------
+
+
+def mix32(x: Tensor) -> Tensor:
+    """32-bit avalanche mix of int64 values in [0, 2**32); every product stays below 2**63."""
+    x = ((x >> 16) ^ x) * _MIX_MUL & MASK32
+    x = ((x >> 16) ^ x) * _MIX_MUL & MASK32
+    return (x >> 16) ^ x
+
+
+def _mix32_int(x: int) -> int:
+    x = (((x >> 16) ^ x) * _MIX_MUL) & MASK32
+    x = (((x >> 16) ^ x) * _MIX_MUL) & MASK32
+    return (x >> 16) ^ x
+
+
+def seed_base(seed: int) -> int:
+    """Fold a 64-bit batch seed into the 32-bit base every draw of the batch starts from."""
+    seed &= 2**64 - 1
+    return _mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _GOLDEN))
+
+
+def node_hash(base: int, hop: int, nodes: Tensor) -> Tensor:
+    """Per-(batch, hop, node) hash; ``hop`` is 1-based."""
+    hop_term = (_HOP_MUL * hop) & MASK32
+    return mix32(base ^ mix32(((nodes & MASK32) + hop_term) & MASK32))
+
+
+def draw32(node_h: Tensor, draw: int) -> Tensor:
+    """The ``draw``-th 32-bit random number of a node, from its :func:`node_hash`."""
+    return mix32(node_h ^ ((draw * _DRAW_MUL) & MASK32))
+
+
+def validate_seed(seed: int) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
+    return seed
+
+
+def new_batch_seed(generator: torch.Generator | None = None) -> int:
+    """A fresh random batch seed for requests that did not ask for one."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
