@@ -1,0 +1,1 @@
+"""Pipeline stages: batcher, router, hybrid sampler, inference server, and the facade."""

@@ -1,0 +1,132 @@
+"""InferenceServer: one worker process per GPU (or one on a CPU-only machine).
+
+A worker takes sampled batches (from the CPU pool) or raw batches (GPU/local route, sampled here),
+gathers features, runs the model in eval/no-grad, and puts one EmbedResult per request on its
+result queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.devices import num_inference_workers, worker_device
+from quiver_serve.engine.process import (
+    WorkerHandle,
+    get_or_none,
+    parent_alive,
+    put_until,
+    report_failed,
+    report_ready,
+    spawn_context,
+    wait_ready,
+)
+from quiver_serve.engine.work import InferenceEngine, SamplingEngine
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.messages import Shutdown
+from quiver_serve.models import ServedModel, build_model
+from quiver_serve.sampling import BaseSampler, make_cpu_sampler
+
+log = logging.getLogger(__name__)
+
+
+def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
+    """The sampler an inference worker uses for batches routed to it unsampled."""
+    if device.type == "cuda":
+        try:
+            from quiver_serve.sampling.gpu import CudaSampler, gpu_sampler_available
+
+            if gpu_sampler_available():
+                return CudaSampler(graph.indptr, graph.indices, device=device)
+            log.warning("GPU sampler unavailable (cupy missing?); GPU route samples on the CPU")
+        except ImportError as exc:
+            log.warning("GPU sampler unavailable (%s); GPU route samples on the CPU", exc)
+    return make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
+
+
+def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
+    """Everything a worker needs: device, model (weights-only), local sampler, warm-up."""
+    device = worker_device(cfg, index)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree()).to(device)
+    sampler = local_sampler(cfg, graph, device)
+    engine = InferenceEngine(model, graph.x, device,
+                             SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index)
+    _warm_up(engine)
+    return engine
+
+
+def _warm_up(engine: InferenceEngine) -> None:
+    """One tiny batch so the first real request does not pay for lazy initialisation."""
+    import time
+
+    from quiver_serve.messages import BatchedRequest
+
+    probe = BatchedRequest(batch_id=-1, request_ids=["warm-up"], offsets=[0, 1],
+                           node_ids=torch.zeros(1, dtype=torch.int64), exact=False, seed=0,
+                           deadlines_s=[time.time() + 60.0])
+    results = engine.step(probe)
+    if not results or results[0].error is not None:
+        raise RuntimeError(f"warm-up batch failed: {results[0].error if results else 'no result'}")
+
+
+def inference_worker_main(
+    index: int, cfg: ServeConfig, graph: GraphData, in_q: Any, result_q: Any, control_q: Any
+) -> None:
+    try:
+        torch.set_num_threads(cfg.inference.torch_threads)
+        engine = build_engine(cfg, graph, index)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails start-up
+        report_failed(control_q, "inference", index, exc)
+        raise
+    report_ready(control_q, "inference", index, device=str(engine.device),
+                 sampler=engine.local.sampler.name, dim=engine.model.out_dim)
+    while parent_alive():
+        item = get_or_none(in_q)
+        if item is None:
+            continue
+        if isinstance(item, Shutdown):
+            break
+        for result in engine.step(item):
+            put_until(result_q, result, parent_alive)
+
+
+class InferenceServer:
+    """Owns the inference worker processes and their result queues."""
+
+    def __init__(self, cfg: ServeConfig, graph: GraphData, sampled_queue_list: list[Any]) -> None:
+        expected = num_inference_workers(cfg)
+        if len(sampled_queue_list) != expected:
+            raise ValueError(f"{len(sampled_queue_list)} sampled queues for {expected} inference workers")
+        self.cfg = cfg
+        self.graph = graph
+        self.in_qs = sampled_queue_list
+        ctx = spawn_context()
+        self._result_qs = [ctx.Queue(maxsize=cfg.batching.queue_capacity * 4) for _ in sampled_queue_list]
+        self._control_q = ctx.Queue()
+        self.workers = [
+            WorkerHandle("inference", i, inference_worker_main,
+                         (i, cfg, graph, self.in_qs[i], self._result_qs[i], self._control_q))
+            for i in range(len(sampled_queue_list))
+        ]
+        self.ready_info: dict[int, Any] = {}
+
+    def result_queue_list(self) -> list[Any]:
+        return self._result_qs
+
+    def start(self, wait: bool = True) -> None:
+        self.graph.share_memory_()
+        for w in self.workers:
+            w.start()
+        if wait:
+            ready = wait_ready(self._control_q, self.workers, self.cfg.server.start_timeout_s,
+                               "inference worker")
+            self.ready_info = {i: r.info for i, r in ready.items()}
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for w, q in zip(self.workers, self.in_qs, strict=True):
+            w.stop(q, timeout_s)

@@ -1,0 +1,134 @@
+"""Worker-process plumbing shared by every stage: spawn, readiness, liveness, bounded waits, stop."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as std_mp
+import os
+import queue
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from quiver_serve.messages import Shutdown, WorkerFailed, WorkerReady
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a blocked loop wakes to check for shutdown or a dead parent
+
+
+def spawn_context() -> Any:
+    """Processes that may touch CUDA must be spawned, never forked."""
+    return mp.get_context("spawn")
+
+
+def parent_alive() -> bool:
+    """False once the process that spawned us is gone, so workers never outlive the daemon."""
+    parent = std_mp.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def get_or_none(q: Any, timeout_s: float = POLL_S) -> Any:
+    """One bounded wait on a queue; ``None`` when nothing came."""
+    try:
+        return q.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def put_until(q: Any, item: Any, keep_going: Callable[[], bool], poll_s: float = POLL_S) -> bool:
+    """Put into a bounded queue, waiting while it is full but only while ``keep_going()``."""
+    while True:
+        try:
+            q.put(item, timeout=poll_s)
+            return True
+        except queue.Full:
+            if not keep_going():
+                return False
+
+
+class WorkerHandle:
+    """One worker process of a stage: start, check, stop within a time bound."""
+
+    def __init__(self, role: str, index: int, target: Callable[..., None], args: tuple) -> None:
+        self.role = role
+        self.index = index
+        self._target = target
+        self._args = args
+        self.process: Any = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        ctx = spawn_context()
+        self.process = ctx.Process(
+            target=self._target, args=self._args, name=f"quiver-{self.role}-{self.index}", daemon=True
+        )
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def stop(self, in_queue: Any, timeout_s: float) -> None:
+        """Ask politely (a Shutdown message), then terminate, then kill: never waits unbounded."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            try:
+                in_queue.put(Shutdown(), timeout=0.1)
+            except (queue.Full, ValueError, OSError):
+                pass
+            self.process.join(timeout=max(timeout_s, 0.1))
+        if self.process.is_alive():
+            log.warning("%s-%d did not stop in %.1f s; terminating", self.role, self.index, timeout_s)
+            self.process.terminate()
+            self.process.join(timeout=2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=2.0)
+
+
+def wait_ready(
+    control_q: Any, handles: Sequence[WorkerHandle], timeout_s: float, what: str
+) -> dict[int, WorkerReady]:
+    """Wait until every handle reports ready; raise with the reason if one fails or dies."""
+    pending = {h.index for h in handles}
+    ready: dict[int, WorkerReady] = {}
+    deadline = time.monotonic() + timeout_s
+    last_log = time.monotonic()
+    while pending:
+        msg = get_or_none(control_q, 0.2)
+        if isinstance(msg, WorkerReady) and msg.index in pending:
+            pending.discard(msg.index)
+            ready[msg.index] = msg
+            log.info("%s %d/%d ready (pid %d) %s", what, len(ready), len(handles), msg.pid,
+                     msg.info or "")
+        elif isinstance(msg, WorkerFailed):
+            raise RuntimeError(f"{what} {msg.index} failed to start: {msg.message}")
+        for h in handles:
+            if h.index in pending and h.process is not None and not h.process.is_alive():
+                raise RuntimeError(f"{what} {h.index} exited during start-up (code {h.process.exitcode})")
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"{what}s {sorted(pending)} not ready after {timeout_s:.0f} s")
+        if now - last_log > 5.0:
+            log.info("waiting for %s(s) %s to start...", what, sorted(pending))
+            last_log = now
+    return ready
+
+
+def report_ready(control_q: Any, role: str, index: int, **info: Any) -> None:
+    control_q.put(WorkerReady(role=role, index=index, pid=os.getpid(), info=info))
+
+
+def report_failed(control_q: Any, role: str, index: int, exc: BaseException) -> None:
+    try:
+        control_q.put(WorkerFailed(role=role, index=index, message=f"{type(exc).__name__}: {exc}"),
+                      timeout=1.0)
+    except Exception:  # noqa: BLE001 - the parent learns from the exit code instead
+        pass

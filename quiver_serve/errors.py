@@ -1,0 +1,33 @@
+"""Errors the pipeline raises to its callers, each carrying the HTTP status it maps to."""
+
+from __future__ import annotations
+
+from quiver_serve.messages import ErrorInfo
+
+
+class ServeError(Exception):
+    """A request that cannot be (or was not) served; ``info`` says why and which status."""
+
+    def __init__(self, code: str, message: str, status: int) -> None:
+        super().__init__(message)
+        self.info = ErrorInfo(code=code, message=message, status=status)
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> ServeError:
+        return cls(info.code, info.message, info.status)
+
+
+def invalid(message: str) -> ServeError:
+    return ServeError("invalid_node_ids", message, 400)
+
+
+def too_large(n: int, limit: int) -> ServeError:
+    return ServeError("too_many_nodes", f"{n} node ids in one request; the limit is {limit}", 413)
+
+
+def unavailable(code: str, message: str) -> ServeError:
+    return ServeError(code, message, 503)
+
+
+def deadline() -> ServeError:
+    return ServeError("deadline_exceeded", "the request's deadline passed before it was served", 504)
