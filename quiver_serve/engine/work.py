@@ -152,6 +152,7 @@ class InferenceEngine:
             num_sampled_nodes=int(sb.n_id.numel()), num_sampled_edges=int(sb.edge_index.size(1)),
             queue_s=max(time.time() - batch.created_s - (t2 - t0) - sb.sample_s, 0.0),
             sample_s=sb.sample_s, gather_s=t1 - t0, compute_s=t2 - t1,
+            cache_misses=int(sb.n_id.numel()),  # no feature cache yet: every row is a host read
         )
         results = [
             EmbedResult(request_id=rid, embeddings=rows[start:end].clone())

@@ -1,0 +1,239 @@
+"""FastAPI front-end: /v1/embed, KServe v2, /metrics. It owns the Prometheus registry."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.pipeline import Pipeline
+from quiver_serve.http.schemas import EmbedBody, ErrorBody, InferBody, InferResponse
+from quiver_serve.messages import EmbedResult
+from quiver_serve.metrics import Metrics
+from quiver_serve.models import model_metadata
+
+log = logging.getLogger(__name__)
+
+NPY_MEDIA_TYPE = "application/x-npy"
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 404, 413, 422, 503, 504)
+}
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+class ServerState:
+    """What the routes share: config, pipeline, metrics, and the start-up outcome."""
+
+    def __init__(self, cfg: ServeConfig, pipeline: Pipeline, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.start_error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+
+    def start_pipeline(self) -> None:
+        try:
+            self.pipeline.start()
+        except BaseException as exc:  # noqa: BLE001 - surfaced through on_fatal and readiness
+            log.exception("start-up failed")
+            self.start_error = exc
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def error(self, exc: errors.ServeError) -> JSONResponse:
+        headers = {"Retry-After": str(self.cfg.server.retry_after_s)} if exc.info.status == 503 else None
+        return error_response(exc.info.status, exc.info.code, exc.info.message, headers)
+
+
+def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
+    """The app; the pipeline starts in a background thread so liveness answers during start-up."""
+    metrics = Metrics()
+    pipeline = pipeline or Pipeline(cfg, observer=metrics)
+    pipeline.observer = metrics
+    metrics.pending.set_function(lambda: pipeline.pending_count)
+    state = ServerState(cfg, pipeline, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=state.start_pipeline, name="quiver-start", daemon=True).start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, pipeline.stop)
+
+    app = FastAPI(title="quiver-serve", version="0.1.0", lifespan=lifespan,
+                  description="Node embeddings from a PyG model over a sampled graph.")
+    app.state.qs = state
+    _install_error_handlers(app)
+    _install_timing(app, metrics)
+    _add_embed_routes(app, state)
+    _add_kserve_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            if err.get("type") == "json_invalid":
+                detail = (err.get("ctx") or {}).get("error", "")
+                parts.append(f"malformed JSON body at character {err['loc'][-1]}: {detail}".rstrip(": "))
+                continue
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        return error_response(422, "invalid_request", "; ".join(parts))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "http_error", str(exc.detail))
+
+    @app.exception_handler(errors.ServeError)
+    async def _serve(request: Request, exc: errors.ServeError) -> JSONResponse:
+        return request.app.state.qs.error(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, "internal", f"internal error: {type(exc).__name__}")
+
+
+def _install_timing(app: FastAPI, metrics: Metrics) -> None:
+    @app.middleware("http")
+    async def _time(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            metrics.request_duration.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
+
+
+async def _serve_ids(state: ServerState, node_ids: list[int], exact: bool, seed: int | None,
+                     timeout_ms: float | None) -> torch.Tensor:
+    """Validate, submit, await: the embeddings, or a ServeError with the right status."""
+    limit = state.cfg.server.max_request_nodes
+    if len(node_ids) > limit:
+        raise errors.too_large(len(node_ids), limit)
+    if not state.pipeline.ready:
+        raise errors.unavailable("not_ready", "the server is starting or shutting down")
+    n = state.pipeline.num_nodes
+    lo, hi = min(node_ids), max(node_ids)
+    if lo < 0 or hi >= n:  # checked on Python ints: ids beyond int64 are named too
+        bad = lo if lo < 0 else hi
+        raise errors.invalid(f"node id {bad} is out of range: valid ids are 0..{n - 1}")
+    timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
+    request = state.pipeline.new_request(node_ids, exact, seed, timeout_s)
+    future = state.pipeline.submit(request)
+    result: EmbedResult = await asyncio.wrap_future(future)
+    if result.error is not None:
+        raise errors.ServeError.from_info(result.error)
+    assert result.embeddings is not None
+    return result.embeddings
+
+
+def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embed", responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
+              summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
+    async def embed(body: EmbedBody, request: Request) -> Response:
+        emb = await _serve_ids(state, body.node_ids, body.exact, body.seed, body.timeout_ms)
+        if NPY_MEDIA_TYPE in request.headers.get("accept", ""):
+            buf = io.BytesIO()
+            np.save(buf, emb.numpy().astype(np.float32, copy=False))
+            return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE)
+        payload = {"model": state.cfg.model.name, "dim": int(emb.size(1)), "embeddings": emb.tolist()}
+        return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_or_404(state: ServerState, name: str) -> None:
+    if name != state.cfg.model.name:
+        raise errors.ServeError("model_not_found",
+                                f"no model named {name!r}; this server serves {state.cfg.model.name!r}", 404)
+
+
+def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v2/health/live", summary="Liveness")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/v2/health/ready", summary="Readiness: 503 until graph and model are loaded, and when draining",
+             responses={503: {"model": ErrorBody}})
+    async def ready() -> Response:
+        if state.pipeline.ready:
+            return JSONResponse({"ready": True})
+        reason = "start-up failed" if state.start_error else "not ready (loading or draining)"
+        return error_response(503, "not_ready", reason,
+                              {"Retry-After": str(state.cfg.server.retry_after_s)})
+
+    @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",
+             responses={404: {"model": ErrorBody}})
+    async def metadata(name: str) -> dict[str, Any]:
+        _model_or_404(state, name)
+        g = state.pipeline.graph
+        in_ch = g.num_features if g is not None else state.cfg.model.kwargs.get("in_channels", -1)
+        dim = state.pipeline.out_dim or state.cfg.model.kwargs.get("out_channels", -1)
+        return {
+            "name": name, "versions": ["1"], "platform": "pytorch_geometric",
+            "inputs": [{"name": "node_ids", "datatype": "INT64", "shape": [-1]}],
+            "outputs": [{"name": "embeddings", "datatype": "FP32", "shape": [-1, dim]}],
+            "parameters": model_metadata(state.cfg.model, in_ch),
+        }
+
+    @app.get("/v2/models/{name}/ready", summary="Model readiness", responses={404: {"model": ErrorBody}})
+    async def model_ready(name: str) -> Response:
+        _model_or_404(state, name)
+        return await ready()
+
+    @app.post("/v2/models/{name}/infer", response_model=InferResponse, responses=_ERRORS,
+              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 [n, dim]")
+    async def infer(name: str, body: InferBody) -> Response:
+        _model_or_404(state, name)
+        node_ids = _kserve_node_ids(body)
+        p = body.parameters
+        emb = await _serve_ids(state, node_ids, p.exact if p else False, p.seed if p else None,
+                               p.timeout_ms if p else None)
+        out = {"model_name": name, "model_version": "1", "id": body.id, "outputs": [
+            {"name": "embeddings", "datatype": "FP32", "shape": list(emb.shape),
+             "data": emb.flatten().tolist()}]}
+        return Response(json.dumps(out, separators=(",", ":")), media_type="application/json")
+
+
+def _kserve_node_ids(body: InferBody) -> list[int]:
+    tensor = body.inputs[0]
+    if tensor.name != "node_ids":
+        raise errors.ServeError("invalid_request", f"input must be named 'node_ids', got {tensor.name!r}", 422)
+    if tensor.datatype.upper() != "INT64":
+        raise errors.ServeError("invalid_request", f"node_ids must be INT64, got {tensor.datatype}", 422)
+    if len(tensor.shape) != 1 or tensor.shape[0] != len(tensor.data):
+        raise errors.ServeError(
+            "invalid_request", f"node_ids shape {tensor.shape} does not match {len(tensor.data)} values", 422)
+    if not tensor.data:
+        raise errors.ServeError("invalid_request", "node_ids is empty", 422)
+    if not all(type(v) is int for v in tensor.data):
+        raise errors.ServeError("invalid_request", "node_ids data must be integers", 422)
+    return tensor.data

@@ -1,0 +1,124 @@
+"""Shared fixtures: Cora, small configs, and a real server process on a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from quiver_serve.config import REPO_ROOT, ServeConfig, resolve_path
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.datasets import load_planetoid_raw
+
+SHARED_DIR = (REPO_ROOT / ".." / "shared").resolve()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cora() -> GraphData:
+    return load_planetoid_raw(resolve_path("data/planetoid/cora/raw"), "cora")
+
+
+def small_config(**overrides: object) -> ServeConfig:
+    """The default config with test-friendly limits; ``section__field=value`` overrides."""
+    cfg = ServeConfig.default()
+    cfg.server.start_timeout_s = 120.0
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``python server.py`` in its own process group, killed whole at the end."""
+
+    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "server.py"), "--config", str(config_path),
+             "--port", str(port)],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        import httpx
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def group_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded default config served by the real daemon."""
+    tmp = tmp_path_factory.mktemp("server")
+    cfg = small_config()
+    cfg.server.max_request_nodes = 512
+    path = tmp / "config.yaml"
+    path.write_text(_to_yaml(cfg))
+    srv = ServerProcess(path, free_port(), tmp / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _to_yaml(cfg: ServeConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json"))
