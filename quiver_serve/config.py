@@ -98,6 +98,9 @@ class BatchingConfig(_Section):
     max_batch_nodes: int = Field(1024, ge=1, description="most seed nodes in one batch")
     max_delay_ms: float = Field(2.0, ge=0, description="longest wait after a batch's first request")
     queue_capacity: int = Field(4096, ge=1, description="bound of every internal queue (requests or batches)")
+    adaptive: bool = Field(
+        True, description="send a batch at once when nothing is queued downstream (else wait max_delay_ms)"
+    )
 
 
 class InferenceConfig(_Section):
@@ -138,6 +141,10 @@ class ServeConfig(_Section):
                 f"sampling.fanouts has {len(self.sampling.fanouts)} hops but model.kwargs.num_layers "
                 f"is {self.model.num_layers}: they must match (one hop per layer)"
             )
+        if self.sampling.route == "cpu" and self.sampling.num_cpu_workers == 0:
+            raise ValueError("sampling.route=cpu needs sampling.num_cpu_workers >= 1")
+        if self.sampling.route == "gpu" and self.inference.device == "cpu":
+            raise ValueError("sampling.route=gpu needs inference.device auto or cuda")
         return self
 
     @classmethod
@@ -175,3 +182,16 @@ def resolve_path(path: str | os.PathLike[str]) -> Path:
     """Absolute paths stay; relative ones are taken from the repository root."""
     p = Path(path)
     return p if p.is_absolute() else REPO_ROOT / p
+
+
+def reference_markdown() -> str:
+    """The config reference (README): one table row per field, from the models themselves."""
+    lines = ["| key | default | description |", "|---|---|---|"]
+    for section_name, section_field in ServeConfig.model_fields.items():
+        section = section_field.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
+        instance = section()
+        for name, field in section.model_fields.items():
+            default = getattr(instance, name)
+            lines.append(f"| `{section_name}.{name}` | `{default!r}` | {field.description} |")
+    return "\n".join(lines)

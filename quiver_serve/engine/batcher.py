@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,11 +117,17 @@ class RequestBatcher:
     """Reads ``stream_queue`` in a thread and emits batches to ``batched_request_queue_list()``.
 
     The thread starts on construction (as in the seed's API); ``stop()`` flushes and joins it.
+    With ``downstream_idle`` (a cheap callable; the Pipeline passes one that reads queue depths),
+    batching adapts to load: when nothing is queued downstream and no request is waiting, the open
+    batch leaves at once instead of waiting ``max_delay_ms``; under load batches fill up to
+    ``max_batch_nodes`` or the delay. Without it the batcher keeps the fixed size/delay rule.
     """
 
-    def __init__(self, cfg: ServeConfig, stream_queue: Any, start: bool = True) -> None:
+    def __init__(self, cfg: ServeConfig, stream_queue: Any, start: bool = True,
+                 downstream_idle: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.stream_queue = stream_queue
+        self.downstream_idle = downstream_idle if cfg.batching.adaptive else None
         self._out: queue.Queue[BatchedRequest] = queue.Queue(maxsize=cfg.batching.queue_capacity)
         self._assembler = BatchAssembler(
             cfg.batching.max_batch_nodes, cfg.batching.max_delay_ms / 1000.0,
@@ -166,7 +173,21 @@ class RequestBatcher:
                 else:
                     self._emit(self._assembler.add(request, time.time()))
             self._emit(self._assembler.poll(time.time()))
+            if self._should_flush_early():
+                self._emit(self._assembler.flush())
         self._emit(self._assembler.flush())
+
+    def _should_flush_early(self) -> bool:
+        if self.downstream_idle is None or self._assembler.next_due_s() is None:
+            return False
+        return _qsize(self.stream_queue) == 0 and _qsize(self._out) == 0 and self.downstream_idle()
+
+
+def _qsize(q: Any) -> int:
+    try:
+        return int(q.qsize())
+    except (NotImplementedError, OSError):
+        return 1  # unknown depth: assume busy, keep the fixed size/delay rule
 
 
 def _get_nowait(q: Any) -> Any:

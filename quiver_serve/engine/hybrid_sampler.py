@@ -121,6 +121,10 @@ class HybridSampler:
             inference_on_gpu=self.on_gpu,
         )
 
+    def idle(self) -> bool:
+        """True when no batch waits in any queue of this stage (workers may still be busy)."""
+        return all(_depth(q) == 0 for q in (*self.batched_queue_list, *self._task_qs, *self._sampled_qs))
+
     def dispatch(self, batch: BatchedRequest) -> bool:
         """Route one batch and hand it on; False if stopping before it could be queued."""
         decision = self.router.decide(batch, self.state())

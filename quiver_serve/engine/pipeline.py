@@ -87,12 +87,14 @@ class Pipeline:
             self.graph = load_graph(self.cfg.graph)
         self.graph.share_memory_()
         self._stream: queue.Queue[Any] = queue.Queue(maxsize=self.cfg.batching.queue_capacity)
-        self.batcher = RequestBatcher(self.cfg, self._stream)
+        self.batcher = RequestBatcher(self.cfg, self._stream, start=False,
+                                      downstream_idle=lambda: self.sampler is not None and self.sampler.idle())
         self.sampler = HybridSampler(self.cfg, self.graph, self.batcher.batched_request_queue_list())
         self.server = InferenceServer(self.cfg, self.graph, self.sampler.sampled_request_queue_list())
         try:
             self.sampler.start()
             self.server.start()
+            self.batcher.start()
         except BaseException:
             self.stop(drain_timeout_s=0)
             raise

@@ -116,18 +116,33 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_timing(app: FastAPI, metrics: Metrics) -> None:
-    @app.middleware("http")
-    async def _time(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        status = 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            route = request.scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
-            metrics.request_duration.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
+    """Request latency by route template and status, as plain ASGI (no per-request task hop)."""
+    inner = app.build_middleware_stack
+
+    def build() -> Any:
+        asgi = inner()
+
+        async def timed(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await asgi(scope, receive, send)
+                return
+            t0 = time.perf_counter()
+            status = [500]
+
+            async def send_status(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            try:
+                await asgi(scope, receive, send_status)
+            finally:
+                endpoint = getattr(scope.get("route"), "path", "unmatched")
+                metrics.request_duration.labels(endpoint, str(status[0])).observe(time.perf_counter() - t0)
+
+        return timed
+
+    app.build_middleware_stack = build  # type: ignore[method-assign]
 
 
 async def _serve_ids(state: ServerState, node_ids: list[int], exact: bool, seed: int | None,

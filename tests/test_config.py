@@ -1,0 +1,46 @@
+"""Config: the default loads, errors name the file and the field, the README stays in sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quiver_serve.config import REPO_ROOT, ConfigError, ServeConfig, reference_markdown
+
+
+def test_default_config_is_the_embedded_cora_graphsage() -> None:
+    cfg = ServeConfig.default()
+    assert cfg.graph.format == "planetoid" and cfg.model.pyg_class == "GraphSAGE"
+    assert cfg.server.host == "127.0.0.1"
+    assert (REPO_ROOT / cfg.model.weights).exists()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("sampling:\n  fanouts: [25, 0]\n", "fanouts"),
+    ("sampling:\n  fanouts: [5]\n", "num_layers"),
+    ("server:\n  port: 70000\n", "server.port"),
+    ("model:\n  pyg_clas: GCN\n", "model.pyg_clas"),
+    ("batching: 3\n", "batching"),
+    ("sampling:\n  route: cpu\n  num_cpu_workers: 0\n", "num_cpu_workers"),
+    ("[1, 2]\n", "mapping"),
+    ("a: [\n", "YAML"),
+])
+def test_errors_name_file_and_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        ServeConfig.from_yaml(path)
+    assert str(path) in str(exc.value) and needle in str(exc.value)
+
+
+def test_every_shipped_config_validates() -> None:
+    for path in (REPO_ROOT / "configs").glob("*.yaml"):
+        ServeConfig.from_yaml(path)
+
+
+def test_readme_config_reference_is_current() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    for line in reference_markdown().splitlines()[2:]:
+        key = line.split("|")[1].strip()
+        assert key in readme, f"README lacks {key}; paste `python -m quiver_serve.config` output"
