@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from quiver_serve.config import DEFAULT_CONFIG_PATH, ConfigError, ServeConfig
 
@@ -41,13 +42,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from quiver_serve.http.app import create_app
 
+    app = create_app(cfg)
+    state = app.state.qs
+
     class Server(uvicorn.Server):
+        """First SIGTERM/SIGINT drains (readiness 503, in-flight work finishes), then exits 0."""
+
+        draining = False
+
         def handle_exit(self, sig: int, frame: object) -> None:
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            if self.draining:  # a second signal: stop now
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            else:
+                self.draining = True
+                logging.getLogger("quiver_serve").info(
+                    "signal %d: draining (up to %.0f s)", sig, cfg.server.drain_timeout_s)
+                threading.Thread(target=self._drain, name="quiver-drain", daemon=True).start()
             # uvicorn re-raises the signal after shutdown; a requested stop is a clean exit (0).
             self._captured_signals.clear()
 
-    app = create_app(cfg)
+        def _drain(self) -> None:
+            state.pipeline.begin_drain()
+            state.pipeline.wait_drained(cfg.server.drain_timeout_s)
+            self.should_exit = True
+
     server = Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,
         timeout_graceful_shutdown=max(int(cfg.server.drain_timeout_s), 1), access_log=False,
@@ -57,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("quiver_serve").error("start-up failed, exiting: %s", exc)
         server.should_exit = True
 
-    app.state.qs.on_fatal = fatal
+    state.on_fatal = fatal
     server.run()
-    return 1 if app.state.qs.start_error is not None else 0
+    return 1 if state.start_error is not None else 0
 
 
 if __name__ == "__main__":

@@ -121,7 +121,14 @@ class ServerConfig(_Section):
     request_timeout_s: float = Field(10.0, gt=0, description="deadline of a request (else 504)")
     start_timeout_s: float = Field(300.0, gt=0, description="longest wait for workers to become ready")
     drain_timeout_s: float = Field(10.0, ge=0, description="time in-flight work gets on shutdown")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503/429")
+    overload_status: Literal[503, 429] = Field(
+        503, description="status when queues are full (503, or 429 for clients that back off on it)"
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
+    auth_token: str | None = Field(
+        None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
+    )
 
 
 class ServeConfig(_Section):

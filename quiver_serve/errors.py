@@ -31,3 +31,7 @@ def unavailable(code: str, message: str) -> ServeError:
 
 def deadline() -> ServeError:
     return ServeError("deadline_exceeded", "the request's deadline passed before it was served", 504)
+
+
+def overloaded(message: str, status: int = 503) -> ServeError:
+    return ServeError("overloaded", message, status)

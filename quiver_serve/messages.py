@@ -9,7 +9,7 @@ ones keep torch's shared-memory path, which copies nothing.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,17 @@ class SampledBatch(_InlineSmallTensors):
 
 
 @dataclass
+class SamplerReply:
+    """What a CPU sampler sends back for one batch: the sample (if any request was left) and the
+    requests it answered itself (invalid or expired)."""
+
+    batch_id: int
+    worker: int  # inference worker the batch was routed to
+    sampled: SampledBatch | None
+    failed: list[EmbedResult]
+
+
+@dataclass
 class WorkerReady:
     """A worker process finished start-up (graph mapped, model loaded)."""
 
@@ -169,8 +180,3 @@ class WorkerFailed:
 @dataclass
 class Shutdown:
     """Sentinel: the receiving loop finishes what it holds and exits."""
-
-
-def tensor_fields(obj: Any) -> list[str]:
-    """Names of tensor-valued dataclass fields (used by tests)."""
-    return [f.name for f in fields(obj) if isinstance(getattr(obj, f.name), Tensor)]

@@ -71,3 +71,6 @@ class Metrics(PipelineObserver):
 
     def on_late_result(self) -> None:
         self.late_results.inc()
+
+    def on_restart(self, role: str) -> None:
+        self.restarts.labels(role).inc()

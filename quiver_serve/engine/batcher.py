@@ -124,8 +124,11 @@ class RequestBatcher:
     """
 
     def __init__(self, cfg: ServeConfig, stream_queue: Any, start: bool = True,
-                 downstream_idle: Callable[[], bool] | None = None) -> None:
+                 downstream_idle: Callable[[], bool] | None = None,
+                 is_live: Callable[[str], bool] | None = None) -> None:
         self.cfg = cfg
+        #: False for a request already answered (deadline, cancelled): it is skipped, not computed
+        self.is_live = is_live
         self.stream_queue = stream_queue
         self.downstream_idle = downstream_idle if cfg.batching.adaptive else None
         self._out: queue.Queue[BatchedRequest] = queue.Queue(maxsize=cfg.batching.queue_capacity)
@@ -137,6 +140,7 @@ class RequestBatcher:
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="quiver-batcher", daemon=True)
         self.dropped_items = 0
+        self.skipped_requests = 0
         if start:
             self._thread.start()
 
@@ -170,6 +174,8 @@ class RequestBatcher:
                 if request is None:
                     self.dropped_items += 1
                     log.error("batcher: ignoring %s (expected EmbedRequest or LongTensor)", type(item))
+                elif self.is_live is not None and not self.is_live(request.request_id):
+                    self.skipped_requests += 1
                 else:
                     self._emit(self._assembler.add(request, time.time()))
             self._emit(self._assembler.poll(time.time()))

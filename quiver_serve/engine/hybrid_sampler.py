@@ -2,12 +2,20 @@
 
 CPU sampler workers are spawned processes that map the ONE shared-memory CSC (no copies). GPU-routed
 batches go straight to an inference worker, which samples them on its GPU.
+
+Queue topology: every queue has one writer process and one reader process, with this (front-end)
+process at the hub: router → ``task_q[s]`` → sampler ``s`` → ``out_q[s]`` → forwarder thread →
+``sampled_q[w]`` → inference worker ``w``. A worker killed mid-``get`` (kill -9) dies holding its
+queue's reader lock, so supervision replaces a dead worker's queues with fresh ones; with one
+process on each side, only the front-end needs to learn the new queues.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,23 +29,26 @@ from quiver_serve.engine.process import (
     put_until,
     report_failed,
     report_ready,
+    retire_queue,
     spawn_context,
     wait_ready,
 )
-from quiver_serve.engine.router import QueueDepthRouter, Router, RouterState
+from quiver_serve.engine.router import QueueDepthRouter, RouteDecision, Router, RouterState
 from quiver_serve.engine.work import SamplingEngine, error_result
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.messages import BatchedRequest, Shutdown
+from quiver_serve.messages import BatchedRequest, SamplerReply, Shutdown
 from quiver_serve.sampling import make_cpu_sampler
 
 log = logging.getLogger(__name__)
 
+RESTART_BACKOFF_S = 1.0
+
 
 def sampler_worker_main(
     index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
-    task_q: Any, sampled_qs: list[Any], control_q: Any,
+    task_q: Any, out_q: Any, control_q: Any,
 ) -> None:
-    """CPU sampler process: take batches, sample, hand them to their inference worker."""
+    """CPU sampler process: take batches, sample, send one SamplerReply per batch back."""
     try:
         torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
         sampler = make_cpu_sampler(indptr, indices, cfg.sampling.implementation)
@@ -47,21 +58,20 @@ def sampler_worker_main(
         raise
     report_ready(control_q, "sampler", index, impl=sampler.name)
     while parent_alive():
-        item = get_or_none(task_q)
-        if item is None:
+        batch = get_or_none(task_q)
+        if batch is None:
             continue
-        if isinstance(item, Shutdown):
+        if isinstance(batch, Shutdown):
             break
         try:
-            sampled, failed = engine.step(item)
+            sampled, failed = engine.step(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch only
-            log.exception("sampler %d: batch %d failed", index, item.batch_id)
+            log.exception("sampler %d: batch %d failed", index, batch.batch_id)
             sampled, failed = None, [
-                error_result(rid, "internal", f"sampling failed: {exc}", 500) for rid in item.request_ids
+                error_result(rid, "internal", f"sampling failed: {exc}", 500) for rid in batch.request_ids
             ]
-        out_q = sampled_qs[item.worker]
-        for msg in [*failed, *([sampled] if sampled is not None else [])]:
-            put_until(out_q, msg, parent_alive)
+        reply = SamplerReply(batch_id=batch.batch_id, worker=batch.worker, sampled=sampled, failed=failed)
+        put_until(out_q, reply, parent_alive)
 
 
 class HybridSampler:
@@ -73,47 +83,58 @@ class HybridSampler:
         self.graph = graph
         self.batched_queue_list = batched_queue_list
         self.router = router or QueueDepthRouter(cfg.sampling.route)
-        ctx = spawn_context()
-        cap = cfg.batching.queue_capacity
         self.on_gpu = inference_on_gpu(cfg)
-        self._sampled_qs = [ctx.Queue(maxsize=cap) for _ in range(num_inference_workers(cfg))]
+        self._ctx = spawn_context()
+        cap = cfg.batching.queue_capacity
+        self._sampled_qs = [self._ctx.Queue(maxsize=cap) for _ in range(num_inference_workers(cfg))]
         n_cpu = cfg.sampling.num_cpu_workers
-        self._task_qs = [ctx.Queue(maxsize=cap) for _ in range(n_cpu)]
-        self._control_q = ctx.Queue()
+        self._task_qs = [self._ctx.Queue(maxsize=cap) for _ in range(n_cpu)]
+        self._out_qs = [self._ctx.Queue(maxsize=cap) for _ in range(n_cpu)]
+        self._control_q = self._ctx.Queue()
         self.workers = [
-            WorkerHandle("sampler", i, sampler_worker_main,
-                         (i, cfg, graph.indptr, graph.indices, self._task_qs[i], self._sampled_qs,
-                          self._control_q))
-            for i in range(n_cpu)
+            WorkerHandle("sampler", i, sampler_worker_main, self._args_for(i)) for i in range(n_cpu)
         ]
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._route_loop, args=(q,), name=f"quiver-router-{i}", daemon=True)
-            for i, q in enumerate(batched_queue_list)
-        ]
+        self._threads: list[threading.Thread] = []
         self.route_counts: dict[str, int] = {}
+        #: called from the routing thread after a batch is queued for its path
+        self.on_dispatch: Callable[[BatchedRequest, RouteDecision], None] | None = None
+        #: called from a forwarder thread once a batch has left its sampler
+        self.on_sampled: Callable[[int, list[str]], None] | None = None
+
+    def _args_for(self, i: int) -> Callable[[], tuple]:
+        return lambda: (i, self.cfg, self.graph.indptr, self.graph.indices, self._task_qs[i],
+                        self._out_qs[i], self._control_q)
 
     def sampled_request_queue_list(self) -> list[Any]:
+        """One queue per inference worker; InferenceServer replaces an entry when it restarts one."""
         return self._sampled_qs
 
     def start(self, wait: bool = True) -> None:
-        """Spawn the CPU pool, wait for it, then start routing."""
+        """Spawn the CPU pool, wait for it, then start routing and forwarding."""
         self.graph.share_memory_()
         for w in self.workers:
             w.start()
         if wait and self.workers:
             wait_ready(self._control_q, self.workers, self.cfg.server.start_timeout_s, "sampler")
-        for t in self._threads:
-            t.start()
+        for i, q in enumerate(self.batched_queue_list):
+            self._thread(self._route_loop, (q,), f"quiver-router-{i}")
+        for i in range(len(self.workers)):
+            self._thread(self._forward_loop, (i,), f"quiver-forward-{i}")
+
+    def _thread(self, target: Any, args: tuple, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         for t in self._threads:
-            if t.is_alive():
-                t.join(timeout=timeout_s)
-        for w, q in zip(self.workers, self._task_qs, strict=True):
-            w.stop(q, timeout_s)
+            t.join(timeout=timeout_s)
+        for w in self.workers:
+            w.stop(self._task_qs[w.index], timeout_s)
 
+    # ---- routing ---------------------------------------------------------------------------
     def state(self) -> RouterState:
         return RouterState(
             cpu_queue_depths=[_depth(q) for q in self._task_qs],
@@ -123,15 +144,22 @@ class HybridSampler:
 
     def idle(self) -> bool:
         """True when no batch waits in any queue of this stage (workers may still be busy)."""
-        return all(_depth(q) == 0 for q in (*self.batched_queue_list, *self._task_qs, *self._sampled_qs))
+        qs = (*self.batched_queue_list, *self._task_qs, *self._out_qs, *self._sampled_qs)
+        return all(_depth(q) == 0 for q in qs)
 
     def dispatch(self, batch: BatchedRequest) -> bool:
         """Route one batch and hand it on; False if stopping before it could be queued."""
         decision = self.router.decide(batch, self.state())
         batch.route, batch.worker = decision.route, decision.worker
         self.route_counts[decision.route] = self.route_counts.get(decision.route, 0) + 1
-        target = self._task_qs[decision.sampler] if decision.route == "cpu" else self._sampled_qs[decision.worker]
-        return put_until(target, batch, lambda: not self._stop.is_set())
+        if self.on_dispatch is not None:  # before the put, so a fast result finds the record
+            self.on_dispatch(batch, decision)
+        if decision.route == "cpu":
+            return put_until(self._task_qs[decision.sampler], batch, self._running)
+        return put_until(self._sampled_qs[decision.worker], batch, self._running)
+
+    def _running(self) -> bool:
+        return not self._stop.is_set()
 
     def _route_loop(self, in_q: Any) -> None:
         while not self._stop.is_set():
@@ -143,10 +171,44 @@ class HybridSampler:
             if not self.dispatch(batch):
                 log.warning("router stopping: batch %d not dispatched", batch.batch_id)
 
+    def _forward_loop(self, i: int) -> None:
+        """Move sampler ``i``'s replies to their inference worker; follow queue replacements."""
+        current = self._out_qs[i]
+        while not self._stop.is_set():
+            reply = get_or_none(current)
+            if reply is None:
+                if current is not self._out_qs[i]:  # replaced after a restart, and drained
+                    current = self._out_qs[i]
+                continue
+            target = lambda w=reply.worker: self._sampled_qs[w]  # noqa: E731 - re-read on each put
+            for item in [*reply.failed, *([reply.sampled] if reply.sampled is not None else [])]:
+                put_until(target(), item, self._running)
+            if self.on_sampled is not None:
+                ids = reply.sampled.batch.request_ids if reply.sampled is not None else []
+                self.on_sampled(i, ids)
+
+    # ---- supervision -----------------------------------------------------------------------
+    def check_workers(self) -> list[int]:
+        """Restart dead samplers on fresh queues; returns the indices restarted."""
+        restarted = []
+        for w in self.workers:
+            if self._stop.is_set() or not w.died():
+                continue
+            if time.monotonic() - w.last_start_s < RESTART_BACKOFF_S:
+                continue  # crash loop guard
+            log.error("sampler %d (pid %s) died with code %s; restarting", w.index, w.pid,
+                      w.process.exitcode)
+            for qs in (self._task_qs, self._out_qs):
+                retire_queue(qs[w.index])
+                qs[w.index] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
+            w.restarts += 1
+            w.start()
+            restarted.append(w.index)
+        return restarted
+
 
 def _depth(q: Any) -> int:
     try:
         return int(q.qsize())
     except (NotImplementedError, OSError):  # macOS has no sem_getvalue
         return 0
-

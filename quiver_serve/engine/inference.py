@@ -8,12 +8,14 @@ result queue.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.devices import num_inference_workers, worker_device
+from quiver_serve.engine.hybrid_sampler import RESTART_BACKOFF_S
 from quiver_serve.engine.process import (
     WorkerHandle,
     get_or_none,
@@ -21,6 +23,7 @@ from quiver_serve.engine.process import (
     put_until,
     report_failed,
     report_ready,
+    retire_queue,
     spawn_context,
     wait_ready,
 )
@@ -62,8 +65,6 @@ def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEng
 
 def _warm_up(engine: InferenceEngine) -> None:
     """One tiny batch so the first real request does not pay for lazy initialisation."""
-    import time
-
     from quiver_serve.messages import BatchedRequest
 
     probe = BatchedRequest(batch_id=-1, request_ids=["warm-up"], offsets=[0, 1],
@@ -104,18 +105,23 @@ class InferenceServer:
             raise ValueError(f"{len(sampled_queue_list)} sampled queues for {expected} inference workers")
         self.cfg = cfg
         self.graph = graph
-        self.in_qs = sampled_queue_list
-        ctx = spawn_context()
-        self._result_qs = [ctx.Queue(maxsize=cfg.batching.queue_capacity * 4) for _ in sampled_queue_list]
-        self._control_q = ctx.Queue()
+        self.in_qs = sampled_queue_list  # shared with the HybridSampler: replaced in place
+        self._ctx = spawn_context()
+        self._result_cap = cfg.batching.queue_capacity * 4
+        self._result_qs = [self._ctx.Queue(maxsize=self._result_cap) for _ in sampled_queue_list]
+        self._control_q = self._ctx.Queue()
         self.workers = [
-            WorkerHandle("inference", i, inference_worker_main,
-                         (i, cfg, graph, self.in_qs[i], self._result_qs[i], self._control_q))
+            WorkerHandle("inference", i, inference_worker_main, self._args_for(i))
             for i in range(len(sampled_queue_list))
         ]
         self.ready_info: dict[int, Any] = {}
+        self._stopping = False
+
+    def _args_for(self, i: int) -> Any:
+        return lambda: (i, self.cfg, self.graph, self.in_qs[i], self._result_qs[i], self._control_q)
 
     def result_queue_list(self) -> list[Any]:
+        """One queue per worker. After a restart the entry is a new queue: read it from this list."""
         return self._result_qs
 
     def start(self, wait: bool = True) -> None:
@@ -128,5 +134,29 @@ class InferenceServer:
             self.ready_info = {i: r.info for i, r in ready.items()}
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        for w, q in zip(self.workers, self.in_qs, strict=True):
-            w.stop(q, timeout_s)
+        self._stopping = True
+        for w in self.workers:
+            w.stop(self.in_qs[w.index], timeout_s)
+
+    def check_workers(self) -> list[int]:
+        """Restart dead inference workers on fresh queues; returns the indices restarted.
+
+        What the dead worker held (its input queue, a batch in progress) is lost: the Pipeline
+        retries those requests once, then answers 503.
+        """
+        restarted = []
+        for w in self.workers:
+            if self._stopping or not w.died():
+                continue
+            if time.monotonic() - w.last_start_s < RESTART_BACKOFF_S:
+                continue
+            log.error("inference worker %d (pid %s) died with code %s; restarting", w.index, w.pid,
+                      w.process.exitcode)
+            retire_queue(self.in_qs[w.index])
+            self.in_qs[w.index] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
+            retire_queue(self._result_qs[w.index])
+            self._result_qs[w.index] = self._ctx.Queue(maxsize=self._result_cap)
+            w.restarts += 1
+            w.start()
+            restarted.append(w.index)
+        return restarted

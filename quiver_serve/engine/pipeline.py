@@ -29,7 +29,8 @@ from quiver_serve.engine.inference import InferenceServer
 from quiver_serve.engine.process import get_or_none, spawn_context
 from quiver_serve.engine.work import check_node_ids
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.messages import BatchStats, EmbedRequest, EmbedResult
+from quiver_serve.engine.router import RouteDecision
+from quiver_serve.messages import BatchedRequest, BatchStats, EmbedRequest, EmbedResult
 from quiver_serve.sampling.base import MAX_SEED
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,19 @@ class PipelineObserver:
 
     def on_late_result(self) -> None: ...
 
+    def on_restart(self, role: str) -> None: ...
+
+
+@dataclass
+class _Pending:
+    """An admitted request: its future, and where it is (for retry when a worker dies)."""
+
+    future: Future[EmbedResult]
+    request: EmbedRequest
+    attempts: int = 1
+    sampler: int | None = None  # CPU sampler holding it, until its sample is forwarded
+    worker: int | None = None  # inference worker it is routed to
+
 
 @dataclass(order=True)
 class _Deadline:
@@ -61,7 +75,7 @@ class Pipeline:
         self.cfg = cfg or ServeConfig.default()
         self.graph = graph
         self.observer = observer or PipelineObserver()
-        self._pending: dict[str, Future[EmbedResult]] = {}
+        self._pending: dict[str, _Pending] = {}
         self._deadlines: list[_Deadline] = []
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -88,9 +102,12 @@ class Pipeline:
         self.graph.share_memory_()
         self._stream: queue.Queue[Any] = queue.Queue(maxsize=self.cfg.batching.queue_capacity)
         self.batcher = RequestBatcher(self.cfg, self._stream, start=False,
-                                      downstream_idle=lambda: self.sampler is not None and self.sampler.idle())
+                                      downstream_idle=lambda: self.sampler is not None and self.sampler.idle(),
+                                      is_live=self.is_pending)
         self.sampler = HybridSampler(self.cfg, self.graph, self.batcher.batched_request_queue_list())
         self.server = InferenceServer(self.cfg, self.graph, self.sampler.sampled_request_queue_list())
+        self.sampler.on_dispatch = self._on_dispatch
+        self.sampler.on_sampled = self._on_sampled
         try:
             self.sampler.start()
             self.server.start()
@@ -99,9 +116,10 @@ class Pipeline:
             self.stop(drain_timeout_s=0)
             raise
         self.out_dim = int(self.server.ready_info[0]["dim"])
-        for i, q in enumerate(self.server.result_queue_list()):
-            self._spawn_thread(self._dispatch_loop, (q,), f"quiver-results-{i}")
+        for i in range(len(self.server.workers)):
+            self._spawn_thread(self._dispatch_loop, (i,), f"quiver-results-{i}")
         self._spawn_thread(self._sweep_loop, (), "quiver-deadlines")
+        self._spawn_thread(self._supervise_loop, (), "quiver-supervisor")
         self._spawn_thread(self._user_queue_loop, (), "quiver-user-queue")
         self._accepting = True
         log.info("pipeline ready: %s; %d sampler(s), %d inference worker(s), embedding dim %d",
@@ -126,20 +144,30 @@ class Pipeline:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    def stop(self, drain_timeout_s: float | None = None) -> None:
-        """Refuse new work, let in-flight requests finish (bounded), stop every process."""
+    def begin_drain(self) -> None:
+        """Readiness turns false and new requests get 503; admitted ones go on."""
         self._accepting = False
         self._draining = True
-        drain_s = self.cfg.server.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        end = time.monotonic() + drain_s
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no admitted request is left; True if none is."""
+        end = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < end:
             time.sleep(0.01)
+        return not self._pending
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Refuse new work, let in-flight requests finish (bounded), stop every process."""
+        self.begin_drain()
+        drain_s = self.cfg.server.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if not self.wait_drained(drain_s):
+            log.warning("drain timeout: %d request(s) still in flight are answered 503", len(self._pending))
         self._stopping.set()
         with self._lock:
             left = list(self._pending.items())
             self._pending.clear()
-        for rid, fut in left:
-            _fail(fut, rid, errors.unavailable("shutting_down", "the server is shutting down"))
+        for rid, entry in left:
+            _fail(entry.future, rid, errors.unavailable("shutting_down", "the server is shutting down"))
         for part in (self.batcher, self.sampler, self.server):
             if part is not None:
                 part.stop(timeout_s=max(min(drain_s, 5.0), 1.0))
@@ -151,7 +179,7 @@ class Pipeline:
     def _all_mp_queues(self) -> list[Any]:
         qs = [self._user_requests, self._user_results]
         if self.sampler is not None:
-            qs += self.sampler.sampled_request_queue_list() + self.sampler._task_qs
+            qs += self.sampler.sampled_request_queue_list() + self.sampler._task_qs + self.sampler._out_qs
         if self.server is not None:
             qs += self.server.result_queue_list()
         return qs
@@ -182,11 +210,12 @@ class Pipeline:
         with self._lock:
             if len(self._pending) >= self.cfg.server.max_pending_requests:
                 self.observer.on_rejected("pending_full")
-                raise errors.unavailable("overloaded", "too many requests in flight; retry later")
+                raise errors.overloaded("too many requests in flight; retry later",
+                                        self.cfg.server.overload_status)
             if request.request_id in self._pending:
                 raise errors.ServeError("duplicate_request_id",
                                         f"request_id {request.request_id!r} is already in flight", 409)
-            self._pending[request.request_id] = fut
+            self._pending[request.request_id] = _Pending(fut, request)
             heapq.heappush(self._deadlines, _Deadline(request.deadline_s, request.request_id))
         try:
             self._stream.put_nowait(request)
@@ -194,8 +223,22 @@ class Pipeline:
             with self._lock:
                 self._pending.pop(request.request_id, None)
             self.observer.on_rejected("queue_full")
-            raise errors.unavailable("overloaded", "request queue is full; retry later") from None
+            raise errors.overloaded("request queue is full; retry later",
+                                    self.cfg.server.overload_status) from None
         return fut
+
+    def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
+        """Forget a request nobody waits for; the batcher skips it if it has not been batched yet."""
+        with self._lock:
+            entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return False
+        self.observer.on_rejected(reason)
+        _fail(entry.future, request_id, errors.ServeError("cancelled", "request cancelled", 499))
+        return True
+
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
 
     def new_request(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                     timeout_s: float | None = None) -> EmbedRequest:
@@ -224,35 +267,93 @@ class Pipeline:
         return self._user_results
 
     # ---- background loops ------------------------------------------------------------------
-    def _dispatch_loop(self, result_q: Any) -> None:
+    def _dispatch_loop(self, index: int) -> None:
+        """Resolve futures from inference worker ``index``; follow its queue across restarts."""
+        assert self.server is not None
+        current = self.server.result_queue_list()[index]
         while not self._stopping.is_set():
-            result = get_or_none(result_q)
+            result = get_or_none(current)
             if result is None:
+                latest = self.server.result_queue_list()[index]
+                if current is not latest:  # the worker was restarted and its old queue is drained
+                    current = latest
                 continue
             if result.stats is not None:
                 self.observer.on_batch(result.stats)
             with self._lock:
-                fut = self._pending.pop(result.request_id, None)
-            if fut is None:
+                entry = self._pending.pop(result.request_id, None)
+            if entry is None:
                 self.observer.on_late_result()
-            elif not fut.done():
-                fut.set_result(result)
+            elif not entry.future.done():
+                entry.future.set_result(result)
 
     def _sweep_loop(self) -> None:
         while not self._stopping.wait(_SWEEP_S):
             now = time.time()
-            expired: list[tuple[str, Future[EmbedResult]]] = []
+            expired: list[tuple[str, _Pending]] = []
             with self._lock:
                 while self._deadlines and self._deadlines[0].deadline_s <= now:
                     rid = heapq.heappop(self._deadlines).request_id
-                    fut = self._pending.pop(rid, None)
-                    if fut is not None:
-                        expired.append((rid, fut))
+                    entry = self._pending.pop(rid, None)
+                    if entry is not None:
+                        expired.append((rid, entry))
                 if not self._pending:
                     self._deadlines.clear()
-            for rid, fut in expired:
+            for rid, entry in expired:
                 self.observer.on_rejected("deadline")
-                _fail(fut, rid, errors.deadline())
+                _fail(entry.future, rid, errors.deadline())
+
+    # ---- supervision -------------------------------------------------------------------------
+    def _on_dispatch(self, batch: BatchedRequest, decision: RouteDecision) -> None:
+        sampler = decision.sampler if decision.route == "cpu" else None
+        with self._lock:
+            for rid in batch.request_ids:
+                entry = self._pending.get(rid)
+                if entry is not None:
+                    entry.sampler, entry.worker = sampler, decision.worker
+
+    def _on_sampled(self, sampler: int, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                entry = self._pending.get(rid)
+                if entry is not None and entry.sampler == sampler:
+                    entry.sampler = None
+
+    def _supervise_loop(self) -> None:
+        assert self.sampler is not None and self.server is not None
+        while not self._stopping.wait(0.1):
+            for i in self.sampler.check_workers():
+                self.observer.on_restart("sampler")
+                self._recover(lambda e, i=i: e.sampler == i, f"sampler {i} died")
+            for i in self.server.check_workers():
+                self.observer.on_restart("inference")
+                self._recover(lambda e, i=i: e.sampler is None and e.worker == i,
+                              f"inference worker {i} died")
+
+    def _recover(self, held: Any, why: str) -> None:
+        """Requests a dead worker held: retry each once (embedding is idempotent), else 503."""
+        retry: list[tuple[str, _Pending]] = []
+        failed: list[tuple[str, _Pending]] = []
+        with self._lock:
+            for rid, e in list(self._pending.items()):
+                if not held(e):
+                    continue
+                e.sampler = e.worker = None
+                if e.attempts < 2:
+                    e.attempts += 1
+                    retry.append((rid, e))
+                else:
+                    failed.append((rid, self._pending.pop(rid)))
+        log.warning("%s: retrying %d request(s), failing %d", why, len(retry), len(failed))
+        for rid, e in retry:
+            try:
+                self._stream.put_nowait(e.request)
+            except queue.Full:
+                with self._lock:
+                    self._pending.pop(rid, None)
+                failed.append((rid, e))
+        for rid, e in failed:
+            _fail(e.future, rid, errors.unavailable("worker_died", f"{why} while serving it"))
 
     def _user_queue_loop(self) -> None:
         seq = itertools.count()

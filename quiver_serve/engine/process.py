@@ -31,10 +31,13 @@ def parent_alive() -> bool:
 
 
 def get_or_none(q: Any, timeout_s: float = POLL_S) -> Any:
-    """One bounded wait on a queue; ``None`` when nothing came."""
+    """One bounded wait on a queue; ``None`` when nothing came (or the queue was retired)."""
     try:
         return q.get(timeout=timeout_s)
     except queue.Empty:
+        return None
+    except (EOFError, OSError, ValueError):  # retired queue: writer gone, possibly mid-message
+        time.sleep(timeout_s)
         return None
 
 
@@ -50,22 +53,29 @@ def put_until(q: Any, item: Any, keep_going: Callable[[], bool], poll_s: float =
 
 
 class WorkerHandle:
-    """One worker process of a stage: start, check, stop within a time bound."""
+    """One worker process of a stage: start, check, restart, stop within a time bound.
 
-    def __init__(self, role: str, index: int, target: Callable[..., None], args: tuple) -> None:
+    ``make_args`` is called at every (re)start, so a restarted worker gets fresh queues.
+    """
+
+    def __init__(self, role: str, index: int, target: Callable[..., None],
+                 make_args: Callable[[], tuple]) -> None:
         self.role = role
         self.index = index
         self._target = target
-        self._args = args
+        self._make_args = make_args
         self.process: Any = None
         self.restarts = 0
+        self.last_start_s = 0.0
 
     def start(self) -> None:
         ctx = spawn_context()
         self.process = ctx.Process(
-            target=self._target, args=self._args, name=f"quiver-{self.role}-{self.index}", daemon=True
+            target=self._target, args=self._make_args(), name=f"quiver-{self.role}-{self.index}",
+            daemon=True,
         )
         self.process.start()
+        self.last_start_s = time.monotonic()
 
     @property
     def pid(self) -> int | None:
@@ -73,6 +83,10 @@ class WorkerHandle:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def died(self) -> bool:
+        """Started, and exited without being asked to stop."""
+        return self.process is not None and not self.process.is_alive()
 
     def stop(self, in_queue: Any, timeout_s: float) -> None:
         """Ask politely (a Shutdown message), then terminate, then kill: never waits unbounded."""
@@ -91,6 +105,21 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=2.0)
+
+
+def retire_queue(q: Any) -> None:
+    """Let go of a dead worker's queue without ever blocking on it.
+
+    Closing our copy of the write end means a reader that meets a message the dead writer left half
+    written gets EOFError instead of waiting forever for the rest of it.
+    """
+    try:
+        q.cancel_join_thread()
+        writer = getattr(q, "_writer", None)
+        if writer is not None:
+            writer.close()
+    except (OSError, ValueError):
+        pass
 
 
 def wait_ready(

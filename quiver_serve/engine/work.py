@@ -127,6 +127,11 @@ class InferenceEngine:
                 return failed
         else:
             sampled = item
+            expired = [i for i, d in enumerate(sampled.batch.deadlines_s) if d <= time.time()]
+            if len(expired) == sampled.batch.num_requests:  # nobody waits for it: skip the work
+                return [error_result(rid, "deadline_exceeded",
+                                     "the request's deadline passed before it was served", 504)
+                        for rid in sampled.batch.request_ids]
         try:
             return failed + self._compute(sampled)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its own requests only

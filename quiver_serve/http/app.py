@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.pipeline import Pipeline
+from quiver_serve.http.guards import Guards, resolve_token
 from quiver_serve.http.schemas import EmbedBody, ErrorBody, InferBody, InferResponse
 from quiver_serve.messages import EmbedResult
 from quiver_serve.metrics import Metrics
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 NPY_MEDIA_TYPE = "application/x-npy"
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 404, 413, 422, 503, 504)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503, 504)
 }
 
 
@@ -60,7 +61,8 @@ class ServerState:
                 self.on_fatal(exc)
 
     def error(self, exc: errors.ServeError) -> JSONResponse:
-        headers = {"Retry-After": str(self.cfg.server.retry_after_s)} if exc.info.status == 503 else None
+        retry = exc.info.status in (503, 429)
+        headers = {"Retry-After": str(self.cfg.server.retry_after_s)} if retry else None
         return error_response(exc.info.status, exc.info.code, exc.info.message, headers)
 
 
@@ -82,7 +84,7 @@ def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
                   description="Node embeddings from a PyG model over a sampled graph.")
     app.state.qs = state
     _install_error_handlers(app)
-    _install_timing(app, metrics)
+    _install_timing(app, metrics, resolve_token(cfg.server.auth_token), cfg.server.max_body_bytes)
     _add_embed_routes(app, state)
     _add_kserve_routes(app, state)
     return app
@@ -115,12 +117,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal", f"internal error: {type(exc).__name__}")
 
 
-def _install_timing(app: FastAPI, metrics: Metrics) -> None:
-    """Request latency by route template and status, as plain ASGI (no per-request task hop)."""
+def _install_timing(app: FastAPI, metrics: Metrics, token: str | None, max_body_bytes: int) -> None:
+    """Request latency by route template and status, as plain ASGI (no per-request task hop);
+    the guards (token, body size) sit inside it so refusals are timed and counted too."""
     inner = app.build_middleware_stack
 
     def build() -> Any:
-        asgi = inner()
+        asgi = Guards(inner(), token, max_body_bytes)
 
         async def timed(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -145,8 +148,28 @@ def _install_timing(app: FastAPI, metrics: Metrics) -> None:
     app.build_middleware_stack = build  # type: ignore[method-assign]
 
 
-async def _serve_ids(state: ServerState, node_ids: list[int], exact: bool, seed: int | None,
-                     timeout_ms: float | None) -> torch.Tensor:
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _result_or_disconnect(state: ServerState, request: Request, request_id: str,
+                                future: Any) -> EmbedResult:
+    result_f = asyncio.wrap_future(future)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({result_f, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if result_f in done:
+        return result_f.result()
+    state.pipeline.cancel(request_id)  # nobody listens: do not compute it
+    raise errors.ServeError("client_disconnected", "client went away", 499)
+
+
+async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[int], exact: bool,
+                     seed: int | None, timeout_ms: float | None) -> torch.Tensor:
     """Validate, submit, await: the embeddings, or a ServeError with the right status."""
     limit = state.cfg.server.max_request_nodes
     if len(node_ids) > limit:
@@ -161,7 +184,7 @@ async def _serve_ids(state: ServerState, node_ids: list[int], exact: bool, seed:
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request = state.pipeline.new_request(node_ids, exact, seed, timeout_s)
     future = state.pipeline.submit(request)
-    result: EmbedResult = await asyncio.wrap_future(future)
+    result = await _result_or_disconnect(state, http_request, request.request_id, future)
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
@@ -172,7 +195,7 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embed", responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
               summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
     async def embed(body: EmbedBody, request: Request) -> Response:
-        emb = await _serve_ids(state, body.node_ids, body.exact, body.seed, body.timeout_ms)
+        emb = await _serve_ids(state, request, body.node_ids, body.exact, body.seed, body.timeout_ms)
         if NPY_MEDIA_TYPE in request.headers.get("accept", ""):
             buf = io.BytesIO()
             np.save(buf, emb.numpy().astype(np.float32, copy=False))
@@ -226,11 +249,11 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v2/models/{name}/infer", response_model=InferResponse, responses=_ERRORS,
               summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 [n, dim]")
-    async def infer(name: str, body: InferBody) -> Response:
+    async def infer(name: str, body: InferBody, request: Request) -> Response:
         _model_or_404(state, name)
         node_ids = _kserve_node_ids(body)
         p = body.parameters
-        emb = await _serve_ids(state, node_ids, p.exact if p else False, p.seed if p else None,
+        emb = await _serve_ids(state, request, node_ids, p.exact if p else False, p.seed if p else None,
                                p.timeout_ms if p else None)
         out = {"model_name": name, "model_version": "1", "id": body.id, "outputs": [
             {"name": "embeddings", "datatype": "FP32", "shape": list(emb.shape),

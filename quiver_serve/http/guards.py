@@ -1,0 +1,84 @@
+"""ASGI guards in front of the app: bearer-token auth and a request-body size limit.
+
+Plain ASGI (not Starlette's BaseHTTPMiddleware) so they add no task hop per request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any
+
+OPEN_PATHS = frozenset({"/v2/health/live"})
+TOKEN_ENV = "QUIVER_SERVE_TOKEN"
+
+
+def resolve_token(configured: str | None) -> str | None:
+    """The environment variable wins over the config file (keeps secrets out of YAML)."""
+    return os.environ.get(TOKEN_ENV) or configured
+
+
+async def _reject(send: Any, status: int, code: str, message: str,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guards:
+    """Wraps an ASGI app: 401 without the bearer token (if one is set), 413 for oversized bodies."""
+
+    def __init__(self, app: Any, token: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _reject(send, 401, "unauthorized", "missing or wrong bearer token",
+                              [(b"www-authenticate", b"Bearer")])
+                return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _reject(send, 413, "body_too_large",
+                          f"request body of {int(length)} bytes exceeds {self.max_body_bytes}")
+            return
+        await self._call_counting(scope, receive, send)
+
+    async def _call_counting(self, scope: Any, receive: Any, send: Any) -> None:
+        """Chunked bodies carry no length up front: count bytes as they arrive."""
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _reject(send, 413, "body_too_large",
+                              f"request body exceeds {self.max_body_bytes} bytes")
