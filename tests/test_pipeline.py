@@ -17,17 +17,31 @@ from quiver_serve import (
     RequestBatcher,
     ServeError,
 )
+from quiver_serve.engine.pipeline import PipelineObserver
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.messages import BatchStats
 from quiver_serve.models import build_model
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.e2e
 
 
+class CountingObserver(PipelineObserver):
+    def __init__(self) -> None:
+        self.batches: list[BatchStats] = []
+        self.rejected: list[str] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.batches.append(stats)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.append(reason)
+
+
 @pytest.fixture(scope="module")
 def pipeline(cora: GraphData) -> Iterator[Pipeline]:
     cfg = small_config(model__weights=None, batching__max_delay_ms=1.0)
-    p = Pipeline(cfg, graph=cora).start()
+    p = Pipeline(cfg, graph=cora, observer=CountingObserver()).start()
     yield p
     p.stop()
 
@@ -81,11 +95,18 @@ def test_queue_api_reports_bad_requests_as_results(pipeline: Pipeline) -> None:
     assert res.request_id == "bad" and res.error.status == 400 and "-5" in res.error.message
 
 
-def test_expired_deadline_is_answered_504(pipeline: Pipeline) -> None:
+def test_expired_deadline_is_answered_504_and_not_computed(pipeline: Pipeline) -> None:
+    observer = pipeline.observer
+    assert isinstance(observer, CountingObserver)
+    time.sleep(0.2)  # let earlier tests' batches settle
+    before = len(observer.batches)
     req = pipeline.new_request([1, 2], timeout_s=1e-6)
     time.sleep(0.01)
     result = pipeline.submit(req).result(timeout=5)
     assert result.error is not None and result.error.status == 504
+    time.sleep(0.3)
+    assert len(observer.batches) == before  # dropped before any sampling or model work
+    assert "deadline" in observer.rejected
 
 
 def test_low_level_stage_api(cora: GraphData) -> None:

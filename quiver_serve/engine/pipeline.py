@@ -136,6 +136,16 @@ class Pipeline:
         return self._accepting and not self._stopping.is_set()
 
     @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def refusal(self) -> errors.ServeError:
+        """The 503 to answer while not accepting: starting up, or shutting down."""
+        if self._draining:
+            return errors.unavailable("shutting_down", "the server is shutting down")
+        return errors.unavailable("not_ready", "the server is starting up")
+
+    @property
     def num_nodes(self) -> int:
         assert self.graph is not None
         return self.graph.num_nodes
@@ -143,6 +153,12 @@ class Pipeline:
     @property
     def pending_count(self) -> int:
         return len(self._pending)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker process: role, index, pid, alive, restarts (for operators and fault tests)."""
+        handles = (self.sampler.workers if self.sampler else []) + (self.server.workers if self.server else [])
+        return [{"role": h.role, "index": h.index, "pid": h.pid, "alive": h.is_alive(),
+                 "restarts": h.restarts} for h in handles]
 
     def begin_drain(self) -> None:
         """Readiness turns false and new requests get 503; admitted ones go on."""
@@ -201,8 +217,7 @@ class Pipeline:
     def submit(self, request: EmbedRequest) -> Future[EmbedResult]:
         """Admit one request; the future resolves to its EmbedResult (or raises ServeError)."""
         if not self.ready:
-            code = "shutting_down" if self._draining else "not_ready"
-            raise errors.unavailable(code, "the server is not accepting requests")
+            raise self.refusal()
         self.validate(request.node_ids, request.seed)
         if request.deadline_s is None:
             request.deadline_s = request.submitted_s + self.cfg.server.request_timeout_s
@@ -282,6 +297,8 @@ class Pipeline:
                 self.observer.on_batch(result.stats)
             with self._lock:
                 entry = self._pending.pop(result.request_id, None)
+            if entry is not None and result.error is not None and result.error.status == 504:
+                self.observer.on_rejected("deadline")  # expired in a worker queue, skipped there
             if entry is None:
                 self.observer.on_late_result()
             elif not entry.future.done():

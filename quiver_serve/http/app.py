@@ -175,7 +175,7 @@ async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[i
     if len(node_ids) > limit:
         raise errors.too_large(len(node_ids), limit)
     if not state.pipeline.ready:
-        raise errors.unavailable("not_ready", "the server is starting or shutting down")
+        raise state.pipeline.refusal()
     n = state.pipeline.num_nodes
     lo, hi = min(node_ids), max(node_ids)
     if lo < 0 or hi >= n:  # checked on Python ints: ids beyond int64 are named too
@@ -203,6 +203,10 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         payload = {"model": state.cfg.model.name, "dim": int(emb.size(1)), "embeddings": emb.tolist()}
         return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
+    @app.get("/v1/workers", summary="Worker processes: role, index, pid, alive, restarts")
+    async def workers() -> dict[str, Any]:
+        return {"workers": state.pipeline.workers(), "pending_requests": state.pipeline.pending_count}
+
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -224,8 +228,9 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
     async def ready() -> Response:
         if state.pipeline.ready:
             return JSONResponse({"ready": True})
-        reason = "start-up failed" if state.start_error else "not ready (loading or draining)"
-        return error_response(503, "not_ready", reason,
+        refusal = state.pipeline.refusal()
+        message = "start-up failed" if state.start_error else refusal.info.message
+        return error_response(503, refusal.info.code, message,
                               {"Retry-After": str(state.cfg.server.retry_after_s)})
 
     @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",

@@ -28,10 +28,6 @@ async def _reject(send: Any, status: int, code: str, message: str,
     await send({"type": "http.response.body", "body": body})
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class Guards:
     """Wraps an ASGI app: 401 without the bearer token (if one is set), 413 for oversized bodies."""
 
@@ -55,30 +51,34 @@ class Guards:
             await _reject(send, 413, "body_too_large",
                           f"request body of {int(length)} bytes exceeds {self.max_body_bytes}")
             return
-        await self._call_counting(scope, receive, send)
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            await self._call_buffered(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
-    async def _call_counting(self, scope: Any, receive: Any, send: Any) -> None:
-        """Chunked bodies carry no length up front: count bytes as they arrive."""
+    async def _call_buffered(self, scope: Any, receive: Any, send: Any) -> None:
+        """A chunked body carries no length up front: read it (bounded), then replay it."""
+        parts: list[bytes] = []
         seen = 0
-        started = False
-
-        async def counted_receive() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":  # client went away
+                return
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
                 await _reject(send, 413, "body_too_large",
                               f"request body exceeds {self.max_body_bytes} bytes")
+                return
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,206 @@
+"""The compiled CPU sampler (``csrc/cpu_sampler.cpp``), JIT-built on first use.
+
+The extension is built once into a stable cache directory (``$QUIVER_SERVE_CACHE/ext/...``, else
+``~/.cache/quiver_serve/ext/...``) and later processes load the cached library. When there is no
+compiler, the build fails, or ``QUIVER_SERVE_DISABLE_CPP=1`` is set, :func:`cpp_sampler_available`
+is False and ``make_cpu_sampler`` serves the pure-torch reference instead, with the same output.
+
+``WITH_CPP_SAMPLER`` (None until a build was attempted, then True/False) and
+:func:`cpu_sampler_status` say which implementation is in use and why; read them as
+``cpu.WITH_CPP_SAMPLER`` after :func:`cpp_sampler_available`, since the flag changes after import.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput, validate_seed
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "QUIVER_SERVE_DISABLE_CPP"
+CACHE_ENV = "QUIVER_SERVE_CACHE"
+SOURCE_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu_sampler.cpp"
+EXTENSION_NAME = "quiver_serve_cpu_sampler"
+# -fopenmp makes at::parallel_for use torch's OpenMP pool (torch's own libgomp is already loaded,
+# so the extension binds to it and follows torch.set_num_threads); no -march, so the cached
+# binary also runs on other x86-64 hosts that share the cache.
+CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+LD_FLAGS = ["-fopenmp"]
+EXPECTED_BUILD_S = 30
+# Longest wait for another process's build before giving up (then the reference serves).
+BUILD_LOCK_TIMEOUT_S = 300.0
+
+WITH_CPP_SAMPLER: bool | None = None
+_build_reason = "not built yet"
+_extension: ModuleType | None = None
+_build_guard = threading.Lock()
+
+
+def cpp_sampler_available() -> bool:
+    """Whether the C++ sampler can serve; builds (or loads the cached build) on the first call."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return False
+    return _load_extension() is not None
+
+
+def cpu_sampler_status() -> str:
+    """Which CPU sampler ``make_cpu_sampler('auto')`` serves, and why (for logs and /v2/models)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"reference ({DISABLE_ENV}={os.environ[DISABLE_ENV]})"
+    if WITH_CPP_SAMPLER is None:
+        return "unknown (C++ build not attempted yet; call cpp_sampler_available())"
+    if WITH_CPP_SAMPLER:
+        return f"cpp ({_build_reason}; {torch.get_num_threads()} intra-op threads)"
+    return f"reference (C++ sampler unavailable: {_build_reason})"
+
+
+def extension_build_dir() -> Path:
+    """Build directory keyed by torch version, Python version and torch's install path.
+
+    The path is in the key because torch writes it into build.ninja: two environments sharing a
+    directory would each see changed build commands and rebuild the other's library every time.
+    """
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "quiver_serve")
+    torch_dir = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{torch_dir}"
+    return root / "ext" / tag
+
+
+def _load_extension() -> ModuleType | None:
+    global WITH_CPP_SAMPLER, _build_reason, _extension
+    with _build_guard:
+        if WITH_CPP_SAMPLER is None:
+            try:
+                _extension, _build_reason = _build()
+                WITH_CPP_SAMPLER = True
+                log.info("C++ sampler %s", _build_reason)
+            except Exception as exc:  # any build failure means "serve the reference"
+                _build_reason = _describe_failure(exc)
+                WITH_CPP_SAMPLER = False
+                log.warning("C++ sampler unavailable, using the reference sampler: %s", _build_reason)
+        return _extension
+
+
+def _build() -> tuple[ModuleType, str]:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not on PATH)")
+    if not SOURCE_PATH.exists():
+        raise RuntimeError(f"source {SOURCE_PATH} is missing")
+    from torch.utils.cpp_extension import load
+
+    build_dir = extension_build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    built = build_dir / f"{EXTENSION_NAME}.so"
+    fresh = not built.exists() or built.stat().st_mtime < SOURCE_PATH.stat().st_mtime
+    if fresh:
+        print(f"quiver_serve: compiling C++ sampler (first use, ~{EXPECTED_BUILD_S} s) in {build_dir}...",
+              file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with _process_build_lock(build_dir):
+        module = load(name=EXTENSION_NAME, sources=[str(SOURCE_PATH)], extra_cflags=CXX_FLAGS,
+                      extra_ldflags=LD_FLAGS, build_directory=str(build_dir), verbose=False)
+    elapsed_s = time.perf_counter() - t0
+    return module, f"{'built' if fresh else 'loaded'} in {elapsed_s:.1f} s from {build_dir}"
+
+
+class _process_build_lock:
+    """An flock around torch's ``load``.
+
+    torch guards concurrent builds with an O_EXCL lock file, which a build killed midway leaves
+    behind, and later loads then wait on it forever. The kernel drops an flock when its holder
+    dies, so while we hold it any torch lock file left in the directory is stale and removable.
+    """
+
+    def __init__(self, build_dir: Path) -> None:
+        self.build_dir = build_dir
+        self.fd = -1
+
+    def __enter__(self) -> _process_build_lock:
+        self.fd = os.open(self.build_dir / "quiver_serve.flock", os.O_CREAT | os.O_RDWR, 0o644)
+        deadline = time.monotonic() + BUILD_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise TimeoutError(
+                        f"another process held the build lock in {self.build_dir} for "
+                        f"{BUILD_LOCK_TIMEOUT_S:.0f} s"
+                    ) from None
+                time.sleep(0.1)
+        stale = self.build_dir / "lock"
+        if stale.exists():
+            log.warning("removing stale torch build lock %s (its builder died)", stale)
+            stale.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _describe_failure(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # The compiler's own error is near the end of torch's message; keep it short for one log line.
+    tail = " | ".join(line.strip() for line in text[-6:] if line.strip())
+    return f"{type(exc).__name__}: {tail}"[:1000]
+
+
+def _check_graph_tensor(name: str, t: Tensor) -> None:
+    if t.device.type != "cpu" or t.dtype != torch.int64 or t.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        # A copy would give every worker a private graph; make the caller fix it once instead.
+        raise ValueError(f"{name} must be contiguous (it is read in place from shared memory)")
+
+
+class CppSampler(BaseSampler):
+    """DESIGN §2 sampling in C++, parallel over the frontier with torch's intra-op threads.
+
+    Same output as :class:`~quiver_serve.sampling.reference.ReferenceSampler`, bit for bit, for any
+    ``torch.set_num_threads``. The graph tensors are read in place (never copied), so workers
+    that map one shared-memory CSC add no copy of it.
+    """
+
+    name = "cpp"
+
+    def __init__(self, indptr: Tensor, indices: Tensor) -> None:
+        _check_graph_tensor("indptr", indptr)
+        _check_graph_tensor("indices", indices)
+        if indptr.numel() < 1 or int(indptr[-1]) != indices.numel():
+            raise ValueError(f"indptr[-1] must equal indices.numel()={indices.numel()}")
+        extension = _load_extension()
+        if extension is None:
+            raise RuntimeError(f"C++ sampler unavailable: {_build_reason}")
+        super().__init__(indptr, indices)
+        self._sample_neighbors = extension.sample_neighbors
+
+    def __getstate__(self) -> dict:
+        return {"indptr": self.indptr, "indices": self.indices}
+
+    def __setstate__(self, state: dict) -> None:
+        # A spawned worker loads (or, first time, builds) the extension on unpickling.
+        self.__init__(state["indptr"], state["indices"])
+
+    def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
+        n_id, edge_index, seed_index, num_nodes, num_edges = self._sample_neighbors(
+            self.indptr, self.indices, seeds.to(torch.int64), [int(k) for k in fanouts],
+            validate_seed(int(seed)),
+        )
+        return SamplerOutput(n_id, edge_index, seed_index, list(num_nodes), list(num_edges))

@@ -1,0 +1,470 @@
+"""GPU neighbour samplers: the CUDA kernel of ``csrc/gpu_sampler.cu``, compiled and launched by CuPy.
+
+Same semantics and random numbers as :mod:`quiver_serve.sampling.reference` (DESIGN §2), bit for bit.
+
+* :class:`CudaSampler` (``name == "cuda"``) copies ``indptr``/``indices`` into GPU memory once.
+* :class:`UvaSampler` (``name == "uva"``) leaves them in host memory, pinned in place
+  (``cudaHostRegister``), and the kernel reads them over the bus: for graphs larger than the GPU.
+
+A batch is ONE cooperative kernel launch (see the kernel's header for why) plus one small
+device-to-host read of the per-hop counts at the end, which is the only host synchronisation.
+Outputs stay on the GPU as views of one int64 buffer; ``edge_index`` is contiguous.
+
+CuPy is imported lazily, so this module imports on machines without CuPy or CUDA;
+:func:`gpu_sampler_available` says whether the samplers can be built here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput, seed_base, validate_seed
+
+log = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gpu_sampler.cu"
+KERNEL_NAME = "sample_subgraph"
+
+_STATUS_OK, _STATUS_OVERFLOW, _STATUS_BAD_SEED = 0, 1, 2
+_COUNTS_HEADER = 4  # status, need_n, need_e_hop, need_e_total; then per-hop counts
+_STATE_EMPTY = 2**31 - 1
+_MAX_INT32_POSITIONS = 2**31 - 1  # hop-local positions and local ids are int32 in the kernel
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+_NUM_PARAMS, _MAX_HOPS = 20, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
+
+#: A launcher takes (number of blocks, address of the parameter block, CUDA stream handle) and
+#: launches the kernel asynchronously.
+Launcher = Callable[[int, int, int], None]
+
+
+@functools.cache
+def gpu_sampler_available() -> bool:
+    """True when CuPy imports and torch sees a CUDA device, i.e. the GPU samplers can run."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CuPy built for another CUDA that fails to load
+        return False
+    return True
+
+
+# ---- kernel compilation and launch ---------------------------------------------------------------
+
+
+class CupyLauncher:
+    """Compiles the kernel for one CUDA device and launches it on torch's current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        import cupy
+
+        self._cupy = cupy
+        self.device = device
+        with cupy.cuda.Device(device.index):
+            kernel, self.compile_options = _compile_kernel(cupy, device)
+            self._function = kernel.kernel  # the loaded cupy.cuda.function.Function
+            #: threads per block = the kernel's __launch_bounds__
+            self.threads = int(kernel.max_threads_per_block)
+            self.binary_arch = int(kernel.binary_version)
+            try:
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    self._function.ptr, self.threads, 0
+                )
+            except Exception:  # an older CuPy without the query: one block per SM always fits
+                per_sm = 1
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        # The cooperative launch needs every block resident; more than two per SM only makes
+        # the grid barrier slower.
+        self.max_blocks = sm_count * max(1, min(int(per_sm), 2))
+        self.cooperative = True
+        self._streams: dict[int, object] = {}
+
+    def __call__(self, blocks: int, params_ptr: int, stream_ptr: int) -> None:
+        stream = self._streams.get(stream_ptr)
+        if stream is None:
+            stream = self._streams[stream_ptr] = self._cupy.cuda.ExternalStream(
+                stream_ptr, self.device.index
+            )
+        args = (params_ptr,)
+        if self._cupy.cuda.runtime.getDevice() != self.device.index:
+            with self._cupy.cuda.Device(self.device.index):
+                self._function((blocks,), (self.threads,), args, 0, stream, self.cooperative)
+        else:
+            self._function((blocks,), (self.threads,), args, 0, stream, self.cooperative)
+
+
+def _compile_kernel(cupy, device: torch.device):
+    """The compiled kernel; asks NVRTC for the device's own architecture (sm_90 on Hopper)."""
+    code = KERNEL_SOURCE.read_text()
+    major, minor = torch.cuda.get_device_capability(device)
+    error: Exception | None = None
+    # CuPy adds its own -arch for the current device; some NVRTC versions refuse a second one,
+    # so fall back to CuPy's choice (the same architecture) when ours is rejected.
+    for options in (("--std=c++17", f"-arch=sm_{major}{minor}"), ("--std=c++17",)):
+        try:
+            kernel = cupy.RawModule(code=code, options=options).get_function(KERNEL_NAME)
+            return kernel, options
+        except Exception as exc:  # CompileException, or NVRTCError for the option itself
+            log.debug("NVRTC options %s rejected: %s", options, exc)
+            error = exc
+    assert error is not None
+    raise error
+
+
+@functools.cache
+def _launcher_for(device_index: int) -> CupyLauncher:
+    return CupyLauncher(torch.device("cuda", device_index))
+
+
+# ---- buffers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Buffer capacities (upper bounds) and grid size for one batch."""
+
+    n_cap: int  # rows of n_id
+    e_cap: int  # edges over all hops
+    e_hop_cap: int  # edges of the largest hop (and >= number of seeds)
+    blocks: int
+
+    def out_len(self, num_seeds: int) -> int:
+        return self.n_cap + 2 * self.e_cap + num_seeds
+
+
+def _grown(buf: Tensor | None, numel: int, make: Callable[[int], Tensor]) -> Tensor:
+    """``buf`` when it holds ``numel`` elements, else a new one with 50% headroom."""
+    if buf is not None and buf.numel() >= numel:
+        return buf
+    return make(max(numel, int(numel * 1.5), 1))
+
+
+class _Workspace:
+    """Per-sampler device scratch, reused by every batch (batches are serialised by a lock)."""
+
+    def __init__(self, num_nodes: int, max_blocks: int, device: torch.device) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.state = torch.full(
+            (max(num_nodes, 1),), _STATE_EMPTY, dtype=torch.int32, device=device
+        )
+        self.barrier = torch.zeros(4, dtype=torch.int32, device=device)
+        self.block_sums = torch.zeros(max_blocks, dtype=torch.int64, device=device)
+        self.col_buf: Tensor | None = None
+        self.front_off: Tensor | None = None
+        self.front_csc: Tensor | None = None  # (start, degree) of each frontier node
+        self.rank_buf: Tensor | None = None
+        # The kernel's parameters, in host memory it reads directly (pinned, hence mapped).
+        self.params = torch.zeros(_NUM_PARAMS + _MAX_HOPS, dtype=torch.int64, pin_memory=pinned)
+        self.params_view = self.params.numpy()
+        self.host_counts = torch.empty(64, dtype=torch.int64, pin_memory=pinned)
+        self.host_seeds: Tensor | None = None
+        self.dev_seeds: Tensor | None = None
+
+    def ensure(self, plan: _Plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Scratch grown to the plan: (col_buf, front_off, front_csc, rank_buf)."""
+
+        # zeros, not empty: uninitialised tails are never read, but keep them harmless anyway
+        def zeros(n: int, dtype: torch.dtype = torch.int32) -> Tensor:
+            return torch.zeros(n, dtype=dtype, device=self.device)
+
+        self.col_buf = _grown(self.col_buf, plan.e_cap, zeros)
+        self.front_off = _grown(self.front_off, plan.n_cap, zeros)
+        self.front_csc = _grown(self.front_csc, 2 * plan.n_cap, lambda n: zeros(n, torch.int64))
+        self.rank_buf = _grown(self.rank_buf, plan.e_hop_cap, zeros)
+        return self.col_buf, self.front_off, self.front_csc, self.rank_buf
+
+    def stage_seeds(self, seeds: Tensor) -> tuple[int, Tensor, Tensor]:
+        """(pointer the kernel reads the request from, tensor that owns it, device seed scratch).
+
+        CPU seeds are copied into pinned host memory, which the kernel reads directly (mapped):
+        that replaces a separate host-to-device copy, one more operation per batch.
+        """
+        n = seeds.numel()
+        self.dev_seeds = _grown(
+            self.dev_seeds, n, lambda m: torch.empty(m, dtype=torch.int64, device=self.device)
+        )
+        if self.device.type == "cuda" and seeds.device.type == "cpu":
+            self.host_seeds = _grown(
+                self.host_seeds, n, lambda m: torch.empty(m, dtype=torch.int64, pin_memory=True)
+            )
+            request = self.host_seeds[:n]
+            request.copy_(seeds)  # safe to reuse: the previous batch has finished (it synced)
+        else:
+            request = seeds.to(self.device, torch.int64).contiguous()
+        return request.data_ptr(), request, self.dev_seeds
+
+    def counts_buffer(self, numel: int) -> Tensor:
+        """Host memory the kernel writes the per-hop counts into (pinned, hence mapped)."""
+        pinned = self.device.type == "cuda"
+        self.host_counts = _grown(
+            self.host_counts, numel, lambda m: torch.empty(m, dtype=torch.int64, pin_memory=pinned)
+        )
+        return self.host_counts[:numel]
+
+
+# ---- the samplers --------------------------------------------------------------------------------
+
+
+class _GpuSampler(BaseSampler):
+    """Shared body of the two modes; subclasses only decide where the CSC lives."""
+
+    #: edges of upper-bound work per block when sizing the grid (tuned on an H200)
+    items_per_block: int = 2048
+    #: per-hop edge capacity tried first when the exact bound is larger (e.g. fanout -1);
+    #: a batch that needs more is re-run once per hop with larger buffers, and the size sticks
+    hop_edges_guess: int = 1 << 22
+
+    def __init__(
+        self,
+        indptr: Tensor,
+        indices: Tensor,
+        device: torch.device | str | int | None,
+        csc_pointers: tuple[int, int],
+        launcher: Launcher | None = None,
+    ) -> None:
+        super().__init__(indptr, indices)
+        self.device = _as_device(device)
+        if self.num_nodes >= _MAX_INT32_POSITIONS:
+            raise ValueError(f"{self.num_nodes} nodes: the GPU sampler keeps local ids in int32")
+        self._indptr_ptr, self._indices_ptr = csc_pointers
+        self._num_edges = int(indices.numel())
+        degree = indptr[1:] - indptr[:-1]
+        self._max_degree = int(degree.max()) if degree.numel() else 0
+        self._launcher = launcher if launcher is not None else _launcher_for(self.device.index)
+        max_blocks = getattr(self._launcher, "max_blocks", 1)
+        self._max_blocks = max_blocks
+        self._work = _Workspace(self.num_nodes, max_blocks, self.device)
+        self._lock = threading.Lock()
+        self._plans: dict[tuple, _Plan] = {}
+
+    def plan(self, num_seeds: int, fanouts: list[int]) -> _Plan:
+        """Capacities from per-hop upper bounds; a hop's bound above the guess uses the guess."""
+        key = (num_seeds, tuple(fanouts), self.hop_edges_guess)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:  # many distinct batch sizes: keep the cache bounded
+                self._plans.clear()
+            plan = self._plans[key] = self._make_plan(num_seeds, fanouts)
+        return plan
+
+    def _make_plan(self, num_seeds: int, fanouts: list[int]) -> _Plan:
+        frontier = num_seeds
+        n_bound, e_total, e_hop_max, e_hop_bound_max = num_seeds, 0, num_seeds, num_seeds
+        for k in fanouts:
+            per_node = self._max_degree if k < 0 else min(k, self._max_degree)
+            bound = min(frontier * per_node, self._num_edges)
+            e_hop = min(bound, self.hop_edges_guess, _MAX_INT32_POSITIONS)
+            e_total += e_hop
+            e_hop_max = max(e_hop_max, e_hop)
+            e_hop_bound_max = max(e_hop_bound_max, bound)
+            frontier = min(bound, self.num_nodes)
+            n_bound = min(n_bound + e_hop, self.num_nodes)
+        blocks = min(self._max_blocks, max(1, math.ceil(e_hop_bound_max / self.items_per_block)))
+        return _Plan(
+            n_cap=max(n_bound, 1), e_cap=max(e_total, 1), e_hop_cap=max(e_hop_max, 1), blocks=blocks
+        )
+
+    def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
+        base = seed_base(validate_seed(seed))
+        if len(fanouts) > _MAX_HOPS:
+            raise ValueError(f"at most {_MAX_HOPS} hops, got {len(fanouts)}")
+        seeds = seeds.reshape(-1)
+        if seeds.numel() == 0:
+            return self._empty_output(len(fanouts))
+        with self._lock:
+            request_ptr, _request, dev_seeds = self._work.stage_seeds(seeds)
+            for _attempt in range(len(fanouts) + 2):
+                plan = self.plan(seeds.numel(), fanouts)
+                out, counts = self._launch(
+                    request_ptr, dev_seeds, seeds.numel(), fanouts, base, plan
+                )
+                if counts[0] == _STATUS_OK:
+                    return _outputs(out, counts, plan, seeds.numel(), len(fanouts))
+                if counts[0] == _STATUS_BAD_SEED:
+                    raise IndexError(f"seed node ids must be in [0, {self.num_nodes})")
+                # Overflow: only a hop whose bound exceeded the guess can get here.
+                self.hop_edges_guess = max(2 * self.hop_edges_guess, counts[3], counts[1])
+        raise RuntimeError(f"GPU sampler buffers still too small after {len(fanouts) + 2} attempts")
+
+    def _launch(
+        self, request_ptr: int, dev_seeds: Tensor, num_seeds: int, fanouts: list[int], base: int,
+        plan: _Plan,
+    ) -> tuple[Tensor, list[int]]:  # fmt: skip
+        work = self._work
+        col_buf, front_off, front_csc, rank_buf = work.ensure(plan)
+        out = torch.empty(plan.out_len(num_seeds), dtype=torch.int64, device=self.device)
+        counts = work.counts_buffer(_COUNTS_HEADER + 2 * len(fanouts) + 1)
+        params = work.params_view  # order: the kernel's parameter block
+        params[:_NUM_PARAMS] = (
+            self._indptr_ptr, self._indices_ptr, self.num_nodes, work.state.data_ptr(),
+            request_ptr, dev_seeds.data_ptr(), num_seeds, len(fanouts), base,
+            out.data_ptr(), plan.n_cap, plan.e_cap, plan.e_hop_cap, counts.data_ptr(),
+            col_buf.data_ptr(), front_off.data_ptr(), front_csc.data_ptr(), rank_buf.data_ptr(),
+            work.block_sums.data_ptr(), work.barrier.data_ptr(),
+        )  # fmt: skip
+        params[_NUM_PARAMS : _NUM_PARAMS + len(fanouts)] = fanouts
+        # The block is reused by the next batch only after this one's final sync.
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            self._launcher(plan.blocks, work.params.data_ptr(), stream.cuda_stream)
+            stream.synchronize()  # the batch's one host synchronisation
+        else:  # emulated launches run synchronously
+            self._launcher(plan.blocks, work.params.data_ptr(), 0)
+        return out, counts.tolist()
+
+    def _empty_output(self, num_hops: int) -> SamplerOutput:
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        edge_index = torch.empty((2, 0), dtype=torch.int64, device=self.device)
+        return SamplerOutput(empty, edge_index, empty.clone(), [0] * (num_hops + 1), [0] * num_hops)
+
+
+def _outputs(
+    out: Tensor, counts: list[int], plan: _Plan, num_seeds: int, num_hops: int
+) -> SamplerOutput:
+    """Views of the batch's output buffer (no copies)."""
+    num_nodes = counts[_COUNTS_HEADER : _COUNTS_HEADER + num_hops + 1]
+    num_edges = counts[_COUNTS_HEADER + num_hops + 1 : _COUNTS_HEADER + 2 * num_hops + 1]
+    total_nodes, total_edges = sum(num_nodes), sum(num_edges)
+    edges_at = plan.n_cap
+    seeds_at = edges_at + 2 * plan.e_cap
+    return SamplerOutput(
+        n_id=out[:total_nodes],
+        edge_index=out[edges_at : edges_at + 2 * total_edges].view(2, total_edges),
+        seed_index=out[seeds_at : seeds_at + num_seeds],
+        num_sampled_nodes=num_nodes,
+        num_sampled_edges=num_edges,
+    )
+
+
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class CudaSampler(_GpuSampler):
+    """GPU sampler with the CSC copied into GPU memory once (fastest; needs the graph to fit)."""
+
+    name = "cuda"
+    uses_uva = False
+
+    def __init__(
+        self, indptr: Tensor, indices: Tensor, device: torch.device | str | int | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:  # fmt: skip
+        target = _as_device(device)
+        self.indptr_device = indptr.to(target, torch.int64).contiguous()
+        self.indices_device = indices.to(target, torch.int64).contiguous()
+        if self.indices_device.numel() == 0:  # keep a valid pointer for an edgeless graph
+            self.indices_device = torch.zeros(1, dtype=torch.int64, device=target)
+        pointers = (self.indptr_device.data_ptr(), self.indices_device.data_ptr())
+        super().__init__(indptr, indices, target, pointers, launcher)
+
+
+# Host ranges this process pinned, by address: [number of regions using it, whether we registered
+# it]. Several samplers may share one shared-memory CSC; only the last one to go unpins it.
+_pinned_ranges: dict[int, list] = {}
+_pinned_lock = threading.Lock()
+
+
+class _PinnedRegion:
+    """A CPU tensor's memory, page-locked in place and mapped into the GPU's address space."""
+
+    def __init__(self, tensor: Tensor, device: torch.device) -> None:
+        import cupy
+
+        self._runtime = runtime = cupy.cuda.runtime
+        self.tensor = tensor  # keeps the memory alive while the GPU may read it
+        self._ptr = ptr = tensor.data_ptr()
+        with _pinned_lock, cupy.cuda.Device(device.index):
+            entry = _pinned_ranges.get(ptr)
+            if entry is None:
+                registered = False
+                if not tensor.is_pinned():  # torch-pinned memory is mapped already
+                    try:
+                        nbytes = tensor.numel() * tensor.element_size()
+                        runtime.hostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+                        registered = True
+                    except runtime.CUDARuntimeError as exc:
+                        # Someone else in this process pinned it: use it, never unpin it.
+                        if (
+                            getattr(exc, "status", None)
+                            != _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+                        ):
+                            raise
+                entry = _pinned_ranges[ptr] = [0, registered]
+            entry[0] += 1
+            # With unified addressing the device pointer of mapped host memory is usually the
+            # host pointer itself; ask rather than assume.
+            self.device_ptr = int(runtime.pointerGetAttributes(ptr).devicePointer) or ptr
+        self._held = True
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        with _pinned_lock:
+            entry = _pinned_ranges[self._ptr]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _pinned_ranges[self._ptr]
+                if entry[1]:
+                    self._runtime.hostUnregister(self._ptr)
+
+
+class UvaSampler(_GpuSampler):
+    """GPU sampler over a CSC left in host memory (pinned in place, read over the bus by the kernel).
+
+    ``indptr``/``indices`` must be CPU tensors; shared-memory tensors are pinned where they are,
+    so CPU sampler workers and this GPU sampler read the same single copy. Call :meth:`close`
+    (or drop the sampler) to unpin.
+    """
+
+    name = "uva"
+    uses_uva = True
+
+    def __init__(
+        self, indptr: Tensor, indices: Tensor, device: torch.device | str | int | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:  # fmt: skip
+        if indptr.device.type != "cpu" or indices.device.type != "cpu":
+            raise ValueError("UvaSampler needs the CSC in CPU memory")
+        target = _as_device(device)
+        self._regions: list[_PinnedRegion] = []
+        host = [t.to(torch.int64).contiguous() for t in (indptr, indices)]  # no copy if already so
+        if host[1].numel() == 0:  # keep a valid pointer for an edgeless graph
+            host[1] = torch.zeros(1, dtype=torch.int64)
+        if target.type == "cuda":
+            self._regions = [_PinnedRegion(t, target) for t in host]
+            pointers = (self._regions[0].device_ptr, self._regions[1].device_ptr)
+        else:  # emulated launches read host memory directly
+            pointers = (host[0].data_ptr(), host[1].data_ptr())
+        self._host_csc = host
+        super().__init__(indptr, indices, target, pointers, launcher)
+
+    def close(self) -> None:
+        """Unpin the CSC; the sampler must not be used afterwards."""
+        for region in self._regions:
+            region.release()
+        self._regions = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CuPy may already be gone
+            pass
