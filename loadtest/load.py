@@ -68,8 +68,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     client.close()
     latencies.sort()
     lost = sum(v for k, v in statuses.items() if k.startswith("lost"))
-    pct = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3, 2)
-           if latencies else None)
+
+    def pct(q: float) -> float | None:
+        if not latencies:
+            return None
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3, 2)
+
     return {"sent": total, "answered": dict(statuses), "lost": lost,
             "unanswered": total - sum(statuses.values()), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "wall_s": round(time.perf_counter() - start, 2)}

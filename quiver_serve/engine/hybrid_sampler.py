@@ -90,7 +90,7 @@ class HybridSampler:
         n_cpu = cfg.sampling.num_cpu_workers
         self._task_qs = [self._ctx.Queue(maxsize=cap) for _ in range(n_cpu)]
         self._out_qs = [self._ctx.Queue(maxsize=cap) for _ in range(n_cpu)]
-        self._control_q = self._ctx.Queue()
+        self._control_q = self._ctx.Queue(maxsize=256)  # readiness messages only
         self.workers = [
             WorkerHandle("sampler", i, sampler_worker_main, self._args_for(i)) for i in range(n_cpu)
         ]

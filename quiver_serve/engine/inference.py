@@ -109,7 +109,7 @@ class InferenceServer:
         self._ctx = spawn_context()
         self._result_cap = cfg.batching.queue_capacity * 4
         self._result_qs = [self._ctx.Queue(maxsize=self._result_cap) for _ in sampled_queue_list]
-        self._control_q = self._ctx.Queue()
+        self._control_q = self._ctx.Queue(maxsize=256)  # readiness messages only
         self.workers = [
             WorkerHandle("inference", i, inference_worker_main, self._args_for(i))
             for i in range(len(sampled_queue_list))

@@ -8,6 +8,7 @@ other processes.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -27,9 +28,9 @@ from quiver_serve.engine.batcher import RequestBatcher, as_request
 from quiver_serve.engine.hybrid_sampler import HybridSampler
 from quiver_serve.engine.inference import InferenceServer
 from quiver_serve.engine.process import get_or_none, spawn_context
+from quiver_serve.engine.router import RouteDecision
 from quiver_serve.engine.work import check_node_ids
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.engine.router import RouteDecision
 from quiver_serve.messages import BatchedRequest, BatchStats, EmbedRequest, EmbedResult
 from quiver_serve.sampling.base import MAX_SEED
 
@@ -395,7 +396,7 @@ class Pipeline:
             return
         with self._lock:
             self._user_in_flight += 1
-        fut.add_done_callback(lambda f, rid=request.request_id: self._deliver_user(rid, f))
+        fut.add_done_callback(functools.partial(self._deliver_user, request.request_id))
 
     def _deliver_user(self, request_id: str, fut: Future[EmbedResult]) -> None:
         with self._lock:

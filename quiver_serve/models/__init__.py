@@ -91,7 +91,7 @@ class ServedModel:
 
     @property
     def out_dim(self) -> int:
-        return int(self.model.out_channels)
+        return int(self.model.out_channels)  # type: ignore[arg-type]
 
     def to(self, device: torch.device) -> ServedModel:
         self.model.to(device)
