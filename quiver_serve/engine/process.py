@@ -152,7 +152,10 @@ def wait_ready(
 
 
 def report_ready(control_q: Any, role: str, index: int, **info: Any) -> None:
-    control_q.put(WorkerReady(role=role, index=index, pid=os.getpid(), info=info))
+    try:  # after start-up nobody reads this queue: a restarted worker's report may not fit
+        control_q.put(WorkerReady(role=role, index=index, pid=os.getpid(), info=info), timeout=1.0)
+    except queue.Full:
+        pass
 
 
 def report_failed(control_q: Any, role: str, index: int, exc: BaseException) -> None:

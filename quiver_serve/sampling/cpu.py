@@ -12,6 +12,7 @@ is False and ``make_cpu_sampler`` serves the pure-torch reference instead, with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -20,6 +21,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -105,54 +107,56 @@ def _build() -> tuple[ModuleType, str]:
     build_dir = extension_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{EXTENSION_NAME}.so"
-    fresh = not built.exists() or built.stat().st_mtime < SOURCE_PATH.stat().st_mtime
-    if fresh:
-        print(f"quiver_serve: compiling C++ sampler (first use, ~{EXPECTED_BUILD_S} s) in {build_dir}...",
-              file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with _process_build_lock(build_dir):
+        # Checked under the lock: a process that waited for another's build finds it done.
+        fresh = not built.exists() or built.stat().st_mtime < SOURCE_PATH.stat().st_mtime
+        if fresh:
+            _announce(f"compiling C++ sampler (first use, ~{EXPECTED_BUILD_S} s) in {build_dir}...")
         module = load(name=EXTENSION_NAME, sources=[str(SOURCE_PATH)], extra_cflags=CXX_FLAGS,
                       extra_ldflags=LD_FLAGS, build_directory=str(build_dir), verbose=False)
     elapsed_s = time.perf_counter() - t0
     return module, f"{'built' if fresh else 'loaded'} in {elapsed_s:.1f} s from {build_dir}"
 
 
-class _process_build_lock:
+@contextlib.contextmanager
+def _process_build_lock(build_dir: Path) -> Iterator[None]:
     """An flock around torch's ``load``.
 
     torch guards concurrent builds with an O_EXCL lock file, which a build killed midway leaves
     behind, and later loads then wait on it forever. The kernel drops an flock when its holder
     dies, so while we hold it any torch lock file left in the directory is stale and removable.
     """
-
-    def __init__(self, build_dir: Path) -> None:
-        self.build_dir = build_dir
-        self.fd = -1
-
-    def __enter__(self) -> _process_build_lock:
-        self.fd = os.open(self.build_dir / "quiver_serve.flock", os.O_CREAT | os.O_RDWR, 0o644)
-        deadline = time.monotonic() + BUILD_LOCK_TIMEOUT_S
+    fd = os.open(build_dir / "quiver_serve.flock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        t0 = time.monotonic()
+        announced = False
         while True:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(self.fd)
-                    raise TimeoutError(
-                        f"another process held the build lock in {self.build_dir} for "
-                        f"{BUILD_LOCK_TIMEOUT_S:.0f} s"
-                    ) from None
+                waited_s = time.monotonic() - t0
+                if waited_s > BUILD_LOCK_TIMEOUT_S:
+                    raise TimeoutError(f"another process held the build lock in {build_dir} "
+                                       f"for {BUILD_LOCK_TIMEOUT_S:.0f} s") from None
+                if waited_s > 1.0 and not announced:  # loading a cached build takes well under 1 s
+                    _announce(f"waiting for another process's C++ sampler build in {build_dir}...")
+                    announced = True
                 time.sleep(0.1)
-        stale = self.build_dir / "lock"
+        stale = build_dir / "lock"
         if stale.exists():
             log.warning("removing stale torch build lock %s (its builder died)", stale)
             stale.unlink(missing_ok=True)
-        return self
+        yield
+    finally:
+        os.close(fd)  # also releases the flock
 
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+
+def _announce(message: str) -> None:
+    # Printed, not only logged: a first request that stalls for a build should say why, even
+    # in a process that configured no logging.
+    print(f"quiver_serve: {message}", file=sys.stderr, flush=True)
 
 
 def _describe_failure(exc: BaseException) -> str:
@@ -191,12 +195,10 @@ class CppSampler(BaseSampler):
         super().__init__(indptr, indices)
         self._sample_neighbors = extension.sample_neighbors
 
-    def __getstate__(self) -> dict:
-        return {"indptr": self.indptr, "indices": self.indices}
-
-    def __setstate__(self, state: dict) -> None:
-        # A spawned worker loads (or, first time, builds) the extension on unpickling.
-        self.__init__(state["indptr"], state["indices"])
+    def __reduce__(self) -> tuple[type[CppSampler], tuple[Tensor, Tensor]]:
+        # The bound extension function does not pickle; a spawned worker rebuilds the sampler,
+        # loading the cached extension, around the same (shared-memory) tensors.
+        return CppSampler, (self.indptr, self.indices)
 
     def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
         n_id, edge_index, seed_index, num_nodes, num_edges = self._sample_neighbors(
