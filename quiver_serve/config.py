@@ -78,6 +78,9 @@ class SamplingConfig(_Section):
         1, ge=0, description="CPU sampler processes; 0 = sample inside the inference worker"
     )
     cpu_threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each CPU sampler")
+    gpu_mode: Literal["auto", "device", "uva"] = Field(
+        "auto", description="GPU sampling: CSC in GPU memory (device), pinned host memory read by the GPU (uva), or device when it fits in half the free GPU memory (auto)"
+    )
     route: Literal["auto", "cpu", "gpu", "local"] = Field(
         "auto", description="routing policy: auto (router decides), or force one path"
     )

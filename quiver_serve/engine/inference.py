@@ -40,10 +40,16 @@ def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> B
     """The sampler an inference worker uses for batches routed to it unsampled."""
     if device.type == "cuda":
         try:
-            from quiver_serve.sampling.gpu import CudaSampler, gpu_sampler_available
+            from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
 
             if gpu_sampler_available():
-                return CudaSampler(graph.indptr, graph.indices, device=device)
+                mode = cfg.sampling.gpu_mode
+                if mode == "auto":
+                    free_bytes, _ = torch.cuda.mem_get_info(device)
+                    csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
+                    mode = "device" if csc_bytes < free_bytes // 2 else "uva"
+                cls = CudaSampler if mode == "device" else UvaSampler
+                return cls(graph.indptr, graph.indices, device=device)
             log.warning("GPU sampler unavailable (cupy missing?); GPU route samples on the CPU")
         except ImportError as exc:
             log.warning("GPU sampler unavailable (%s); GPU route samples on the CPU", exc)
