@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU gate: the GPU sampler tests, then the GPU sampler benchmark, whose table prints last.
+# Run on a CUDA machine from the repository root:   bash bench/gpu_check.sh [bench options]
+#
+# Only the GPU test files run: tests/conftest.py and most other tests import the server stack
+# (pydantic, fastapi), which GPU boxes may lack, so pytest runs with --noconftest; the GPU test
+# files import only dependency-free modules. Logs (and bench_gpu.json) go to $OUT, else /tmp.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG_DIR=${OUT:-/tmp/quiver_serve_gpu_check}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+
+echo "== GPU tests =="
+# Outer timeouts because a hung kernel blocks in C, where pytest-timeout cannot interrupt it.
+timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest --noconftest -p no:cacheprovider -m gpu \
+    -q -rs tests/test_*gpu*.py 2>&1 | tee "$LOG_DIR/gpu_tests.log" | tail -n 25
+tests_rc=${PIPESTATUS[0]}
+
+echo "== GPU benchmark =="
+timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_gpu_sampler.py --json "$LOG_DIR/bench_gpu.json" "$@" \
+    2>&1 | tee "$LOG_DIR/bench_gpu.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "== gpu_check: tests exit ${tests_rc}, benchmark exit ${bench_rc} (logs in ${LOG_DIR}) =="
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
