@@ -12,6 +12,13 @@ LOG_DIR=${OUT:-/tmp/quiver_serve_gpu_check}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
 
+# The serving pipeline tests need pydantic, which GPU boxes may lack: carry wheels in .whl/
+# (git-ignored; see the device README) and they are installed here, outside the system packages.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/qs-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/qs-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 echo "== GPU tests =="
 # Outer timeouts because a hung kernel blocks in C, where pytest-timeout cannot interrupt it.
 timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest --noconftest -p no:cacheprovider -m gpu \
@@ -23,5 +30,10 @@ timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_gpu_sampler.py --json "$
     2>&1 | tee "$LOG_DIR/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== gpu_check: tests exit ${tests_rc}, benchmark exit ${bench_rc} (logs in ${LOG_DIR}) =="
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "== Pipeline on the GPU (queue API; HTTP needs fastapi, which GPU boxes lack) =="
+timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_serving.py --skip-http --gpu \
+    --json "$LOG_DIR/bench_serving_gpu.json" 2>&1 | grep -v " INFO " | tee "$LOG_DIR/bench_serving_gpu.log"
+serving_rc=${PIPESTATUS[0]}
+
+echo "== gpu_check: tests exit ${tests_rc}, sampler benchmark exit ${bench_rc}, pipeline benchmark exit ${serving_rc} (logs in ${LOG_DIR}) =="
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$serving_rc" -eq 0 ]

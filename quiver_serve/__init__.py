@@ -8,29 +8,40 @@ Queue API (names follow torch-quiver's serving example)::
     results = server.result_queue_list()
 
 or the facade: ``Pipeline(cfg).start()`` with ``embed()``, ``request_queue()``, ``result_queue()``.
+
+Exports load lazily, so ``quiver_serve.sampling`` and ``quiver_serve.graph.csc`` import without the
+server stack (pydantic, fastapi), e.g. on a GPU box that only runs the samplers.
 """
 
-from quiver_serve.config import ServeConfig
-from quiver_serve.engine.batcher import RequestBatcher
-from quiver_serve.engine.hybrid_sampler import HybridSampler
-from quiver_serve.engine.inference import InferenceServer
-from quiver_serve.engine.pipeline import Pipeline
-from quiver_serve.errors import ServeError
-from quiver_serve.graph import GraphData, load_graph
-from quiver_serve.messages import EmbedRequest, EmbedResult, ErrorInfo
+from __future__ import annotations
 
-__all__ = [
-    "EmbedRequest",
-    "EmbedResult",
-    "ErrorInfo",
-    "GraphData",
-    "HybridSampler",
-    "InferenceServer",
-    "Pipeline",
-    "RequestBatcher",
-    "ServeConfig",
-    "ServeError",
-    "load_graph",
-]
+import importlib
+from typing import Any
 
+_EXPORTS = {
+    "ServeConfig": "quiver_serve.config",
+    "RequestBatcher": "quiver_serve.engine.batcher",
+    "HybridSampler": "quiver_serve.engine.hybrid_sampler",
+    "InferenceServer": "quiver_serve.engine.inference",
+    "Pipeline": "quiver_serve.engine.pipeline",
+    "ServeError": "quiver_serve.errors",
+    "GraphData": "quiver_serve.graph.csc",
+    "load_graph": "quiver_serve.graph.datasets",
+    "EmbedRequest": "quiver_serve.messages",
+    "EmbedResult": "quiver_serve.messages",
+    "ErrorInfo": "quiver_serve.messages",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quiver_serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

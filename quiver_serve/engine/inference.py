@@ -40,20 +40,27 @@ def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> B
     """The sampler an inference worker uses for batches routed to it unsampled."""
     if device.type == "cuda":
         try:
-            from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
-
-            if gpu_sampler_available():
-                mode = cfg.sampling.gpu_mode
-                if mode == "auto":
-                    free_bytes, _ = torch.cuda.mem_get_info(device)
-                    csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
-                    mode = "device" if csc_bytes < free_bytes // 2 else "uva"
-                cls = CudaSampler if mode == "device" else UvaSampler
-                return cls(graph.indptr, graph.indices, device=device)
-            log.warning("GPU sampler unavailable (cupy missing?); GPU route samples on the CPU")
-        except ImportError as exc:
-            log.warning("GPU sampler unavailable (%s); GPU route samples on the CPU", exc)
+            return _gpu_sampler(cfg, graph, device)
+        except Exception as exc:  # noqa: BLE001 - no CuPy, or the kernel failed to build: CPU serves
+            log.warning("GPU sampler unavailable (%s: %s); GPU route samples on the CPU",
+                        type(exc).__name__, exc)
     return make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
+
+
+def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
+    from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
+
+    if not gpu_sampler_available():
+        raise RuntimeError("CuPy is not importable or CUDA is not available")
+    mode = cfg.sampling.gpu_mode
+    if mode == "auto":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
+        mode = "device" if csc_bytes < free_bytes // 2 else "uva"
+    cls = CudaSampler if mode == "device" else UvaSampler
+    sampler = cls(graph.indptr, graph.indices, device=device)
+    sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
+    return sampler
 
 
 def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
