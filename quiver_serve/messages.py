@@ -127,6 +127,20 @@ class BatchedRequest(_InlineSmallTensors):
     def num_requests(self) -> int:
         return len(self.request_ids)
 
+    def subset(self, keep: list[int]) -> BatchedRequest:
+        """The same batch with only requests ``keep`` (indices into ``request_ids``)."""
+        slices = self.slices()
+        parts = [self.node_ids[slices[i][1]:slices[i][2]] for i in keep]
+        offsets = [0]
+        for p in parts:
+            offsets.append(offsets[-1] + int(p.numel()))
+        return BatchedRequest(
+            batch_id=self.batch_id, request_ids=[self.request_ids[i] for i in keep], offsets=offsets,
+            node_ids=torch.cat(parts) if parts else self.node_ids[:0], exact=self.exact,
+            seed=self.seed, deadlines_s=[self.deadlines_s[i] for i in keep], created_s=self.created_s,
+            route=self.route, worker=self.worker,
+        )
+
     def slices(self) -> list[tuple[str, int, int]]:
         """(request_id, start, end) of every request in the batch."""
         return [

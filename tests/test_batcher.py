@@ -90,3 +90,21 @@ def test_request_batcher_thread_accepts_requests_and_tensors() -> None:
         assert batcher.dropped_items == 1
     finally:
         batcher.stop()
+
+
+def test_batcher_skips_requests_answered_while_waiting() -> None:
+    cfg = small_config(batching__max_delay_ms=200.0, batching__adaptive=False)
+    stream: queue.Queue = queue.Queue()
+    live = {"a", "b"}
+    batcher = RequestBatcher(cfg, stream, is_live=lambda rid: rid in live)
+    try:
+        stream.put(req("a", [1, 2]))
+        stream.put(req("b", [3]))
+        stream.put(req("gone", [4]))  # answered before it even reached the batcher
+        time.sleep(0.05)
+        live.discard("a")  # cancelled while its batch was open
+        b = batcher.batched_request_queue_list()[0].get(timeout=5)
+        assert b.request_ids == ["b"] and b.node_ids.tolist() == [3] and b.offsets == [0, 1]
+        assert batcher.skipped_requests == 2
+    finally:
+        batcher.stop()

@@ -148,3 +148,30 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def _metric(text: str, prefix: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefix))
+
+
+def test_client_disconnect_is_not_computed_and_deadline_is_504(tmp_path: Path) -> None:
+    # Batches close only after 800 ms, so a client that gives up at 200 ms is gone before work.
+    srv = start(tmp_path, batching__adaptive=False, batching__max_delay_ms=800.0)
+    try:
+        srv.wait_ready()
+        m0 = httpx.get(srv.url + "/metrics").text
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/embed", json={"node_ids": [5]}, timeout=0.2)
+        late = httpx.post(srv.url + "/v1/embed", json={"node_ids": [6], "timeout_ms": 100}, timeout=10)
+        assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
+        time.sleep(1.5)
+        m1 = httpx.get(srv.url + "/metrics").text
+        cancelled = 'quiver_serve_requests_rejected_total{reason="client_disconnected"}'
+        assert _metric(m1, cancelled) - _metric(m0, cancelled) == 1
+        assert _metric(m1, 'quiver_serve_requests_rejected_total{reason="deadline"}') >= 1
+        # neither request reached a sampler or the model
+        assert _metric(m1, "quiver_serve_route_total") == _metric(m0, "quiver_serve_route_total")
+        ok = httpx.post(srv.url + "/v1/embed", json={"node_ids": [7]}, timeout=10)
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

@@ -158,6 +158,13 @@ class RequestBatcher:
 
     def _emit(self, batches: list[BatchedRequest]) -> None:
         for b in batches:
+            if self.is_live is not None:  # answered while waiting here (deadline, cancelled)
+                keep = [i for i, rid in enumerate(b.request_ids) if self.is_live(rid)]
+                self.skipped_requests += b.num_requests - len(keep)
+                if not keep:
+                    continue
+                if len(keep) < b.num_requests:
+                    b = b.subset(keep)
             if not put_until(self._out, b, lambda: not self._stop.is_set()):
                 log.warning("batcher stopping: batch %d of %d requests not handed on",
                             b.batch_id, b.num_requests)

@@ -61,20 +61,7 @@ def prune_batch(
         keep.append(i)
     if len(keep) == batch.num_requests:
         return batch, failed
-    if not keep:
-        return None, failed
-    slices = batch.slices()
-    parts = [batch.node_ids[slices[i][1]:slices[i][2]] for i in keep]
-    offsets = [0]
-    for p in parts:
-        offsets.append(offsets[-1] + p.numel())
-    pruned = BatchedRequest(
-        batch_id=batch.batch_id, request_ids=[batch.request_ids[i] for i in keep], offsets=offsets,
-        node_ids=torch.cat(parts), exact=batch.exact, seed=batch.seed,
-        deadlines_s=[batch.deadlines_s[i] for i in keep], created_s=batch.created_s,
-        route=batch.route, worker=batch.worker,
-    )
-    return pruned, failed
+    return (batch.subset(keep) if keep else None), failed
 
 
 class SamplingEngine:
