@@ -160,10 +160,11 @@ def _announce(message: str) -> None:
 
 
 def _describe_failure(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    # The compiler's own error is near the end of torch's message; keep it short for one log line.
-    tail = " | ".join(line.strip() for line in text[-6:] if line.strip())
-    return f"{type(exc).__name__}: {tail}"[:1000]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # torch's message ends with the whole compiler log; its first "error:" line is the cause.
+    errors = [line for line in lines if "error:" in line]
+    detail = errors[0] if errors else (lines[-1] if lines else "")
+    return f"{type(exc).__name__}: {detail}"[:500]
 
 
 def _check_graph_tensor(name: str, t: Tensor) -> None:

@@ -1,0 +1,359 @@
+// CPU neighbour sampler: the C++ twin of quiver_serve/sampling/reference.py.
+//
+// Output is bit-for-bit the reference's for the same (graph, seeds, fanouts, seed): the random
+// numbers are the counter-based hash of quiver_serve/sampling/base.py (a pure function of batch
+// seed, hop, node and draw index), so the result does not depend on the thread count.
+//
+// Per hop: pass 1 counts each frontier node's sample, a prefix sum places it, pass 2 fills the
+// neighbours (both parallel over the frontier with at::parallel_for, i.e. torch's intra-op
+// threads); then one sequential pass maps global ids to local ids through a flat hash table,
+// which gives exact first-occurrence order without any O(num_nodes) allocation per call.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// ---- counter-based random numbers (must match quiver_serve/sampling/base.py) ----------------
+// uint32 arithmetic wraps mod 2**32, which is exactly the Python spec's "& MASK32".
+constexpr uint32_t kMixMul = 0x45D9F3Bu;
+constexpr uint32_t kGolden = 0x9E3779B9u;
+constexpr uint32_t kHopMul = 0x632BE5ABu;
+constexpr uint32_t kDrawMul = 0x85EBCA6Bu;
+
+inline uint32_t mix32(uint32_t x) {
+  x = ((x >> 16) ^ x) * kMixMul;
+  x = ((x >> 16) ^ x) * kMixMul;
+  return (x >> 16) ^ x;
+}
+
+inline uint32_t seed_base(uint64_t seed) {
+  return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32) ^ kGolden));
+}
+
+inline uint32_t node_hash(uint32_t base, uint32_t hop_term, int64_t node) {
+  return mix32(base ^ mix32(static_cast<uint32_t>(node) + hop_term));
+}
+
+inline uint32_t draw32(uint32_t node_h, uint32_t draw) { return mix32(node_h ^ (draw * kDrawMul)); }
+
+// Draws above this size test "already taken" with a small hash set instead of a scan, so a large
+// fanout stays O(k) per node rather than O(k^2).
+constexpr int64_t kLinearScanMaxK = 64;
+
+// The spec computes r * (t + 1) in int64, exact only while degrees stay below 2**31.
+constexpr int64_t kMaxSampledDegree = int64_t{1} << 31;
+
+// Floyd's k-of-d selection (d > k) in draw order; writes the k chosen local offsets to `out`.
+// `scratch` must hold a power-of-two table of at least 2k slots when k > kLinearScanMaxK.
+void floyd_select(int64_t degree, int64_t k, uint32_t node_h, int64_t* out,
+                  std::vector<int64_t>& scratch) {
+  const bool use_set = k > kLinearScanMaxK;
+  uint64_t mask = 0;
+  if (use_set) {
+    uint64_t cap = 1;
+    while (cap < static_cast<uint64_t>(2 * k)) cap <<= 1;
+    scratch.assign(cap, -1);
+    mask = cap - 1;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t t = degree - k + i;
+    const uint64_t r = draw32(node_h, static_cast<uint32_t>(i));
+    int64_t j = static_cast<int64_t>((r * static_cast<uint64_t>(t + 1)) >> 32);
+    if (!use_set) {
+      for (int64_t p = 0; p < i; ++p) {
+        if (out[p] == j) {
+          j = t;  // t is larger than every earlier draw, so it is never taken yet
+          break;
+        }
+      }
+    } else {
+      uint64_t s = (static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ull) >> 32 & mask;
+      while (scratch[s] != -1 && scratch[s] != j) s = (s + 1) & mask;
+      if (scratch[s] == j) {
+        j = t;
+        s = (static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ull) >> 32 & mask;
+        while (scratch[s] != -1) s = (s + 1) & mask;
+      }
+      scratch[s] = j;
+    }
+    out[i] = j;
+  }
+}
+
+// Global id -> local id, open addressing with linear probing; grows by rebuilding from n_id
+// (local id == position in n_id), so it never needs its own copy of the values.
+class LocalIdMap {
+ public:
+  // Make room for `max_entries` keys at load factor <= 1/2.
+  void reserve(int64_t max_entries, const std::vector<int64_t>& n_id) {
+    uint64_t cap = 16;
+    while (cap < static_cast<uint64_t>(2 * max_entries)) cap <<= 1;
+    if (cap <= slots_.size()) return;
+    slots_.assign(cap, Slot{-1, -1});
+    mask_ = cap - 1;
+    shift_ = 64 - __builtin_ctzll(cap);
+    for (int64_t i = 0; i < static_cast<int64_t>(n_id.size()); ++i) find_or_insert(n_id[i], i);
+  }
+
+  inline void prefetch(int64_t key) const {
+    __builtin_prefetch(slots_.data() + ((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_));
+  }
+
+  // The local id of `key`, inserting it as `next_local` when absent.
+  inline int64_t find_or_insert(int64_t key, int64_t next_local) {
+    uint64_t s = (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_;
+    for (;;) {
+      Slot& slot = slots_[s];
+      if (slot.key == key) return slot.local;
+      if (slot.key == -1) {
+        slot.key = key;
+        slot.local = next_local;
+        return next_local;
+      }
+      s = (s + 1) & mask_;
+    }
+  }
+
+ private:
+  struct Slot {
+    int64_t key;
+    int64_t local;
+  };
+  std::vector<Slot> slots_;
+  uint64_t mask_ = 0;
+  int shift_ = 64;
+};
+
+void check_csc(const at::Tensor& indptr, const at::Tensor& indices) {
+  // Shared-memory graphs are read in place: refuse rather than silently copy.
+  TORCH_CHECK(indptr.device().is_cpu() && indices.device().is_cpu(),
+              "cpu_sampler: indptr and indices must be CPU tensors");
+  TORCH_CHECK_TYPE(indptr.scalar_type() == at::kLong, "cpu_sampler: indptr must be int64, got ",
+                   indptr.scalar_type());
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong, "cpu_sampler: indices must be int64, got ",
+                   indices.scalar_type());
+  TORCH_CHECK(indptr.dim() == 1 && indptr.numel() >= 1,
+              "cpu_sampler: indptr must be 1-D with num_nodes + 1 entries");
+  TORCH_CHECK(indices.dim() == 1, "cpu_sampler: indices must be 1-D");
+  TORCH_CHECK(indptr.is_contiguous() && indices.is_contiguous(),
+              "cpu_sampler: indptr and indices must be contiguous (they are read in place, "
+              "never copied)");
+  const int64_t last = indptr.data_ptr<int64_t>()[indptr.numel() - 1];
+  TORCH_CHECK(last == indices.numel(), "cpu_sampler: indptr[-1]=", last, " but there are ",
+              indices.numel(), " indices");
+}
+
+at::Tensor vector_to_tensor(std::vector<int64_t>&& values) {
+  // Hand the buffer to the tensor instead of copying it.
+  auto* owned = new std::vector<int64_t>(std::move(values));
+  return torch::from_blob(
+      owned->data(), {static_cast<int64_t>(owned->size())},
+      [owned](void*) { delete owned; }, torch::TensorOptions().dtype(torch::kInt64));
+}
+
+// Nodes per chunk of a parallel loop: enough work that claiming a chunk is noise.
+int64_t grain_nodes(int64_t fanout) {
+  const int64_t per_node = fanout > 0 ? fanout : 32;
+  return std::max<int64_t>(16, 4096 / per_node);
+}
+
+// at::parallel_for gives each thread one equal slice, but frontier nodes differ in cost (hubs under
+// fanout -1) and on a shared box one thread may be descheduled; so torch's threads claim small
+// chunks from a counter and a slow thread holds up at most one chunk.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t grain, const F& fn) {
+  const int64_t num_chunks = (n + grain - 1) / grain;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_chunks);
+  if (workers <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t lo = next.fetch_add(grain); lo < n; lo = next.fetch_add(grain)) {
+      fn(lo, std::min(lo + grain, n));
+    }
+  });
+}
+
+// A buffer that is not zero-filled: every element is written before it is read.
+using Buffer = std::unique_ptr<int64_t[]>;
+inline Buffer make_buffer(int64_t n) { return Buffer(new int64_t[std::max<int64_t>(n, 1)]); }
+
+struct HopEdges {
+  int64_t num_edges = 0;
+  Buffer nbr;    // global id of each sampled neighbour in frontier order; local id after dedup
+  Buffer owner;  // local id of the frontier node that drew it
+};
+
+// Pass 1: each frontier node's degree, CSC start and sample size (exclusive prefix sum in offset).
+void plan_hop(const int64_t* indptr, int64_t num_nodes, int64_t num_indices, const int64_t* frontier,
+              int64_t width, int64_t k, int64_t* start, int64_t* degree, int64_t* offset) {
+  std::atomic<int64_t> bad_node{-1};
+  std::atomic<int64_t> bad_indptr{-1};
+  std::atomic<int64_t> huge_node{-1};
+  parallel_chunks(width, 2048, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t v = frontier[i];
+      offset[i + 1] = 0;
+      if (v < 0 || v >= num_nodes) {
+        bad_node.store(v);
+        continue;
+      }
+      start[i] = indptr[v];
+      degree[i] = indptr[v + 1] - start[i];
+      if (degree[i] < 0 || start[i] < 0 || indptr[v + 1] > num_indices) {
+        bad_indptr.store(v);
+        continue;
+      }
+      offset[i + 1] = (k < 0 || degree[i] <= k) ? degree[i] : k;
+      if (offset[i + 1] != degree[i] && degree[i] >= kMaxSampledDegree) huge_node.store(v);
+    }
+  });
+  TORCH_CHECK_INDEX(bad_node.load() == -1, "cpu_sampler: node id ", bad_node.load(),
+                    " is outside [0, ", num_nodes, ")");
+  TORCH_CHECK_VALUE(bad_indptr.load() == -1, "cpu_sampler: indptr is not a valid CSC at node ",
+                    bad_indptr.load());
+  TORCH_CHECK_VALUE(huge_node.load() == -1, "cpu_sampler: node ", huge_node.load(),
+                    " has 2**31 or more neighbours, beyond the sampling spec's range");
+  offset[0] = 0;
+  for (int64_t i = 0; i < width; ++i) offset[i + 1] += offset[i];
+}
+
+// Sample one hop for the frontier n_id[begin:end] (pass 1, prefix sum, pass 2).
+HopEdges sample_hop(const int64_t* indptr, const int64_t* indices, int64_t num_nodes,
+                    int64_t num_indices, const std::vector<int64_t>& n_id, int64_t begin,
+                    int64_t end, int64_t k, uint32_t base, uint32_t hop) {
+  const int64_t width = end - begin;
+  const int64_t* frontier = n_id.data() + begin;
+  Buffer start = make_buffer(width);
+  Buffer degree = make_buffer(width);
+  Buffer offset = make_buffer(width + 1);
+  plan_hop(indptr, num_nodes, num_indices, frontier, width, k, start.get(), degree.get(),
+           offset.get());
+
+  HopEdges hop_edges{offset[width], make_buffer(offset[width]), make_buffer(offset[width])};
+  const uint32_t hop_term = hop * kHopMul;
+  const int64_t slot = std::max<int64_t>(k, 1);
+  parallel_chunks(width, grain_nodes(k), [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> draws(2 * slot);  // double buffer: node i and node i + 1
+    std::vector<int64_t> scratch;
+    // Draw node i+1's offsets and prefetch those neighbours, then copy out node i's: the reads
+    // miss cache on big graphs, and drawing the next node meanwhile hides their latency.
+    auto draw = [&](int64_t i, int64_t* chosen) {
+      const int64_t* src = indices + start[i];
+      if (offset[i + 1] - offset[i] == degree[i]) {
+        for (int64_t b = 0; b < std::min<int64_t>(degree[i], 64); b += 8) __builtin_prefetch(src + b);
+        return;
+      }
+      floyd_select(degree[i], k, node_hash(base, hop_term, frontier[i]), chosen, scratch);
+      for (int64_t d = 0; d < k; ++d) __builtin_prefetch(src + chosen[d]);
+    };
+    auto emit = [&](int64_t i, const int64_t* chosen) {
+      const int64_t* src = indices + start[i];
+      int64_t* out = hop_edges.nbr.get() + offset[i];
+      const int64_t count = offset[i + 1] - offset[i];
+      if (count == degree[i]) {  // whole neighbourhood, CSC order
+        std::memcpy(out, src, sizeof(int64_t) * count);
+      } else {
+        for (int64_t d = 0; d < k; ++d) out[d] = src[chosen[d]];
+      }
+      std::fill_n(hop_edges.owner.get() + offset[i], count, begin + i);
+    };
+    draw(lo, draws.data());
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + 1 < hi) draw(i + 1, draws.data() + ((i + 1 - lo) & 1) * slot);
+      emit(i, draws.data() + ((i - lo) & 1) * slot);
+    }
+  });
+  return hop_edges;
+}
+
+}  // namespace
+
+// Returns (n_id, edge_index [2, E], seed_index, num_sampled_nodes, num_sampled_edges).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, std::vector<int64_t>>
+sample_neighbors(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seeds,
+                 const std::vector<int64_t>& fanouts, int64_t seed) {
+  check_csc(indptr, indices);
+  TORCH_CHECK_TYPE(seeds.device().is_cpu() && seeds.scalar_type() == at::kLong && seeds.dim() == 1,
+                   "cpu_sampler: seeds must be a 1-D int64 CPU tensor");
+  TORCH_CHECK_VALUE(seed >= 0, "cpu_sampler: seed must be non-negative, got ", seed);
+  const at::Tensor seeds_c = seeds.contiguous();  // request-sized, copying it is free
+  const int64_t* seed_ptr = seeds_c.data_ptr<int64_t>();
+  const int64_t num_seeds = seeds_c.numel();
+  const int64_t num_nodes = indptr.numel() - 1;
+  const uint32_t base = seed_base(static_cast<uint64_t>(seed));
+
+  std::vector<int64_t> n_id;
+  std::vector<int64_t> seed_index(num_seeds);
+  LocalIdMap local_of;
+  local_of.reserve(num_seeds, n_id);
+  for (int64_t i = 0; i < num_seeds; ++i) {
+    const int64_t v = seed_ptr[i];
+    TORCH_CHECK_INDEX(v >= 0 && v < num_nodes, "cpu_sampler: seed node ", v, " is outside [0, ",
+                      num_nodes, ")");
+    seed_index[i] = local_of.find_or_insert(v, static_cast<int64_t>(n_id.size()));
+    if (seed_index[i] == static_cast<int64_t>(n_id.size())) n_id.push_back(v);
+  }
+
+  std::vector<int64_t> num_sampled_nodes{static_cast<int64_t>(n_id.size())};
+  std::vector<int64_t> num_sampled_edges;
+  std::vector<HopEdges> hops;
+  int64_t frontier_begin = 0;
+  for (size_t h = 0; h < fanouts.size(); ++h) {
+    const int64_t frontier_end = static_cast<int64_t>(n_id.size());
+    hops.push_back(sample_hop(indptr.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), num_nodes,
+                              indices.numel(), n_id, frontier_begin, frontier_end, fanouts[h],
+                              base, static_cast<uint32_t>(h + 1)));
+    int64_t* nbr = hops.back().nbr.get();
+    const int64_t num_edges = hops.back().num_edges;
+    local_of.reserve(std::min(frontier_end + num_edges, num_nodes), n_id);
+    constexpr int64_t kAhead = 16;  // table probes are cache misses on big samples
+    for (int64_t e = 0; e < num_edges; ++e) {  // sequential: defines first-occurrence order
+      if (e + kAhead < num_edges) local_of.prefetch(nbr[e + kAhead]);
+      const int64_t next = static_cast<int64_t>(n_id.size());
+      const int64_t global = nbr[e];
+      nbr[e] = local_of.find_or_insert(global, next);
+      if (nbr[e] == next) n_id.push_back(global);
+    }
+    num_sampled_nodes.push_back(static_cast<int64_t>(n_id.size()) - frontier_end);
+    num_sampled_edges.push_back(num_edges);
+    frontier_begin = frontier_end;
+  }
+
+  int64_t total_edges = 0;
+  for (const HopEdges& hop : hops) total_edges += hop.num_edges;
+  at::Tensor edge_index = torch::empty({2, total_edges}, torch::kInt64);
+  int64_t* rows = edge_index.data_ptr<int64_t>();
+  int64_t* cols = rows + total_edges;
+  for (const HopEdges& hop : hops) {
+    std::memcpy(rows, hop.nbr.get(), sizeof(int64_t) * hop.num_edges);
+    std::memcpy(cols, hop.owner.get(), sizeof(int64_t) * hop.num_edges);
+    rows += hop.num_edges;
+    cols += hop.num_edges;
+  }
+  return {vector_to_tensor(std::move(n_id)), edge_index, vector_to_tensor(std::move(seed_index)),
+          num_sampled_nodes, num_sampled_edges};
+}
+
+uint32_t seed_base_py(int64_t seed) { return seed_base(static_cast<uint64_t>(seed)); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "quiver-serve CPU neighbour sampler (C++ twin of sampling/reference.py)";
+  m.def("sample_neighbors", &sample_neighbors,
+        "Sample a len(fanouts)-hop subgraph; see quiver_serve/sampling/base.py",
+        py::arg("indptr"), py::arg("indices"), py::arg("seeds"), py::arg("fanouts"),
+        py::arg("seed"), py::call_guard<py::gil_scoped_release>());
+  m.def("seed_base", &seed_base_py, "The 32-bit batch base of a seed (exposed for tests)");
+}
