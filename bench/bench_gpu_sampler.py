@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import time
-import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,19 +41,7 @@ BATCH_SIZES = [1, 16, 128, 1024, 8192]
 CPU_CELL_BUDGET_S = 3.0  # wall time per CPU cell; a 1-thread 8192 batch takes ~0.1-1 s
 
 
-def _light_package_import() -> None:
-    """Import the sampler modules without the package ``__init__`` (pydantic) when that fails."""
-    sys.path.insert(0, str(REPO_ROOT))
-    try:
-        import quiver_serve  # noqa: F401
-    except ImportError:
-        for name in ("quiver_serve", "quiver_serve.sampling", "quiver_serve.graph"):
-            module = types.ModuleType(name)
-            module.__path__ = [str(REPO_ROOT.joinpath(*name.split(".")))]
-            sys.modules[name] = module
-
-
-_light_package_import()
+sys.path.insert(0, str(REPO_ROOT))
 
 from quiver_serve.graph.csc import GraphData  # noqa: E402
 from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available  # noqa: E402

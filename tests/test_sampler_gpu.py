@@ -9,8 +9,6 @@ imported (see ``_light_package_import``), and pytest is run with ``--noconftest`
 from __future__ import annotations
 
 import math
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,22 +17,6 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _light_package_import() -> None:
-    """Register quiver_serve's packages without running their ``__init__`` when those fail.
-
-    The package ``__init__`` imports the config (pydantic), which GPU boxes may lack; the sampler
-    modules and ``graph.csc`` need only torch.
-    """
-    try:
-        import quiver_serve  # noqa: F401
-    except ImportError:
-        for name in ("quiver_serve", "quiver_serve.sampling", "quiver_serve.graph"):
-            module = types.ModuleType(name)
-            module.__path__ = [str(REPO_ROOT.joinpath(*name.split(".")))]
-            sys.modules[name] = module
-
-
-_light_package_import()
 
 from quiver_serve.graph.csc import GraphData  # noqa: E402
 from quiver_serve.sampling.base import SamplerOutput  # noqa: E402

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ from quiver_serve.engine.process import (
     put_until,
     report_failed,
     report_ready,
+    restart_dead,
     retire_queue,
     spawn_context,
     wait_ready,
@@ -40,9 +40,6 @@ from quiver_serve.messages import BatchedRequest, SamplerReply, Shutdown
 from quiver_serve.sampling import make_cpu_sampler
 
 log = logging.getLogger(__name__)
-
-RESTART_BACKOFF_S = 1.0
-
 
 def sampler_worker_main(
     index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
@@ -190,21 +187,14 @@ class HybridSampler:
     # ---- supervision -----------------------------------------------------------------------
     def check_workers(self) -> list[int]:
         """Restart dead samplers on fresh queues; returns the indices restarted."""
-        restarted = []
-        for w in self.workers:
-            if self._stop.is_set() or not w.died():
-                continue
-            if time.monotonic() - w.last_start_s < RESTART_BACKOFF_S:
-                continue  # crash loop guard
-            log.error("sampler %d (pid %s) died with code %s; restarting", w.index, w.pid,
-                      w.process.exitcode)
-            for qs in (self._task_qs, self._out_qs):
-                retire_queue(qs[w.index])
-                qs[w.index] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
-            w.restarts += 1
-            w.start()
-            restarted.append(w.index)
-        return restarted
+        if self._stop.is_set():
+            return []
+        return restart_dead(self.workers, self._renew_queues)
+
+    def _renew_queues(self, i: int) -> None:
+        for qs in (self._task_qs, self._out_qs):
+            retire_queue(qs[i])
+            qs[i] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
 
 
 def _depth(q: Any) -> int:

@@ -15,7 +15,6 @@ import torch
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.devices import num_inference_workers, worker_device
-from quiver_serve.engine.hybrid_sampler import RESTART_BACKOFF_S
 from quiver_serve.engine.process import (
     WorkerHandle,
     get_or_none,
@@ -23,6 +22,7 @@ from quiver_serve.engine.process import (
     put_until,
     report_failed,
     report_ready,
+    restart_dead,
     retire_queue,
     spawn_context,
     wait_ready,
@@ -157,19 +157,12 @@ class InferenceServer:
         What the dead worker held (its input queue, a batch in progress) is lost: the Pipeline
         retries those requests once, then answers 503.
         """
-        restarted = []
-        for w in self.workers:
-            if self._stopping or not w.died():
-                continue
-            if time.monotonic() - w.last_start_s < RESTART_BACKOFF_S:
-                continue
-            log.error("inference worker %d (pid %s) died with code %s; restarting", w.index, w.pid,
-                      w.process.exitcode)
-            retire_queue(self.in_qs[w.index])
-            self.in_qs[w.index] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
-            retire_queue(self._result_qs[w.index])
-            self._result_qs[w.index] = self._ctx.Queue(maxsize=self._result_cap)
-            w.restarts += 1
-            w.start()
-            restarted.append(w.index)
-        return restarted
+        if self._stopping:
+            return []
+        return restart_dead(self.workers, self._renew_queues)
+
+    def _renew_queues(self, i: int) -> None:
+        retire_queue(self.in_qs[i])
+        self.in_qs[i] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
+        retire_queue(self._result_qs[i])
+        self._result_qs[i] = self._ctx.Queue(maxsize=self._result_cap)

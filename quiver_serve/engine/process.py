@@ -17,6 +17,7 @@ from quiver_serve.messages import Shutdown, WorkerFailed, WorkerReady
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a blocked loop wakes to check for shutdown or a dead parent
+RESTART_BACKOFF_S = 1.0  # a worker is restarted at most this often (crash-loop guard)
 
 
 def spawn_context() -> Any:
@@ -105,6 +106,25 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=2.0)
+
+
+def restart_dead(handles: Sequence[WorkerHandle], renew_queues: Callable[[int], None]) -> list[int]:
+    """Restart every worker that died (kill -9 included) after giving it fresh queues.
+
+    A dead worker may have held its queues' locks, so ``renew_queues(index)`` must retire them
+    (``retire_queue``) and put new ones where the worker's ``make_args`` reads them.
+    """
+    restarted = []
+    for w in handles:
+        if not w.died() or time.monotonic() - w.last_start_s < RESTART_BACKOFF_S:
+            continue
+        log.error("%s %d (pid %s) died with code %s; restarting", w.role, w.index, w.pid,
+                  w.process.exitcode)
+        renew_queues(w.index)
+        w.restarts += 1
+        w.start()
+        restarted.append(w.index)
+    return restarted
 
 
 def retire_queue(q: Any) -> None:
