@@ -24,12 +24,12 @@ from quiver_serve.engine.devices import inference_on_gpu, num_inference_workers
 from quiver_serve.engine.process import (
     WorkerHandle,
     get_or_none,
-    parent_alive,
     put_until,
     report_failed,
     report_ready,
     restart_dead,
     retire_queue,
+    serve_queue,
     spawn_context,
     wait_ready,
 )
@@ -54,12 +54,8 @@ def sampler_worker_main(
         report_failed(control_q, "sampler", index, exc)
         raise
     report_ready(control_q, "sampler", index, impl=sampler.name)
-    while parent_alive():
-        batch = get_or_none(task_q)
-        if batch is None:
-            continue
-        if isinstance(batch, Shutdown):
-            break
+
+    def handle(batch: BatchedRequest) -> list[SamplerReply]:
         try:
             sampled, failed = engine.step(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch only
@@ -67,8 +63,9 @@ def sampler_worker_main(
             sampled, failed = None, [
                 error_result(rid, "internal", f"sampling failed: {exc}", 500) for rid in batch.request_ids
             ]
-        reply = SamplerReply(batch_id=batch.batch_id, worker=batch.worker, sampled=sampled, failed=failed)
-        put_until(out_q, reply, parent_alive)
+        return [SamplerReply(batch_id=batch.batch_id, worker=batch.worker, sampled=sampled, failed=failed)]
+
+    serve_queue(task_q, out_q, handle)
 
 
 class HybridSampler:

@@ -17,19 +17,16 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.devices import num_inference_workers, worker_device
 from quiver_serve.engine.process import (
     WorkerHandle,
-    get_or_none,
-    parent_alive,
-    put_until,
     report_failed,
     report_ready,
     restart_dead,
     retire_queue,
+    serve_queue,
     spawn_context,
     wait_ready,
 )
 from quiver_serve.engine.work import InferenceEngine, SamplingEngine
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.messages import Shutdown
 from quiver_serve.models import ServedModel, build_model
 from quiver_serve.sampling import BaseSampler, make_cpu_sampler
 
@@ -99,14 +96,7 @@ def inference_worker_main(
         raise
     report_ready(control_q, "inference", index, device=str(engine.device),
                  sampler=engine.local.sampler.name, dim=engine.model.out_dim)
-    while parent_alive():
-        item = get_or_none(in_q)
-        if item is None:
-            continue
-        if isinstance(item, Shutdown):
-            break
-        for result in engine.step(item):
-            put_until(result_q, result, parent_alive)
+    serve_queue(in_q, result_q, engine.step)
 
 
 class InferenceServer:

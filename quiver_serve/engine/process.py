@@ -108,6 +108,18 @@ class WorkerHandle:
             self.process.join(timeout=2.0)
 
 
+def serve_queue(in_q: Any, out_q: Any, handle: Callable[[Any], list[Any]]) -> None:
+    """A worker's loop: each item in, its replies out, until Shutdown or the parent is gone."""
+    while parent_alive():
+        item = get_or_none(in_q)
+        if item is None:
+            continue
+        if isinstance(item, Shutdown):
+            break
+        for reply in handle(item):
+            put_until(out_q, reply, parent_alive)
+
+
 def restart_dead(handles: Sequence[WorkerHandle], renew_queues: Callable[[int], None]) -> list[int]:
     """Restart every worker that died (kill -9 included) after giving it fresh queues.
 
