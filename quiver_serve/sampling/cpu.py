@@ -102,6 +102,7 @@ def _build() -> tuple[ModuleType, str]:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not on PATH)")
     if not SOURCE_PATH.exists():
         raise RuntimeError(f"source {SOURCE_PATH} is missing")
+    _put_ninja_on_path()
     from torch.utils.cpp_extension import load
 
     build_dir = extension_build_dir()
@@ -117,6 +118,18 @@ def _build() -> tuple[ModuleType, str]:
                       extra_ldflags=LD_FLAGS, build_directory=str(build_dir), verbose=False)
     elapsed_s = time.perf_counter() - t0
     return module, f"{'built' if fresh else 'loaded'} in {elapsed_s:.1f} s from {build_dir}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's JIT build runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs it
+    into the environment's bin folder, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 @contextlib.contextmanager
