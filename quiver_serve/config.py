@@ -112,6 +112,10 @@ class InferenceConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available (auto)")
     num_workers: int = Field(0, ge=0, description="inference processes; 0 = one per GPU, or one on CPU")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per inference worker")
+    gpu_cache_bytes: int = Field(
+        4 << 30, ge=0,
+        description="GPU memory for node features per GPU: the whole feature matrix is placed there when it fits, else rows are read from host memory",
+    )
 
 
 class ServerConfig(_Section):

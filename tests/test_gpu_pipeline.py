@@ -25,9 +25,12 @@ from quiver_serve.models import build_model  # noqa: E402
 class Routes(PipelineObserver):
     def __init__(self) -> None:
         self.routes: list[str] = []
+        self.hits = self.misses = 0
 
     def on_batch(self, stats: BatchStats) -> None:
         self.routes.append(stats.route)
+        self.hits += stats.cache_hits
+        self.misses += stats.cache_misses
 
 
 def start(route: str, gpu_mode: str = "device") -> tuple[Pipeline, Routes]:
@@ -55,6 +58,22 @@ def test_gpu_route_samples_on_the_gpu(gpu_pipeline) -> None:  # type: ignore[no-
     out = p.embed([0, 1, 2707])
     assert out.shape == (3, 64) and out.device.type == "cpu"
     assert routes.routes and set(routes.routes) == {"gpu"}
+    assert p.server.ready_info[0]["features_on"].startswith("cuda")  # Cora fits gpu_cache_bytes
+    assert routes.hits > 0 and routes.misses == 0
+
+
+def test_features_stay_on_host_when_over_budget() -> None:
+    cfg = ServeConfig.default()
+    cfg.inference.device, cfg.sampling.route, cfg.inference.gpu_cache_bytes = "cuda", "gpu", 1024
+    graph = load_planetoid_raw(resolve_path(cfg.graph.path), "cora")
+    observer = Routes()
+    p = Pipeline(cfg, graph=graph, observer=observer).start()
+    try:
+        assert p.server.ready_info[0]["features_on"] == "cpu"
+        assert p.embed([1, 2, 3]).shape == (3, 64)
+        assert observer.misses > 0 and observer.hits == 0
+    finally:
+        p.stop()
 
 
 def test_gpu_exact_mode_equals_pyg_full_graph(gpu_pipeline) -> None:  # type: ignore[no-untyped-def]

@@ -67,7 +67,10 @@ def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEng
         torch.cuda.set_device(device)
     model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree()).to(device)
     sampler = local_sampler(cfg, graph, device)
-    engine = InferenceEngine(model, graph.x, device,
+    features = graph.x
+    if device.type == "cuda" and graph.x.numel() * graph.x.element_size() <= cfg.inference.gpu_cache_bytes:
+        features = graph.x.to(device)  # every row a GPU hit; placement by access probability is next
+    engine = InferenceEngine(model, features, device,
                              SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index)
     _warm_up(engine)
     return engine
@@ -95,7 +98,8 @@ def inference_worker_main(
         report_failed(control_q, "inference", index, exc)
         raise
     report_ready(control_q, "inference", index, device=str(engine.device),
-                 sampler=engine.local.sampler.name, dim=engine.model.out_dim)
+                 sampler=engine.local.sampler.name, dim=engine.model.out_dim,
+                 features_on=str(engine.features.device))
     serve_queue(in_q, result_q, engine.step)
 
 
