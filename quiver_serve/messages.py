@@ -105,6 +105,40 @@ class EmbedResult(_InlineSmallTensors):
 
 
 @dataclass
+class ResultBatch(_InlineSmallTensors):
+    """Every result of one batch in one message: one queue operation per batch instead of one per
+    request (the Pipeline's path). ``rows`` holds the embeddings of the answered requests, one
+    after another; ``spans[i]`` is (request_id, start, end) into it."""
+
+    rows: Tensor | None
+    spans: list[tuple[str, int, int]]
+    errors: list[EmbedResult]
+    stats: BatchStats | None
+
+    @classmethod
+    def pack(cls, results: list[EmbedResult]) -> ResultBatch:
+        ok = [r for r in results if r.embeddings is not None]
+        spans, start = [], 0
+        for r in ok:
+            assert r.embeddings is not None
+            spans.append((r.request_id, start, start + int(r.embeddings.size(0))))
+            start = spans[-1][2]
+        rows = torch.cat([r.embeddings for r in ok]) if ok else None  # type: ignore[misc]
+        stats = next((r.stats for r in results if r.stats is not None), None)
+        return cls(rows=rows, spans=spans, errors=[r for r in results if r.embeddings is None],
+                   stats=stats)
+
+    def unpack(self) -> list[EmbedResult]:
+        """The per-request results; the first carries the batch stats, as in the unpacked form."""
+        out = [EmbedResult(rid, embeddings=self.rows[a:b]) for rid, a, b in self.spans
+               if self.rows is not None]
+        out += self.errors
+        if out and self.stats is not None:
+            out[0].stats = self.stats
+        return out
+
+
+@dataclass
 class BatchedRequest(_InlineSmallTensors):
     """Requests merged into one batch: ``node_ids`` is their concatenation.
 

@@ -71,3 +71,21 @@ def test_engine_passes_upstream_errors_through(cora: GraphData) -> None:
     eng = engine(cora, [3, 3])
     err = EmbedResult("x", error=None)
     assert eng.step(err) == [err]
+
+
+def test_result_batch_round_trip_keeps_every_result(cora: GraphData) -> None:
+    import pickle
+
+    from quiver_serve.messages import ResultBatch
+
+    eng = engine(cora, [3, 3])
+    now = time.time()
+    results = eng.step(batch([[4, 9, 4], [2707], [99999]], deadlines=[now + 60] * 3))
+    packed = pickle.loads(pickle.dumps(ResultBatch.pack(results)))
+    back = {r.request_id: r for r in packed.unpack()}
+    before = {r.request_id: r for r in results}
+    assert set(back) == {"r0", "r1", "r2"}
+    assert torch.equal(back["r0"].embeddings, before["r0"].embeddings)
+    assert torch.equal(back["r1"].embeddings, before["r1"].embeddings)
+    assert back["r2"].error.status == 400
+    assert sum(r.stats is not None for r in back.values()) == 1

@@ -31,7 +31,7 @@ from quiver_serve.engine.process import get_or_none, spawn_context
 from quiver_serve.engine.router import RouteDecision
 from quiver_serve.engine.work import check_node_ids
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.messages import BatchedRequest, BatchStats, EmbedRequest, EmbedResult
+from quiver_serve.messages import BatchedRequest, BatchStats, EmbedRequest, EmbedResult, ResultBatch
 from quiver_serve.sampling.base import MAX_SEED
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ class Pipeline:
                                       downstream_idle=lambda: self.sampler is not None and self.sampler.idle(),
                                       is_live=self.is_pending)
         self.sampler = HybridSampler(self.cfg, self.graph, self.batcher.batched_request_queue_list())
-        self.server = InferenceServer(self.cfg, self.graph, self.sampler.sampled_request_queue_list())
+        self.server = InferenceServer(self.cfg, self.graph, self.sampler.sampled_request_queue_list(),
+                                      batch_results=True)
         self.sampler.on_dispatch = self._on_dispatch
         self.sampler.on_sampled = self._on_sampled
         try:
@@ -288,22 +289,26 @@ class Pipeline:
         assert self.server is not None
         current = self.server.result_queue_list()[index]
         while not self._stopping.is_set():
-            result = get_or_none(current)
-            if result is None:
+            msg = get_or_none(current)
+            if msg is None:
                 latest = self.server.result_queue_list()[index]
                 if current is not latest:  # the worker was restarted and its old queue is drained
                     current = latest
                 continue
-            if result.stats is not None:
-                self.observer.on_batch(result.stats)
-            with self._lock:
-                entry = self._pending.pop(result.request_id, None)
-            if entry is not None and result.error is not None and result.error.status == 504:
-                self.observer.on_rejected("deadline")  # expired in a worker queue, skipped there
-            if entry is None:
-                self.observer.on_late_result()
-            elif not entry.future.done():
-                entry.future.set_result(result)
+            for result in msg.unpack() if isinstance(msg, ResultBatch) else [msg]:
+                self._resolve(result)
+
+    def _resolve(self, result: EmbedResult) -> None:
+        if result.stats is not None:
+            self.observer.on_batch(result.stats)
+        with self._lock:
+            entry = self._pending.pop(result.request_id, None)
+        if entry is not None and result.error is not None and result.error.status == 504:
+            self.observer.on_rejected("deadline")  # expired in a worker queue, skipped there
+        if entry is None:
+            self.observer.on_late_result()
+        elif not entry.future.done():
+            entry.future.set_result(result)
 
     def _sweep_loop(self) -> None:
         while not self._stopping.wait(_SWEEP_S):
