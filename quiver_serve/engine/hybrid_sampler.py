@@ -25,12 +25,12 @@ from quiver_serve.engine.process import (
     WorkerHandle,
     get_or_none,
     put_until,
-    report_failed,
     report_ready,
     restart_dead,
     retire_queue,
     serve_queue,
     spawn_context,
+    start_up,
     wait_ready,
 )
 from quiver_serve.engine.router import QueueDepthRouter, RouteDecision, Router, RouterState
@@ -41,19 +41,20 @@ from quiver_serve.sampling import make_cpu_sampler
 
 log = logging.getLogger(__name__)
 
+
 def sampler_worker_main(
     index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
     task_q: Any, out_q: Any, control_q: Any,
 ) -> None:
     """CPU sampler process: take batches, sample, send one SamplerReply per batch back."""
-    try:
+
+    def build() -> SamplingEngine:
         torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
         sampler = make_cpu_sampler(indptr, indices, cfg.sampling.implementation)
-        engine = SamplingEngine(sampler, cfg.sampling.fanouts, indptr.numel() - 1)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails start-up
-        report_failed(control_q, "sampler", index, exc)
-        raise
-    report_ready(control_q, "sampler", index, impl=sampler.name)
+        return SamplingEngine(sampler, cfg.sampling.fanouts, indptr.numel() - 1)
+
+    engine = start_up(control_q, "sampler", index, build)
+    report_ready(control_q, "sampler", index, impl=engine.sampler.name)
 
     def handle(batch: BatchedRequest) -> list[SamplerReply]:
         try:

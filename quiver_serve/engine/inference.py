@@ -17,12 +17,12 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.devices import num_inference_workers, worker_device
 from quiver_serve.engine.process import (
     WorkerHandle,
-    report_failed,
     report_ready,
     restart_dead,
     retire_queue,
     serve_queue,
     spawn_context,
+    start_up,
     wait_ready,
 )
 from quiver_serve.engine.work import InferenceEngine, SamplingEngine
@@ -92,12 +92,8 @@ def inference_worker_main(
     index: int, cfg: ServeConfig, graph: GraphData, in_q: Any, result_q: Any, control_q: Any,
     batch_results: bool = False,
 ) -> None:
-    try:
-        torch.set_num_threads(cfg.inference.torch_threads)
-        engine = build_engine(cfg, graph, index)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails start-up
-        report_failed(control_q, "inference", index, exc)
-        raise
+    torch.set_num_threads(cfg.inference.torch_threads)
+    engine = start_up(control_q, "inference", index, lambda: build_engine(cfg, graph, index))
     report_ready(control_q, "inference", index, device=str(engine.device),
                  sampler=engine.local.sampler.name, dim=engine.model.out_dim,
                  features_on=str(engine.features.device))

@@ -8,13 +8,15 @@ import os
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.multiprocessing as mp
 
 from quiver_serve.messages import Shutdown, WorkerFailed, WorkerReady
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 POLL_S = 0.05  # how often a blocked loop wakes to check for shutdown or a dead parent
 RESTART_BACKOFF_S = 1.0  # a worker is restarted at most this often (crash-loop guard)
@@ -181,6 +183,15 @@ def wait_ready(
             log.info("waiting for %s(s) %s to start...", what, sorted(pending))
             last_log = now
     return ready
+
+
+def start_up(control_q: Any, role: str, index: int, build: Callable[[], T]) -> T:
+    """Run a worker's start-up; a failure goes to the parent (which fails start-up) and re-raises."""
+    try:
+        return build()
+    except Exception as exc:
+        report_failed(control_q, role, index, exc)
+        raise
 
 
 def report_ready(control_q: Any, role: str, index: int, **info: Any) -> None:
