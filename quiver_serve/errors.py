@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from quiver_serve.messages import ErrorInfo
 
 
@@ -35,3 +38,12 @@ def deadline() -> ServeError:
 
 def overloaded(message: str, status: int = 503) -> ServeError:
     return ServeError("overloaded", message, status)
+
+
+def internal_error(exc: BaseException, where: str, logger: logging.Logger) -> ServeError:
+    """A 500 whose body carries no internal detail: a fixed message and an error id, which the
+    log line (with the traceback) carries too, so an operator can find it."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s in %s: %s: %s", error_id, where, type(exc).__name__, exc,
+                 exc_info=exc)
+    return ServeError("internal", f"internal error (id {error_id}); see the server log", 500)

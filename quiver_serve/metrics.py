@@ -1,61 +1,77 @@
-"""Prometheus metrics, owned by the front-end process only (workers send plain BatchStats)."""
+"""Prometheus metrics from every process, in prometheus_client's multiprocess mode.
+
+Each process of one daemon writes its own samples to memory-mapped files in one directory
+(``PROMETHEUS_MULTIPROC_DIR``, created by the supervisor before any child starts and inherited by
+every child); ``/metrics`` merges them with ``MultiProcessCollector``. Engine cores record the
+per-batch metrics (route, batch size, sample/gather/compute time, cache hits) where the batch runs;
+front-ends record per-request ones (latency, rejections, pending); the supervisor records restarts.
+Counters of a process that died keep counting in the total (their files stay).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import atexit
+import os
+import shutil
+import tempfile
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
-from quiver_serve.engine.pipeline import PipelineObserver
+from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.messages import BatchStats
 
 PREFIX = "quiver_serve_"
+ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
 
 
-class Metrics(PipelineObserver):
-    """Every metric of DESIGN §5 that exists at this stage, in one private registry."""
+def multiprocess_dir() -> str:
+    """The metrics directory of this process tree; created (and removed at exit) on first use.
 
-    def __init__(self, pending: Callable[[], float] = lambda: 0.0) -> None:
-        r = self.registry = CollectorRegistry()
-        self.request_duration = Histogram(
-            PREFIX + "request_duration_seconds", "HTTP request latency", ["endpoint", "status"],
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+    prometheus_client picks its value class when it is imported, so it is picked again here once
+    the directory is known; metrics created before this call would stay process-local.
+    """
+    path = os.environ.get(ENV)
+    if not path:
+        path = tempfile.mkdtemp(prefix="quiver-metrics-")
+        os.environ[ENV] = path
+        atexit.register(shutil.rmtree, path, True)
+    os.makedirs(path, exist_ok=True)
+    values.ValueClass = values.get_value_class()
+    return path
+
+
+class EngineMetrics:
+    """Per-batch metrics, recorded in the engine core process that ran the batch."""
+
+    def __init__(self) -> None:
+        multiprocess_dir()
         self.queue_duration = Histogram(
-            PREFIX + "queue_duration_seconds", "time a batch waited in queues before work",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+            PREFIX + "queue_duration_seconds", "time a batch's oldest request waited before work",
+            buckets=_LATENCY_BUCKETS_S, registry=None)
         self.batch_nodes = Histogram(
-            PREFIX + "batch_nodes", "seed nodes per batch", buckets=_NODE_BUCKETS, registry=r)
+            PREFIX + "batch_nodes", "seed nodes per batch", buckets=_NODE_BUCKETS, registry=None)
         self.sampled_nodes = Histogram(
-            PREFIX + "sampled_nodes", "measured unique nodes per sampled batch", buckets=_NODE_BUCKETS,
-            registry=r)
-        self.route_total = Counter(PREFIX + "route_total", "batches per route", ["route"], registry=r)
+            PREFIX + "sampled_nodes", "measured unique nodes per sampled batch",
+            buckets=_NODE_BUCKETS, registry=None)
+        self.route_total = Counter(PREFIX + "route", "batches per route", ["route"], registry=None)
         self.sample_duration = Histogram(
             PREFIX + "sample_duration_seconds", "sampling time per batch", ["route"],
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+            buckets=_LATENCY_BUCKETS_S, registry=None)
         self.gather_duration = Histogram(
             PREFIX + "gather_duration_seconds", "feature gather time per batch",
-            buckets=_LATENCY_BUCKETS_S, registry=r)
+            buckets=_LATENCY_BUCKETS_S, registry=None)
         self.compute_duration = Histogram(
-            PREFIX + "compute_duration_seconds", "model time per batch", buckets=_LATENCY_BUCKETS_S,
-            registry=r)
+            PREFIX + "compute_duration_seconds", "gather + model time per batch (GPU: device time)",
+            buckets=_LATENCY_BUCKETS_S, registry=None)
         self.cache_hits = Counter(
-            PREFIX + "feature_cache_hits", "feature rows read from GPU cache", registry=r)
+            PREFIX + "feature_cache_hits", "feature rows read from GPU memory", registry=None)
         self.cache_misses = Counter(
-            PREFIX + "feature_cache_misses", "feature rows read from host memory", registry=r)
-        self.pending = Gauge(PREFIX + "pending_requests", "admitted requests not yet answered",
-                             registry=r)
-        self.pending.set_function(pending)
-        self.rejected = Counter(
-            PREFIX + "requests_rejected", "requests refused or abandoned", ["reason"], registry=r)
-        self.restarts = Counter(
-            PREFIX + "worker_restarts", "worker processes restarted", ["role"], registry=r)
-        self.late_results = Counter(
-            PREFIX + "late_results", "results that arrived after their request was answered",
-            registry=r)
+            PREFIX + "feature_cache_misses", "feature rows read from host memory", registry=None)
 
-    def on_batch(self, stats: BatchStats) -> None:
+    def observe(self, stats: BatchStats) -> None:
         self.route_total.labels(stats.route).inc()
         self.batch_nodes.observe(stats.num_seeds)
         self.sampled_nodes.observe(stats.num_sampled_nodes)
@@ -63,8 +79,34 @@ class Metrics(PipelineObserver):
         self.sample_duration.labels(stats.route).observe(stats.sample_s)
         self.gather_duration.observe(stats.gather_s)
         self.compute_duration.observe(stats.compute_s)
-        self.cache_hits.inc(stats.cache_hits)
-        self.cache_misses.inc(stats.cache_misses)
+        if stats.cache_hits:
+            self.cache_hits.inc(stats.cache_hits)
+        if stats.cache_misses:
+            self.cache_misses.inc(stats.cache_misses)
+
+
+class Metrics(PipelineObserver):
+    """Front-end and supervisor metrics, and the merged view of every process (``registry``)."""
+
+    def __init__(self) -> None:
+        path = multiprocess_dir()
+        self.registry = CollectorRegistry()
+        MultiProcessCollector(self.registry, path=path)
+        self.request_duration = Histogram(
+            PREFIX + "request_duration_seconds", "HTTP request latency", ["endpoint", "status"],
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.pending = Gauge(PREFIX + "pending_requests", "admitted requests not yet answered",
+                             registry=None, multiprocess_mode="livesum")
+        self.rejected = Counter(
+            PREFIX + "requests_rejected", "requests refused or abandoned", ["reason"], registry=None)
+        self.restarts = Counter(
+            PREFIX + "worker_restarts", "worker processes restarted", ["role"], registry=None)
+        self.late_results = Counter(
+            PREFIX + "late_results", "results that arrived after their request was answered",
+            registry=None)
+
+    def on_pending(self, count: int) -> None:
+        self.pending.set(count)
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

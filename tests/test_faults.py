@@ -60,14 +60,15 @@ class Load:
         assert not any(t.is_alive() for t in self.threads), "a request hung"
 
 
-@pytest.mark.parametrize("role", ["sampler", "inference"])
+@pytest.mark.parametrize("role", ["sampler", "engine"])
 def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
     cfg = small_config(model__weights=None, server__request_timeout_s=20.0)
     p = Pipeline(cfg, graph=cora).start()
     try:
         with Load(p) as load:
             time.sleep(1.0)
-            handle = (p.sampler.workers if role == "sampler" else p.server.workers)[0]
+            assert p.supervisor is not None
+            handle = (p.supervisor.samplers if role == "sampler" else p.supervisor.engines)[0]
             victim = handle.pid
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()

@@ -137,12 +137,14 @@ def test_low_level_stage_api(cora: GraphData) -> None:
 
 def test_stop_leaves_no_worker_processes(cora: GraphData) -> None:
     p = Pipeline(small_config(model__weights=None), graph=cora).start()
-    workers = p.sampler.workers + p.server.workers
-    assert all(w.is_alive() for w in workers)
+    assert p.supervisor is not None
+    children = p.supervisor.children
+    assert {c.role for c in children} == {"engine", "sampler"}
+    assert all(c.alive() for c in children)
     t0 = time.monotonic()
     p.stop()
     assert time.monotonic() - t0 < 10
-    assert not any(w.is_alive() for w in workers)
+    assert not any(c.alive() for c in children)
     with pytest.raises(ServeError) as e:
         p.embed([1])
     assert e.value.info.status == 503

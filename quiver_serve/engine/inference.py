@@ -165,3 +165,14 @@ class InferenceServer:
         self.in_qs[i] = self._ctx.Queue(maxsize=self.cfg.batching.queue_capacity)
         retire_queue(self._result_qs[i])
         self._result_qs[i] = self._ctx.Queue(maxsize=self._result_cap)
+
+
+def gpu_sampler_or_none(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler | None:
+    """The GPU sampler of an engine core on ``device``, or None (CPU device, no CuPy, no build)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return _gpu_sampler(cfg, graph, device)
+    except Exception as exc:  # noqa: BLE001 - the engine samples on the CPU instead
+        log.warning("GPU sampler unavailable (%s: %s); sampling on the CPU", type(exc).__name__, exc)
+        return None

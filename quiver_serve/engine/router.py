@@ -69,3 +69,59 @@ class QueueDepthRouter(Router):
         if route == "gpu" and not state.inference_on_gpu:
             raise RuntimeError("route 'gpu' needs inference workers on a CUDA device")
         return RouteDecision(route=route, sampler=sampler, worker=worker, reason="queue depth")
+
+
+# ---- the engine core's router (serving path) ----------------------------------------------------
+#: engine-core routes: "gpu" = sampled on this engine's GPU; "cpu" = the CPU sampler pool;
+#: "local" = sampled on the CPU inside the engine core
+ENGINE_ROUTES = ("gpu", "cpu", "local")
+#: below this many seeds the C++ sampler beats the GPU kernel's fixed cost (0.016 vs 0.065 ms on
+#: an H200 box); the PSGS cost model of the routing issue replaces this measured constant
+SMALL_BATCH_SEEDS = 16
+
+
+@dataclass
+class EngineRouteState:
+    """What the engine router may look at for one batch."""
+
+    num_seeds: int
+    waiting_micro_batches: int  # left waiting after this batch was formed
+    pool_outstanding: list[int]  # batches at each CPU sampler (empty: no pool)
+    on_gpu: bool  # this engine samples on a GPU
+    in_flight: int = 0  # batches launched on the GPU and not finished
+
+
+class EngineRouter:
+    """Route one batch: ``forced`` pins a path (config ``sampling.route``); ``auto`` decides.
+
+    auto on a GPU engine: the GPU, except tiny batches, which an idle CPU sampler takes (its fixed
+    cost is lower). auto on a CPU-only engine: sample here when nothing else waits (lowest
+    latency); hand the batch to an idle CPU sampler when more work waits, so sampling of this batch
+    overlaps the model of the next.
+    """
+
+    def __init__(self, forced: str = "auto", pool_depth: int = 2) -> None:
+        if forced not in ("auto", *ENGINE_ROUTES):
+            raise ValueError(f"unknown route {forced!r}")
+        self.forced = forced
+        self.pool_depth = pool_depth
+
+    def decide(self, state: EngineRouteState) -> RouteDecision:
+        free = _least(state.pool_outstanding)
+        route = self.forced
+        if route == "auto":
+            pool_free = free is not None and state.pool_outstanding[free] < self.pool_depth
+            if state.on_gpu:
+                small = state.num_seeds < SMALL_BATCH_SEEDS
+                route = "cpu" if small and pool_free else "gpu"
+            else:
+                route = "cpu" if pool_free and state.waiting_micro_batches > 0 else "local"
+        if route == "cpu" and free is None:
+            raise RuntimeError("route 'cpu' needs sampling.num_cpu_workers >= 1")
+        if route == "gpu" and not state.on_gpu:
+            route = "local"  # no GPU sampler (no CuPy, or it failed to build): sample on the CPU
+        return RouteDecision(route=route, sampler=free or 0, worker=0, reason=self.forced)
+
+
+def _least(values: list[int]) -> int | None:
+    return _argmin(values) if values else None

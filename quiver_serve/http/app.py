@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 import threading
 import time
@@ -13,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,7 +71,6 @@ def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
     metrics = Metrics()
     pipeline = pipeline or Pipeline(cfg, observer=metrics)
     pipeline.observer = metrics
-    metrics.pending.set_function(lambda: pipeline.pending_count)
     state = ServerState(cfg, pipeline, metrics)
 
     @asynccontextmanager
@@ -155,8 +154,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _result_or_disconnect(state: ServerState, request: Request, request_id: str,
-                                future: Any) -> EmbedResult:
-    result_f = asyncio.wrap_future(future)
+                                result_f: Any) -> EmbedResult:
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({result_f, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -183,7 +181,7 @@ async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[i
         raise errors.invalid(f"node id {bad} is out of range: valid ids are 0..{n - 1}")
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request = state.pipeline.new_request(node_ids, exact, seed, timeout_s)
-    future = state.pipeline.submit(request)
+    future = state.pipeline.submit_async(request)
     result = await _result_or_disconnect(state, http_request, request.request_id, future)
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
@@ -200,8 +198,9 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
             buf = io.BytesIO()
             np.save(buf, emb.numpy().astype(np.float32, copy=False))
             return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE)
-        payload = {"model": state.cfg.model.name, "dim": int(emb.size(1)), "embeddings": emb.tolist()}
-        return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+        payload = {"model": state.cfg.model.name, "dim": int(emb.size(1)), "embeddings": emb.numpy()}
+        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
 
     @app.get("/v1/workers", summary="Worker processes: role, index, pid, alive, restarts")
     async def workers() -> dict[str, Any]:
@@ -262,8 +261,9 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
                                p.timeout_ms if p else None)
         out = {"model_name": name, "model_version": "1", "id": body.id, "outputs": [
             {"name": "embeddings", "datatype": "FP32", "shape": list(emb.shape),
-             "data": emb.flatten().tolist()}]}
-        return Response(json.dumps(out, separators=(",", ":")), media_type="application/json")
+             "data": emb.numpy().reshape(-1)}]}
+        return Response(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
 
 
 def _kserve_node_ids(body: InferBody) -> list[int]:

@@ -1,0 +1,411 @@
+"""EngineClient: the front-end side of the serving path, usable in any process.
+
+Requests cost O(1) small Python work here (validation, a future, an append); everything past this
+module is per micro-batch. One IO thread owns the ZeroMQ sockets (sockets are not thread-safe):
+each loop tick it takes every request submitted since the last tick, groups them into micro-batches
+(sampled / exact; a seeded request travels alone so its sample is reproducible), sends each to the
+engine core with the least outstanding work, resolves the futures of every reply that arrived, and
+answers expired requests with 504. A sync caller gets a ``concurrent.futures.Future``; an asyncio
+caller an ``asyncio.Future`` resolved on its own loop, one ``call_soon_threadsafe`` per reply.
+
+When an engine core's connection drops (kill -9, a sticky CUDA error), the micro-batches it held
+are sent again once (embedding is idempotent; ZeroMQ delivers them when the supervisor has
+restarted it, or to another engine core) and answered 503 if that copy is lost too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from quiver_serve import errors
+from quiver_serve.engine.core_proc import RunAddresses
+from quiver_serve.engine.observer import PipelineObserver
+from quiver_serve.messages import EmbedResult, ErrorInfo
+from quiver_serve.wire import NO_SEED, Decoders, MicroBatchDone, MicroBatchHeader, encode, view
+
+log = logging.getLogger(__name__)
+
+_MAX_SLEEP_S = 0.05
+_RETRIES = 1
+
+
+@dataclass(frozen=True)
+class EngineEndpoints:
+    """How a client in any process reaches one daemon's engine cores (picklable)."""
+
+    addrs: RunAddresses
+    num_engines: int
+    num_nodes: int
+    dim: int
+    max_request_nodes: int
+    max_batch_nodes: int
+    max_pending_requests: int
+    request_timeout_s: float
+    overload_status: int = 503
+    #: 0: a micro-batch leaves every loop tick (adaptive); else requests are held until the oldest
+    #: waited this long or ``max_batch_nodes`` ids are held (``batching.adaptive: false``)
+    hold_s: float = 0.0
+
+
+class _Request:
+    """One admitted request, alive only in this process."""
+
+    __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
+                 "arrived_s")
+
+    def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
+                 deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id, self.ids, self.exact, self.seed = request_id, ids, exact, seed
+        self.deadline_s, self.future, self.loop = deadline_s, future, loop
+        self.done = False
+        self.arrived_s = time.monotonic()
+
+
+@dataclass
+class _Flight:
+    """A micro-batch sent to an engine core and not yet answered."""
+
+    engine: int
+    requests: list[_Request]
+    frames: list[Any]
+    num_ids: int
+    attempts: int = 1
+    sent_s: float = field(default_factory=time.monotonic)
+
+
+class EngineClient:
+    """Submit requests, get futures; see the module docstring. Thread-safe ``submit``."""
+
+    def __init__(self, endpoints: EngineEndpoints, observer: PipelineObserver | None = None,
+                 name: str = "client") -> None:
+        self.endpoints = endpoints
+        self.observer = observer or PipelineObserver()
+        self._inbox: deque[_Request] = deque()
+        self._held: list[_Request] = []
+        self._held_ids = 0
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._flights: dict[int, _Flight] = {}
+        self._by_id: dict[str, _Request] = {}
+        self._load = [0] * endpoints.num_engines
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._tie = itertools.count()
+        self._stopping = threading.Event()
+        self._sleeping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name=f"quiver-{name}-io", daemon=True)
+        self._thread.start()
+
+    # ---- submitting (any thread) ---------------------------------------------------------------
+    @property
+    def pending_count(self) -> int:
+        return self._pending
+
+    def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+               deadline_s: float | None = None, request_id: str | None = None) -> Future[EmbedResult]:
+        """Admit one request (ids already validated by the caller, or checked by the engine)."""
+        fut: Future[EmbedResult] = Future()
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None)
+        return fut
+
+    def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+                     deadline_s: float | None = None,
+                     request_id: str | None = None) -> asyncio.Future[EmbedResult]:
+        """The same from a coroutine: the returned future resolves on the running loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[EmbedResult] = loop.create_future()
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop)
+        return fut
+
+    def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
+               request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        if self._stopping.is_set():
+            raise errors.unavailable("shutting_down", "the server is shutting down")
+        ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
+        ep = self.endpoints
+        with self._lock:
+            if self._pending >= ep.max_pending_requests:
+                self.observer.on_rejected("pending_full")
+                raise errors.overloaded("too many requests in flight; retry later", ep.overload_status)
+            self._pending += 1
+        if deadline_s is None:
+            deadline_s = time.time() + ep.request_timeout_s
+        rid = request_id if request_id is not None else f"c{next(self._ids)}"
+        if rid in self._by_id:
+            with self._lock:
+                self._pending -= 1
+            raise errors.ServeError("duplicate_request_id",
+                                    f"request_id {rid!r} is already in flight", 409)
+        req = _Request(rid, ids, exact, seed, deadline_s, fut, loop)
+        self._by_id[rid] = req
+        self._inbox.append(req)
+        if self._sleeping:
+            self._sleeping = False
+            os.write(self._wake_w, b"x")
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget a request nobody waits for (it is not computed unless already sent)."""
+        req = self._by_id.get(request_id)
+        if req is None or req.done:
+            return False
+        self.observer.on_rejected("client_disconnected")
+        self._resolve([(req, EmbedResult(req.request_id, error=ErrorInfo(
+            "cancelled", "request cancelled", 499)))])
+        return True
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the IO thread; requests still pending are answered 503."""
+        self._stopping.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=timeout_s)
+        left = [r for f in self._flights.values() for r in f.requests] + list(self._inbox) \
+            + self._held
+        self._flights.clear()
+        self._inbox.clear()
+        err = errors.unavailable("shutting_down", "the server is shutting down").info
+        self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in left if not r.done])
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- the IO thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        self._socks, self._monitors = [], []
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for e in range(self.endpoints.num_engines):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(self.endpoints.addrs.engine(e))
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+            self._socks.append(sock)
+            self._monitors.append(mon)
+        try:
+            self._loop(poller)
+        except Exception:  # noqa: BLE001 - logged; stop() answers what is left
+            log.exception("client IO thread failed")
+        finally:
+            for s in self._socks + self._monitors:
+                s.close(linger=0)
+
+    def _loop(self, poller: zmq.Poller) -> None:
+        last_gauge = 0.0
+        while not self._stopping.is_set():
+            self._sleeping = True
+            timeout_ms = 0 if self._inbox else self._sleep_ms()
+            events = dict(poller.poll(timeout_ms))
+            self._sleeping = False
+            if events.get(self._wake_r):
+                _drain_pipe(self._wake_r)
+            self._send_new()
+            for e, sock in enumerate(self._socks):
+                if events.get(sock):
+                    self._receive(e, sock)
+                if events.get(self._monitors[e]):
+                    self._on_monitor(e)
+            self._sweep(time.time())
+            now = time.monotonic()
+            if now - last_gauge > 0.5:
+                last_gauge = now
+                self.observer.on_pending(self._pending)
+
+    def _sleep_ms(self) -> int:
+        wait_s = _MAX_SLEEP_S
+        if self._deadlines:
+            wait_s = min(wait_s, self._deadlines[0][0] - time.time())
+        if self._held:
+            wait_s = min(wait_s, self._held[0].arrived_s + self.endpoints.hold_s - time.monotonic())
+        return max(0, int(wait_s * 1000) + 1)
+
+    def _take_inbox(self) -> list[_Request]:
+        """Requests to send now: every new one (adaptive), or the held ones once due."""
+        while self._inbox:
+            req = self._inbox.popleft()
+            if not req.done:
+                heapq.heappush(self._deadlines, (req.deadline_s, next(self._tie), req))
+                self._held.append(req)
+                self._held_ids += req.ids.size
+        if not self._held:
+            return []
+        hold_s = self.endpoints.hold_s
+        due = hold_s <= 0 or self._held_ids >= self.endpoints.max_batch_nodes \
+            or time.monotonic() - self._held[0].arrived_s >= hold_s
+        if not due:
+            return []
+        taken, self._held, self._held_ids = self._held, [], 0
+        return taken
+
+    def _send_new(self) -> None:
+        """Requests due to leave, as micro-batches to the engines."""
+        groups: dict[bool, list[_Request]] = {False: [], True: []}
+        cap = self.endpoints.max_batch_nodes
+        sizes = {False: 0, True: 0}
+        for req in self._take_inbox():
+            if req.done:
+                continue
+            if req.seed is not None:
+                self._send([req], req.exact, req.seed)
+                continue
+            group = groups[req.exact]
+            if group and sizes[req.exact] + req.ids.size > cap:
+                self._send(group, req.exact, NO_SEED)
+                groups[req.exact], sizes[req.exact] = [], 0
+            groups[req.exact].append(req)
+            sizes[req.exact] += req.ids.size
+        for exact, group in groups.items():
+            if group:
+                self._send(group, exact, NO_SEED)
+
+    def _send(self, reqs: list[_Request], exact: bool, seed: int) -> None:
+        seq = next(self._seq)
+        ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
+        lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
+        deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
+        frames = [encode(MicroBatchHeader(seq, exact, seed)), ids, lengths, deadlines]
+        engine = min(range(len(self._load)), key=self._load.__getitem__)
+        self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
+        self._load[engine] += int(ids.size)
+        self._socks[engine].send_multipart(frames, copy=False)
+
+    def _receive(self, engine: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                done = Decoders.done.decode(frames[0].buffer)
+            except Exception as exc:  # noqa: BLE001 - cannot tell whose: logged loudly
+                log.error("engine %d sent an unreadable reply (%s); its requests time out", engine, exc)
+                continue
+            self._on_done(done, frames)
+
+    def _on_done(self, done: MicroBatchDone, frames: list[Any]) -> None:
+        flight = self._flights.pop(done.seq, None)
+        if done.stats is not None:
+            self.observer.on_batch(done.stats)
+        if flight is None:
+            self.observer.on_late_result()  # answered already (a retried copy came back first)
+            return
+        self._load[flight.engine] -= flight.num_ids
+        rows = None
+        if done.dim and len(frames) > 1:
+            rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
+        failed = {e.index: e for e in done.errors}
+        out, start = [], 0
+        for i, req in enumerate(flight.requests):
+            end = start + req.ids.size
+            err = failed.get(i)
+            if err is not None or rows is None:
+                info = ErrorInfo(err.code, err.message, err.status) if err else ErrorInfo(
+                    "internal", "engine reply carried no rows", 500)
+                out.append((req, EmbedResult(req.request_id, error=info)))
+            else:
+                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end])))
+            start = end
+        self._resolve(out)
+
+    def _on_monitor(self, engine: int) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitors[engine], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._recover(engine)
+
+    def _recover(self, engine: int) -> None:
+        """The engine core went away: send its micro-batches again once, else answer 503."""
+        lost = [(seq, f) for seq, f in self._flights.items() if f.engine == engine]
+        if not lost:
+            return
+        log.warning("engine %d went away holding %d micro-batch(es); resending", engine, len(lost))
+        self.observer.on_rejected("engine_lost")
+        failed = []
+        for seq, flight in lost:
+            self._load[engine] -= flight.num_ids
+            if flight.attempts > _RETRIES:
+                del self._flights[seq]
+                failed += flight.requests
+                continue
+            flight.attempts += 1
+            target = min(range(len(self._load)), key=self._load.__getitem__)
+            flight.engine = target
+            self._load[target] += flight.num_ids
+            self._socks[target].send_multipart(flight.frames, copy=False)
+        err = ErrorInfo("worker_died", "the engine core died twice while serving it", 503)
+        self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in failed])
+
+    def _sweep(self, now_s: float) -> None:
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            req = heapq.heappop(self._deadlines)[2]
+            if not req.done:
+                expired.append(req)
+        if expired:
+            err = errors.deadline().info
+            for _ in expired:
+                self.observer.on_rejected("deadline")
+            self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in expired])
+
+    def _resolve(self, results: list[tuple[_Request, EmbedResult]]) -> None:
+        """Hand results to their futures: sync ones here, asyncio ones on their loop (batched)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, EmbedResult]]] = {}
+        mine = []
+        with self._lock:  # cancel() resolves from other threads
+            for req, result in results:
+                if not req.done:
+                    req.done = True
+                    mine.append((req, result))
+            self._pending -= len(mine)
+        for req, result in mine:
+            self._by_id.pop(req.request_id, None)
+            if req.loop is None:
+                if not req.future.done():
+                    req.future.set_result(result)
+            else:
+                by_loop.setdefault(req.loop, []).append((req.future, result))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_set_all, items)
+            except RuntimeError:  # that loop is closed: nobody waits
+                pass
+
+
+def _set_all(items: list[tuple[asyncio.Future[EmbedResult], EmbedResult]]) -> None:
+    for fut, result in items:
+        if not fut.done():
+            fut.set_result(result)
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,422 @@
+"""EngineCore: the serving path's stage logic, one instance per GPU (or one on a CPU-only box).
+
+A plain class driven by ``step()`` (tests drive it directly; ``core_proc.py`` owns the process, its
+sockets and its loop). Work arrives as micro-batches (one per front-end loop tick) and leaves as
+one reply per micro-batch. Each ``step()``:
+
+1. finishes batches whose GPU work is done (one host sync per batch: the copy-out), and computes
+   batches whose sample came back from the CPU sampler pool;
+2. forms the next batch from whatever micro-batches wait (continuous batching), as large as the
+   cost model says still finishes inside the oldest request's deadline budget, dropping expired
+   requests before any work;
+3. routes it (GPU sampling here, the CPU pool, or CPU sampling here), samples, gathers features
+   and launches the model. On a GPU the model runs on its own stream, so batch k+1 is formed and
+   sampled while batch k computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.router import EngineRouter, EngineRouteState
+from quiver_serve.messages import BatchStats
+from quiver_serve.models import ServedModel
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
+from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
+
+log = logging.getLogger(__name__)
+
+#: finished GPU batches are noticed by polling their event; at most this many are launched at once
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class MicroBatch:
+    """One front-end tick's requests of one kind, as they arrived (buffers are NumPy views)."""
+
+    client: bytes
+    seq: int
+    exact: bool
+    seed: int  # NO_SEED unless it is a single seeded request
+    ids: np.ndarray  # int64 [n_ids]
+    lengths: np.ndarray  # int64 [n_requests]
+    deadlines_s: np.ndarray  # float64 [n_requests], time.time() instants
+    received_s: float = field(default_factory=time.time)
+    #: requests refused at intake (ids out of range); set by ``EngineCore.add``
+    valid: np.ndarray | None = None
+    errors: list[RequestError] = field(default_factory=list)
+
+    @property
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.lengths.size)
+
+
+@dataclass
+class Reply:
+    """What goes back to one client for one micro-batch."""
+
+    client: bytes
+    done: MicroBatchDone
+    rows: np.ndarray | None  # float32 [n_ids, dim], or None when every request failed
+
+
+@dataclass
+class _Part:
+    mb: MicroBatch
+    alive: np.ndarray  # bool per request
+    errors: list[RequestError]
+
+
+@dataclass
+class Batch:
+    """Micro-batches merged for one pass of sample → gather → model."""
+
+    batch_id: int
+    parts: list[_Part]
+    seeds: Tensor  # int64, the alive requests' ids concatenated
+    exact: bool
+    seed: int
+    route: str = ""
+    formed_s: float = 0.0
+    sample_s: float = 0.0
+    sampled: SamplerOutput | None = None
+    # set once launched
+    rows: Tensor | None = None
+    done_event: Any = None
+    start_event: Any = None
+    launched_s: float = 0.0
+    expected_done_s: float = 0.0
+    stats: BatchStats | None = None
+
+
+class SamplerPool:
+    """The CPU sampler pool as the engine core sees it (the process wrapper implements it)."""
+
+    def outstanding(self) -> list[int]:
+        return []
+
+    def send(self, worker: int, task_id: int, seeds: Tensor, fanouts: list[int], seed: int) -> None:
+        raise NotImplementedError
+
+
+def expired_error(index: int) -> RequestError:
+    return RequestError(index, "deadline_exceeded",
+                        "the request's deadline passed before it was served", 504)
+
+
+class EngineCore:
+    """Stage logic of one engine core; see the module docstring."""
+
+    def __init__(self, model: ServedModel, features: Tensor, device: torch.device,
+                 local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
+                 max_batch_nodes: int, router: EngineRouter, index: int = 0,
+                 pool: SamplerPool | None = None, max_waiting: int = 4096,
+                 gpu_sampler: BaseSampler | None = None) -> None:
+        self.model, self.features, self.device = model, features, device
+        self.local_sampler, self.gpu_sampler = local_sampler, gpu_sampler
+        self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
+        self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
+        self.router, self.pool = router, pool
+        self.waiting: deque[MicroBatch] = deque()
+        self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
+        self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
+        self.in_flight: deque[Batch] = deque()  # launched on the GPU
+        self.latency = LatencyModel()
+        self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
+        self._ids = itertools.count()
+        self.on_gpu = device.type == "cuda"
+        self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self.features_on_device = features.device == device
+        #: called with each finished batch's stats (the process wrapper turns them into metrics)
+        self.on_stats: Callable[[BatchStats], None] | None = None
+
+    # ---- intake --------------------------------------------------------------------------------
+    def add(self, mb: MicroBatch) -> Reply | None:
+        """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded)."""
+        if mb.num_requests == 0 or int(mb.lengths.sum()) != mb.num_ids \
+                or mb.deadlines_s.size != mb.num_requests:
+            err = RequestError(0, "invalid_request", "malformed micro-batch: ids, lengths and "
+                               "deadlines do not agree", 400)
+            return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
+        mb.valid, mb.errors = _check_ids(mb, self.num_nodes)
+        if len(self.waiting) >= self.max_waiting:
+            errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
+                    for i in range(mb.num_requests)]
+            return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+        self.waiting.append(mb)
+        return None
+
+    def has_ready_work(self) -> bool:
+        return bool(self.waiting or self.sampled)
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.sampled or self.in_flight or self.sampling)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[Reply]:
+        replies = self._finish(block=False)
+        while self.sampled:
+            replies += self._launch(self.sampled.popleft())
+        if self.waiting and self._may_form():
+            batch, refused = self._form(time.time())
+            replies += refused
+            if batch is not None:
+                replies += self._route_and_run(batch)
+        if not replies and not self.has_ready_work() and self.in_flight:
+            replies += self._finish(block=not self.waiting)
+        return replies
+
+    def _may_form(self) -> bool:
+        """Form the next batch now, or wait so it gathers more requests while the GPU is busy."""
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
+            return False
+        if not self.in_flight:
+            return True
+        lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
+        return time.time() >= self.in_flight[-1].expected_done_s - lead_s
+
+    # ---- forming ---------------------------------------------------------------------------------
+    def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:
+        """Merge waiting micro-batches of one kind into a batch sized to the deadline budget."""
+        first = self.waiting[0]
+        budget_s = float(first.deadlines_s.min()) - now_s
+        cap = self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
+        parts: list[_Part] = []
+        refused: list[Reply] = []
+        taken = 0
+        while self.waiting:
+            mb = self.waiting[0]
+            if parts and (mb.exact != first.exact or mb.seed != NO_SEED or first.seed != NO_SEED
+                          or taken + mb.num_ids > cap):
+                break
+            self.waiting.popleft()
+            part = _prune(mb, now_s)
+            if not part.alive.any():
+                refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
+                continue
+            parts.append(part)
+            taken += mb.num_ids
+        if not parts:
+            return None, refused
+        seeds = np.concatenate([p.mb.ids[np.repeat(p.alive, p.mb.lengths)] for p in parts])
+        seed = first.seed if first.seed != NO_SEED else new_batch_seed()
+        batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
+                      formed_s=now_s)
+        return batch, refused
+
+    # ---- routing, sampling, launching ------------------------------------------------------------
+    def _route_and_run(self, batch: Batch) -> list[Reply]:
+        state = EngineRouteState(
+            num_seeds=int(batch.seeds.numel()), waiting_micro_batches=len(self.waiting),
+            pool_outstanding=self.pool.outstanding() if self.pool is not None else [],
+            on_gpu=self.gpu_sampler is not None, in_flight=len(self.in_flight))
+        decision = self.router.decide(state)
+        batch.route = decision.route
+        if decision.route == "cpu":
+            assert self.pool is not None
+            self.sampling[batch.batch_id] = batch
+            self.pool.send(decision.sampler, batch.batch_id, batch.seeds, self._fanouts(batch),
+                           batch.seed)
+            return []
+        sampler = self.gpu_sampler if decision.route == "gpu" else self.local_sampler
+        assert sampler is not None
+        t0 = time.perf_counter()
+        try:
+            if self._sample_stream is not None:
+                with torch.cuda.stream(self._sample_stream):
+                    batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
+            else:
+                batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
+        except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
+            return self._fail(batch, exc)
+        batch.sample_s = time.perf_counter() - t0
+        self.sample_latency.observe(int(batch.seeds.numel()), batch.sample_s)
+        return self._launch(batch)
+
+    def on_sampled(self, task_id: int, out: SamplerOutput | None, sample_s: float,
+                   error: str | None = None) -> list[Reply]:
+        """A CPU sampler's answer; the batch is computed at the next step."""
+        batch = self.sampling.pop(task_id, None)
+        if batch is None:
+            return []  # answered already (retried elsewhere after its sampler died)
+        if out is None:
+            return self._fail(batch, RuntimeError(f"CPU sampler failed: {error}"))
+        batch.sampled, batch.sample_s = out, sample_s
+        self.sampled.append(batch)
+        return []
+
+    def pool_lost(self, task_ids: list[int]) -> None:
+        """A sampler died holding these batches: sample them here instead."""
+        for task_id in task_ids:
+            batch = self.sampling.pop(task_id, None)
+            if batch is not None:
+                for part in reversed(batch.parts):
+                    self.waiting.appendleft(part.mb)
+
+    def _fanouts(self, batch: Batch) -> list[int]:
+        return [-1] * len(self.fanouts) if batch.exact else self.fanouts
+
+    def _launch(self, batch: Batch) -> list[Reply]:
+        """Gather and run the model; on a GPU asynchronously (finished by ``_finish``)."""
+        try:
+            if self._compute_stream is None:
+                return self._run_sync(batch)
+            self._run_async(batch)
+            return []
+        except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
+            return self._fail(batch, exc)
+
+    def _forward(self, batch: Batch) -> Tensor:
+        sb = batch.sampled
+        assert sb is not None
+        n_id = sb.n_id
+        if self.features_on_device:
+            x = self.features.index_select(0, n_id.to(self.device, non_blocking=True))
+        else:  # host rows (features larger than the GPU budget): the feature-store issue fixes it
+            x = self.features.index_select(0, n_id.cpu()).to(self.device, non_blocking=True)
+        edge_index = sb.edge_index.to(self.device, torch.int64, non_blocking=True)
+        out = self.model(x, n_id.to(self.device, non_blocking=True), edge_index,
+                         sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
+        return out.index_select(0, sb.seed_index.to(self.device, non_blocking=True))
+
+    def _run_sync(self, batch: Batch) -> list[Reply]:
+        t0 = time.perf_counter()
+        rows = self._forward(batch).float()
+        compute_s = time.perf_counter() - t0
+        self.latency.observe(int(batch.seeds.numel()), compute_s + batch.sample_s)
+        return self._replies(batch, rows.numpy(), compute_s)
+
+    def _run_async(self, batch: Batch) -> None:
+        stream = self._compute_stream
+        assert stream is not None and batch.sampled is not None
+        for t in (batch.sampled.n_id, batch.sampled.edge_index, batch.sampled.seed_index):
+            if t.is_cuda:
+                t.record_stream(stream)  # made on the sampling stream, read on this one
+        batch.start_event = torch.cuda.Event(enable_timing=True)
+        batch.done_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            batch.start_event.record(stream)
+            rows = self._forward(batch).float()
+            host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            batch.done_event.record(stream)
+        batch.rows = host
+        now = time.time()
+        start = max(now, self.in_flight[-1].expected_done_s) if self.in_flight else now
+        batch.launched_s = now
+        batch.expected_done_s = start + self.latency.predict_s(int(batch.seeds.numel()))
+        self.in_flight.append(batch)
+
+    def _finish(self, block: bool) -> list[Reply]:
+        replies: list[Reply] = []
+        while self.in_flight:
+            batch = self.in_flight[0]
+            if not batch.done_event.query():
+                if not block:
+                    break
+                batch.done_event.synchronize()  # the batch's one host sync: its copy-out
+            self.in_flight.popleft()
+            compute_s = batch.start_event.elapsed_time(batch.done_event) / 1e3
+            self.latency.observe(int(batch.seeds.numel()), compute_s)
+            assert batch.rows is not None
+            replies += self._replies(batch, batch.rows.numpy(), compute_s)
+            block = False
+        return replies
+
+    # ---- replies ---------------------------------------------------------------------------------
+    def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
+        stats = self._stats(batch, compute_s)
+        replies, start = [], 0
+        for i, part in enumerate(batch.parts):
+            alive_pos = np.repeat(part.alive, part.mb.lengths)
+            n_alive = int(alive_pos.sum())
+            chunk = rows[start:start + n_alive]
+            start += n_alive
+            if n_alive != part.mb.num_ids:  # some requests expired: zero rows in their places
+                full = np.zeros((part.mb.num_ids, rows.shape[1]), np.float32)
+                full[alive_pos] = chunk
+                chunk = full
+            done = MicroBatchDone(part.mb.seq, int(rows.shape[1]), part.errors,
+                                  stats if i == 0 else None)
+            replies.append(Reply(part.mb.client, done, chunk))
+        if self.on_stats is not None:
+            self.on_stats(stats)
+        return replies
+
+    def _stats(self, batch: Batch, compute_s: float) -> BatchStats:
+        sb = batch.sampled
+        assert sb is not None
+        n_rows = int(sb.n_id.numel())
+        oldest = min(p.mb.received_s for p in batch.parts)
+        on_gpu_hit = self.features_on_device and self.on_gpu
+        return BatchStats(
+            batch_id=batch.batch_id, route=batch.route, worker=self.index,
+            num_requests=sum(int(p.alive.sum()) for p in batch.parts),
+            num_seeds=int(batch.seeds.numel()), num_sampled_nodes=n_rows,
+            num_sampled_edges=int(sb.edge_index.size(1)),
+            queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
+            compute_s=compute_s, cache_hits=n_rows if on_gpu_hit else 0,
+            cache_misses=0 if on_gpu_hit else n_rows)
+
+    def _fail(self, batch: Batch, exc: BaseException) -> list[Reply]:
+        if is_cuda_fatal(exc):
+            raise exc  # a sticky CUDA error: the process restarts; clients retry its batches
+        from quiver_serve.errors import internal_error
+
+        err = internal_error(exc, f"engine {self.index} batch {batch.batch_id}", log).info
+        replies = []
+        for part in batch.parts:
+            errs = part.errors + [RequestError(i, err.code, err.message, err.status)
+                                  for i in np.flatnonzero(part.alive).tolist()]
+            replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
+        return replies
+
+
+def is_cuda_fatal(exc: BaseException) -> bool:
+    """CUDA errors that leave the context unusable (illegal address, launch failure, ECC...)."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    sticky = ("illegal memory access", "illegal address", "unspecified launch failure",
+              "device-side assert", "ecc error", "cudaerrorlaunchfailure", "misaligned address",
+              "an illegal instruction")
+    return any(s in text for s in sticky) or type(exc).__name__ == "AcceleratorError"
+
+
+def _check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray, list[RequestError]]:
+    """Which requests have every id in range (front-ends validate; this guards every other
+    client), and a 400 naming the first bad id of each that does not."""
+    bad = (mb.ids < 0) | (mb.ids >= num_nodes)
+    if not bad.any():
+        return np.ones(mb.num_requests, dtype=bool), []
+    starts = np.concatenate([[0], np.cumsum(mb.lengths)[:-1]]).astype(np.int64)
+    per_request = np.add.reduceat(bad.astype(np.int64), starts) > 0
+    errs = []
+    for i in np.flatnonzero(per_request).tolist():
+        chunk = mb.ids[starts[i]:starts[i] + mb.lengths[i]]
+        first_bad = int(chunk[(chunk < 0) | (chunk >= num_nodes)][0])
+        errs.append(RequestError(i, "invalid_node_ids", f"node id {first_bad} is out of range: "
+                                 f"valid ids are 0..{num_nodes - 1}", 400))
+    return ~per_request, errs
+
+
+def _prune(mb: MicroBatch, now_s: float) -> _Part:
+    """Drop expired requests (and those refused at intake) before any work."""
+    valid = mb.valid if mb.valid is not None else np.ones(mb.num_requests, dtype=bool)
+    alive = valid & (mb.deadlines_s > now_s)
+    errors = list(mb.errors) + [expired_error(i) for i in np.flatnonzero(valid & ~alive).tolist()]
+    return _Part(mb, alive, errors)

@@ -1,0 +1,368 @@
+"""Process wrappers of the serving path: the engine core process and the CPU sampler process.
+
+Both own their ZeroMQ sockets, their loop and their reports to the supervisor; the work itself is
+in :class:`~quiver_serve.engine.core.EngineCore` and the samplers. Sockets (all IPC, in the run
+directory the supervisor made):
+
+* engine ``i``: a ROUTER bound at ``engine-i.sock``; every front-end client connects a DEALER and
+  sends micro-batches, and the reply goes back to the same client (ZeroMQ identity).
+* sampler ``j``: a ROUTER bound at ``sampler-j.sock``; every engine core connects a DEALER, so a
+  sampled subgraph goes straight back to the engine that asked for it.
+* the supervisor's PULL at ``control.sock``: ready, failed, heartbeat.
+
+A peer that dies (kill -9) only breaks its own connections; ZeroMQ reconnects when it is restarted
+at the same address, and the sender learns of the loss from a socket monitor event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core import EngineCore, MicroBatch, Reply, SamplerPool
+from quiver_serve.engine.devices import worker_device
+from quiver_serve.engine.process import parent_alive
+from quiver_serve.engine.router import EngineRouter
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.sampling import make_cpu_sampler
+from quiver_serve.sampling.base import SamplerOutput
+from quiver_serve.wire import (
+    NO_SEED,
+    Control,
+    Decoders,
+    MicroBatchDone,
+    SampleDone,
+    SampleTask,
+    encode,
+    view,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+IDLE_POLL_MS = 50
+
+
+@dataclass(frozen=True)
+class RunAddresses:
+    """Where every socket of one daemon lives (a private directory; picklable)."""
+
+    run_dir: str
+
+    def engine(self, i: int) -> str:
+        return f"ipc://{self.run_dir}/engine-{i}.sock"
+
+    def sampler(self, j: int) -> str:
+        return f"ipc://{self.run_dir}/sampler-{j}.sock"
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.run_dir}/control.sock"
+
+
+def bind_fresh(sock: zmq.Socket, address: str) -> None:
+    """Bind an IPC address, first removing the file a killed predecessor left behind."""
+    path = Path(address.removeprefix("ipc://"))
+    path.unlink(missing_ok=True)
+    sock.bind(address)
+
+
+class Reporter:
+    """A child's line to the supervisor (never blocks: the supervisor may be gone)."""
+
+    def __init__(self, ctx: zmq.Context, addrs: RunAddresses, role: str, index: int) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.SNDHWM, 64)
+        self.sock.connect(addrs.control)
+        self.role, self.index = role, index
+        self._last_beat = 0.0
+
+    def send(self, kind: str, **info: Any) -> None:
+        try:
+            self.sock.send(encode(Control(kind, self.role, self.index, os.getpid(), info)),
+                           zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self._last_beat = now
+            self.send("heartbeat")
+
+
+# ---- the CPU sampler pool, as an engine core reaches it -------------------------------------------
+class ZmqSamplerPool(SamplerPool):
+    """One DEALER per CPU sampler; tracks which batches each holds, to recover them if it dies."""
+
+    def __init__(self, ctx: zmq.Context, addrs: RunAddresses, num_samplers: int,
+                 poller: zmq.Poller) -> None:
+        self.socks, self.monitors = [], []
+        self.held: list[set[int]] = [set() for _ in range(num_samplers)]
+        for j in range(num_samplers):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(addrs.sampler(j))
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            self.socks.append(sock)
+            self.monitors.append(monitor)
+
+    def outstanding(self) -> list[int]:
+        return [len(h) for h in self.held]
+
+    def send(self, worker: int, task_id: int, seeds: torch.Tensor, fanouts: list[int],
+             seed: int) -> None:
+        self.held[worker].add(task_id)
+        self.socks[worker].send_multipart([encode(SampleTask(task_id, fanouts, seed)),
+                                           seeds.numpy()], copy=False)
+
+    def drain(self, core: EngineCore, events: dict) -> list[Reply]:
+        """Take every sampler reply (and loss) that arrived; returns replies to send."""
+        replies: list[Reply] = []
+        for j, sock in enumerate(self.socks):
+            if events.get(self.monitors[j]):
+                self._on_monitor(core, j)
+            if not events.get(sock):
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                replies += self._on_reply(core, j, frames)
+        return replies
+
+    def _on_monitor(self, core: EngineCore, j: int) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitors[j], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.held[j]:
+                log.warning("sampler %d went away holding %d batch(es): sampling them here", j,
+                            len(self.held[j]))
+                core.pool_lost(sorted(self.held[j]))
+                self.held[j].clear()
+
+    def _on_reply(self, core: EngineCore, j: int, frames: list[Any]) -> list[Reply]:
+        try:
+            done = Decoders.sample_done.decode(frames[0].buffer)
+        except Exception:  # noqa: BLE001 - a message we cannot read is logged, never silent
+            log.error("sampler %d sent an unreadable reply; its batches are resampled here", j)
+            core.pool_lost(sorted(self.held[j]))
+            self.held[j].clear()
+            return []
+        self.held[j].discard(done.task_id)
+        if done.error is not None:
+            return core.on_sampled(done.task_id, None, done.sample_s, done.error)
+        n_id = torch.from_numpy(view(frames[1], np.int64).copy())
+        edges = torch.from_numpy(view(frames[2], np.int32).copy()).view(2, -1)
+        seed_index = torch.from_numpy(view(frames[3], np.int64).copy())
+        out = SamplerOutput(n_id, edges, seed_index, done.num_sampled_nodes, done.num_sampled_edges)
+        return core.on_sampled(done.task_id, out, done.sample_s)
+
+
+# ---- engine core process ----------------------------------------------------------------------------
+def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunAddresses) -> None:
+    """Entry point of engine core ``index`` (spawned)."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.inference.torch_threads)
+    ctx = zmq.Context()
+    reporter = Reporter(ctx, addrs, "engine", index)
+    poller = zmq.Poller()
+    try:
+        pool = ZmqSamplerPool(ctx, addrs, cfg.sampling.num_cpu_workers, poller) \
+            if cfg.sampling.num_cpu_workers else None
+        core = build_core(cfg, graph, index, pool)
+        from quiver_serve.metrics import EngineMetrics
+
+        core.on_stats = EngineMetrics().observe
+        front = ctx.socket(zmq.ROUTER)
+        front.setsockopt(zmq.LINGER, 0)
+        front.setsockopt(zmq.RCVHWM, 0)
+        bind_fresh(front, addrs.engine(index))
+        poller.register(front, zmq.POLLIN)
+    except Exception as exc:
+        reporter.send("failed", message=f"{type(exc).__name__}: {exc}")
+        log.exception("engine %d failed to start", index)
+        time.sleep(0.5)
+        raise SystemExit(1) from exc
+    reporter.send("ready", device=str(core.device), sampler=core.local_sampler.name,
+                  gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
+                  features_on=str(core.features.device))
+    EngineLoop(core, front, pool, poller, reporter).run()
+
+
+class EngineLoop:
+    """The engine core's busy loop: take input, ``step()``, send replies, beat."""
+
+    def __init__(self, core: EngineCore, front: zmq.Socket, pool: ZmqSamplerPool | None,
+                 poller: zmq.Poller, reporter: Reporter) -> None:
+        self.core, self.front, self.pool, self.poller = core, front, pool, poller
+        self.reporter = reporter
+
+    def run(self) -> None:
+        core = self.core
+        while parent_alive():
+            # spin while the GPU holds batches (their completion is polled), else sleep in poll
+            if core.has_ready_work() or core.in_flight:
+                timeout_ms = 0
+            else:
+                timeout_ms = 1 if core.sampling else IDLE_POLL_MS
+            events = dict(self.poller.poll(timeout_ms))
+            replies = self._take_input() if events.get(self.front) else []
+            if self.pool is not None:
+                replies += self.pool.drain(core, events)
+            replies += core.step()
+            for reply in replies:
+                self._send(reply)
+            self.reporter.heartbeat()
+
+    def _take_input(self) -> list[Reply]:
+        replies: list[Reply] = []
+        while True:
+            try:
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return replies
+            mb = self._decode(frames)
+            if isinstance(mb, Reply):
+                replies.append(mb)
+            elif mb is not None:
+                refused = self.core.add(mb)
+                if refused is not None:
+                    replies.append(refused)
+
+    def _decode(self, frames: list[Any]) -> MicroBatch | Reply | None:
+        client = frames[0].bytes
+        try:
+            head = Decoders.micro_batch.decode(frames[1].buffer)
+            return MicroBatch(client, head.seq, head.exact, head.seed,
+                              view(frames[2], np.int64), view(frames[3], np.int64),
+                              view(frames[4], np.float64))
+        except Exception as exc:  # noqa: BLE001 - answered, and logged: never dropped silently
+            log.error("engine %d: unreadable micro-batch from client %s: %s", self.core.index,
+                      client.hex(), exc)
+            seq = _peek_seq(frames)
+            if seq is None:
+                return None
+            from quiver_serve.wire import RequestError
+
+            err = RequestError(0, "invalid_request", "unreadable micro-batch", 400)
+            return Reply(client, MicroBatchDone(seq, 0, [err]), None)
+
+    def _send(self, reply: Reply) -> None:
+        frames: list[Any] = [reply.client, encode(reply.done)]
+        if reply.rows is not None:
+            frames.append(np.ascontiguousarray(reply.rows, dtype=np.float32))
+        try:
+            self.front.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # the client went away: nobody to answer
+            log.debug("reply to %s dropped: %s", reply.client.hex(), exc)
+
+
+def _peek_seq(frames: list[Any]) -> int | None:
+    import msgspec
+
+    try:
+        raw = msgspec.msgpack.decode(frames[1].buffer)
+        return int(raw[0])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def build_core(cfg: ServeConfig, graph: GraphData, index: int,
+               pool: SamplerPool | None) -> EngineCore:
+    """Device, model (weights-only), samplers, feature placement, and a warm-up batch."""
+    from quiver_serve.engine.inference import gpu_sampler_or_none
+    from quiver_serve.models import ServedModel, build_model
+
+    device = worker_device(cfg, index)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree()).to(device)
+    features = graph.x
+    if device.type == "cuda" and features.numel() * features.element_size() \
+            <= cfg.inference.gpu_cache_bytes:
+        features = features.to(device)  # every row a GPU hit; placement by access probability next
+    core = EngineCore(
+        model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
+                                                  cfg.sampling.implementation),
+        cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
+        router=EngineRouter(cfg.sampling.route if cfg.sampling.route != "local" else "local"),
+        index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
+        gpu_sampler=gpu_sampler_or_none(cfg, graph, device))
+    warm_up(core)
+    return core
+
+
+def warm_up(core: EngineCore) -> None:
+    """Tiny batches through every local path, so the first request pays no lazy initialisation."""
+    for exact in (False, True):
+        mb = MicroBatch(b"", -1, exact, NO_SEED, np.zeros(1, np.int64), np.ones(1, np.int64),
+                        np.array([time.time() + 60.0]))
+        core.add(mb)
+        deadline = time.monotonic() + 60
+        replies: list[Reply] = []
+        while not replies and time.monotonic() < deadline:
+            replies = core.step()
+        if not replies or replies[0].done.errors:
+            raise RuntimeError(f"warm-up batch failed: {replies[0].done.errors if replies else 'no reply'}")
+    core.latency.__init__()  # warm-up timings include one-off costs: forget them
+
+
+# ---- CPU sampler process ------------------------------------------------------------------------------
+def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
+                 addrs: RunAddresses) -> None:
+    """Entry point of CPU sampler ``index``: sample what engine cores ask, answer the asker."""
+    torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
+    ctx = zmq.Context()
+    reporter = Reporter(ctx, addrs, "sampler", index)
+    try:
+        sampler = make_cpu_sampler(indptr, indices, cfg.sampling.implementation)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        bind_fresh(sock, addrs.sampler(index))
+    except Exception as exc:
+        reporter.send("failed", message=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from exc
+    reporter.send("ready", impl=sampler.name)
+    while parent_alive():
+        reporter.heartbeat()
+        if not sock.poll(IDLE_POLL_MS):
+            continue
+        ident, head, seeds = sock.recv_multipart(copy=False)
+        sock.send_multipart([ident.bytes, *_sample_reply(sampler, head, seeds, index)], copy=False)
+
+
+def _sample_reply(sampler: Any, head: Any, seeds_frame: Any, index: int) -> list[Any]:
+    t0 = time.perf_counter()
+    try:
+        task = Decoders.task.decode(head.buffer)
+    except Exception as exc:  # noqa: BLE001
+        log.error("sampler %d: unreadable task: %s", index, exc)
+        return [encode(SampleDone(-1, [], [], 0.0, "unreadable task"))]
+    try:
+        seeds = torch.from_numpy(view(seeds_frame, np.int64).copy())
+        out = sampler.sample(seeds, task.fanouts, task.seed)
+    except Exception as exc:  # noqa: BLE001 - the engine fails this batch only
+        log.exception("sampler %d: task %d failed", index, task.task_id)
+        return [encode(SampleDone(task.task_id, [], [], 0.0, f"{type(exc).__name__}"))]
+    done = SampleDone(task.task_id, out.num_sampled_nodes, out.num_sampled_edges,
+                      time.perf_counter() - t0)
+    return [encode(done), out.n_id.numpy(), out.edge_index.to(torch.int32).numpy(),
+            out.seed_index.numpy()]

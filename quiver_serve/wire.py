@@ -1,0 +1,111 @@
+"""Wire format of the serving path: typed msgspec headers plus raw side buffers, over ZeroMQ.
+
+Every message between a front-end client, an engine core and a CPU sampler is one ZeroMQ
+multipart message: frame 0 is a msgpack header (a ``msgspec.Struct`` below), the remaining frames
+are raw little-endian buffers (node ids, per-request lengths and deadlines, sampled subgraphs,
+embeddings). Nothing is pickled, so a peer can never make this process run code, and a buffer is
+never copied into a Python object: receivers view it with ``np.frombuffer``.
+
+One message per micro-batch each way: a client sends the requests of one loop tick as one
+:class:`MicroBatchHeader` (+ ids, lengths, deadlines) and gets one :class:`MicroBatchDone` (+ the
+embedding rows of every requested position) back. Requests are identified by their position in
+the micro-batch; request ids never leave the front-end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from quiver_serve.messages import BatchStats
+
+#: ``seed`` value of a micro-batch whose requests asked for no seed
+NO_SEED = -1
+
+
+class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
+    """Client → engine core. Frames after it: ids int64 [n_ids], lengths int32 [n_requests]
+    (ids per request, in order), deadlines float64 [n_requests] (``time.time()`` instants)."""
+
+    seq: int  # unique per client; the reply carries it back
+    exact: bool
+    seed: int  # NO_SEED, or the single seeded request's seed (seeded requests travel alone)
+
+
+class RequestError(msgspec.Struct, array_like=True, frozen=True):
+    """Why request ``index`` of a micro-batch was not served (its rows in the reply are zeros)."""
+
+    index: int
+    code: str
+    message: str
+    status: int
+
+
+class MicroBatchDone(msgspec.Struct, array_like=True):
+    """Engine core → client. Frame after it: float32 [n_ids, dim] rows, one per requested
+    position (absent when ``dim`` is 0, i.e. every request failed)."""
+
+    seq: int
+    dim: int
+    errors: list[RequestError] = []
+    #: per-batch stats, on exactly one micro-batch of each batch (so observers count once)
+    stats: BatchStats | None = None
+
+
+class SampleTask(msgspec.Struct, array_like=True, frozen=True):
+    """Engine core → CPU sampler. Frame after it: seeds int64."""
+
+    task_id: int
+    fanouts: list[int]
+    seed: int
+
+
+class SampleDone(msgspec.Struct, array_like=True, frozen=True):
+    """CPU sampler → engine core. Frames after it: n_id int64, edge_index int32 [2, E],
+    seed_index int64 (absent when ``error`` is set)."""
+
+    task_id: int
+    num_sampled_nodes: list[int]
+    num_sampled_edges: list[int]
+    sample_s: float
+    error: str | None = None
+
+
+class Control(msgspec.Struct, array_like=True, frozen=True):
+    """Child process → supervisor: ``kind`` is ready, failed or heartbeat."""
+
+    kind: str
+    role: str
+    index: int
+    pid: int
+    info: dict[str, Any] = {}
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(header: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(header)
+
+
+class Decoders:
+    """One decoder per header type (msgspec decoders are reusable and not thread-bound)."""
+
+    micro_batch = msgspec.msgpack.Decoder(MicroBatchHeader)
+    done = msgspec.msgpack.Decoder(MicroBatchDone)
+    task = msgspec.msgpack.Decoder(SampleTask)
+    sample_done = msgspec.msgpack.Decoder(SampleDone)
+    control = msgspec.msgpack.Decoder(Control)
+
+
+def view(frame: Any, dtype: Any) -> np.ndarray:
+    """A read-only NumPy view of one received frame (zero-copy)."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    return np.frombuffer(buf, dtype=dtype)
+
+
+class WireError(ValueError):
+    """A message that does not decode: its sender is named in the log, and it is answered, not
+    dropped silently, wherever the reply address is known."""
