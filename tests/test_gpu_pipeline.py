@@ -53,12 +53,13 @@ def gpu_pipeline():  # type: ignore[no-untyped-def]
 
 def test_gpu_route_samples_on_the_gpu(gpu_pipeline) -> None:  # type: ignore[no-untyped-def]
     p, routes = gpu_pipeline
-    assert p.server.ready_info[0]["sampler"] in ("cuda", "uva")
-    assert p.server.ready_info[0]["device"].startswith("cuda")
+    info = p.supervisor.engine_info(0)
+    assert info["gpu_sampler"] in ("cuda", "uva")
+    assert info["device"].startswith("cuda")
     out = p.embed([0, 1, 2707])
     assert out.shape == (3, 64) and out.device.type == "cpu"
     assert routes.routes and set(routes.routes) == {"gpu"}
-    assert p.server.ready_info[0]["features_on"].startswith("cuda")  # Cora fits gpu_cache_bytes
+    assert info["features_on"].startswith("cuda")  # Cora fits gpu_cache_bytes
     assert routes.hits > 0 and routes.misses == 0
 
 
@@ -69,7 +70,7 @@ def test_features_stay_on_host_when_over_budget() -> None:
     observer = Routes()
     p = Pipeline(cfg, graph=graph, observer=observer).start()
     try:
-        assert p.server.ready_info[0]["features_on"] == "cpu"
+        assert p.supervisor.engine_info(0)["features_on"] == "cpu"
         assert p.embed([1, 2, 3]).shape == (3, 64)
         assert observer.misses > 0 and observer.hits == 0
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -148,3 +149,74 @@ def test_stop_leaves_no_worker_processes(cora: GraphData) -> None:
     with pytest.raises(ServeError) as e:
         p.embed([1])
     assert e.value.info.status == 503
+
+
+def _queue_api_caller(q: object, r: object, out: object) -> None:
+    """Another process: 300 requests through the Pipeline's multiprocessing queues."""
+    for i in range(300):
+        q.put(EmbedRequest(request_id=f"x{i}", node_ids=torch.tensor([i, 7])))  # type: ignore[attr-defined]
+    seen = []
+    for _ in range(300):
+        res = r.get(timeout=60)  # type: ignore[attr-defined]
+        seen.append((res.request_id, res.ok, tuple(res.embeddings.shape) if res.ok else None))
+    out.put(seen)  # type: ignore[attr-defined]
+
+
+def test_queue_api_exactly_once_from_another_process(pipeline: Pipeline) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_queue_api_caller,
+                       args=(pipeline.request_queue(), pipeline.result_queue(), out))
+    proc.start()
+    seen = out.get(timeout=120)
+    proc.join(timeout=10)
+    assert sorted(rid for rid, _, _ in seen) == sorted(f"x{i}" for i in range(300))
+    assert all(ok and shape == (2, 64) for _, ok, shape in seen)
+
+
+def _client_process(endpoints: object, n: int, out: object) -> None:
+    """Another process with its own fast-path client (``connect``), asyncio callers."""
+    import asyncio
+
+    from quiver_serve.engine.pipeline import connect
+
+    client = connect(endpoints)  # type: ignore[arg-type]
+
+    async def go() -> list[int]:
+        results = await asyncio.gather(*[client.submit_async(np.array([i % 2708, 3])) for i in range(n)])
+        return [r.embeddings.shape[0] if r.ok else -r.error.status for r in results]
+
+    out.put(asyncio.run(go()))  # type: ignore[attr-defined]
+    client.stop()
+
+
+def test_clients_in_other_processes_and_the_death_of_one(pipeline: Pipeline) -> None:
+    import os
+    import signal
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    doomed = ctx.Process(target=_client_process, args=(pipeline.endpoints(), 200000, ctx.Queue()))
+    doomed.start()
+    time.sleep(3.0)  # it is submitting / holding requests at the engine core now
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(timeout=10)
+    good = ctx.Process(target=_client_process, args=(pipeline.endpoints(), 500, out))
+    good.start()
+    shapes = out.get(timeout=120)
+    good.join(timeout=10)
+    assert shapes == [2] * 500  # the engine core served on, unharmed by a client's death
+    assert pipeline.embed([1, 2]).shape == (2, 64)
+    assert all(w["alive"] and w["restarts"] == 0 for w in pipeline.workers())
+
+
+def test_two_engine_cores_share_the_load(cora: GraphData) -> None:
+    observer = CountingObserver()
+    cfg = small_config(model__weights=None, inference__num_workers=2, sampling__num_cpu_workers=0)
+    p = Pipeline(cfg, graph=cora, observer=observer).start()
+    try:
+        futures = [p.submit(p.new_request([i % 2708] * 48)) for i in range(400)]
+        assert all(f.result(timeout=60).ok for f in futures)
+        assert {s.worker for s in observer.batches} == {0, 1}
+    finally:
+        p.stop()

@@ -1,0 +1,158 @@
+"""EngineCore driven directly (no processes): batching, pruning, errors, routing, cost model."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from quiver_serve.engine.core import EngineCore, MicroBatch, Reply
+from quiver_serve.engine.core_proc import build_core
+from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.router import EngineRouter, EngineRouteState
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.models import build_model
+from quiver_serve.wire import NO_SEED
+from tests.conftest import small_config
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def make_core(cora: GraphData, device: str = "cpu", **overrides: object) -> EngineCore:
+    cfg = small_config(model__weights=None, inference__device=device, **overrides)
+    return build_core(cfg, cora, 0, None)
+
+
+def mb(seq: int, requests: list[list[int]], exact: bool = False, seed: int = NO_SEED,
+       deadline_s: float | None = None) -> MicroBatch:
+    ids = np.array([i for r in requests for i in r], dtype=np.int64)
+    lengths = np.array([len(r) for r in requests], dtype=np.int64)
+    deadlines = np.full(len(requests), deadline_s or time.time() + 30.0)
+    return MicroBatch(f"c{seq % 3}".encode(), seq, exact, seed, ids, lengths, deadlines)
+
+
+def run(core: EngineCore, *mbs: MicroBatch, timeout_s: float = 30.0) -> dict[int, Reply]:
+    replies: dict[int, Reply] = {}
+    for m in mbs:
+        refused = core.add(m)
+        if refused is not None:
+            replies[m.seq] = refused
+    end = time.monotonic() + timeout_s
+    while len(replies) < len(mbs) and time.monotonic() < end:
+        for r in core.step():
+            replies[r.done.seq] = r
+    assert len(replies) == len(mbs), "not every micro-batch was answered"
+    return replies
+
+
+@pytest.fixture(scope="module")
+def full_output(cora: GraphData) -> torch.Tensor:
+    model = build_model(small_config(model__weights=None).model, cora.num_features)
+    with torch.no_grad():
+        return model(cora.x, cora.edge_index())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_micro_batches_each_get_their_rows_in_order(cora: GraphData, full_output: torch.Tensor,
+                                                           device: str) -> None:
+    core = make_core(cora, device)
+    mbs = [mb(i, [[i, 2707 - i], [5, 5, 9]], exact=True) for i in range(6)]
+    replies = run(core, *mbs)
+    for m in mbs:
+        r = replies[m.seq]
+        assert not r.done.errors and r.rows is not None and r.rows.shape == (5, 64)
+        np.testing.assert_allclose(r.rows, full_output[torch.from_numpy(m.ids)].numpy(),
+                                   atol=1e-4, rtol=1e-4)
+    stats = [r.done.stats for r in replies.values() if r.done.stats is not None]
+    assert sum(s.num_requests for s in stats) == 12  # each batch's stats are reported once
+
+
+def test_waiting_micro_batches_form_one_batch_up_to_the_cap(cora: GraphData) -> None:
+    core = make_core(cora, batching__max_batch_nodes=100)
+    replies = run(core, *[mb(i, [list(range(i * 10, i * 10 + 10))]) for i in range(25)])
+    sizes = sorted(r.done.stats.num_seeds for r in replies.values() if r.done.stats)
+    assert sum(sizes) == 250 and max(sizes) <= 100 and len(sizes) <= 4  # merged, capped
+
+
+def test_seeded_micro_batch_is_a_batch_of_its_own_and_reproducible(cora: GraphData) -> None:
+    core = make_core(cora)
+    a = run(core, mb(0, [[1, 2, 3]]), mb(1, [[10, 20]], seed=7), mb(2, [[4]]))
+    b = run(core, mb(3, [[10, 20]], seed=7))
+    assert a[1].done.stats is not None and a[1].done.stats.num_seeds == 2
+    np.testing.assert_array_equal(a[1].rows, b[3].rows)
+
+
+def test_expired_and_invalid_requests_are_answered_without_work(cora: GraphData) -> None:
+    core = make_core(cora)
+    past = time.time() - 1.0
+    replies = run(core, mb(0, [[1], [2]], deadline_s=past))
+    assert [e.status for e in replies[0].done.errors] == [504, 504]
+    assert replies[0].done.stats is None and replies[0].rows is None  # nothing computed
+    mixed = run(core, mb(1, [[1, 2], [5000], [-3, 4]]))[1]
+    assert {e.index: e.status for e in mixed.done.errors} == {1: 400, 2: 400}
+    assert "5000" in mixed.done.errors[0].message and "-3" in mixed.done.errors[1].message
+    assert mixed.rows is not None and mixed.rows.shape == (5, 64) and np.abs(mixed.rows[:2]).sum() > 0
+
+
+def test_malformed_micro_batch_is_refused(cora: GraphData) -> None:
+    core = make_core(cora)
+    bad = MicroBatch(b"x", 9, False, NO_SEED, np.arange(3), np.array([5]), np.array([time.time() + 9]))
+    reply = core.add(bad)
+    assert reply is not None and reply.done.errors[0].status == 400
+
+
+def test_a_failing_batch_answers_500_with_an_error_id_and_the_engine_goes_on(
+        cora: GraphData, caplog: pytest.LogCaptureFixture) -> None:
+    core = make_core(cora)
+    real = core.model.model.forward
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("secret internal detail")
+
+    core.model.model.forward = broken  # type: ignore[method-assign]
+    reply = run(core, mb(0, [[1], [2]]))[0]
+    core.model.model.forward = real  # type: ignore[method-assign]
+    errs = reply.done.errors
+    assert [e.status for e in errs] == [500, 500]
+    assert "secret" not in errs[0].message and "id " in errs[0].message
+    error_id = errs[0].message.split("id ")[1].split(")")[0]
+    assert error_id in caplog.text and "secret internal detail" in caplog.text
+    assert not run(core, mb(1, [[3]]))[1].done.errors
+
+
+def test_engine_queue_is_bounded(cora: GraphData) -> None:
+    core = make_core(cora, batching__queue_capacity=2)
+    assert core.add(mb(0, [[1]])) is None and core.add(mb(1, [[1]])) is None
+    refused = core.add(mb(2, [[1]]))
+    assert refused is not None and refused.done.errors[0].status == 503
+
+
+def test_latency_model_fits_a_line_and_sizes_batches() -> None:
+    model = LatencyModel()
+    for n in (1, 10, 100, 1000, 5000) * 4:
+        model.observe(n, 0.5e-3 + 2e-6 * n)
+    assert model.predict_s(2000) == pytest.approx(4.5e-3, rel=1e-3)
+    assert model.max_seeds_within(4.5e-3, cap=8192) == pytest.approx(2000, abs=1)
+    assert model.max_seeds_within(1.0, cap=8192) == 8192
+    assert model.max_seeds_within(0.0, cap=8192) == 1  # never refuses the oldest request
+
+
+def route(forced: str = "auto", **state: object) -> str:
+    base = {"num_seeds": 48, "waiting_micro_batches": 0, "pool_outstanding": [0], "on_gpu": False}
+    return EngineRouter(forced).decide(EngineRouteState(**{**base, **state})).route  # type: ignore[arg-type]
+
+
+def test_engine_router_decisions() -> None:
+    assert route() == "local"  # CPU box, nothing else waits: sample here (lowest latency)
+    assert route(waiting_micro_batches=3) == "cpu"  # more waits: overlap sampling with the model
+    assert route(waiting_micro_batches=3, pool_outstanding=[2]) == "local"  # pool busy
+    assert route(pool_outstanding=[]) == "local"
+    assert route(on_gpu=True) == "gpu"
+    assert route(on_gpu=True, num_seeds=1) == "cpu"  # tiny batch: the C++ sampler's cost is lower
+    assert route(on_gpu=True, num_seeds=1, pool_outstanding=[5]) == "gpu"
+    assert route("gpu", on_gpu=False) == "local"  # no GPU sampler: CPU here
+    assert route("cpu", on_gpu=True, num_seeds=4096) == "cpu"
+    with pytest.raises(RuntimeError):
+        route("cpu", pool_outstanding=[])
