@@ -16,7 +16,8 @@ from quiver_serve.graph.synthetic import PRESETS, generate_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORA_RAW = REPO_ROOT / "data" / "planetoid" / "cora" / "raw"
-# The shared data folder sits beside the repository (CI too).
+# Real heterophilous graphs, when a shared data folder sits beside the checkout: extra coverage
+# only; the contracts are checked on a generated file of the same layout (heterophilous_npz).
 HETEROPHILOUS = REPO_ROOT / ".." / "shared" / "data" / "heterophilous"
 
 
@@ -157,26 +158,71 @@ def test_load_graph_reads_npz_from_config(tmp_path: Path) -> None:
     assert torch.equal(loaded.indices, graph.indices) and loaded.name == "rand"
 
 
-@pytest.mark.parametrize("name", ["chameleon", "tolokers"])
-def test_heterophilous_npz_matches_pyg(tmp_path: Path, name: str) -> None:
-    npz = HETEROPHILOUS / f"{name}.npz"
-    if not npz.exists():
-        pytest.skip(f"{npz} not present")
+def write_heterophilous_npz(path: Path, num_nodes: int = 30, seed: int = 0) -> None:
+    """A file in the yandex-research heterophilous-graphs layout (as chameleon.npz and
+    tolokers.npz): ``edges`` [E, 2] int64 listing some edges one way only, some both ways, some
+    twice, and self loops; ``node_features``, ``node_labels``; masks [10, N] for ten splits."""
+    rng = np.random.default_rng(seed)
+    edges = rng.integers(0, num_nodes - 3, size=(80, 2))  # the last three nodes stay isolated
+    edges = np.concatenate([edges, edges[:10, ::-1], edges[10:15], [[4, 4], [7, 7], [7, 7]]])
+    masks = rng.random((3, 10, num_nodes)) < 0.4
+    np.savez(path, edges=edges.astype(np.int64),
+             node_features=rng.standard_normal((num_nodes, 5)).astype(np.float32),
+             node_labels=rng.integers(0, 3, num_nodes).astype(np.int64),
+             train_masks=masks[0], val_masks=masks[1], test_masks=masks[2])
+
+
+def pyg_heterophilous(npz: Path, root: Path):
+    """What PyG's HeterophilousGraphDataset builds from ``npz``.
+
+    PyG's class accepts only its own five names and reads the file and nothing else (no download
+    when the raw file is present), so any file of the format is checked under the Tolokers name.
+    """
     from torch_geometric.datasets import HeterophilousGraphDataset
 
-    # PyG's class accepts only its own five names; it reads the file and nothing else, so Chameleon
-    # (same format, same repository) is checked by placing it under the Tolokers name.
-    (tmp_path / "tolokers" / "raw").mkdir(parents=True)
-    shutil.copy(npz, tmp_path / "tolokers" / "raw" / "tolokers.npz")
-    expected = HeterophilousGraphDataset(str(tmp_path), "Tolokers")[0]
-    loaded = load_npz(npz, name)
+    (root / "tolokers" / "raw").mkdir(parents=True)
+    shutil.copy(npz, root / "tolokers" / "raw" / "tolokers.npz")
+    return HeterophilousGraphDataset(str(root), "Tolokers")[0]
+
+
+def assert_matches_pyg_heterophilous(loaded: GraphData, npz: Path, root: Path) -> None:
+    from torch_geometric.utils import to_undirected
+
+    expected = pyg_heterophilous(npz, root)
     assert_csc_invariants(loaded)
-    assert loaded.num_edges == expected.num_edges
-    assert torch.equal(
-        edge_set(loaded.edge_index(), loaded.num_nodes),
-        edge_set(expected.edge_index, loaded.num_nodes),
-    )
+    n = loaded.num_nodes
+    with np.load(npz) as raw:  # PyG's own conversion, called directly
+        undirected = to_undirected(torch.from_numpy(raw["edges"]).t().contiguous(), num_nodes=n)
+    assert loaded.num_edges == expected.num_edges == undirected.size(1)
+    assert torch.equal(edge_set(loaded.edge_index(), n), edge_set(expected.edge_index, n))
+    assert torch.equal(edge_set(loaded.edge_index(), n), edge_set(undirected, n))
     assert torch.equal(loaded.x, expected.x) and torch.equal(loaded.y, expected.y)
+
+
+def test_heterophilous_npz_matches_pyg(tmp_path: Path) -> None:
+    npz = tmp_path / "hetero.npz"
+    write_heterophilous_npz(npz)
+    loaded = load_npz(npz, "hetero")
+    assert_matches_pyg_heterophilous(loaded, npz, tmp_path / "pyg")
+    # What the fixture is for: one-way edges gain their reverse, duplicates go, loops stay once.
+    keys = edge_set(loaded.edge_index(), loaded.num_nodes).tolist()
+    assert len(keys) == len(set(keys))
+    with np.load(npz) as raw:
+        edges = raw["edges"]
+    n = loaded.num_nodes
+    assert {int(s) * n + int(d) for s, d in edges} | {int(d) * n + int(s) for s, d in edges} \
+        == set(keys)
+    assert {4 * n + 4, 7 * n + 7} <= set(keys)
+    assert int(loaded.degree()[-3:].sum()) == 0
+
+
+@pytest.mark.parametrize("name", ["chameleon", "tolokers"])
+def test_real_heterophilous_npz_matches_pyg(tmp_path: Path, name: str) -> None:
+    """Extra coverage on the real files when a shared data folder is present."""
+    npz = HETEROPHILOUS / f"{name}.npz"
+    if not npz.exists():
+        pytest.skip(f"{npz} not present (optional extra coverage)")
+    assert_matches_pyg_heterophilous(load_npz(npz, name), npz, tmp_path)
 
 
 # --- saved PyG Data ----------------------------------------------------------------------------------
