@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from quiver_serve.config import GraphConfig, ModelConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_graph, load_npz, load_planetoid_raw, load_pyg_data
+from quiver_serve.graph.planetoid import read_planetoid
 from quiver_serve.graph.synthetic import PRESETS, generate_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -19,6 +21,7 @@ CORA_RAW = REPO_ROOT / "data" / "planetoid" / "cora" / "raw"
 # Real heterophilous graphs, when a shared data folder sits beside the checkout: extra coverage
 # only; the contracts are checked on a generated file of the same layout (heterophilous_npz).
 HETEROPHILOUS = REPO_ROOT / ".." / "shared" / "data" / "heterophilous"
+SHARED_PLANETOID = REPO_ROOT / ".." / "shared" / "data" / "planetoid"
 
 
 def assert_csc_invariants(graph: GraphData) -> None:
@@ -296,6 +299,74 @@ def test_planetoid_loader_matches_pyg(cora_pyg) -> None:
     assert (loaded.num_nodes, loaded.num_edges) == (2708, 10556)
     assert torch.equal(loaded.x, cora_pyg.x) and torch.equal(loaded.y, cora_pyg.y)
     assert torch.equal(edge_set(loaded.edge_index(), 2708), edge_set(cora_pyg.edge_index, 2708))
+
+
+def assert_same_as_pyg_reader(raw_dir: Path, prefix: str) -> None:
+    """The safe reader's tensors equal PyG's (pickle-based) reader's, bit for bit and in order.
+    Calling PyG's reader is fine here: the files are trusted."""
+    from torch_geometric.io import read_planetoid_data
+
+    x, edge_index, y = read_planetoid(raw_dir, prefix)
+    expected = read_planetoid_data(str(raw_dir), prefix)
+    assert torch.equal(x, expected.x) and x.dtype == expected.x.dtype
+    assert torch.equal(y, expected.y)
+    assert torch.equal(edge_index, expected.edge_index.as_subclass(torch.Tensor))
+
+
+def test_planetoid_safe_reader_equals_pyg_reader() -> None:
+    assert_same_as_pyg_reader(CORA_RAW, "cora")
+
+
+def test_planetoid_citeseer_equals_pyg_reader() -> None:
+    """Extra coverage (CiteSeer's isolated test nodes) when a shared data folder is present."""
+    raw = SHARED_PLANETOID / "citeseer" / "raw"
+    if not raw.exists():
+        pytest.skip(f"{raw} not present (optional extra coverage)")
+    assert_same_as_pyg_reader(raw, "citeseer")
+    assert load_planetoid_raw(raw, "citeseer").num_nodes == 3327
+
+
+class _Calls:
+    """Pickles as a call of ``func(*args)`` on load: what a crafted Planetoid file would do."""
+
+    def __init__(self, func, *args) -> None:  # type: ignore[no-untyped-def]
+        self.call = (func, args)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return self.call
+
+
+@pytest.mark.parametrize("attack", ["os.system", "builtins.eval"])
+def test_planetoid_pickle_naming_other_globals_is_refused(tmp_path: Path, attack: str) -> None:
+    import os
+
+    raw = tmp_path / "raw"
+    shutil.copytree(CORA_RAW, raw)
+    marker = tmp_path / "code-ran"
+    payload = (_Calls(os.system, f"touch {marker}") if attack == "os.system"
+               else _Calls(eval, f"open({str(marker)!r}, 'w')"))
+    evil = raw / "ind.cora.x"
+    evil.write_bytes(pickle.dumps(payload, protocol=2))
+    # As pickled: os.system is posix.system, and protocol 2 writes builtins as __builtin__.
+    refused = f"{os.system.__module__}.system" if attack == "os.system" else "__builtin__.eval"
+    with pytest.raises(ValueError, match="refused") as info:
+        load_planetoid_raw(raw, "cora")
+    assert str(evil) in str(info.value) and refused in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a pickle", "not a readable Planetoid pickle"),
+    (pickle.dumps([1, 2, 3], protocol=2), "expected a 2-D array"),
+])
+def test_planetoid_malformed_files_name_the_file(tmp_path: Path, content: bytes,
+                                                 message: str) -> None:
+    raw = tmp_path / "raw"
+    shutil.copytree(CORA_RAW, raw)
+    (raw / "ind.cora.tx").write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_planetoid_raw(raw, "cora")
+    assert str(raw / "ind.cora.tx") in str(info.value)
 
 
 def test_shipped_model_loads_weights_only_and_is_accurate(cora_pyg) -> None:
