@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from quiver_serve.messages import ErrorInfo
 
 
@@ -35,3 +38,15 @@ def deadline() -> ServeError:
 
 def overloaded(message: str, status: int = 503) -> ServeError:
     return ServeError("overloaded", message, status)
+
+
+def internal_error(exc: BaseException, where: str, logger: logging.Logger) -> ServeError:
+    """A 500 that names an error id and nothing of ``exc``; the traceback goes to the log.
+
+    Exception text can carry file paths, library versions or request data, which a client must
+    not see. The client quotes the id; operators find the traceback logged under it.
+    """
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error id %s)", where, error_id,
+                 exc_info=(type(exc), exc, exc.__traceback__))
+    return ServeError("internal", f"internal error (id {error_id}); see the server log", 500)

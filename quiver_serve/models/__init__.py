@@ -57,14 +57,18 @@ def build_model(cfg: ModelConfig, in_channels: int) -> nn.Module:
 
 
 def model_metadata(cfg: ModelConfig, in_channels: int) -> dict[str, Any]:
-    """How to rebuild the served model in plain PyG (KServe ``parameters``)."""
+    """How to rebuild the served model in plain PyG (KServe ``parameters``).
+
+    The weights file is named relative to the repository, or by its file name alone when it lies
+    outside: clients learn which file, never the server's directory layout.
+    """
     weights = None
     if cfg.weights is not None:
-        path = resolve_path(cfg.weights)
+        path = resolve_path(cfg.weights).resolve()
         try:
-            weights = str(path.relative_to(REPO_ROOT))
+            weights = path.relative_to(REPO_ROOT.resolve()).as_posix()
         except ValueError:
-            weights = str(path)
+            weights = path.name
     return {
         "pyg_model": {"class": cfg.pyg_class, "kwargs": model_kwargs(cfg, in_channels)},
         "state_dict": weights,
