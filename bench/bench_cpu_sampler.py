@@ -4,12 +4,18 @@ Per (implementation, threads, batch size) it reports p50/p99 latency per batch a
 (sum of ``num_sampled_edges``; for PyG the number of sampled edges it returns, the same count).
 Seed batches are random distinct node ids, identical for every implementation. PyG's baseline is
 ``torch_geometric.sampler.NeighborSampler`` (in-neighbours, ``replace=False``, directional), which
-without pyg-lib runs torch-sparse's ``neighbor_sample``; it needs the bench venv (see
-/work/shared/wheels/README.md) and is skipped with a note when torch_sparse is missing.
+without pyg-lib runs torch-sparse's ``neighbor_sample``; it needs the bench venv (torch-sparse
+wheels; see BENCHMARKS.md) and is skipped with a note when torch_sparse is missing.
 
-    PYTHONPATH=/work/main .bench_env/bin/python bench/bench_cpu_sampler.py --graph tolokers
-    PYTHONPATH=/work/main .bench_env/bin/python bench/bench_cpu_sampler.py --graph reddit --scale 0.25
-    PYTHONPATH=/work/main .bench_env/bin/python bench/bench_cpu_sampler.py --memory --scale 1.0
+From the repository root:
+
+    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --graph tolokers
+    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --graph reddit --scale 0.25
+    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --memory --scale 1.0
+
+Tolokers is read from ``--tolokers-npz`` (default: the shared data folder beside the checkout,
+``../shared/data/heterophilous/tolokers.npz``). Paths recorded in ``--json`` are relative to the
+repository, or bare file names when outside it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling.cpu import CppSampler, cpp_sampler_available, cpu_sampler_status
 from quiver_serve.sampling.reference import ReferenceSampler
 
-TOLOKERS_NPZ = Path("/work/shared/data/heterophilous/tolokers.npz")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOLOKERS_NPZ = REPO_ROOT.parent / "shared" / "data" / "heterophilous" / "tolokers.npz"
 # Sampling calls per cell stop at whichever comes first: --repeats or this much wall time.
 MIN_REPEATS = 5
 
@@ -57,14 +64,16 @@ class Row:
 # ---- graphs ---------------------------------------------------------------------------------
 
 
-def load_bench_graph(name: str, scale: float) -> tuple[GraphData, str]:
+def load_bench_graph(name: str, scale: float,
+                     tolokers_npz: Path = DEFAULT_TOLOKERS_NPZ) -> tuple[GraphData, str]:
     """The benchmark graph and a note on how it was made."""
     if name == "tolokers":
         try:
             from quiver_serve.graph.datasets import load_npz
         except ImportError:
-            return _tolokers_inline(), "tolokers.npz made undirected inline (no load_npz yet)"
-        return load_npz(TOLOKERS_NPZ, "tolokers"), "tolokers via quiver_serve load_npz"
+            note = "tolokers.npz made undirected inline (no load_npz yet)"
+            return _tolokers_inline(tolokers_npz), note
+        return load_npz(tolokers_npz, "tolokers"), "tolokers via quiver_serve load_npz"
     try:
         from quiver_serve.graph.synthetic import generate_synthetic
     except ImportError:
@@ -73,10 +82,10 @@ def load_bench_graph(name: str, scale: float) -> tuple[GraphData, str]:
     return generate_synthetic(cfg), f"synthetic reddit preset, scale {scale}"
 
 
-def _tolokers_inline() -> GraphData:
+def _tolokers_inline(path: Path) -> GraphData:
     import numpy as np
 
-    with np.load(TOLOKERS_NPZ) as archive:
+    with np.load(path) as archive:
         edges = torch.from_numpy(archive["edges"].astype("int64")).t()
         x = torch.from_numpy(archive["node_features"]).float()
     both_ways = torch.unique(torch.cat([edges, edges.flip(0)], 1), dim=1)  # as PyG's to_undirected
@@ -123,7 +132,7 @@ def _make_pyg(graph: GraphData, fanouts: list[int]) -> tuple[SampleFn | None, st
         from torch_geometric.sampler import NeighborSampler, NodeSamplerInput
     except ImportError as exc:
         return None, (f"PyG baseline skipped: {exc} (run in the bench venv: "
-                      "PYTHONPATH=/work/main .bench_env/bin/python bench/bench_cpu_sampler.py)")
+                      "PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py)")
     import torch_geometric.typing as pyg_typing
 
     backend = "pyg-lib" if pyg_typing.WITH_PYG_LIB else "torch_sparse.neighbor_sample"
@@ -357,16 +366,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-scale", type=float, default=1.0, help="reddit scale for --memory")
     p.add_argument("--memory-timeout-s", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--tolokers-npz", type=Path, default=DEFAULT_TOLOKERS_NPZ,
+                   help="the heterophilous-graphs tolokers.npz (default: the shared data folder "
+                        "beside the repository)")
     return p.parse_args(argv)
+
+
+def portable(value: object) -> str:
+    """An argument as recorded in the results: paths relative to the repository, or the bare
+    file name when outside it, so results name no folder of the machine they ran on."""
+    if not isinstance(value, Path):
+        return str(value)
+    path = value.resolve()
+    try:
+        return path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.name
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report: dict[str, object] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
+    report: dict[str, object] = {"machine": machine_info(),
+                                 "args": {k: portable(v) for k, v in vars(args).items()}}
     if args.memory:
         report["memory"] = memory_report(args)
     else:
-        graph, note = load_bench_graph(args.graph, args.scale)
+        graph, note = load_bench_graph(args.graph, args.scale, args.tolokers_npz)
         impls, notes = make_impls(graph, args.fanouts, args.impls)
         print(f"{graph.describe()} ({note}); fanouts {args.fanouts}; {report['machine']}")
         for line in notes:

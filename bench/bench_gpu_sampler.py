@@ -31,9 +31,11 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where tolokers.npz is looked for unless --tolokers names it: a git-ignored copy in the
+# repository, then the shared data folder beside the checkout.
 TOLOKERS_PATHS = (
-    REPO_ROOT / ".devdata/tolokers.npz",
-    Path("/work/shared/data/heterophilous/tolokers.npz"),
+    REPO_ROOT / ".devdata" / "tolokers.npz",
+    REPO_ROOT.parent / "shared" / "data" / "heterophilous" / "tolokers.npz",
 )
 REDDIT_NODES, REDDIT_EDGES = 232_965, 114_615_892
 FANOUTS = [25, 10]
@@ -92,12 +94,13 @@ def power_law_csc(num_nodes: int, num_edges: int, device: torch.device, seed: in
     return GraphData("reddit-synthetic", indptr.cpu(), src.cpu(), torch.zeros(num_nodes, 1))
 
 
-def tolokers_csc() -> GraphData:
+def tolokers_csc(path: Path | None = None) -> GraphData:
     from torch_geometric.utils import to_undirected
 
-    path = next((p for p in TOLOKERS_PATHS if p.exists()), None)
+    path = path or next((p for p in TOLOKERS_PATHS if p.exists()), None)
     if path is None:
-        raise FileNotFoundError(f"tolokers.npz not found in {[str(p) for p in TOLOKERS_PATHS]}")
+        raise FileNotFoundError(f"tolokers.npz not found in {[str(p) for p in TOLOKERS_PATHS]}; "
+                                f"name it with --tolokers")
     archive = np.load(path)
     x = torch.from_numpy(archive["node_features"])
     edge_index = to_undirected(
@@ -297,6 +300,11 @@ def main() -> None:
         "--sweep", action="store_true", help="also time grid sizes (items_per_block)"
     )
     parser.add_argument(
+        "--tolokers", type=Path, default=None,
+        help="tolokers.npz (default: .devdata/tolokers.npz in the repository, else "
+        "../shared/data/heterophilous/tolokers.npz beside it)",
+    )
+    parser.add_argument(
         "--json",
         default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_gpu.json"),
     )
@@ -318,7 +326,7 @@ def main() -> None:
         graph = (
             power_law_csc(REDDIT_NODES, REDDIT_EDGES, torch.device("cuda", 0))
             if name == "reddit"
-            else tolokers_csc()
+            else tolokers_csc(args.tolokers)
         )
         notes.append(
             f"{graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, max in-degree "

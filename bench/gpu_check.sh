@@ -4,19 +4,21 @@
 #
 # Only the GPU test files run: tests/conftest.py and most other tests import the server stack
 # (pydantic, fastapi), which GPU boxes may lack, so pytest runs with --noconftest; the GPU test
-# files import only dependency-free modules. Logs (and bench_gpu.json) go to $OUT, else /tmp.
+# files import only dependency-free modules. Logs (and bench_gpu.json) go to $OUT, else to a
+# fresh temporary folder (named at the end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-LOG_DIR=${OUT:-/tmp/quiver_serve_gpu_check}
+LOG_DIR=${OUT:-$(mktemp -d -t quiver_serve_gpu_check.XXXXXX)}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
 
 # The serving pipeline tests need pydantic, which GPU boxes may lack: carry wheels in .whl/
 # (git-ignored; see the device README) and they are installed here, outside the system packages.
 if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/qs-site .whl/*.whl \
-        && export PYTHONPATH=/tmp/qs-site${PYTHONPATH:+:$PYTHONPATH}
+    SITE_DIR=$(mktemp -d -t qs-site.XXXXXX)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" .whl/*.whl \
+        && export PYTHONPATH=$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 echo "== GPU tests =="

@@ -41,9 +41,12 @@ def overloaded(message: str, status: int = 503) -> ServeError:
 
 
 def internal_error(exc: BaseException, where: str, logger: logging.Logger) -> ServeError:
-    """A 500 whose body carries no internal detail: a fixed message and an error id, which the
-    log line (with the traceback) carries too, so an operator can find it."""
+    """A 500 that names an error id and nothing of ``exc``; the traceback goes to the log.
+
+    Exception text can carry file paths, library versions or request data, which a client must
+    not see. The client quotes the id; operators find the traceback logged under it.
+    """
     error_id = uuid.uuid4().hex[:12]
-    logger.error("internal error %s in %s: %s: %s", error_id, where, type(exc).__name__, exc,
-                 exc_info=exc)
+    logger.error("%s failed (error id %s)", where, error_id,
+                 exc_info=(type(exc), exc, exc.__traceback__))
     return ServeError("internal", f"internal error (id {error_id}); see the server log", 500)

@@ -18,8 +18,6 @@ from quiver_serve.config import REPO_ROOT, ServeConfig, resolve_path
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_planetoid_raw
 
-SHARED_DIR = (REPO_ROOT / ".." / "shared").resolve()
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -12,12 +13,15 @@ import torch
 from quiver_serve.config import GraphConfig, ModelConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_graph, load_npz, load_planetoid_raw, load_pyg_data
+from quiver_serve.graph.planetoid import read_planetoid
 from quiver_serve.graph.synthetic import PRESETS, generate_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORA_RAW = REPO_ROOT / "data" / "planetoid" / "cora" / "raw"
-# The shared data folder sits beside the repository (CI too).
+# Real heterophilous graphs, when a shared data folder sits beside the checkout: extra coverage
+# only; the contracts are checked on a generated file of the same layout (heterophilous_npz).
 HETEROPHILOUS = REPO_ROOT / ".." / "shared" / "data" / "heterophilous"
+SHARED_PLANETOID = REPO_ROOT / ".." / "shared" / "data" / "planetoid"
 
 
 def assert_csc_invariants(graph: GraphData) -> None:
@@ -157,26 +161,71 @@ def test_load_graph_reads_npz_from_config(tmp_path: Path) -> None:
     assert torch.equal(loaded.indices, graph.indices) and loaded.name == "rand"
 
 
-@pytest.mark.parametrize("name", ["chameleon", "tolokers"])
-def test_heterophilous_npz_matches_pyg(tmp_path: Path, name: str) -> None:
-    npz = HETEROPHILOUS / f"{name}.npz"
-    if not npz.exists():
-        pytest.skip(f"{npz} not present")
+def write_heterophilous_npz(path: Path, num_nodes: int = 30, seed: int = 0) -> None:
+    """A file in the yandex-research heterophilous-graphs layout (as chameleon.npz and
+    tolokers.npz): ``edges`` [E, 2] int64 listing some edges one way only, some both ways, some
+    twice, and self loops; ``node_features``, ``node_labels``; masks [10, N] for ten splits."""
+    rng = np.random.default_rng(seed)
+    edges = rng.integers(0, num_nodes - 3, size=(80, 2))  # the last three nodes stay isolated
+    edges = np.concatenate([edges, edges[:10, ::-1], edges[10:15], [[4, 4], [7, 7], [7, 7]]])
+    masks = rng.random((3, 10, num_nodes)) < 0.4
+    np.savez(path, edges=edges.astype(np.int64),
+             node_features=rng.standard_normal((num_nodes, 5)).astype(np.float32),
+             node_labels=rng.integers(0, 3, num_nodes).astype(np.int64),
+             train_masks=masks[0], val_masks=masks[1], test_masks=masks[2])
+
+
+def pyg_heterophilous(npz: Path, root: Path):
+    """What PyG's HeterophilousGraphDataset builds from ``npz``.
+
+    PyG's class accepts only its own five names and reads the file and nothing else (no download
+    when the raw file is present), so any file of the format is checked under the Tolokers name.
+    """
     from torch_geometric.datasets import HeterophilousGraphDataset
 
-    # PyG's class accepts only its own five names; it reads the file and nothing else, so Chameleon
-    # (same format, same repository) is checked by placing it under the Tolokers name.
-    (tmp_path / "tolokers" / "raw").mkdir(parents=True)
-    shutil.copy(npz, tmp_path / "tolokers" / "raw" / "tolokers.npz")
-    expected = HeterophilousGraphDataset(str(tmp_path), "Tolokers")[0]
-    loaded = load_npz(npz, name)
+    (root / "tolokers" / "raw").mkdir(parents=True)
+    shutil.copy(npz, root / "tolokers" / "raw" / "tolokers.npz")
+    return HeterophilousGraphDataset(str(root), "Tolokers")[0]
+
+
+def assert_matches_pyg_heterophilous(loaded: GraphData, npz: Path, root: Path) -> None:
+    from torch_geometric.utils import to_undirected
+
+    expected = pyg_heterophilous(npz, root)
     assert_csc_invariants(loaded)
-    assert loaded.num_edges == expected.num_edges
-    assert torch.equal(
-        edge_set(loaded.edge_index(), loaded.num_nodes),
-        edge_set(expected.edge_index, loaded.num_nodes),
-    )
+    n = loaded.num_nodes
+    with np.load(npz) as raw:  # PyG's own conversion, called directly
+        undirected = to_undirected(torch.from_numpy(raw["edges"]).t().contiguous(), num_nodes=n)
+    assert loaded.num_edges == expected.num_edges == undirected.size(1)
+    assert torch.equal(edge_set(loaded.edge_index(), n), edge_set(expected.edge_index, n))
+    assert torch.equal(edge_set(loaded.edge_index(), n), edge_set(undirected, n))
     assert torch.equal(loaded.x, expected.x) and torch.equal(loaded.y, expected.y)
+
+
+def test_heterophilous_npz_matches_pyg(tmp_path: Path) -> None:
+    npz = tmp_path / "hetero.npz"
+    write_heterophilous_npz(npz)
+    loaded = load_npz(npz, "hetero")
+    assert_matches_pyg_heterophilous(loaded, npz, tmp_path / "pyg")
+    # What the fixture is for: one-way edges gain their reverse, duplicates go, loops stay once.
+    keys = edge_set(loaded.edge_index(), loaded.num_nodes).tolist()
+    assert len(keys) == len(set(keys))
+    with np.load(npz) as raw:
+        edges = raw["edges"]
+    n = loaded.num_nodes
+    assert {int(s) * n + int(d) for s, d in edges} | {int(d) * n + int(s) for s, d in edges} \
+        == set(keys)
+    assert {4 * n + 4, 7 * n + 7} <= set(keys)
+    assert int(loaded.degree()[-3:].sum()) == 0
+
+
+@pytest.mark.parametrize("name", ["chameleon", "tolokers"])
+def test_real_heterophilous_npz_matches_pyg(tmp_path: Path, name: str) -> None:
+    """Extra coverage on the real files when a shared data folder is present."""
+    npz = HETEROPHILOUS / f"{name}.npz"
+    if not npz.exists():
+        pytest.skip(f"{npz} not present (optional extra coverage)")
+    assert_matches_pyg_heterophilous(load_npz(npz, name), npz, tmp_path)
 
 
 # --- saved PyG Data ----------------------------------------------------------------------------------
@@ -250,6 +299,74 @@ def test_planetoid_loader_matches_pyg(cora_pyg) -> None:
     assert (loaded.num_nodes, loaded.num_edges) == (2708, 10556)
     assert torch.equal(loaded.x, cora_pyg.x) and torch.equal(loaded.y, cora_pyg.y)
     assert torch.equal(edge_set(loaded.edge_index(), 2708), edge_set(cora_pyg.edge_index, 2708))
+
+
+def assert_same_as_pyg_reader(raw_dir: Path, prefix: str) -> None:
+    """The safe reader's tensors equal PyG's (pickle-based) reader's, bit for bit and in order.
+    Calling PyG's reader is fine here: the files are trusted."""
+    from torch_geometric.io import read_planetoid_data
+
+    x, edge_index, y = read_planetoid(raw_dir, prefix)
+    expected = read_planetoid_data(str(raw_dir), prefix)
+    assert torch.equal(x, expected.x) and x.dtype == expected.x.dtype
+    assert torch.equal(y, expected.y)
+    assert torch.equal(edge_index, expected.edge_index.as_subclass(torch.Tensor))
+
+
+def test_planetoid_safe_reader_equals_pyg_reader() -> None:
+    assert_same_as_pyg_reader(CORA_RAW, "cora")
+
+
+def test_planetoid_citeseer_equals_pyg_reader() -> None:
+    """Extra coverage (CiteSeer's isolated test nodes) when a shared data folder is present."""
+    raw = SHARED_PLANETOID / "citeseer" / "raw"
+    if not raw.exists():
+        pytest.skip(f"{raw} not present (optional extra coverage)")
+    assert_same_as_pyg_reader(raw, "citeseer")
+    assert load_planetoid_raw(raw, "citeseer").num_nodes == 3327
+
+
+class _Calls:
+    """Pickles as a call of ``func(*args)`` on load: what a crafted Planetoid file would do."""
+
+    def __init__(self, func, *args) -> None:  # type: ignore[no-untyped-def]
+        self.call = (func, args)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return self.call
+
+
+@pytest.mark.parametrize("attack", ["os.system", "builtins.eval"])
+def test_planetoid_pickle_naming_other_globals_is_refused(tmp_path: Path, attack: str) -> None:
+    import os
+
+    raw = tmp_path / "raw"
+    shutil.copytree(CORA_RAW, raw)
+    marker = tmp_path / "code-ran"
+    payload = (_Calls(os.system, f"touch {marker}") if attack == "os.system"
+               else _Calls(eval, f"open({str(marker)!r}, 'w')"))
+    evil = raw / "ind.cora.x"
+    evil.write_bytes(pickle.dumps(payload, protocol=2))
+    # As pickled: os.system is posix.system, and protocol 2 writes builtins as __builtin__.
+    refused = f"{os.system.__module__}.system" if attack == "os.system" else "__builtin__.eval"
+    with pytest.raises(ValueError, match="refused") as info:
+        load_planetoid_raw(raw, "cora")
+    assert str(evil) in str(info.value) and refused in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a pickle", "not a readable Planetoid pickle"),
+    (pickle.dumps([1, 2, 3], protocol=2), "expected a 2-D array"),
+])
+def test_planetoid_malformed_files_name_the_file(tmp_path: Path, content: bytes,
+                                                 message: str) -> None:
+    raw = tmp_path / "raw"
+    shutil.copytree(CORA_RAW, raw)
+    (raw / "ind.cora.tx").write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_planetoid_raw(raw, "cora")
+    assert str(raw / "ind.cora.tx") in str(info.value)
 
 
 def test_shipped_model_loads_weights_only_and_is_accurate(cora_pyg) -> None:

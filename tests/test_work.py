@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
+import pytest
 import torch
 from torch_geometric.nn.models import GraphSAGE
 
@@ -54,17 +57,25 @@ def test_engine_answers_each_request_with_its_rows_in_order(cora: GraphData) -> 
     assert results[0].stats.num_seeds == 4 and results[0].stats.num_requests == 2
 
 
-def test_engine_failure_fails_its_batch_only(cora: GraphData) -> None:
+def test_engine_failure_fails_its_batch_only(cora: GraphData, caplog: pytest.LogCaptureFixture) -> None:
     eng = engine(cora, [3, 3])
 
     def broken(_: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom")
+        raise RuntimeError("boom at /srv/secret/path")
 
     good = eng.step(batch([[1]]))
     eng._gather = broken
-    bad = eng.step(batch([[1], [2]]))
+    with caplog.at_level(logging.ERROR, logger="quiver_serve.engine.work"):
+        bad = eng.step(batch([[1], [2]]))
     assert good[0].ok
-    assert [r.error.status for r in bad] == [500, 500] and "boom" in bad[0].error.message
+    assert [r.error.status for r in bad] == [500, 500]
+    # The client sees an error id, not the exception; the log has the exception under that id.
+    message = bad[0].error.message
+    assert "boom" not in message and "RuntimeError" not in message and "/srv" not in message
+    error_id = re.fullmatch(r"internal error \(id ([0-9a-f]{12})\); see the server log", message)
+    assert error_id is not None and bad[1].error.message == message
+    (record,) = [r for r in caplog.records if error_id.group(1) in r.getMessage()]
+    assert record.exc_info is not None and "boom" in str(record.exc_info[1])
 
 
 def test_engine_passes_upstream_errors_through(cora: GraphData) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from quiver_serve.errors import internal_error
 from quiver_serve.messages import (
     BatchedRequest,
     BatchStats,
@@ -122,11 +123,9 @@ class InferenceEngine:
         try:
             return failed + self._compute(sampled)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its own requests only
-            log.exception("batch %d failed", sampled.batch.batch_id)
-            return failed + [
-                error_result(rid, "internal", f"inference failed: {type(exc).__name__}: {exc}", 500)
-                for rid in sampled.batch.request_ids
-            ]
+            info = internal_error(exc, f"inference of batch {sampled.batch.batch_id}", log).info
+            return failed + [EmbedResult(request_id=rid, error=info)
+                             for rid in sampled.batch.request_ids]
 
     def _compute(self, sb: SampledBatch) -> list[EmbedResult]:
         batch = sb.batch

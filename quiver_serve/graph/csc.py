@@ -50,6 +50,27 @@ class GraphData:
         """In-degree of every node (int64)."""
         return self.indptr[1:] - self.indptr[:-1]
 
+    def self_loop_count(self, edges_per_chunk: int = 1 << 24) -> Tensor:
+        """Number of self loops (edges v→v, duplicates counted) of every node (int64).
+
+        GCN's exact mode needs it: PyG's ``gcn_norm`` replaces a node's loops by exactly one.
+        Chunked over nodes so the temporary target ids stay near ``edges_per_chunk`` entries
+        (8 bytes each) whatever the graph's size.
+        """
+        counts = torch.zeros(self.num_nodes, dtype=torch.int64)
+        lo = 0
+        while lo < self.num_nodes:
+            # Last node whose edges end within the budget; at least one node per chunk.
+            limit = torch.tensor([int(self.indptr[lo]) + edges_per_chunk])
+            hi = max(lo + 1, min(self.num_nodes, int(torch.searchsorted(self.indptr, limit,
+                                                                         right=True)) - 1))
+            dst = torch.repeat_interleave(torch.arange(lo, hi), self.indptr[lo + 1:hi + 1]
+                                          - self.indptr[lo:hi])
+            src = self.indices[int(self.indptr[lo]):int(self.indptr[hi])]
+            counts[lo:hi] = torch.bincount(dst[src == dst] - lo, minlength=hi - lo)
+            lo = hi
+        return counts
+
     @classmethod
     def from_edge_index(
         cls, edge_index: Tensor, x: Tensor, name: str, y: Tensor | None = None

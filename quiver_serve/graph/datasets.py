@@ -39,16 +39,18 @@ def load_graph(cfg: GraphConfig) -> GraphData:
 
 
 def load_planetoid_raw(raw_dir: Path, name: str) -> GraphData:
-    """Read a Planetoid ``raw/`` folder (``ind.<name>.*``) exactly as PyG's ``Planetoid`` does."""
-    from torch_geometric.io import read_planetoid_data
+    """Read a Planetoid ``raw/`` folder (``ind.<name>.*``) as PyG's ``Planetoid`` does, but with
+    a restricted unpickler (``graph/planetoid.py``): a file that names anything but arrays,
+    sparse matrices and lists is refused, never run."""
+    from quiver_serve.graph.planetoid import read_planetoid
 
     prefix = name.lower()
     missing = [s for s in ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
                if not (raw_dir / f"ind.{prefix}.{s}").exists()]
     if missing:
         raise FileNotFoundError(f"{raw_dir} lacks Planetoid files for {name!r}: {missing}")
-    data = read_planetoid_data(str(raw_dir), prefix)
-    return GraphData.from_edge_index(data.edge_index, data.x, name=prefix, y=data.y)
+    x, edge_index, y = read_planetoid(raw_dir, prefix)
+    return GraphData.from_edge_index(edge_index, x, name=prefix, y=y)
 
 
 # --- .npz ----------------------------------------------------------------------------------------

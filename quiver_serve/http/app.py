@@ -111,9 +111,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return request.app.state.qs.error(exc)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, "internal", f"internal error: {type(exc).__name__}")
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        info = errors.internal_error(exc, f"{request.method} {request.url.path}", log).info
+        return error_response(info.status, info.code, info.message)
 
 
 def _install_timing(app: FastAPI, metrics: Metrics, token: str | None, max_body_bytes: int) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from quiver_serve.config import REPO_ROOT, ModelConfig, resolve_path
+from quiver_serve.models.exact_gcn import ExactGcnNorm
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,18 @@ def build_model(cfg: ModelConfig, in_channels: int) -> nn.Module:
 
 
 def model_metadata(cfg: ModelConfig, in_channels: int) -> dict[str, Any]:
-    """How to rebuild the served model in plain PyG (KServe ``parameters``)."""
+    """How to rebuild the served model in plain PyG (KServe ``parameters``).
+
+    The weights file is named relative to the repository, or by its file name alone when it lies
+    outside: clients learn which file, never the server's directory layout.
+    """
     weights = None
     if cfg.weights is not None:
-        path = resolve_path(cfg.weights)
+        path = resolve_path(cfg.weights).resolve()
         try:
-            weights = str(path.relative_to(REPO_ROOT))
+            weights = path.relative_to(REPO_ROOT.resolve()).as_posix()
         except ValueError:
-            weights = str(path)
+            weights = path.name
     return {
         "pyg_model": {"class": cfg.pyg_class, "kwargs": model_kwargs(cfg, in_channels)},
         "state_dict": weights,
@@ -74,20 +79,40 @@ class ServedModel:
     """The model as served: forward on a sampled subgraph, trimmed per layer (PyG).
 
     GCN normalises by node degree. On a subgraph the boundary nodes have truncated degrees, so in
-    exact mode the edge weights are computed from full-graph in-degrees (what ``gcn_norm`` computes
-    on the whole graph) and the convs' own normalisation is switched off for that call. Sampled mode
-    keeps PyG's mini-batch behaviour (normalise on the subgraph).
+    exact mode the edge weights are PyG's full-graph ``gcn_norm`` weights (:class:`ExactGcnNorm`,
+    built from the graph's in-degrees and per-node self-loop counts) and the convs' own
+    normalisation is switched off for that call. Sampled mode keeps PyG's mini-batch behaviour
+    (normalise on the subgraph).
+
+    ``self_loops`` (int64 [num_nodes], :meth:`GraphData.self_loop_count`) matters only for GCN
+    with ``add_self_loops``; None means the graph has no self loops.
     """
 
-    def __init__(self, model: nn.Module, in_degree: Tensor | None = None) -> None:
+    def __init__(self, model: nn.Module, in_degree: Tensor | None = None,
+                 self_loops: Tensor | None = None) -> None:
         from torch_geometric.nn import GCNConv
 
         self.model = model
-        # Only convs that normalise themselves need the full-graph degrees.
-        self.gcn_convs = [m for m in model.modules() if isinstance(m, GCNConv) and m.normalize]
-        self.in_degree = in_degree
-        if self.gcn_convs and in_degree is None:
-            raise ValueError("GCN models need the graph's in-degree for exact mode")
+        gcn = [m for m in model.modules() if isinstance(m, GCNConv)]
+        for conv in gcn:
+            if conv.cached:
+                # The cache holds the first request's subgraph; every later request has another.
+                log.warning("GCN kwarg cached=True ignored: each request has its own subgraph")
+                conv.cached = False
+                conv._cached_edge_index = None
+                conv._cached_adj_t = None
+        # Only convs that normalise themselves need full-graph degrees; the rest sum over
+        # in-edges, which an exact-mode subgraph holds in full.
+        self.gcn_convs = [c for c in gcn if c.normalize]
+        self.gcn_norm: ExactGcnNorm | None = None
+        if self.gcn_convs:
+            if in_degree is None:
+                raise ValueError("GCN models need the graph's in-degree for exact mode")
+            conv = self.gcn_convs[0]  # BasicGNN builds every conv from the same kwargs
+            if conv.add_self_loops and self_loops is None:
+                log.warning("GCN exact mode assumes the graph has no self loops "
+                            "(no self-loop counts given)")
+            self.gcn_norm = ExactGcnNorm(in_degree, self_loops, conv.improved, conv.add_self_loops)
 
     @property
     def out_dim(self) -> int:
@@ -95,8 +120,8 @@ class ServedModel:
 
     def to(self, device: torch.device) -> ServedModel:
         self.model.to(device)
-        if self.in_degree is not None:
-            self.in_degree = self.in_degree.to(device)
+        if self.gcn_norm is not None:
+            self.gcn_norm.to(device)
         return self
 
     @torch.no_grad()
@@ -104,7 +129,7 @@ class ServedModel:
         self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int],
         num_edges: list[int], exact: bool,
     ) -> Tensor:
-        if exact and self.gcn_convs:
+        if exact and self.gcn_norm is not None:
             return self._gcn_exact(x, n_id, edge_index, num_nodes, num_edges)
         return self.model(x, edge_index, num_sampled_nodes_per_hop=num_nodes,
                           num_sampled_edges_per_hop=num_edges)
@@ -112,30 +137,14 @@ class ServedModel:
     def _gcn_exact(
         self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int], num_edges: list[int]
     ) -> Tensor:
-        conv = self.gcn_convs[0]
-        fill = 2.0 if conv.improved else 1.0
-        assert self.in_degree is not None
-        deg = self.in_degree[n_id].to(x.dtype) + (fill if conv.add_self_loops else 0.0)
-        inv_sqrt = deg.pow(-0.5).masked_fill_(deg == 0, 0.0)
-        blocks, weights, counts = [], [], []
-        node_start, edge_start = 0, 0
-        for hop, n_edges in enumerate(num_edges):
-            block = edge_index[:, edge_start:edge_start + n_edges]
-            w = inv_sqrt[block[0]] * inv_sqrt[block[1]]
-            if conv.add_self_loops:  # targets of block `hop` are the nodes first reached at `hop`
-                loops = torch.arange(node_start, node_start + num_nodes[hop], device=x.device)
-                block = torch.cat([block, loops.expand(2, -1)], dim=1)
-                w = torch.cat([w, fill * inv_sqrt[loops] ** 2])
-            blocks.append(block)
-            weights.append(w)
-            counts.append(block.size(1))
-            node_start += num_nodes[hop]
-            edge_start += n_edges
+        assert self.gcn_norm is not None
+        edges, weight, counts = self.gcn_norm.subgraph(n_id, edge_index, num_nodes, num_edges,
+                                                       x.dtype)
         for c in self.gcn_convs:
             c.normalize = False
         try:
-            return self.model(x, torch.cat(blocks, dim=1), edge_weight=torch.cat(weights),
-                              num_sampled_nodes_per_hop=num_nodes, num_sampled_edges_per_hop=counts)
+            return self.model(x, edges, edge_weight=weight, num_sampled_nodes_per_hop=num_nodes,
+                              num_sampled_edges_per_hop=counts)
         finally:
             for c in self.gcn_convs:
                 c.normalize = True

@@ -1,0 +1,100 @@
+"""GCN in exact mode: PyG's full-graph ``gcn_norm`` weights, applied to a sampled subgraph.
+
+On a subgraph the boundary nodes have truncated degrees, so ``gcn_norm`` on the subgraph is not
+``gcn_norm`` on the graph. :class:`ExactGcnNorm` holds the per-node terms of the full-graph
+normalisation and turns an exact-mode subgraph (every in-edge of every expanded node) into edges
+and weights that reproduce ``GCN(x, edge_index)`` on the whole graph, self loops included.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+@functools.cache
+def improved_applies_without_weights() -> bool:
+    """Whether the installed PyG gives a node that lacks a self loop a loop of weight 2 when
+    ``improved=True`` and no edge weights are passed (the served graph has none).
+
+    PyG 2.8's ``gcn_norm`` appends the loops (``add_remaining_self_loops``) before it fills
+    missing weights with ones, so ``fill_value`` never reaches an unweighted graph and
+    ``improved`` changes nothing there. Exact mode must equal ``model(x, edge_index)`` on the PyG
+    that is installed, so ask it instead of assuming either behaviour.
+    """
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+    # One edge 0->1: node 1's loop of weight w normalises to w / (1 + w), 1/2 or 2/3.
+    edge_index, weight = gcn_norm(torch.tensor([[0], [1]]), None, 2, True, True)
+    is_loop_of_1 = (edge_index[0] == 1) & (edge_index[1] == 1)
+    return float(weight[is_loop_of_1]) > 0.6
+
+
+class ExactGcnNorm:
+    """Full-graph ``gcn_norm`` (source_to_target flow) for exact-mode subgraphs.
+
+    With ``add_self_loops`` PyG (``add_remaining_self_loops``) removes every existing self loop
+    and appends exactly one per node, of weight 1 where the node had at least one loop (an
+    unweighted loop has weight 1) and of the fill value (2 if ``improved`` reaches unweighted
+    graphs, else 1) where it had none; the degree is then the number of non-loop in-edges
+    (duplicates count each time) plus that loop's weight. Without ``add_self_loops`` loops stay
+    ordinary edges of weight 1 and the degree is the in-degree.
+    """
+
+    def __init__(self, in_degree: Tensor, self_loops: Tensor | None, improved: bool,
+                 add_self_loops: bool) -> None:
+        self.add_self_loops = add_self_loops
+        degree = in_degree.to(torch.float32)
+        # Unnormalised weight of the one loop PyG gives each node; None when it is 1 everywhere.
+        self.loop_weight: Tensor | None = None
+        if add_self_loops:
+            fill = 2.0 if improved and improved_applies_without_weights() else 1.0
+            loops = torch.zeros_like(in_degree) if self_loops is None else self_loops
+            loop_weight = torch.where(loops > 0, 1.0, fill).to(torch.float32)
+            degree = degree - loops.to(torch.float32) + loop_weight
+            if fill != 1.0:
+                self.loop_weight = loop_weight
+        self.degree = degree  # float32 [num_nodes]: the degree gcn_norm computes on the graph
+
+    def to(self, device: torch.device) -> ExactGcnNorm:
+        self.degree = self.degree.to(device)
+        if self.loop_weight is not None:
+            self.loop_weight = self.loop_weight.to(device)
+        return self
+
+    def subgraph(
+        self, n_id: Tensor, edge_index: Tensor, num_nodes: list[int], num_edges: list[int],
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor, list[int]]:
+        """Edges, normalised weights and per-hop edge counts of an exact-mode subgraph.
+
+        Hop block ``h`` holds every in-edge of the nodes first reached at hop ``h``, so its
+        self loops are exactly those nodes' loops: they are dropped and one loop per node is
+        appended to the same block, which keeps PyG's per-layer trimming valid.
+        """
+        deg = self.degree[n_id].to(dtype)
+        inv_sqrt = deg.pow(-0.5).masked_fill_(deg == 0, 0.0)
+        blocks, weights, counts = [], [], []
+        node_start, edge_start = 0, 0
+        for hop, n_edges in enumerate(num_edges):
+            block = edge_index[:, edge_start:edge_start + n_edges]
+            weight = torch.ones(block.size(1), dtype=dtype, device=block.device)
+            if self.add_self_loops:
+                keep = block[0] != block[1]
+                targets = torch.arange(node_start, node_start + num_nodes[hop], device=block.device)
+                loop_w = torch.ones(targets.numel(), dtype=dtype, device=block.device)
+                if self.loop_weight is not None:
+                    loop_w = self.loop_weight[n_id[targets]].to(dtype)
+                block = torch.cat([block[:, keep], targets.expand(2, -1)], dim=1)
+                weight = torch.cat([weight[keep], loop_w])
+            # Same product order as gcn_norm: inv_sqrt[row] * weight * inv_sqrt[col].
+            blocks.append(block)
+            weights.append(inv_sqrt[block[0]] * weight * inv_sqrt[block[1]])
+            counts.append(block.size(1))
+            node_start += num_nodes[hop]
+            edge_start += n_edges
+        if not blocks:
+            return edge_index, torch.ones(0, dtype=dtype, device=edge_index.device), counts
+        return torch.cat(blocks, dim=1), torch.cat(weights), counts
