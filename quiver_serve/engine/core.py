@@ -136,8 +136,7 @@ class EngineCore:
         self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
         self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
         self.in_flight: deque[Batch] = deque()  # launched on the GPU
-        self.latency = LatencyModel()
-        self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
+        self.reset_cost_models()
         self._ids = itertools.count()
         self.on_gpu = device.type == "cuda"
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
@@ -145,6 +144,10 @@ class EngineCore:
         self.features_on_device = features.device == device
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
+
+    def reset_cost_models(self) -> None:
+        self.latency = LatencyModel()
+        self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, mb: MicroBatch) -> Reply | None:

@@ -294,7 +294,9 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree()).to(device)
+    self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
+    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
+                        self_loops).to(device)
     features = graph.x
     if device.type == "cuda" and features.numel() * features.element_size() \
             <= cfg.inference.gpu_cache_bytes:
@@ -311,7 +313,19 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
 
 
 def warm_up(core: EngineCore) -> None:
-    """Tiny batches through every local path, so the first request pays no lazy initialisation."""
+    """Tiny batches through every path in this process (GPU and CPU sampling, sampled and exact),
+    so the first request pays no lazy initialisation; the pool is not used here."""
+    router = core.router
+    try:
+        for route in ("gpu", "local") if core.gpu_sampler is not None else ("local",):
+            core.router = EngineRouter(route)
+            _warm_batches(core)
+    finally:
+        core.router = router
+    core.reset_cost_models()  # warm-up timings include one-off costs: forget them
+
+
+def _warm_batches(core: EngineCore) -> None:
     for exact in (False, True):
         mb = MicroBatch(b"", -1, exact, NO_SEED, np.zeros(1, np.int64), np.ones(1, np.int64),
                         np.array([time.time() + 60.0]))
@@ -322,7 +336,6 @@ def warm_up(core: EngineCore) -> None:
             replies = core.step()
         if not replies or replies[0].done.errors:
             raise RuntimeError(f"warm-up batch failed: {replies[0].done.errors if replies else 'no reply'}")
-    core.latency.__init__()  # warm-up timings include one-off costs: forget them
 
 
 # ---- CPU sampler process ------------------------------------------------------------------------------

@@ -34,9 +34,10 @@ from quiver_serve.engine.process import (
     wait_ready,
 )
 from quiver_serve.engine.router import QueueDepthRouter, RouteDecision, Router, RouterState
-from quiver_serve.engine.work import SamplingEngine, error_result
+from quiver_serve.engine.work import SamplingEngine
+from quiver_serve.errors import internal_error
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.messages import BatchedRequest, SamplerReply, Shutdown
+from quiver_serve.messages import BatchedRequest, EmbedResult, SamplerReply, Shutdown
 from quiver_serve.sampling import make_cpu_sampler
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,8 @@ def sampler_worker_main(
             sampled, failed = engine.step(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch only
             log.exception("sampler %d: batch %d failed", index, batch.batch_id)
-            sampled, failed = None, [
-                error_result(rid, "internal", f"sampling failed: {exc}", 500) for rid in batch.request_ids
-            ]
+            info = internal_error(exc, f"sampler {index}: batch {batch.batch_id}", log).info
+            sampled, failed = None, [EmbedResult(request_id=rid, error=info) for rid in batch.request_ids]
         return [SamplerReply(batch_id=batch.batch_id, worker=batch.worker, sampled=sampled, failed=failed)]
 
     serve_queue(task_q, out_q, handle)

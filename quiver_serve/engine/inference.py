@@ -66,7 +66,9 @@ def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEng
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree()).to(device)
+    self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
+    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
+                        self_loops).to(device)
     sampler = local_sampler(cfg, graph, device)
     features = graph.x
     if device.type == "cuda" and graph.x.numel() * graph.x.element_size() <= cfg.inference.gpu_cache_bytes:
