@@ -85,11 +85,15 @@ def bench_engine(cfg: ServeConfig, graph, workload: str, batch_sizes: list[int],
 # ---- the daemon, loaded from other processes -----------------------------------------------------
 class _BatchSizes(PipelineObserver):
     def __init__(self) -> None:
-        self.seeds = self.batches = 0
+        self.seeds = self.batches = self.sampled = 0
+        self.compute_s = self.sample_s = 0.0
 
     def on_batch(self, stats) -> None:  # type: ignore[no-untyped-def]
         self.seeds += stats.num_seeds
         self.batches += 1
+        self.sampled += stats.num_sampled_nodes
+        self.compute_s += stats.compute_s
+        self.sample_s += stats.sample_s
 
 
 def _load_proc(endpoints, workload: str, degree: np.ndarray, callers: int, warm_s: float,
@@ -122,7 +126,8 @@ def _load_proc(endpoints, workload: str, degree: np.ndarray, callers: int, warm_
     asyncio.run(main())
     cpu_s = time.process_time() - cpu0
     out.put({"lat": lat, "status": status, "cpu_frac": cpu_s / (warm_s + seconds),
-             "batch_seeds": obs.seeds, "batches": obs.batches})
+             "batch_seeds": obs.seeds, "batches": obs.batches, "sampled": obs.sampled,
+             "compute_s": obs.compute_s, "sample_s": obs.sample_s})
     client.stop()
 
 
@@ -152,9 +157,14 @@ def bench_daemon_point(p, workload: str, degree: np.ndarray, callers: int, procs
            "seeds_per_s": ok * IDS[workload] / seconds, "req_per_s": ok / seconds,
            "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99), "status": status,
            "mean_batch_seeds": sum(part["batch_seeds"] for part in parts) / max(batches, 1),
-           "load_cpu_frac_per_proc": [round(part["cpu_frac"], 2) for part in parts]}
+           "load_cpu_frac_per_proc": [round(part["cpu_frac"], 2) for part in parts],
+           "mean_sampled_nodes": sum(part["sampled"] for part in parts) / max(batches, 1),
+           "mean_compute_ms": 1e3 * sum(part["compute_s"] for part in parts) / max(batches, 1),
+           "mean_sample_ms": 1e3 * sum(part["sample_s"] for part in parts) / max(batches, 1)}
     print(f"daemon  {workload} callers {callers:5d}: {row['seeds_per_s']:10.0f} seeds/s  p50 "
-          f"{row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms  batch {row['mean_batch_seeds']:.0f}  "
+          f"{row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms  batch {row['mean_batch_seeds']:.0f} "
+          f"(sampled {row['mean_sampled_nodes']:.0f}, sample {row['mean_sample_ms']:.2f} ms, "
+          f"model {row['mean_compute_ms']:.2f} ms)  "
           f"status {status}  load cpu {row['load_cpu_frac_per_proc']}", flush=True)
     return row
 

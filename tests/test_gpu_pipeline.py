@@ -98,3 +98,23 @@ def test_same_seed_same_embedding_on_cpu_and_gpu_routes(gpu_pipeline, gpu_mode: 
         assert not torch.allclose(a, gpu.embed(ids, seed=2025), atol=1e-4)
     finally:
         other.stop()
+
+
+def test_concurrent_exact_requests_on_the_gpu_equal_pyg(gpu_pipeline) -> None:  # type: ignore[no-untyped-def]
+    """Many exact requests in flight at once: merged batches, two launched at a time, each row
+    still equal to the full-graph output."""
+    import asyncio
+
+    p, _ = gpu_pipeline
+    model = build_model(p.cfg.model, p.graph.num_features)
+    with torch.no_grad():
+        full = model(p.graph.x, p.graph.edge_index())
+    gen = torch.Generator().manual_seed(3)
+    requests = [torch.randint(0, 2708, (int(n),), generator=gen)
+                for n in torch.randint(1, 40, (300,), generator=gen)]
+
+    async def go() -> list[torch.Tensor]:
+        return await asyncio.gather(*[p.embed_async(r, exact=True) for r in requests])
+
+    for ids, emb in zip(requests, asyncio.run(go())):
+        torch.testing.assert_close(emb, full[ids], atol=1e-4, rtol=1e-4)
