@@ -116,5 +116,5 @@ def test_concurrent_exact_requests_on_the_gpu_equal_pyg(gpu_pipeline) -> None:  
     async def go() -> list[torch.Tensor]:
         return await asyncio.gather(*[p.embed_async(r, exact=True) for r in requests])
 
-    for ids, emb in zip(requests, asyncio.run(go())):
+    for ids, emb in zip(requests, asyncio.run(go()), strict=True):
         torch.testing.assert_close(emb, full[ids], atol=1e-4, rtol=1e-4)

@@ -236,5 +236,5 @@ def test_concurrent_exact_requests_equal_pyg(pipeline: Pipeline, cora: GraphData
     async def go() -> list[torch.Tensor]:
         return await asyncio.gather(*[pipeline.embed_async(r, exact=True) for r in requests])
 
-    for ids, emb in zip(requests, asyncio.run(go())):
+    for ids, emb in zip(requests, asyncio.run(go()), strict=True):
         torch.testing.assert_close(emb, full[ids], atol=1e-4, rtol=1e-4)
