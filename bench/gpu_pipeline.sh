@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# Engine core vs daemon (queue API) on the GPU machine, workloads (a), (b), (c) of DESIGN §6.
-# One engine core per GPU is started automatically, so the same script measures 1 or 2 GPUs.
-# Wheels the GPU box lacks (pydantic, pyzmq, msgspec, ...) come in .whl/ (git-ignored; see the
-# device README). Results: $OUT/pipeline_gpu<N>.json when OUT is set.
-#   bash bench/gpu_pipeline.sh [extra bench_engine_vs_daemon.py options]
+# Engine core driven directly vs the daemon through its queue API (DESIGN §6), on the GPU machine:
+# Reddit-scale synthetic graph, GraphSAGE [25, 10] hidden 256, workloads (a), (b), (c), one run.
+# The daemon starts one engine core per GPU (inference.num_workers 0), so on a 2-GPU machine the
+# same script measures 2 GPUs (the efficiency is then daemon / (2 x one engine core driven directly)).
+# Wheels the GPU machine lacks (pydantic, pyzmq, msgspec, ...) come in .whl/ (git-ignored; carry it).
+# About 3 minutes on one H200 (170 s on 2026-11-22); the run is cut at 470 s.
+# JSON: $OUT/pipeline_gpu<N>.json when OUT is set, else bench/results/pipeline_<device>x<N>_reddit-s1.json.
+#   bash bench/gpu_pipeline.sh [extra bench/bench_pipeline.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl \
-        && export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-GPUS=$(nvidia-smi -L | wc -l)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+nvidia-smi -L
+GPUS=$(nvidia-smi -L | grep -c '^GPU')
 echo "GPUs: $GPUS"
 OUT_JSON=${OUT:+$OUT/pipeline_gpu$GPUS.json}
-"$PY" bench/bench_engine_vs_daemon.py --config configs/bench_reddit.yaml ${OUT_JSON:+--out "$OUT_JSON"} "$@" \
-    2>&1 | grep -v " INFO \|proc/s"
+# tqdm's progress bars end in \r: split them so the filter drops only them and INFO log lines
+timeout -k 10 470 python3 bench/bench_pipeline.py --config configs/bench_reddit.yaml \
+    --workloads a b c --seconds 4 --warmup 1 --engine-seconds 2 \
+    --callers 16 64 256 1024 --callers-c 1 16 64 ${OUT_JSON:+--out "$OUT_JSON"} "$@" 2>&1 \
+    | tr '\r' '\n' | grep --line-buffered -v ' INFO \|proc/s\|^[[:space:]]*$'
+rc=${PIPESTATUS[0]}
+echo "bench_pipeline.py exit $rc"
+exit "$rc"
