@@ -10,8 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    && export PYTHONPATH="$SITE:$PWD" || exit 1
 nvidia-smi -L
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
 echo "GPUs: $GPUS"
