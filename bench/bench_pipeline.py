@@ -207,15 +207,11 @@ class BatchCounter(PipelineObserver):
                          self.compute_s, self.sample_s]), Counter(self.routes)
 
 
-async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> dict:
-    """``cmd['callers']`` closed-loop callers from ``t_start``; counts completions in the window."""
+async def closed_loop(call: Any, reqs: np.ndarray, callers: int, win0: float, win1: float,
+                      lat: list[float], status: Counter) -> None:
+    """``callers`` closed-loop callers of ``await call(ids) -> status``; records what completes
+    inside [win0, win1). A refusal at admission (pending full, shutting down) counts its status."""
     from quiver_serve.errors import ServeError
-
-    win0 = cmd["t_start"] + cmd["warm_s"]
-    win1 = win0 + cmd["seconds"]
-    lat: list[float] = []
-    status: Counter = Counter()
-    snaps: list[tuple[np.ndarray, Counter]] = []
 
     async def caller(i: int) -> None:
         j = i * 7919
@@ -223,16 +219,29 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
             j += 1
             t0 = time.perf_counter()
             try:
-                res = await client.submit_async(reqs[j % len(reqs)])
-                code = 200 if res.ok else res.error.status
-            except ServeError as exc:  # refused at admission (pending full, shutting down)
+                code = await call(reqs[j % len(reqs)])
+            except ServeError as exc:
                 code = exc.info.status
                 await asyncio.sleep(0.001)
-            t1 = time.time()
-            if win0 <= t1 < win1:
+            if win0 <= time.time() < win1:
                 status[code] += 1
                 if code == 200:
                     lat.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*[caller(i) for i in range(callers)])
+
+
+async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> dict:
+    """``cmd['callers']`` closed-loop callers from ``t_start``; counts completions in the window."""
+    win0 = cmd["t_start"] + cmd["warm_s"]
+    win1 = win0 + cmd["seconds"]
+    lat: list[float] = []
+    status: Counter = Counter()
+    snaps: list[tuple[np.ndarray, Counter]] = []
+
+    async def call(ids: np.ndarray) -> int:
+        res = await client.submit_async(ids)
+        return 200 if res.ok else res.error.status
 
     async def window() -> None:
         await asyncio.sleep(max(0.0, win0 - time.time()))
@@ -241,7 +250,7 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
         snaps.append(obs.snapshot())
 
     await asyncio.sleep(max(0.0, cmd["t_start"] - time.time()))
-    await asyncio.gather(window(), *[caller(i) for i in range(cmd["callers"])])
+    await asyncio.gather(window(), closed_loop(call, reqs, cmd["callers"], win0, win1, lat, status))
     d = snaps[1][0] - snaps[0][0]
     return {"lat": np.asarray(lat), "status": dict(status), "cpu_frac": float(d[0]) / cmd["seconds"],
             "batches": int(d[1]), "seeds": int(d[2]), "sampled": int(d[3]),
@@ -417,29 +426,15 @@ def print_summary(summary: list[dict], p99_ms: float, engines: int) -> None:
 # ---- 5. the CPU-box target ----------------------------------------------------------------------------
 async def embed_callers(p: Any, reqs: np.ndarray, callers: int, warm_s: float, seconds: float) -> dict:
     """Closed-loop callers of ``Pipeline.embed_async`` in this process (one asyncio loop)."""
-    from quiver_serve.errors import ServeError
-
     win0 = time.time() + warm_s
-    win1 = win0 + seconds
     lat: list[float] = []
     status: Counter = Counter()
 
-    async def caller(i: int) -> None:
-        j = i * 7919
-        while time.time() < win1:
-            j += 1
-            t0 = time.perf_counter()
-            try:
-                await p.embed_async(reqs[j % len(reqs)])
-                code = 200
-            except ServeError as exc:
-                code = exc.info.status
-            if win0 <= time.time() < win1:
-                status[code] += 1
-                if code == 200:
-                    lat.append(time.perf_counter() - t0)
+    async def call(ids: np.ndarray) -> int:
+        await p.embed_async(ids)
+        return 200
 
-    await asyncio.gather(*[caller(i) for i in range(callers)])
+    await closed_loop(call, reqs, callers, win0, win0 + seconds, lat, status)
     return {"lat": np.asarray(lat), "status": dict(status)}
 
 

@@ -104,8 +104,3 @@ def view(frame: Any, dtype: Any) -> np.ndarray:
     """A read-only NumPy view of one received frame (zero-copy)."""
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     return np.frombuffer(buf, dtype=dtype)
-
-
-class WireError(ValueError):
-    """A message that does not decode: its sender is named in the log, and it is answered, not
-    dropped silently, wherever the reply address is known."""

@@ -101,7 +101,6 @@ class Batch:
     start_event: Any = None
     launched_s: float = 0.0
     expected_done_s: float = 0.0
-    stats: BatchStats | None = None
 
 
 class SamplerPool:

@@ -30,7 +30,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core import EngineCore, MicroBatch, Reply, SamplerPool
-from quiver_serve.engine.devices import worker_device
 from quiver_serve.engine.process import parent_alive
 from quiver_serve.engine.router import EngineRouter
 from quiver_serve.graph.csc import GraphData
@@ -288,24 +287,14 @@ def _peek_seq(frames: list[Any]) -> int | None:
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
                pool: SamplerPool | None) -> EngineCore:
     """Device, model (weights-only), samplers, feature placement, and a warm-up batch."""
-    from quiver_serve.engine.inference import gpu_sampler_or_none
-    from quiver_serve.models import ServedModel, build_model
+    from quiver_serve.engine.inference import gpu_sampler_or_none, place_model_and_features
 
-    device = worker_device(cfg, index)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
-    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
-                        self_loops).to(device)
-    features = graph.x
-    if device.type == "cuda" and features.numel() * features.element_size() \
-            <= cfg.inference.gpu_cache_bytes:
-        features = features.to(device)  # every row a GPU hit; placement by access probability next
+    device, model, features = place_model_and_features(cfg, graph, index)
     core = EngineCore(
         model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
                                                   cfg.sampling.implementation),
         cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
-        router=EngineRouter(cfg.sampling.route if cfg.sampling.route != "local" else "local"),
+        router=EngineRouter(cfg.sampling.route),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device))
     warm_up(core)

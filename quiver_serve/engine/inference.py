@@ -36,13 +36,9 @@ log = logging.getLogger(__name__)
 
 def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
     """The sampler an inference worker uses for batches routed to it unsampled."""
-    if device.type == "cuda":
-        try:
-            return _gpu_sampler(cfg, graph, device)
-        except Exception as exc:  # noqa: BLE001 - no CuPy, or the kernel failed to build: CPU serves
-            log.warning("GPU sampler unavailable (%s: %s); GPU route samples on the CPU",
-                        type(exc).__name__, exc)
-    return make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
+    gpu = gpu_sampler_or_none(cfg, graph, device)
+    return gpu if gpu is not None else make_cpu_sampler(graph.indptr, graph.indices,
+                                                        cfg.sampling.implementation)
 
 
 def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
@@ -61,18 +57,27 @@ def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Ba
     return sampler
 
 
-def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
-    """Everything a worker needs: device, model (weights-only), local sampler, warm-up."""
+def place_model_and_features(cfg: ServeConfig, graph: GraphData,
+                             index: int) -> tuple[torch.device, ServedModel, torch.Tensor]:
+    """Worker ``index``'s device, its model there (weights-only), and its feature matrix: on the
+    GPU when it fits ``inference.gpu_cache_bytes`` (every row a hit), else the shared host copy."""
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
     model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
                         self_loops).to(device)
-    sampler = local_sampler(cfg, graph, device)
     features = graph.x
-    if device.type == "cuda" and graph.x.numel() * graph.x.element_size() <= cfg.inference.gpu_cache_bytes:
-        features = graph.x.to(device)  # every row a GPU hit; placement by access probability is next
+    if device.type == "cuda" and features.numel() * features.element_size() \
+            <= cfg.inference.gpu_cache_bytes:
+        features = features.to(device)  # placement by access probability: the feature-store issue
+    return device, model, features
+
+
+def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
+    """Everything a worker needs: device, model (weights-only), local sampler, warm-up."""
+    device, model, features = place_model_and_features(cfg, graph, index)
+    sampler = local_sampler(cfg, graph, device)
     engine = InferenceEngine(model, features, device,
                              SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index)
     _warm_up(engine)
