@@ -26,15 +26,20 @@ echo "== GPU tests =="
 timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest --noconftest -p no:cacheprovider -m gpu \
     -q -rs tests/test_*gpu*.py 2>&1 | tee "$LOG_DIR/gpu_tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
+# The engine core's CUDA test uses the shared fixtures (pydantic comes from the carried wheels).
+timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs \
+    tests/test_engine_core.py 2>&1 | tee "$LOG_DIR/gpu_core_tests.log" | tail -n 5
+[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
 echo "== GPU benchmark =="
 timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_gpu_sampler.py --json "$LOG_DIR/bench_gpu.json" "$@" \
     2>&1 | tee "$LOG_DIR/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== Pipeline on the GPU (queue API; HTTP needs fastapi, which GPU boxes lack) =="
-timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_serving.py --skip-http --gpu \
-    --json "$LOG_DIR/bench_serving_gpu.json" 2>&1 | grep -v " INFO " | tee "$LOG_DIR/bench_serving_gpu.log"
+echo "== Engine core vs daemon through the queue API (Reddit-scale; table last) =="
+timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_pipeline.py --config configs/bench_reddit.yaml \
+    --out "$LOG_DIR/pipeline_gpu.json" ${PIPELINE_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v ' INFO \|proc/s\|^[[:space:]]*$' \
+    | tee "$LOG_DIR/pipeline_gpu.log"
 serving_rc=${PIPESTATUS[0]}
 
 echo "== gpu_check: tests exit ${tests_rc}, sampler benchmark exit ${bench_rc}, pipeline benchmark exit ${serving_rc} (logs in ${LOG_DIR}) =="
