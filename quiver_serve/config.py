@@ -98,7 +98,8 @@ class SamplingConfig(_Section):
 class BatchingConfig(_Section):
     """The request batcher."""
 
-    max_batch_nodes: int = Field(1024, ge=1, description="most seed nodes in one batch")
+    max_batch_nodes: int = Field(4096, ge=1, description="most seed nodes in one batch (the cost "
+                                 "model caps each batch further by its oldest deadline)")
     max_delay_ms: float = Field(2.0, ge=0, description="longest wait after a batch's first request")
     queue_capacity: int = Field(4096, ge=1, description="bound of every internal queue (requests or batches)")
     adaptive: bool = Field(

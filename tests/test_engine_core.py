@@ -150,8 +150,11 @@ def test_engine_router_decisions() -> None:
     assert route(waiting_micro_batches=3, pool_outstanding=[2]) == "local"  # pool busy
     assert route(pool_outstanding=[]) == "local"
     assert route(on_gpu=True) == "gpu"
-    assert route(on_gpu=True, num_seeds=1) == "cpu"  # tiny batch: the C++ sampler's cost is lower
-    assert route(on_gpu=True, num_seeds=1, pool_outstanding=[5]) == "gpu"
+    # tiny batch: the C++ sampler's cost is lower, and sampling here avoids the hop to the pool
+    assert route(on_gpu=True, num_seeds=1) == "local"
+    assert route(on_gpu=True, num_seeds=1, pool_outstanding=[5]) == "local"
+    assert route(on_gpu=True, num_seeds=15, pool_outstanding=[]) == "local"
+    assert route(on_gpu=True, num_seeds=16) == "gpu"
     assert route("gpu", on_gpu=False) == "local"  # no GPU sampler: CPU here
     assert route("cpu", on_gpu=True, num_seeds=4096) == "cpu"
     with pytest.raises(RuntimeError):

@@ -53,9 +53,10 @@ class MicroBatch:
     lengths: np.ndarray  # int64 [n_requests]
     deadlines_s: np.ndarray  # float64 [n_requests], time.time() instants
     received_s: float = field(default_factory=time.time)
-    #: requests refused at intake (ids out of range); set by ``EngineCore.add``
+    #: requests refused at intake (ids out of range), None when none was; set by ``EngineCore.add``
     valid: np.ndarray | None = None
     errors: list[RequestError] = field(default_factory=list)
+    min_deadline_s: float = 0.0
 
     @property
     def num_ids(self) -> int:
@@ -78,8 +79,17 @@ class Reply:
 @dataclass
 class _Part:
     mb: MicroBatch
-    alive: np.ndarray  # bool per request
+    alive: np.ndarray | None  # bool per request; None when every request is alive (the usual case)
     errors: list[RequestError]
+
+    @property
+    def num_alive(self) -> int:
+        return self.mb.num_requests if self.alive is None else int(self.alive.sum())
+
+    def alive_ids(self) -> np.ndarray:
+        if self.alive is None:
+            return self.mb.ids
+        return self.mb.ids[np.repeat(self.alive, self.mb.lengths)]
 
 
 @dataclass
@@ -157,6 +167,7 @@ class EngineCore:
                                "deadlines do not agree", 400)
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
         mb.valid, mb.errors = _check_ids(mb, self.num_nodes)
+        mb.min_deadline_s = float(mb.deadlines_s.min())
         if len(self.waiting) >= self.max_waiting:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
@@ -197,7 +208,7 @@ class EngineCore:
     def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:
         """Merge waiting micro-batches of one kind into a batch sized to the deadline budget."""
         first = self.waiting[0]
-        budget_s = float(first.deadlines_s.min()) - now_s
+        budget_s = first.min_deadline_s - now_s
         cap = self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
         parts: list[_Part] = []
         refused: list[Reply] = []
@@ -209,14 +220,15 @@ class EngineCore:
                 break
             self.waiting.popleft()
             part = _prune(mb, now_s)
-            if not part.alive.any():
+            if part.alive is not None and not part.alive.any():
                 refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
                 continue
             parts.append(part)
             taken += mb.num_ids
         if not parts:
             return None, refused
-        seeds = np.concatenate([p.mb.ids[np.repeat(p.alive, p.mb.lengths)] for p in parts])
+        seeds = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
+            [p.alive_ids() for p in parts])
         seed = first.seed if first.seed != NO_SEED else new_batch_seed()
         batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
                       formed_s=now_s)
@@ -344,18 +356,18 @@ class EngineCore:
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
         stats = self._stats(batch, compute_s)
-        replies, start = [], 0
+        replies, start, dim = [], 0, int(rows.shape[1])
         for i, part in enumerate(batch.parts):
-            alive_pos = np.repeat(part.alive, part.mb.lengths)
-            n_alive = int(alive_pos.sum())
-            chunk = rows[start:start + n_alive]
-            start += n_alive
-            if n_alive != part.mb.num_ids:  # some requests expired: zero rows in their places
-                full = np.zeros((part.mb.num_ids, rows.shape[1]), np.float32)
-                full[alive_pos] = chunk
-                chunk = full
-            done = MicroBatchDone(part.mb.seq, int(rows.shape[1]), part.errors,
-                                  stats if i == 0 else None)
+            if part.alive is None:
+                chunk = rows[start:start + part.mb.num_ids]
+                start += part.mb.num_ids
+            else:  # some requests expired or were refused: zero rows in their places
+                alive_pos = np.repeat(part.alive, part.mb.lengths)
+                n_alive = int(alive_pos.sum())
+                chunk = np.zeros((part.mb.num_ids, dim), np.float32)
+                chunk[alive_pos] = rows[start:start + n_alive]
+                start += n_alive
+            done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
             replies.append(Reply(part.mb.client, done, chunk))
         if self.on_stats is not None:
             self.on_stats(stats)
@@ -369,7 +381,7 @@ class EngineCore:
         on_gpu_hit = self.features_on_device and self.on_gpu
         return BatchStats(
             batch_id=batch.batch_id, route=batch.route, worker=self.index,
-            num_requests=sum(int(p.alive.sum()) for p in batch.parts),
+            num_requests=sum(p.num_alive for p in batch.parts),
             num_seeds=int(batch.seeds.numel()), num_sampled_nodes=n_rows,
             num_sampled_edges=int(sb.edge_index.size(1)),
             queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
@@ -384,8 +396,10 @@ class EngineCore:
         err = internal_error(exc, f"engine {self.index} batch {batch.batch_id}", log).info
         replies = []
         for part in batch.parts:
+            alive = range(part.mb.num_requests) if part.alive is None \
+                else np.flatnonzero(part.alive).tolist()
             errs = part.errors + [RequestError(i, err.code, err.message, err.status)
-                                  for i in np.flatnonzero(part.alive).tolist()]
+                                  for i in alive]
             replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
         return replies
 
@@ -399,12 +413,12 @@ def is_cuda_fatal(exc: BaseException) -> bool:
     return any(s in text for s in sticky) or type(exc).__name__ == "AcceleratorError"
 
 
-def _check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray, list[RequestError]]:
-    """Which requests have every id in range (front-ends validate; this guards every other
-    client), and a 400 naming the first bad id of each that does not."""
+def _check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray | None, list[RequestError]]:
+    """Which requests have every id in range (None: all; front-ends validate, this guards every
+    other client), and a 400 naming the first bad id of each that does not."""
+    if int(mb.ids.min()) >= 0 and int(mb.ids.max()) < num_nodes:
+        return None, []
     bad = (mb.ids < 0) | (mb.ids >= num_nodes)
-    if not bad.any():
-        return np.ones(mb.num_requests, dtype=bool), []
     starts = np.concatenate([[0], np.cumsum(mb.lengths)[:-1]]).astype(np.int64)
     per_request = np.add.reduceat(bad.astype(np.int64), starts) > 0
     errs = []
@@ -418,6 +432,8 @@ def _check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray, list[Request
 
 def _prune(mb: MicroBatch, now_s: float) -> _Part:
     """Drop expired requests (and those refused at intake) before any work."""
+    if mb.valid is None and mb.min_deadline_s > now_s:
+        return _Part(mb, None, [])
     valid = mb.valid if mb.valid is not None else np.ones(mb.num_requests, dtype=bool)
     alive = valid & (mb.deadlines_s > now_s)
     errors = list(mb.errors) + [expired_error(i) for i in np.flatnonzero(valid & ~alive).tolist()]

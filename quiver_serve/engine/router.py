@@ -76,7 +76,9 @@ class QueueDepthRouter(Router):
 #: "local" = sampled on the CPU inside the engine core
 ENGINE_ROUTES = ("gpu", "cpu", "local")
 #: below this many seeds the C++ sampler beats the GPU kernel's fixed cost (0.016 vs 0.065 ms on
-#: an H200 box); the PSGS cost model of the routing issue replaces this measured constant
+#: an H200 box, plus the GPU sampler's host sync for its counts); such batches are sampled inside
+#: the engine core (no hop to the pool, which costs more than it saves). The PSGS cost model of
+#: the routing issue replaces this measured constant.
 SMALL_BATCH_SEEDS = 16
 
 
@@ -94,8 +96,8 @@ class EngineRouteState:
 class EngineRouter:
     """Route one batch: ``forced`` pins a path (config ``sampling.route``); ``auto`` decides.
 
-    auto on a GPU engine: the GPU, except tiny batches, which an idle CPU sampler takes (its fixed
-    cost is lower). auto on a CPU-only engine: sample here when nothing else waits (lowest
+    auto on a GPU engine: the GPU, except tiny batches, which the C++ sampler samples right here
+    (its fixed cost is lower, and a hop to the pool would cost more than the sampling). auto on a CPU-only engine: sample here when nothing else waits (lowest
     latency); hand the batch to an idle CPU sampler when more work waits, so sampling of this batch
     overlaps the model of the next.
     """
@@ -112,8 +114,7 @@ class EngineRouter:
         if route == "auto":
             pool_free = free is not None and state.pool_outstanding[free] < self.pool_depth
             if state.on_gpu:
-                small = state.num_seeds < SMALL_BATCH_SEEDS
-                route = "cpu" if small and pool_free else "gpu"
+                route = "local" if state.num_seeds < SMALL_BATCH_SEEDS else "gpu"
             else:
                 route = "cpu" if pool_free and state.waiting_micro_batches > 0 else "local"
         if route == "cpu" and free is None:
