@@ -26,15 +26,20 @@ echo "== GPU tests =="
 timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest --noconftest -p no:cacheprovider -m gpu \
     -q -rs tests/test_*gpu*.py 2>&1 | tee "$LOG_DIR/gpu_tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
-# The engine core's CUDA test uses the shared fixtures (pydantic comes from the carried wheels).
+# The engine core's CUDA tests use the shared fixtures (pydantic comes from the carried wheels).
 timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs \
-    tests/test_engine_core.py 2>&1 | tee "$LOG_DIR/gpu_core_tests.log" | tail -n 5
+    tests/test_engine_core.py tests/test_graphed.py 2>&1 | tee "$LOG_DIR/gpu_core_tests.log" | tail -n 5
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
 echo "== GPU benchmark =="
 timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_gpu_sampler.py --json "$LOG_DIR/bench_gpu.json" "$@" \
     2>&1 | tee "$LOG_DIR/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
+
+echo "== Engine core: time per stage and batch size (eager vs CUDA graphs) =="
+timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/profile_engine.py --config configs/bench_reddit.yaml \
+    --out "$LOG_DIR/profile_engine.json" 2>&1 | grep -v ' INFO \|WARNING' | tee "$LOG_DIR/profile_engine.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 
 echo "== Engine core vs daemon through the queue API (Reddit-scale; table last) =="
 timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_pipeline.py --config configs/bench_reddit.yaml \

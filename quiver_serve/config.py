@@ -117,6 +117,10 @@ class InferenceConfig(_Section):
         4 << 30, ge=0,
         description="GPU memory for node features per GPU: the whole feature matrix is placed there when it fits, else rows are read from host memory",
     )
+    cuda_graph_max_seeds: int = Field(
+        32, ge=0,
+        description="sampled batches up to this many seeds replay a CUDA graph of gather + model (0: always eager)",
+    )
 
 
 class ServerConfig(_Section):

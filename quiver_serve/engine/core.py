@@ -32,6 +32,7 @@ from quiver_serve.engine.cost import LatencyModel
 from quiver_serve.engine.router import EngineRouter, EngineRouteState
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
+from quiver_serve.models.graphed import GraphedForward, Staged
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
 
@@ -105,6 +106,7 @@ class Batch:
     formed_s: float = 0.0
     sample_s: float = 0.0
     sampled: SamplerOutput | None = None
+    staged: Staged | None = None  # packed for a CUDA graph (small sampled batches)
     # set once launched
     rows: Tensor | None = None
     done_event: Any = None
@@ -151,8 +153,33 @@ class EngineCore:
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.features_on_device = features.device == device
+        #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
+        self.graphed: GraphedForward | None = None
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
+
+    def capture_graphs(self, max_seeds: int) -> None:
+        """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
+        features on the device); each is checked against the eager forward on a real sample."""
+        if not (self.on_gpu and self.features_on_device and max_seeds > 0):
+            return
+        sampler = self.gpu_sampler or self.local_sampler
+
+        def sample(num_seeds: int) -> SamplerOutput:
+            seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
+            return sampler.sample(seeds, self.fanouts, new_batch_seed())
+
+        def model(x: Tensor, n_id: Tensor, edges: Tensor, nodes: list[int],
+                  edge_counts: list[int]) -> Tensor:
+            return self.model(x, n_id, edges, nodes, edge_counts, False)
+
+        with torch.cuda.stream(self._compute_stream):
+            graphed = GraphedForward.capture(model, self.features, self.fanouts, max_seeds, sample)
+        torch.cuda.synchronize(self.device)
+        self.graphed = graphed if graphed.graphs else None
+        if self.graphed is not None:
+            log.info("engine %d: CUDA graphs for sampled batches of 1..%d seeds", self.index,
+                     self.graphed.max_seeds)
 
     def reset_cost_models(self) -> None:
         self.latency = LatencyModel()
@@ -255,6 +282,7 @@ class EngineCore:
             if self._sample_stream is not None:
                 with torch.cuda.stream(self._sample_stream):
                     batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
+                    self._stage(batch)  # its copy to the host waits for sampling only
             else:
                 batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -283,6 +311,13 @@ class EngineCore:
                 for part in reversed(batch.parts):
                     self.waiting.appendleft(part.mb)
 
+    def _stage(self, batch: Batch) -> None:
+        """Pack a small sampled batch for its CUDA graph; always right before ``_launch``, so a
+        host buffer is never packed twice before its copy is queued."""
+        if self.graphed is not None and not batch.exact and batch.sampled is not None \
+                and batch.staged is None:
+            batch.staged = self.graphed.stage(batch.sampled)
+
     def _fanouts(self, batch: Batch) -> list[int]:
         return [-1] * len(self.fanouts) if batch.exact else self.fanouts
 
@@ -291,6 +326,7 @@ class EngineCore:
         try:
             if self._compute_stream is None:
                 return self._run_sync(batch)
+            self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
             self._run_async(batch)
             return []
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -299,6 +335,8 @@ class EngineCore:
     def _forward(self, batch: Batch) -> Tensor:
         sb = batch.sampled
         assert sb is not None
+        if batch.staged is not None:
+            return GraphedForward.launch(batch.staged)  # one launch instead of dozens
         n_id = sb.n_id
         if self.features_on_device:
             x = self.features.index_select(0, n_id.to(self.device, non_blocking=True))
