@@ -11,6 +11,7 @@ import torch
 from quiver_serve.engine.core import EngineCore, MicroBatch, Reply
 from quiver_serve.engine.core_proc import build_core
 from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.fill import ExpectedFill
 from quiver_serve.engine.router import EngineRouter, EngineRouteState
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.models import build_model
@@ -76,6 +77,51 @@ def test_waiting_micro_batches_form_one_batch_up_to_the_cap(cora: GraphData) -> 
     assert sum(sizes) == 250 and max(sizes) <= 100 and len(sizes) <= 4  # merged, capped
 
 
+def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphData) -> None:
+    """Expected fill: callers that come back together share one batch (not two alternating)."""
+    core = make_core(cora)
+    for i in range(5):
+        run(core, mb(i, [list(range(100))]))
+    assert core.fill.recent_ids == pytest.approx(100)
+    assert core.fill.target_ids(4096) == pytest.approx(75)
+    core.fill.max_wait_s = 60.0
+    core.latency.fixed_s = 1.0  # a quarter of a batch's time is no tighter bound here
+    core.add(mb(10, [list(range(10))]))
+    assert core.step() == [] and len(core.waiting) == 1  # 10 ids of a usual 100: held
+    core.add(mb(11, [list(range(10, 80))]))
+    replies = {r.done.seq: r for r in core.step()}
+    assert sorted(replies) == [10, 11]
+    stats = [r.done.stats for r in replies.values() if r.done.stats]
+    assert len(stats) == 1 and stats[0].num_seeds == 80  # 80 >= 75% of 100: both in one batch
+    core.fill.max_wait_s = 0.02
+    core.latency.fixed_s = 1.0
+    t0 = time.monotonic()
+    assert run(core, mb(12, [[1]]))[12].rows is not None  # alone: formed after the short hold
+    assert time.monotonic() - t0 >= 0.02
+
+
+def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss() -> None:
+    fill = ExpectedFill(max_wait_s=1e-3)
+    fill.on_formed(1536)
+    fill.on_answered(1536, waiting_ids=1536)  # two groups of callers alternate
+    assert fill.target_ids(8192) == pytest.approx(0.75 * 3072)
+    assert not fill.ready(1536, 8192, now_s=0.0, batch_s=5e-3, slack_s=1.0)  # wait for the rest
+    assert fill.ready(2400, 8192, now_s=2e-4, batch_s=5e-3, slack_s=1.0)  # they came back: hit
+    assert fill.hit_rate == 1.0
+    assert not fill.ready(100, 8192, now_s=1.0, batch_s=5e-3, slack_s=1e-4)
+    assert fill.ready(100, 8192, now_s=1.0 + 2e-4, batch_s=5e-3, slack_s=1e-4)  # deadline slack
+    t = 2.0
+    while fill.hit_rate >= fill.min_hit_rate:  # open loop: holds keep timing out
+        assert not fill.ready(1536, 8192, now_s=t, batch_s=5e-3, slack_s=1.0)
+        assert fill.ready(1536, 8192, now_s=t + 1.1e-3, batch_s=5e-3, slack_s=1.0)
+        t += 1.0
+    assert fill.target_ids(8192) == pytest.approx(0.75 * 1536)  # only the recent batch size
+    assert fill.ready(1536, 8192, now_s=t, batch_s=5e-3, slack_s=1.0)  # no wait
+    for _ in range(20):
+        fill.on_formed(1536)
+    assert fill.hit_rate >= fill.min_hit_rate  # probes again later
+
+
 def test_seeded_micro_batch_is_a_batch_of_its_own_and_reproducible(cora: GraphData) -> None:
     core = make_core(cora)
     a = run(core, mb(0, [[1, 2, 3]]), mb(1, [[10, 20]], seed=7), mb(2, [[4]]))
@@ -131,12 +177,16 @@ def test_engine_queue_is_bounded(cora: GraphData) -> None:
 
 def test_latency_model_fits_a_line_and_sizes_batches() -> None:
     model = LatencyModel()
-    for n in (1, 10, 100, 1000, 5000) * 4:
+    for n in (1, 10, 100, 1000, 5000) * 40:  # more than the window: old points leave the sums
         model.observe(n, 0.5e-3 + 2e-6 * n)
     assert model.predict_s(2000) == pytest.approx(4.5e-3, rel=1e-3)
     assert model.max_seeds_within(4.5e-3, cap=8192) == pytest.approx(2000, abs=1)
     assert model.max_seeds_within(1.0, cap=8192) == 8192
     assert model.max_seeds_within(0.0, cap=8192) == 1  # never refuses the oldest request
+    flat = LatencyModel()
+    for _ in range(3):
+        flat.observe(64, 2e-3)  # one size seen: the fixed term takes it all
+    assert flat.predict_s(64) == pytest.approx(2e-3, rel=1e-6)
 
 
 def route(forced: str = "auto", **state: object) -> str:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.fill import ExpectedFill
 from quiver_serve.engine.router import EngineRouter, EngineRouteState
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
@@ -144,6 +145,7 @@ class EngineCore:
         self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
         self.router, self.pool = router, pool
         self.waiting: deque[MicroBatch] = deque()
+        self._waiting_ids = 0
         self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
         self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
         self.in_flight: deque[Batch] = deque()  # launched on the GPU
@@ -157,6 +159,9 @@ class EngineCore:
         self.graphed: GraphedForward | None = None
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
+        #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
+        self.defer_stats = False
+        self._stats_held: list[BatchStats] = []
 
     def capture_graphs(self, max_seeds: int) -> None:
         """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
@@ -182,6 +187,7 @@ class EngineCore:
                      self.graphed.max_seeds)
 
     def reset_cost_models(self) -> None:
+        self.fill = ExpectedFill()
         self.latency = LatencyModel()
         self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
 
@@ -200,6 +206,7 @@ class EngineCore:
                     for i in range(mb.num_requests)]
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
         self.waiting.append(mb)
+        self._waiting_ids += mb.num_ids
         return None
 
     def has_ready_work(self) -> bool:
@@ -226,10 +233,23 @@ class EngineCore:
         """Form the next batch now, or wait so it gathers more requests while the GPU is busy."""
         if len(self.in_flight) >= MAX_IN_FLIGHT:
             return False
-        if not self.in_flight:
-            return True
-        lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
-        return time.time() >= self.in_flight[-1].expected_done_s - lead_s
+        now_s = time.time()
+        if self.in_flight:
+            lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
+            if now_s < self.in_flight[-1].expected_done_s - lead_s:
+                return False
+        return self._filled(now_s)
+
+    def _filled(self, now_s: float) -> bool:
+        """Enough ids wait for a batch of the expected size, or the wait for them is over
+        (``fill.py``)."""
+        first = self.waiting[0]
+        if first.seed != NO_SEED:
+            return True  # a seeded request forms a batch alone: nothing to wait for
+        target = int(self.fill.target_ids(self.max_batch_nodes))
+        batch_s = self.latency.predict_s(target)
+        return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s, batch_s,
+                               first.min_deadline_s - now_s - batch_s)
 
     # ---- forming ---------------------------------------------------------------------------------
     def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:
@@ -246,12 +266,14 @@ class EngineCore:
                           or taken + mb.num_ids > cap):
                 break
             self.waiting.popleft()
+            self._waiting_ids -= mb.num_ids
             part = _prune(mb, now_s)
             if part.alive is not None and not part.alive.any():
                 refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
                 continue
             parts.append(part)
             taken += mb.num_ids
+        self.fill.on_formed(taken)
         if not parts:
             return None, refused
         seeds = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
@@ -310,6 +332,7 @@ class EngineCore:
             if batch is not None:
                 for part in reversed(batch.parts):
                     self.waiting.appendleft(part.mb)
+                    self._waiting_ids += part.mb.num_ids
 
     def _stage(self, batch: Batch) -> None:
         """Pack a small sampled batch for its CUDA graph; always right before ``_launch``, so a
@@ -394,6 +417,7 @@ class EngineCore:
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
         stats = self._stats(batch, compute_s)
+        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._waiting_ids)
         replies, start, dim = [], 0, int(rows.shape[1])
         for i, part in enumerate(batch.parts):
             if part.alive is None:
@@ -408,8 +432,17 @@ class EngineCore:
             done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
             replies.append(Reply(part.mb.client, done, chunk))
         if self.on_stats is not None:
-            self.on_stats(stats)
+            self._stats_held.append(stats)
+            if not self.defer_stats:
+                self.flush_stats()
         return replies
+
+    def flush_stats(self) -> None:
+        """Hand held batch stats to ``on_stats`` (metrics: off the replies' path)."""
+        held, self._stats_held = self._stats_held, []
+        if self.on_stats is not None:
+            for stats in held:
+                self.on_stats(stats)
 
     def _stats(self, batch: Batch, compute_s: float) -> BatchStats:
         sb = batch.sampled

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 IDLE_POLL_MS = 50
+PARENT_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
         from quiver_serve.metrics import EngineMetrics
 
         core.on_stats = EngineMetrics().observe
+        core.defer_stats = True  # the loop records metrics after the replies are sent
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.RCVHWM, 0)
@@ -216,12 +218,18 @@ class EngineLoop:
 
     def run(self) -> None:
         core = self.core
-        while parent_alive():
+        next_check_s = 0.0
+        while True:
+            now_s = time.monotonic()
+            if now_s >= next_check_s:  # a syscall: not on every turn of a busy loop
+                if not parent_alive():
+                    return
+                next_check_s = now_s + PARENT_CHECK_S
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
-            if core.has_ready_work() or core.in_flight:
+            if core.in_flight or core.sampled or (core.waiting and not core.fill.holding):
                 timeout_ms = 0
-            else:
-                timeout_ms = 1 if core.sampling else IDLE_POLL_MS
+            else:  # idle, at the pool, or holding a batch for the rest of its callers
+                timeout_ms = 1 if core.sampling or core.waiting else IDLE_POLL_MS
             events = dict(self.poller.poll(timeout_ms))
             replies = self._take_input() if events.get(self.front) else []
             if self.pool is not None:
@@ -229,6 +237,7 @@ class EngineLoop:
             replies += core.step()
             for reply in replies:
                 self._send(reply)
+            core.flush_stats()
             self.reporter.heartbeat()
 
     def _take_input(self) -> list[Reply]:

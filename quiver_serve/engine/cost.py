@@ -11,35 +11,46 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 
 class LatencyModel:
-    """Least-squares line ``latency_s = fixed_s + per_seed_s * seeds`` over a sliding window."""
+    """Least-squares line ``latency_s = fixed_s + per_seed_s * seeds`` over a sliding window
+    (running sums: O(1) per batch on the serving path)."""
 
     def __init__(self, window: int = 128, prior_fixed_s: float = 1e-3,
                  prior_per_seed_s: float = 1e-6) -> None:
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)
+        self._points: deque[tuple[float, float]] = deque()
+        self._window = window
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # x, y, xx, xy
         self.fixed_s = prior_fixed_s
         self.per_seed_s = prior_per_seed_s
-        self._since_fit = 0
 
     def observe(self, seeds: int, seconds: float) -> None:
-        self._points.append((float(seeds), float(seconds)))
-        self._since_fit += 1
-        if self._since_fit >= 8 or len(self._points) < 8:
-            self._fit()
+        x, y = float(seeds), float(seconds)
+        self._points.append((x, y))
+        self._add(x, y, 1.0)
+        if len(self._points) > self._window:
+            self._add(*self._points.popleft(), -1.0)
+        self._fit()
+
+    def _add(self, x: float, y: float, sign: float) -> None:
+        s = self._sums
+        s[0] += sign * x
+        s[1] += sign * y
+        s[2] += sign * x * x
+        s[3] += sign * x * y
 
     def _fit(self) -> None:
-        self._since_fit = 0
-        pts = np.asarray(self._points)
-        x, y = pts[:, 0], pts[:, 1]
-        if len(pts) < 2 or np.ptp(x) == 0:  # one size seen: scale the fixed term only
-            self.fixed_s = max(float(np.median(y)) - self.per_seed_s * float(x.mean()), 0.0)
+        n = len(self._points)
+        sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / n, sy / n
+        var_x = sxx / n - mean_x * mean_x
+        if n < 2 or var_x <= 1e-9 * max(mean_x * mean_x, 1.0):
+            # one size seen: scale the fixed term only
+            self.fixed_s = max(mean_y - self.per_seed_s * mean_x, 0.0)
             return
-        slope, intercept = np.polyfit(x, y, 1)
-        self.per_seed_s = max(float(slope), 0.0)
-        self.fixed_s = max(float(intercept), 0.0)
+        slope = max((sxy / n - mean_x * mean_y) / var_x, 0.0)
+        self.per_seed_s = slope
+        self.fixed_s = max(mean_y - slope * mean_x, 0.0)
 
     def predict_s(self, seeds: int) -> float:
         return self.fixed_s + self.per_seed_s * seeds

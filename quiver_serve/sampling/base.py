@@ -22,6 +22,8 @@ keeps ``j`` unless an earlier draw took it, in which case it keeps ``t`` (Floyd)
 
 from __future__ import annotations
 
+import os
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -113,6 +115,12 @@ def validate_seed(seed: int) -> int:
     return seed
 
 
+_SEEDS = random.Random(int.from_bytes(os.urandom(16), "little"))
+
+
 def new_batch_seed(generator: torch.Generator | None = None) -> int:
-    """A fresh random batch seed for requests that did not ask for one."""
-    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    """A fresh random batch seed for requests that did not ask for one (a process-local PRNG
+    seeded from the OS: microseconds, not a torch op, on the serving path)."""
+    if generator is not None:
+        return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    return _SEEDS.getrandbits(62)

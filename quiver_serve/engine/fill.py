@@ -1,0 +1,81 @@
+"""Expected fill: when the engine core forms a batch that is smaller than the traffic suggests.
+
+Continuous batching forms a batch from whatever waits the moment the engine can take one. With
+callers that come back together (a closed loop of workers, a burst) that splits them into two
+groups whose batches alternate: each request then waits for the other group's batch and its own,
+about twice the batch time, and each batch holds half the requests (on a GPU, where a batch's time
+grows far slower than its size, half the throughput). So a batch that would hold well under what
+is usually in the system (the ids of the batch last answered plus those then waiting) waits a
+moment for the rest:
+
+* at most a quarter of the batch's predicted time (``max_wait_s`` at most), never past its
+  deadline slack; it is formed as soon as ``fraction`` of the expected ids wait. The engine
+  loop sleeps in its poll meanwhile (an arrival wakes it), so the callers it waits for get the
+  CPU;
+* the wait is kept only while it pays: a hold that times out short of the target is a miss (with
+  open-loop arrivals the ids never come back at once), and after a run of misses the policy
+  expects only the recent batch size (no wait under steady arrivals) and probes again now and then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExpectedFill:
+    fraction: float = 0.75
+    max_wait_s: float = 5e-3
+    ewma: float = 0.2
+    #: the hit rate under which only the recent batch size is expected, and its climb per batch
+    min_hit_rate: float = 0.5
+    probe_step: float = 0.01
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.recent_ids = 0.0  # formed batches
+        self.system_ids = 0.0  # batch answered + ids then waiting
+        self.hit_rate = 1.0
+        self._hold_since_s: float | None = None
+
+    @property
+    def holding(self) -> bool:
+        return self._hold_since_s is not None
+
+    def target_ids(self, cap: int) -> float:
+        usual = self.recent_ids
+        if self.hit_rate >= self.min_hit_rate:
+            usual = max(usual, self.system_ids)
+        return self.fraction * min(usual, cap)
+
+    def ready(self, waiting_ids: int, cap: int, now_s: float, batch_s: float,
+              slack_s: float) -> bool:
+        """Form now? ``batch_s``: predicted time of the target batch; ``slack_s``: the oldest
+        request's deadline minus that."""
+        if waiting_ids >= self.target_ids(cap):
+            self._end_hold(hit=True)
+            return True
+        if self._hold_since_s is None:
+            self._hold_since_s = now_s
+        if now_s - self._hold_since_s >= min(self.max_wait_s, 0.25 * batch_s, slack_s):
+            self._end_hold(hit=False)
+            return True
+        return False
+
+    def on_formed(self, ids: int) -> None:
+        self.recent_ids = self._avg(self.recent_ids, ids)
+        if self.hit_rate < self.min_hit_rate:
+            self.hit_rate += self.probe_step  # try again now and then: traffic changes
+
+    def on_answered(self, batch_ids: int, waiting_ids: int) -> None:
+        self.system_ids = self._avg(self.system_ids, batch_ids + waiting_ids)
+
+    def _end_hold(self, hit: bool) -> None:
+        if self._hold_since_s is not None:
+            self.hit_rate += self.ewma * (float(hit) - self.hit_rate)
+            self._hold_since_s = None
+
+    def _avg(self, avg: float, value: int) -> float:
+        return avg + self.ewma * (value - avg) if avg else float(value)
