@@ -103,7 +103,7 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
 def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss() -> None:
     fill = ExpectedFill(max_wait_s=1e-3)
     fill.on_formed(1536)
-    fill.on_answered(1536, waiting_ids=1536)  # two groups of callers alternate
+    fill.on_answered(1536, held_ids=1536)  # two groups of callers alternate
     assert fill.target_ids(8192) == pytest.approx(0.75 * 3072)
     assert not fill.ready(1536, 8192, now_s=0.0, batch_s=5e-3, slack_s=1.0)  # wait for the rest
     assert fill.ready(2400, 8192, now_s=2e-4, batch_s=5e-3, slack_s=1.0)  # they came back: hit

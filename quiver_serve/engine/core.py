@@ -209,6 +209,12 @@ class EngineCore:
         self._waiting_ids += mb.num_ids
         return None
 
+    def _ids_in_hand(self) -> int:
+        """Ids waiting, at the CPU pool, sampled or on the GPU (not the batch being answered)."""
+        return self._waiting_ids + sum(
+            int(b.seeds.numel()) for group in (self.sampling.values(), self.sampled,
+                                               self.in_flight) for b in group)
+
     def has_ready_work(self) -> bool:
         return bool(self.waiting or self.sampled)
 
@@ -417,7 +423,7 @@ class EngineCore:
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
         stats = self._stats(batch, compute_s)
-        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._waiting_ids)
+        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._ids_in_hand())
         replies, start, dim = [], 0, int(rows.shape[1])
         for i, part in enumerate(batch.parts):
             if part.alive is None:

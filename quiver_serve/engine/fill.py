@@ -5,8 +5,9 @@ callers that come back together (a closed loop of workers, a burst) that splits 
 groups whose batches alternate: each request then waits for the other group's batch and its own,
 about twice the batch time, and each batch holds half the requests (on a GPU, where a batch's time
 grows far slower than its size, half the throughput). So a batch that would hold well under what
-is usually in the system (the ids of the batch last answered plus those then waiting) waits a
-moment for the rest:
+is usually in the system (the ids of the batch last answered plus those the engine then held:
+waiting, sampling or computing) waits a moment for the rest, even past the end of the batch on the
+GPU (so two groups of callers merge into one):
 
 * at most a quarter of the batch's predicted time (``max_wait_s`` at most), never past its
   deadline slack; it is formed as soon as ``fraction`` of the expected ids wait. The engine
@@ -36,7 +37,7 @@ class ExpectedFill:
 
     def reset(self) -> None:
         self.recent_ids = 0.0  # formed batches
-        self.system_ids = 0.0  # batch answered + ids then waiting
+        self.system_ids = 0.0  # batch answered + ids the engine then held
         self.hit_rate = 1.0
         self._hold_since_s: float | None = None
 
@@ -69,8 +70,8 @@ class ExpectedFill:
         if self.hit_rate < self.min_hit_rate:
             self.hit_rate += self.probe_step  # try again now and then: traffic changes
 
-    def on_answered(self, batch_ids: int, waiting_ids: int) -> None:
-        self.system_ids = self._avg(self.system_ids, batch_ids + waiting_ids)
+    def on_answered(self, batch_ids: int, held_ids: int) -> None:
+        self.system_ids = self._avg(self.system_ids, batch_ids + held_ids)
 
     def _end_hold(self, hit: bool) -> None:
         if self._hold_since_s is not None:
