@@ -83,16 +83,16 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
     assert core.fill.recent_ids == pytest.approx(100)
-    assert core.fill.target_ids(4096) == pytest.approx(75)
+    assert core.fill.target_ids(4096) == pytest.approx(90)
     core.fill.max_wait_s = 60.0
-    core.latency.fixed_s = 1.0  # a quarter of a batch's time is no tighter bound here
+    core.latency.fixed_s = 1.0  # the fixed cost a merge saves is no tighter bound here
     core.add(mb(10, [list(range(10))]))
     assert core.step() == [] and len(core.waiting) == 1  # 10 ids of a usual 100: held
-    core.add(mb(11, [list(range(10, 80))]))
+    core.add(mb(11, [list(range(10, 95))]))
     replies = {r.done.seq: r for r in core.step()}
     assert sorted(replies) == [10, 11]
     stats = [r.done.stats for r in replies.values() if r.done.stats]
-    assert len(stats) == 1 and stats[0].num_seeds == 80  # 80 >= 75% of 100: both in one batch
+    assert len(stats) == 1 and stats[0].num_seeds == 95  # 95 >= 90% of 100: both in one batch
     core.fill.max_wait_s = 0.02
     core.latency.fixed_s = 1.0
     t0 = time.monotonic()
@@ -104,19 +104,22 @@ def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss()
     fill = ExpectedFill(max_wait_s=1e-3)
     fill.on_formed(1536)
     fill.on_answered(1536, held_ids=1536)  # two groups of callers alternate
-    assert fill.target_ids(8192) == pytest.approx(0.75 * 3072)
-    assert not fill.ready(1536, 8192, now_s=0.0, batch_s=5e-3, slack_s=1.0)  # wait for the rest
-    assert fill.ready(2400, 8192, now_s=2e-4, batch_s=5e-3, slack_s=1.0)  # they came back: hit
+    assert fill.target_ids(8192) == pytest.approx(fill.fraction * 3072)
+    assert not fill.ready(1536, 8192, now_s=0.0, saving_s=5e-3, slack_s=1.0, device_busy=True)
+    assert not fill.holding  # the device still computes: waiting costs nothing, no clock yet
+    assert not fill.ready(1536, 8192, now_s=0.0, saving_s=5e-3, slack_s=1.0)  # wait for the rest
+    assert fill.holding
+    assert fill.ready(2800, 8192, now_s=2e-4, saving_s=5e-3, slack_s=1.0)  # they came back: hit
     assert fill.hit_rate == 1.0
-    assert not fill.ready(100, 8192, now_s=1.0, batch_s=5e-3, slack_s=1e-4)
-    assert fill.ready(100, 8192, now_s=1.0 + 2e-4, batch_s=5e-3, slack_s=1e-4)  # deadline slack
+    assert not fill.ready(100, 8192, now_s=1.0, saving_s=5e-3, slack_s=1e-4)
+    assert fill.ready(100, 8192, now_s=1.0 + 2e-4, saving_s=5e-3, slack_s=1e-4)  # deadline slack
     t = 2.0
     while fill.hit_rate >= fill.min_hit_rate:  # open loop: holds keep timing out
-        assert not fill.ready(1536, 8192, now_s=t, batch_s=5e-3, slack_s=1.0)
-        assert fill.ready(1536, 8192, now_s=t + 1.1e-3, batch_s=5e-3, slack_s=1.0)
+        assert not fill.ready(1536, 8192, now_s=t, saving_s=5e-3, slack_s=1.0)
+        assert fill.ready(1536, 8192, now_s=t + 1.1e-3, saving_s=5e-3, slack_s=1.0)
         t += 1.0
-    assert fill.target_ids(8192) == pytest.approx(0.75 * 1536)  # only the recent batch size
-    assert fill.ready(1536, 8192, now_s=t, batch_s=5e-3, slack_s=1.0)  # no wait
+    assert fill.target_ids(8192) == pytest.approx(fill.fraction * 1536)  # only the recent batch size
+    assert fill.ready(1536, 8192, now_s=t, saving_s=5e-3, slack_s=1.0)  # no wait
     for _ in range(20):
         fill.on_formed(1536)
     assert fill.hit_rate >= fill.min_hit_rate  # probes again later

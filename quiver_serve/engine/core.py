@@ -254,8 +254,9 @@ class EngineCore:
             return True  # a seeded request forms a batch alone: nothing to wait for
         target = int(self.fill.target_ids(self.max_batch_nodes))
         batch_s = self.latency.predict_s(target)
-        return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s, batch_s,
-                               first.min_deadline_s - now_s - batch_s)
+        return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s,
+                               self.latency.fixed_s, first.min_deadline_s - now_s - batch_s,
+                               bool(self.in_flight))
 
     # ---- forming ---------------------------------------------------------------------------------
     def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:

@@ -9,8 +9,9 @@ is usually in the system (the ids of the batch last answered plus those the engi
 waiting, sampling or computing) waits a moment for the rest, even past the end of the batch on the
 GPU (so two groups of callers merge into one):
 
-* at most a quarter of the batch's predicted time (``max_wait_s`` at most), never past its
-  deadline slack; it is formed as soon as ``fraction`` of the expected ids wait. The engine
+* the device idles at most the fixed cost of one batch (what merging two batches into one saves:
+  with ``T(n) = a + b n``, ``2 T(n) - T(2 n) = a``), ``max_wait_s`` at most; waiting while a batch
+  still computes costs nothing and is not counted; never past the deadline slack; it is formed as soon as ``fraction`` (90%) of the expected ids wait. The engine
   loop sleeps in its poll meanwhile (an arrival wakes it), so the callers it waits for get the
   CPU;
 * the wait is kept only while it pays: a hold that times out short of the target is a miss (with
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 @dataclass
 class ExpectedFill:
-    fraction: float = 0.75
+    fraction: float = 0.9
     max_wait_s: float = 5e-3
     ewma: float = 0.2
     #: the hit rate under which only the recent batch size is expected, and its climb per batch
@@ -51,16 +52,20 @@ class ExpectedFill:
             usual = max(usual, self.system_ids)
         return self.fraction * min(usual, cap)
 
-    def ready(self, waiting_ids: int, cap: int, now_s: float, batch_s: float,
-              slack_s: float) -> bool:
-        """Form now? ``batch_s``: predicted time of the target batch; ``slack_s``: the oldest
-        request's deadline minus that."""
+    def ready(self, waiting_ids: int, cap: int, now_s: float, saving_s: float,
+              slack_s: float, device_busy: bool = False) -> bool:
+        """Form now? ``saving_s``: a batch's fixed cost (what a merge saves); ``slack_s``: the
+        oldest request's deadline minus the target batch's predicted time; ``device_busy``: a
+        batch still computes (waiting then costs no idle time: the hold's clock starts when it
+        ends)."""
         if waiting_ids >= self.target_ids(cap):
             self._end_hold(hit=True)
             return True
+        if device_busy and slack_s > 0:
+            return False
         if self._hold_since_s is None:
             self._hold_since_s = now_s
-        if now_s - self._hold_since_s >= min(self.max_wait_s, 0.25 * batch_s, slack_s):
+        if now_s - self._hold_since_s >= min(self.max_wait_s, saving_s, slack_s):
             self._end_hold(hit=False)
             return True
         return False
