@@ -563,8 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="total closed-loop callers per daemon point, workloads a and b")
     ap.add_argument("--callers-c", nargs="+", type=int,
                     help="the same for workload c (default: --callers; 1 is always added)")
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)),
-                    help="load processes (default min(4, cpus - 1))")
+    ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                    help="load processes (default min(8, cpus / 2): each turns its callers' "
+                         "replies around one at a time, so fewer callers each come back sooner)")
     ap.add_argument("--seconds", type=float, default=4.0, help="measured window of each daemon point")
     ap.add_argument("--warmup", type=float, default=1.0, help="warm-up before each daemon window")
     ap.add_argument("--engine-seconds", type=float,
