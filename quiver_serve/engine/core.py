@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,13 @@ from torch import Tensor
 
 from quiver_serve.engine.cost import LatencyModel
 from quiver_serve.engine.fill import ExpectedFill
+from quiver_serve.engine.micro_batch import (
+    MicroBatch,
+    Part,
+    Reply,
+    check_ids,
+    prune,
+)
 from quiver_serve.engine.router import EngineRouter, EngineRouteState
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
@@ -44,62 +51,11 @@ MAX_IN_FLIGHT = 2
 
 
 @dataclass
-class MicroBatch:
-    """One front-end tick's requests of one kind, as they arrived (buffers are NumPy views)."""
-
-    client: bytes
-    seq: int
-    exact: bool
-    seed: int  # NO_SEED unless it is a single seeded request
-    ids: np.ndarray  # int64 [n_ids]
-    lengths: np.ndarray  # int64 [n_requests]
-    deadlines_s: np.ndarray  # float64 [n_requests], time.time() instants
-    received_s: float = field(default_factory=time.time)
-    #: requests refused at intake (ids out of range), None when none was; set by ``EngineCore.add``
-    valid: np.ndarray | None = None
-    errors: list[RequestError] = field(default_factory=list)
-    min_deadline_s: float = 0.0
-
-    @property
-    def num_ids(self) -> int:
-        return int(self.ids.size)
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.lengths.size)
-
-
-@dataclass
-class Reply:
-    """What goes back to one client for one micro-batch."""
-
-    client: bytes
-    done: MicroBatchDone
-    rows: np.ndarray | None  # float32 [n_ids, dim], or None when every request failed
-
-
-@dataclass
-class _Part:
-    mb: MicroBatch
-    alive: np.ndarray | None  # bool per request; None when every request is alive (the usual case)
-    errors: list[RequestError]
-
-    @property
-    def num_alive(self) -> int:
-        return self.mb.num_requests if self.alive is None else int(self.alive.sum())
-
-    def alive_ids(self) -> np.ndarray:
-        if self.alive is None:
-            return self.mb.ids
-        return self.mb.ids[np.repeat(self.alive, self.mb.lengths)]
-
-
-@dataclass
 class Batch:
     """Micro-batches merged for one pass of sample → gather → model."""
 
     batch_id: int
-    parts: list[_Part]
+    parts: list[Part]
     seeds: Tensor  # int64, the alive requests' ids concatenated
     exact: bool
     seed: int
@@ -124,11 +80,6 @@ class SamplerPool:
 
     def send(self, worker: int, task_id: int, seeds: Tensor, fanouts: list[int], seed: int) -> None:
         raise NotImplementedError
-
-
-def expired_error(index: int) -> RequestError:
-    return RequestError(index, "deadline_exceeded",
-                        "the request's deadline passed before it was served", 504)
 
 
 class EngineCore:
@@ -199,7 +150,7 @@ class EngineCore:
             err = RequestError(0, "invalid_request", "malformed micro-batch: ids, lengths and "
                                "deadlines do not agree", 400)
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
-        mb.valid, mb.errors = _check_ids(mb, self.num_nodes)
+        mb.valid, mb.errors = check_ids(mb, self.num_nodes)
         mb.min_deadline_s = float(mb.deadlines_s.min())
         if len(self.waiting) >= self.max_waiting:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
@@ -264,7 +215,7 @@ class EngineCore:
         first = self.waiting[0]
         budget_s = first.min_deadline_s - now_s
         cap = self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
-        parts: list[_Part] = []
+        parts: list[Part] = []
         refused: list[Reply] = []
         taken = 0
         while self.waiting:
@@ -274,7 +225,7 @@ class EngineCore:
                 break
             self.waiting.popleft()
             self._waiting_ids -= mb.num_ids
-            part = _prune(mb, now_s)
+            part = prune(mb, now_s)
             if part.alive is not None and not part.alive.any():
                 refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
                 continue
@@ -489,30 +440,3 @@ def is_cuda_fatal(exc: BaseException) -> bool:
               "device-side assert", "ecc error", "cudaerrorlaunchfailure", "misaligned address",
               "an illegal instruction")
     return any(s in text for s in sticky) or type(exc).__name__ == "AcceleratorError"
-
-
-def _check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray | None, list[RequestError]]:
-    """Which requests have every id in range (None: all; front-ends validate, this guards every
-    other client), and a 400 naming the first bad id of each that does not."""
-    if int(mb.ids.min()) >= 0 and int(mb.ids.max()) < num_nodes:
-        return None, []
-    bad = (mb.ids < 0) | (mb.ids >= num_nodes)
-    starts = np.concatenate([[0], np.cumsum(mb.lengths)[:-1]]).astype(np.int64)
-    per_request = np.add.reduceat(bad.astype(np.int64), starts) > 0
-    errs = []
-    for i in np.flatnonzero(per_request).tolist():
-        chunk = mb.ids[starts[i]:starts[i] + mb.lengths[i]]
-        first_bad = int(chunk[(chunk < 0) | (chunk >= num_nodes)][0])
-        errs.append(RequestError(i, "invalid_node_ids", f"node id {first_bad} is out of range: "
-                                 f"valid ids are 0..{num_nodes - 1}", 400))
-    return ~per_request, errs
-
-
-def _prune(mb: MicroBatch, now_s: float) -> _Part:
-    """Drop expired requests (and those refused at intake) before any work."""
-    if mb.valid is None and mb.min_deadline_s > now_s:
-        return _Part(mb, None, [])
-    valid = mb.valid if mb.valid is not None else np.ones(mb.num_requests, dtype=bool)
-    alive = valid & (mb.deadlines_s > now_s)
-    errors = list(mb.errors) + [expired_error(i) for i in np.flatnonzero(valid & ~alive).tolist()]
-    return _Part(mb, alive, errors)
