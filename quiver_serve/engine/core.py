@@ -207,7 +207,7 @@ class EngineCore:
         batch_s = self.latency.predict_s(target)
         return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s,
                                self.latency.fixed_s, first.min_deadline_s - now_s - batch_s,
-                               bool(self.in_flight))
+                               bool(self.in_flight), self.waiting[-1].received_s)
 
     # ---- forming ---------------------------------------------------------------------------------
     def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:

@@ -11,9 +11,11 @@ GPU (so two groups of callers merge into one):
 
 * the device idles at most the fixed cost of one batch (what merging two batches into one saves:
   with ``T(n) = a + b n``, ``2 T(n) - T(2 n) = a``), ``max_wait_s`` at most; waiting while a batch
-  still computes costs nothing and is not counted; never past the deadline slack; it is formed as soon as ``fraction`` (90%) of the expected ids wait. The engine
-  loop sleeps in its poll meanwhile (an arrival wakes it), so the callers it waits for get the
-  CPU;
+  still computes costs nothing and is not counted; never past the deadline slack. It is formed
+  as soon as ``fraction`` (98%) of the expected ids wait, or 75% once arrivals have paused for
+  ``quiet_s`` (a group's last stragglers would otherwise each wait a whole extra batch). The
+  engine loop sleeps in its poll meanwhile (an arrival wakes it), so the callers it waits for
+  get the CPU;
 * the wait is kept only while it pays: a hold that times out short of the target is a miss (with
   open-loop arrivals the ids never come back at once), and after a run of misses the policy
   expects only the recent batch size (no wait under steady arrivals) and probes again now and then.
@@ -26,7 +28,11 @@ from dataclasses import dataclass
 
 @dataclass
 class ExpectedFill:
-    fraction: float = 0.9
+    fraction: float = 0.98
+    #: ... or this fraction once arrivals have paused for ``quiet_s`` (the last stragglers
+    #: of a group would otherwise each wait a whole extra batch)
+    settled_fraction: float = 0.75
+    quiet_s: float = 3e-4
     max_wait_s: float = 5e-3
     ewma: float = 0.2
     #: the hit rate under which only the recent batch size is expected, and its climb per batch
@@ -53,12 +59,15 @@ class ExpectedFill:
         return self.fraction * min(usual, cap)
 
     def ready(self, waiting_ids: int, cap: int, now_s: float, saving_s: float,
-              slack_s: float, device_busy: bool = False) -> bool:
+              slack_s: float, device_busy: bool = False, last_arrival_s: float = 0.0) -> bool:
         """Form now? ``saving_s``: a batch's fixed cost (what a merge saves); ``slack_s``: the
         oldest request's deadline minus the target batch's predicted time; ``device_busy``: a
         batch still computes (waiting then costs no idle time: the hold's clock starts when it
-        ends)."""
-        if waiting_ids >= self.target_ids(cap):
+        ends); ``last_arrival_s``: when the newest waiting micro-batch arrived."""
+        target = self.target_ids(cap)
+        settled = waiting_ids >= target * self.settled_fraction / self.fraction \
+            and now_s - last_arrival_s >= self.quiet_s
+        if waiting_ids >= target or settled:
             self._end_hold(hit=True)
             return True
         if device_busy and slack_s > 0:
