@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU gate: the GPU sampler tests, then the GPU sampler benchmark, whose table prints last.
+# The GPU gate: the GPU tests (samplers, engine core, CUDA graphs), the GPU sampler benchmark, the
+# engine-core stage profile (bench/profile_engine.py) and the engine-vs-daemon benchmark.
 # Run on a CUDA machine from the repository root:   bash bench/gpu_check.sh [bench options]
 #
 # Only the GPU test files run: tests/conftest.py and most other tests import the server stack

@@ -13,7 +13,8 @@ GPU (so two groups of callers merge into one):
   with ``T(n) = a + b n``, ``2 T(n) - T(2 n) = a``), ``max_wait_s`` at most; waiting while a batch
   still computes costs nothing and is not counted; never past the deadline slack. It is formed
   as soon as ``fraction`` (98%) of the expected ids wait, or 75% once arrivals have paused for
-  ``quiet_s`` (a group's last stragglers would otherwise each wait a whole extra batch). The
+  ``quiet_s`` or 5% of the batch's fixed cost, whichever is longer (a group's last stragglers would
+  otherwise each wait a whole extra batch). The
   engine loop sleeps in its poll meanwhile (an arrival wakes it), so the callers it waits for
   get the CPU;
 * the wait is kept only while it pays: a hold that times out short of the target is a miss (with
@@ -33,6 +34,7 @@ class ExpectedFill:
     #: of a group would otherwise each wait a whole extra batch)
     settled_fraction: float = 0.75
     quiet_s: float = 3e-4
+    quiet_share: float = 0.05  # ... or this share of a batch's fixed cost, if longer
     max_wait_s: float = 5e-3
     ewma: float = 0.2
     #: the hit rate under which only the recent batch size is expected, and its climb per batch
@@ -65,8 +67,9 @@ class ExpectedFill:
         batch still computes (waiting then costs no idle time: the hold's clock starts when it
         ends); ``last_arrival_s``: when the newest waiting micro-batch arrived."""
         target = self.target_ids(cap)
+        quiet_s = max(self.quiet_s, self.quiet_share * saving_s)  # stragglers of a long batch
         settled = waiting_ids >= target * self.settled_fraction / self.fraction \
-            and now_s - last_arrival_s >= self.quiet_s
+            and now_s - last_arrival_s >= quiet_s
         if waiting_ids >= target or settled:
             self._end_hold(hit=True)
             return True
