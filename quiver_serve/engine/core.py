@@ -202,6 +202,7 @@ class EngineCore:
         (``fill.py``)."""
         first = self.waiting[0]
         if first.seed != NO_SEED:
+            self.fill.release()
             return True  # a seeded request forms a batch alone: nothing to wait for
         target = int(self.fill.target_ids(self.max_batch_nodes))
         batch_s = self.latency.predict_s(target)

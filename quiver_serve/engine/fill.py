@@ -82,6 +82,10 @@ class ExpectedFill:
             return True
         return False
 
+    def release(self) -> None:
+        """Form now for another reason (a seeded request forms alone): no hit, no miss."""
+        self._hold_since_s = None
+
     def on_formed(self, ids: int) -> None:
         self.recent_ids = self._avg(self.recent_ids, ids)
         if self.hit_rate < self.min_hit_rate:
