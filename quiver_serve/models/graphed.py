@@ -25,6 +25,7 @@ the CPU); :class:`GraphedForward` holds the captured graphs on one GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -82,6 +83,10 @@ class PaddedLayout:
             out[1, at:at + self.edge_caps[h]] = offs[h] + self.node_caps[h] - 1
         return out
 
+    @functools.cached_property
+    def _padding(self) -> np.ndarray:
+        return self.padding_edges_np()
+
     @property
     def flat_size(self) -> int:
         """int64 words of one packed batch: n_id, edge_index (2 rows), seed_index."""
@@ -111,7 +116,7 @@ class PaddedLayout:
         shift = np.repeat(np.asarray(n_off, np.int64) - starts, sb.num_sampled_nodes)
         slots = (shift + np.arange(n_id.size, dtype=np.int64))[edges]
         base, e_start, cap = self.num_nodes, 0, self.num_edges
-        pad = self.padding_edges_np()
+        pad = self._padding
         for h, e in enumerate(sb.num_sampled_edges):
             for row in (0, 1):
                 at = base + row * cap + e_off[h]
