@@ -32,6 +32,9 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     seq: int  # unique per client; the reply carries it back
     exact: bool
     seed: int  # NO_SEED, or the single seeded request's seed (seeded requests travel alone)
+    #: ids this client has admitted and not yet answered, this micro-batch's included: how many
+    #: of its callers' ids are in the system, which the engine cannot see between requests
+    outstanding_ids: int = 0
 
 
 class RequestError(msgspec.Struct, array_like=True, frozen=True):

@@ -135,6 +135,23 @@ def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss()
     assert fill.hit_rate >= fill.min_hit_rate  # probes again later
 
 
+def test_clients_report_what_they_have_outstanding(cora: GraphData) -> None:
+    """Callers between two requests are invisible to the engine; their client counts them."""
+    import msgspec
+
+    from quiver_serve.wire import Decoders
+
+    core = make_core(cora)
+    a, b = mb(0, [[1, 2]]), mb(1, [[3]])
+    a.outstanding_ids, b.outstanding_ids = 500, 700  # clients c0 and c1
+    run(core, a, b)
+    assert core.fill.system_ids == pytest.approx(1200)  # not the 3 ids the engine saw
+    assert core.fill.target_ids(4096) == pytest.approx(core.fill.fraction * 1200)
+    assert core._clients_outstanding(time.time() + 5.0) == 0  # silent clients are forgotten
+    old_header = msgspec.msgpack.encode([7, False, -1])  # a client that does not report
+    assert Decoders.micro_batch.decode(old_header).outstanding_ids == 0
+
+
 def test_seeded_micro_batch_is_a_batch_of_its_own_and_reproducible(cora: GraphData) -> None:
     core = make_core(cora)
     a = run(core, mb(0, [[1, 2, 3]]), mb(1, [[10, 20]], seed=7), mb(2, [[4]]))

@@ -88,6 +88,7 @@ def test_queue_api_answers_300_requests_exactly_once(pipeline: Pipeline) -> None
     assert all(e.shape == (3, 64) and torch.equal(e[0], e[2]) for e in seen.values())
     with pytest.raises(Exception):  # noqa: B017 - nothing more arrives
         r.get(timeout=0.5)
+    assert pipeline.client is not None and pipeline.client._pending_ids == 0  # told to engines
 
 
 def test_queue_api_reports_bad_requests_as_results(pipeline: Pipeline) -> None:

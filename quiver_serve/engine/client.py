@@ -100,6 +100,7 @@ class EngineClient:
         self._held_ids = 0
         self._lock = threading.Lock()
         self._pending = 0
+        self._pending_ids = 0  # ids of admitted, unanswered requests (told to the engines)
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._flights: dict[int, _Flight] = {}
@@ -154,6 +155,8 @@ class EngineClient:
                 self._pending -= 1
             raise errors.ServeError("duplicate_request_id",
                                     f"request_id {rid!r} is already in flight", 409)
+        with self._lock:
+            self._pending_ids += ids.size
         req = _Request(rid, ids, exact, seed, deadline_s, fut, loop)
         self._by_id[rid] = req
         self._inbox.append(req)
@@ -286,7 +289,8 @@ class EngineClient:
         ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
         lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        frames = [encode(MicroBatchHeader(seq, exact, seed)), ids, lengths, deadlines]
+        head = MicroBatchHeader(seq, exact, seed, self._pending_ids)
+        frames = [encode(head), ids, lengths, deadlines]
         engine = min(range(len(self._load)), key=self._load.__getitem__)
         self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
         self._load[engine] += int(ids.size)
@@ -382,6 +386,7 @@ class EngineClient:
                 if not req.done:
                     req.done = True
                     mine.append((req, result))
+                    self._pending_ids -= req.ids.size
             self._pending -= len(mine)
         for req, result in mine:
             self._by_id.pop(req.request_id, None)

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: finished GPU batches are noticed by polling their event; at most this many are launched at once
 MAX_IN_FLIGHT = 2
+#: a client's report of its outstanding ids counts this long after its last micro-batch
+CLIENT_REPORT_S = 1.0
 
 
 @dataclass
@@ -97,6 +99,8 @@ class EngineCore:
         self.router, self.pool = router, pool
         self.waiting: deque[MicroBatch] = deque()
         self._waiting_ids = 0
+        #: per client: ids it had outstanding at its last micro-batch, and when that arrived
+        self._client_ids: dict[bytes, tuple[int, float]] = {}
         self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
         self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
         self.in_flight: deque[Batch] = deque()  # launched on the GPU
@@ -158,6 +162,8 @@ class EngineCore:
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
         self.waiting.append(mb)
         self._waiting_ids += mb.num_ids
+        if mb.outstanding_ids:
+            self._client_ids[mb.client] = (mb.outstanding_ids, mb.received_s)
         return None
 
     def _ids_in_hand(self) -> int:
@@ -165,6 +171,14 @@ class EngineCore:
         return self._waiting_ids + sum(
             int(b.seeds.numel()) for group in (self.sampling.values(), self.sampled,
                                                self.in_flight) for b in group)
+
+    def _clients_outstanding(self, now_s: float) -> int:
+        """Ids the clients heard from in the last second say they have outstanding: callers
+        between two requests count too, which the engine cannot see itself."""
+        stale = [c for c, (_, at) in self._client_ids.items() if now_s - at > CLIENT_REPORT_S]
+        for c in stale:
+            del self._client_ids[c]
+        return sum(ids for ids, _ in self._client_ids.values())
 
     def has_ready_work(self) -> bool:
         return bool(self.waiting or self.sampled)
@@ -376,7 +390,8 @@ class EngineCore:
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
         stats = self._stats(batch, compute_s)
-        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._ids_in_hand())
+        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._ids_in_hand(),
+                              self._clients_outstanding(time.time()))
         replies, start, dim = [], 0, int(rows.shape[1])
         for i, part in enumerate(batch.parts):
             if part.alive is None:

@@ -261,7 +261,8 @@ class EngineLoop:
             head = Decoders.micro_batch.decode(frames[1].buffer)
             return MicroBatch(client, head.seq, head.exact, head.seed,
                               view(frames[2], np.int64), view(frames[3], np.int64),
-                              view(frames[4], np.float64))
+                              view(frames[4], np.float64),
+                              outstanding_ids=head.outstanding_ids)
         except Exception as exc:  # noqa: BLE001 - answered, and logged: never dropped silently
             log.error("engine %d: unreadable micro-batch from client %s: %s", self.core.index,
                       client.hex(), exc)

@@ -6,7 +6,8 @@ groups whose batches alternate: each request then waits for the other group's ba
 about twice the batch time, and each batch holds half the requests (on a GPU, where a batch's time
 grows far slower than its size, half the throughput). So a batch that would hold well under what
 is usually in the system (the ids of the batch last answered plus those the engine then held:
-waiting, sampling or computing) waits a moment for the rest, even past the end of the batch on the
+waiting, sampling or computing; or, if more, what the clients report they have outstanding) waits
+a moment for the rest, even past the end of the batch on the
 GPU (so two groups of callers merge into one):
 
 * the device idles at most the fixed cost of one batch (what merging two batches into one saves:
@@ -91,8 +92,10 @@ class ExpectedFill:
         if self.hit_rate < self.min_hit_rate:
             self.hit_rate += self.probe_step  # try again now and then: traffic changes
 
-    def on_answered(self, batch_ids: int, held_ids: int) -> None:
-        self.system_ids = self._avg(self.system_ids, batch_ids + held_ids)
+    def on_answered(self, batch_ids: int, held_ids: int, reported_ids: int = 0) -> None:
+        """``reported_ids``: what the clients say they have outstanding (their callers between
+        two requests included, which the engine cannot see)."""
+        self.system_ids = self._avg(self.system_ids, max(batch_ids + held_ids, reported_ids))
 
     def _end_hold(self, hit: bool) -> None:
         if self._hold_since_s is not None:

@@ -27,6 +27,8 @@ class MicroBatch:
     lengths: np.ndarray  # int64 [n_requests]
     deadlines_s: np.ndarray  # float64 [n_requests], time.time() instants
     received_s: float = field(default_factory=time.time)
+    #: ids the sending client had outstanding when it sent this (``MicroBatchHeader``)
+    outstanding_ids: int = 0
     #: requests refused at intake (ids out of range), None when none was; set by ``EngineCore.add``
     valid: np.ndarray | None = None
     errors: list[RequestError] = field(default_factory=list)
