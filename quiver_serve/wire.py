@@ -32,8 +32,9 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     seq: int  # unique per client; the reply carries it back
     exact: bool
     seed: int  # NO_SEED, or the single seeded request's seed (seeded requests travel alone)
-    #: ids this client has admitted and not yet answered, this micro-batch's included: how many
-    #: of its callers' ids are in the system, which the engine cannot see between requests
+    #: ids this client has admitted and not yet answered (this micro-batch's included), divided
+    #: among the engine cores it spreads them over: how many of its callers' ids this engine
+    #: should expect, which the engine cannot see between two requests
     outstanding_ids: int = 0
 
 

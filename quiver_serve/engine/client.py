@@ -289,7 +289,9 @@ class EngineClient:
         ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
         lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        head = MicroBatchHeader(seq, exact, seed, self._pending_ids)
+        # this engine's share: micro-batches are spread by outstanding work, so about evenly
+        share = -(-self._pending_ids // len(self._load))
+        head = MicroBatchHeader(seq, exact, seed, share)
         frames = [encode(head), ids, lengths, deadlines]
         engine = min(range(len(self._load)), key=self._load.__getitem__)
         self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
