@@ -20,6 +20,7 @@ from quiver_serve.engine.pipeline import Pipeline, PipelineObserver  # noqa: E40
 from quiver_serve.graph.datasets import load_planetoid_raw  # noqa: E402
 from quiver_serve.messages import BatchStats  # noqa: E402
 from quiver_serve.models import build_model  # noqa: E402
+from tests.exact_checks import check_concurrent_exact  # noqa: E402
 
 
 class Routes(PipelineObserver):
@@ -103,18 +104,5 @@ def test_same_seed_same_embedding_on_cpu_and_gpu_routes(gpu_pipeline, gpu_mode: 
 def test_concurrent_exact_requests_on_the_gpu_equal_pyg(gpu_pipeline) -> None:  # type: ignore[no-untyped-def]
     """Many exact requests in flight at once: merged batches, two launched at a time, each row
     still equal to the full-graph output."""
-    import asyncio
-
     p, _ = gpu_pipeline
-    model = build_model(p.cfg.model, p.graph.num_features)
-    with torch.no_grad():
-        full = model(p.graph.x, p.graph.edge_index())
-    gen = torch.Generator().manual_seed(3)
-    requests = [torch.randint(0, 2708, (int(n),), generator=gen)
-                for n in torch.randint(1, 40, (300,), generator=gen)]
-
-    async def go() -> list[torch.Tensor]:
-        return await asyncio.gather(*[p.embed_async(r, exact=True) for r in requests])
-
-    for ids, emb in zip(requests, asyncio.run(go()), strict=True):
-        torch.testing.assert_close(emb, full[ids], atol=1e-4, rtol=1e-4)
+    check_concurrent_exact(p, p.graph, 300, 40)

@@ -23,6 +23,7 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import build_model
 from tests.conftest import small_config
+from tests.exact_checks import check_concurrent_exact
 
 pytestmark = pytest.mark.e2e
 
@@ -225,17 +226,4 @@ def test_two_engine_cores_share_the_load(cora: GraphData) -> None:
 
 def test_concurrent_exact_requests_equal_pyg(pipeline: Pipeline, cora: GraphData) -> None:
     """Many exact requests in flight at once (merged into batches): every row still exact."""
-    import asyncio
-
-    model = build_model(pipeline.cfg.model, cora.num_features)
-    with torch.no_grad():
-        full = model(cora.x, cora.edge_index())
-    gen = torch.Generator().manual_seed(3)
-    requests = [torch.randint(0, 2708, (int(n),), generator=gen)
-                for n in torch.randint(1, 20, (150,), generator=gen)]
-
-    async def go() -> list[torch.Tensor]:
-        return await asyncio.gather(*[pipeline.embed_async(r, exact=True) for r in requests])
-
-    for ids, emb in zip(requests, asyncio.run(go()), strict=True):
-        torch.testing.assert_close(emb, full[ids], atol=1e-4, rtol=1e-4)
+    check_concurrent_exact(pipeline, cora, 150, 20)

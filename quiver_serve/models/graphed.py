@@ -63,10 +63,15 @@ class PaddedLayout:
         return sum(self.edge_caps)
 
     def node_offsets(self) -> list[int]:
-        return [sum(self.node_caps[:h]) for h in range(len(self.node_caps))]
+        return self._offsets[0]
 
     def edge_offsets(self) -> list[int]:
-        return [sum(self.edge_caps[:h]) for h in range(len(self.edge_caps))]
+        return self._offsets[1]
+
+    @functools.cached_property
+    def _offsets(self) -> tuple[list[int], list[int]]:  # computed once: read for every batch
+        return ([sum(self.node_caps[:h]) for h in range(len(self.node_caps))],
+                [sum(self.edge_caps[:h]) for h in range(len(self.edge_caps))])
 
     def fits(self, sb: SamplerOutput) -> bool:
         if len(sb.num_sampled_nodes) != len(self.node_caps) \
