@@ -118,8 +118,14 @@ class InferenceConfig(_Section):
         description="GPU memory for node features per GPU: the whole feature matrix is placed there when it fits, else rows are read from host memory",
     )
     cuda_graph_max_seeds: int = Field(
-        32, ge=0,
+        64, ge=0,
         description="sampled batches up to this many seeds replay a CUDA graph of gather + model (0: always eager)",
+    )
+    fast_model: bool = Field(
+        True, description="serve GraphSAGE/GCN/GAT with the fast layers (CSR aggregation, transform-then-aggregate, per-layer trimming); false: PyG's own layers",
+    )
+    precision: Literal["fp32", "tf32", "bf16", "fp16"] = Field(
+        "fp32", description="sampled-mode compute precision (weights and activations; tf32: TF32 matmuls); exact mode always runs fp32",
     )
 
 

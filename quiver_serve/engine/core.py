@@ -141,6 +141,15 @@ class EngineCore:
             log.info("engine %d: CUDA graphs for sampled batches of 1..%d seeds", self.index,
                      self.graphed.max_seeds)
 
+    def check_fast_model(self, num_seeds: int = 64) -> float | None:
+        """Check the fast model path against PyG's layers on one real sampled batch (start-up)."""
+        seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
+        sb = self.local_sampler.sample(seeds, self.fanouts, new_batch_seed())
+        n_id = sb.n_id.to(self.device)
+        x = self.features.index_select(0, n_id.to(self.features.device)).to(self.device)
+        return self.model.check_fast(x, n_id, sb.edge_index.to(self.device),
+                                     sb.num_sampled_nodes, sb.num_sampled_edges)
+
     def reset_cost_models(self) -> None:
         self.fill = ExpectedFill()
         self.latency = LatencyModel()

@@ -307,6 +307,7 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         router=EngineRouter(cfg.sampling.route),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device))
+    core.check_fast_model()
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
     return core

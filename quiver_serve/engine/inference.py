@@ -66,7 +66,8 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData,
         torch.cuda.set_device(device)
     self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
     model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
-                        self_loops).to(device)
+                        self_loops, precision=cfg.inference.precision,
+                        fast=cfg.inference.fast_model).to(device)
     features = graph.x
     if device.type == "cuda" and features.numel() * features.element_size() \
             <= cfg.inference.gpu_cache_bytes:

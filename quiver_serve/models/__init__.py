@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from quiver_serve.config import REPO_ROOT, ModelConfig, resolve_path
 from quiver_serve.models.exact_gcn import ExactGcnNorm
+from quiver_serve.models.fast import FastGNN
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class ServedModel:
     """
 
     def __init__(self, model: nn.Module, in_degree: Tensor | None = None,
-                 self_loops: Tensor | None = None) -> None:
+                 self_loops: Tensor | None = None, precision: str = "fp32",
+                 fast: bool = True) -> None:
         from torch_geometric.nn import GCNConv
 
         self.model = model
@@ -113,6 +115,13 @@ class ServedModel:
                 log.warning("GCN exact mode assumes the graph has no self loops "
                             "(no self-loop counts given)")
             self.gcn_norm = ExactGcnNorm(in_degree, self_loops, conv.improved, conv.add_self_loops)
+        self.precision = precision
+        self.fast: FastGNN | None = None
+        if fast:
+            self.fast = FastGNN.from_pyg(model, precision, self.gcn_norm,
+                                         next(model.parameters()).device)
+        elif precision != "fp32":
+            raise ValueError("inference.precision other than fp32 needs inference.fast_model")
 
     @property
     def out_dim(self) -> int:
@@ -122,6 +131,8 @@ class ServedModel:
         self.model.to(device)
         if self.gcn_norm is not None:
             self.gcn_norm.to(device)
+        if self.fast is not None:
+            self.fast = FastGNN.from_pyg(self.model, self.precision, self.gcn_norm, device)
         return self
 
     @torch.no_grad()
@@ -129,6 +140,41 @@ class ServedModel:
         self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int],
         num_edges: list[int], exact: bool,
     ) -> Tensor:
+        """Output rows of the subgraph's nodes; rows ``0 .. num_nodes[0]-1`` (the seeds) are the
+        ones served (the fast path computes only those)."""
+        if self.fast is not None and self.fast.fits(num_nodes):
+            return self.fast(x, n_id, edge_index, num_nodes, num_edges, exact)
+        return self.pyg(x, n_id, edge_index, num_nodes, num_edges, exact)
+
+    @torch.no_grad()
+    def check_fast(self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int],
+                   num_edges: list[int], tolerance: float | None = None) -> float | None:
+        """Relative error of the fast path against PyG's layers on one sampled subgraph (seed
+        rows); the fast path is switched off (logged) when it exceeds ``tolerance`` (default:
+        1e-4 in fp32/TF32-free runs, 5e-2 otherwise). None when there is no fast path."""
+        if self.fast is None or not self.fast.fits(num_nodes):
+            return None
+        seeds = slice(0, num_nodes[0])
+        got = self.fast(x, n_id, edge_index, num_nodes, num_edges, False)[seeds]
+        want = self.pyg(x, n_id, edge_index, num_nodes, num_edges, False)[seeds].float()
+        err = float((got - want).norm() / want.norm().clamp(min=1e-12))
+        limit = tolerance if tolerance is not None else (
+            1e-4 if self.precision == "fp32" else 5e-2)
+        if not err <= limit:
+            log.warning("fast model path off: relative error %.3g against PyG's layers "
+                        "(limit %.3g, precision %s)", err, limit, self.precision)
+            self.fast = None
+        else:
+            log.info("fast model path on (%s): relative error %.2g against PyG's layers",
+                     self.precision, err)
+        return err
+
+    @torch.no_grad()
+    def pyg(
+        self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int],
+        num_edges: list[int], exact: bool,
+    ) -> Tensor:
+        """The forward with PyG's own layers (the reference the fast path is checked against)."""
         if exact and self.gcn_norm is not None:
             return self._gcn_exact(x, n_id, edge_index, num_nodes, num_edges)
         return self.model(x, edge_index, num_sampled_nodes_per_hop=num_nodes,

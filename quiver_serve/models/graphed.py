@@ -9,8 +9,9 @@ seeds is laid out in a padded subgraph whose size depends on ``S`` and the fanou
   hop can add, plus one slot that is always padding) and its edges
   ``S * prod(fanouts[:h + 1])`` edge slots;
 * real nodes keep their order inside their hop's slots; real edges are renumbered to the slots;
-* padding edges join the spare slot of hop ``h + 1`` to the spare slot of hop ``h``, so they only
-  ever reach padding nodes (whose rows are read from feature row 0 and are never returned).
+* padding edges join the spare slot of hop ``h + 1`` to the padding slots of hop ``h`` (spread
+  evenly, targets non-decreasing), so they only ever reach padding nodes (whose rows are read
+  from feature row 0 and are never returned).
 
 PyG's per-layer trimming sees the per-hop slot counts, which are constants, so every shape in the
 forward is fixed. Real rows are bit-for-bit what the eager forward computes on the unpadded
@@ -88,9 +89,13 @@ class PaddedLayout:
             out[1, at:at + self.edge_caps[h]] = offs[h] + self.node_caps[h] - 1
         return out
 
-    @functools.cached_property
-    def _padding(self) -> np.ndarray:
-        return self.padding_edges_np()
+    def _spread(self, hop: int, real_nodes: int, pad_edges: int) -> np.ndarray:
+        """Targets of hop ``hop + 1``'s padding edges: the hop's padding slots, in
+        non-decreasing order (targets stay sorted, as the fast model's CSR needs) and evenly
+        (no single row of thousands of edges for a sparse kernel to crawl through)."""
+        first = self.node_offsets()[hop] + real_nodes
+        slots = self.node_caps[hop] - real_nodes  # >= 1: the last slot is always padding
+        return first + (np.arange(pad_edges, dtype=np.int64) * slots) // pad_edges
 
     @property
     def flat_size(self) -> int:
@@ -121,12 +126,14 @@ class PaddedLayout:
         shift = np.repeat(np.asarray(n_off, np.int64) - starts, sb.num_sampled_nodes)
         slots = (shift + np.arange(n_id.size, dtype=np.int64))[edges]
         base, e_start, cap = self.num_nodes, 0, self.num_edges
-        pad = self._padding
         for h, e in enumerate(sb.num_sampled_edges):
-            for row in (0, 1):
-                at = base + row * cap + e_off[h]
-                flat[at:at + e] = slots[row, e_start:e_start + e]
-                flat[at + e:at + self.edge_caps[h]] = pad[row, e_off[h] + e:e_off[h] + self.edge_caps[h]]
+            src, dst = base + e_off[h], base + cap + e_off[h]
+            flat[src:src + e] = slots[0, e_start:e_start + e]
+            flat[dst:dst + e] = slots[1, e_start:e_start + e]
+            pad = self.edge_caps[h] - e
+            if pad:
+                flat[src + e:src + e + pad] = n_off[h + 1] + self.node_caps[h + 1] - 1
+                flat[dst + e:dst + e + pad] = self._spread(h, sb.num_sampled_nodes[h], pad)
             e_start += e
         at = base + 2 * cap
         flat[at:at + seed_index.size] = seed_index  # hop 0 is not shifted
