@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU gate: the GPU tests (samplers, engine core, CUDA graphs), the GPU sampler benchmark, the
-# engine-core stage profile (bench/profile_engine.py) and the engine-vs-daemon benchmark.
+# The GPU gate: the GPU tests (samplers, engine core, CUDA graphs, fast model), the GPU sampler
+# benchmark, the engine-core stage profile (bench/profile_engine.py), the model-compute benchmark
+# (bench/bench_model.py) and the engine-vs-daemon benchmark.
 # Run on a CUDA machine from the repository root:   bash bench/gpu_check.sh [bench options]
 #
 # Only the GPU test files run: tests/conftest.py and most other tests import the server stack
@@ -40,6 +41,12 @@ bench_rc=${PIPESTATUS[0]}
 echo "== Engine core: time per stage and batch size (eager vs CUDA graphs) =="
 timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/profile_engine.py --config configs/bench_reddit.yaml \
     --out "$LOG_DIR/profile_engine.json" 2>&1 | grep -v ' INFO \|WARNING' | tee "$LOG_DIR/profile_engine.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+
+echo "== Model compute per batch: PyG's layers vs the fast path, by class and precision =="
+timeout "${GPU_BENCH_TIMEOUT_S:-900}" "$PY" bench/bench_model.py --config configs/bench_reddit.yaml \
+    --out "$LOG_DIR/bench_model.json" 2>&1 | grep -v ' INFO \|WARNING\|weights is null\|adj = \|invariant' \
+    | tee "$LOG_DIR/bench_model.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 
 echo "== Engine core vs daemon through the queue API (Reddit-scale; table last) =="

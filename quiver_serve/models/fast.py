@@ -410,6 +410,7 @@ def _layer(conv: nn.Module, dtype: torch.dtype, gcn_norm: ExactGcnNorm | None) -
 def sparse_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.sparse.mm`` (CSR x dense) runs here in ``dtype`` (else index_add)."""
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     try:
         crow = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         col = torch.tensor([1, 0], dtype=torch.int32, device=device)
