@@ -152,6 +152,22 @@ def test_clients_report_what_they_have_outstanding(cora: GraphData) -> None:
     assert Decoders.micro_batch.decode(old_header).outstanding_ids == 0
 
 
+def test_client_reports_per_engine_what_it_has_there_plus_a_share_of_the_unsent() -> None:
+    """With two engines a client's groups of callers stick to the engine that answered them;
+    reporting half of everything made each engine wait for ids that went to the other one."""
+    from types import SimpleNamespace
+
+    from quiver_serve.engine.client import EngineClient
+
+    two = SimpleNamespace(_pending_ids=1000, _load=[700, 100])  # 200 ids not sent yet
+    assert EngineClient._share(two, 0) == 800  # type: ignore[arg-type]
+    assert EngineClient._share(two, 1) == 200  # type: ignore[arg-type]
+    one = SimpleNamespace(_pending_ids=1000, _load=[700])
+    assert EngineClient._share(one, 0) == 1000  # type: ignore[arg-type]  # every pending id
+    raced = SimpleNamespace(_pending_ids=600, _load=[700])  # an answer counted before its send
+    assert EngineClient._share(raced, 0) == 700  # type: ignore[arg-type]
+
+
 def test_seeded_micro_batch_is_a_batch_of_its_own_and_reproducible(cora: GraphData) -> None:
     core = make_core(cora)
     a = run(core, mb(0, [[1, 2, 3]]), mb(1, [[10, 20]], seed=7), mb(2, [[4]]))

@@ -289,14 +289,20 @@ class EngineClient:
         ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
         lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        # this engine's share: micro-batches are spread by outstanding work, so about evenly
-        share = -(-self._pending_ids // len(self._load))
-        head = MicroBatchHeader(seq, exact, seed, share)
-        frames = [encode(head), ids, lengths, deadlines]
         engine = min(range(len(self._load)), key=self._load.__getitem__)
-        self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
         self._load[engine] += int(ids.size)
+        head = MicroBatchHeader(seq, exact, seed, self._share(engine))
+        frames = [encode(head), ids, lengths, deadlines]
+        self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
         self._socks[engine].send_multipart(frames, copy=False)
+
+    def _share(self, engine: int) -> int:
+        """Ids this client expects ``engine`` to see from it soon: those it has there now (a
+        caller that gets its answer sends its next request to the least loaded engine, which
+        is then usually the one that answered) plus an even share of those not sent yet. With
+        one engine this is every pending id."""
+        unsent = max(self._pending_ids - sum(self._load), 0)
+        return self._load[engine] + -(-unsent // len(self._load))
 
     def _receive(self, engine: int, sock: zmq.Socket) -> None:
         while True:
