@@ -201,6 +201,7 @@ class BatchCounter(PipelineObserver):
         self.compute_s += stats.compute_s
         self.sample_s += stats.sample_s
         self.routes[stats.route] += 1
+        self.routes[f"engine{stats.worker}"] += 1  # batches per engine core, shown with routes
 
     def snapshot(self) -> tuple[np.ndarray, Counter]:
         return np.array([time.process_time(), self.batches, self.seeds, self.sampled,
