@@ -17,7 +17,9 @@ from quiver_serve.config import DEFAULT_CONFIG_PATH, ConfigError, ServeConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG_PATH), help="YAML config (default: %(default)s)")
+    p.add_argument("--config", default=None,
+                   help=f"YAML config (default: $QUIVER_SERVE_CONFIG, else {DEFAULT_CONFIG_PATH.name}); "
+                        "QUIVER_SERVE__<SECTION>__<KEY>=<value> variables override single fields")
     p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default from config: 8000)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     try:
-        cfg = ServeConfig.from_yaml(args.config)
+        cfg = ServeConfig.load(args.config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ so ``python server.py --config configs/X.yaml`` works from any working directory
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -194,9 +195,46 @@ class ServeConfig(_Section):
             raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
 
     @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             environ: Mapping[str, str] | None = None) -> ServeConfig:
+        """The config a deployment asks for: the YAML named by ``path``, else by
+        ``QUIVER_SERVE_CONFIG``, else the embedded default; then every
+        ``QUIVER_SERVE__<SECTION>__<KEY>=<YAML value>`` variable applied on top (containers and
+        Kubernetes set single fields this way). Unknown sections or keys and invalid values raise
+        :class:`ConfigError` naming the variable."""
+        env = os.environ if environ is None else environ
+        path = path or env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+        cfg = cls.from_yaml(path)
+        overrides = {k: v for k, v in env.items() if k.startswith(OVERRIDE_PREFIX)}
+        if not overrides:
+            return cfg
+        raw = cfg.model_dump()
+        for name, text in sorted(overrides.items()):
+            parts = name[len(OVERRIDE_PREFIX):].lower().split("__")
+            if len(parts) != 2 or parts[0] not in raw or parts[1] not in raw[parts[0]]:
+                raise ConfigError(f"{name}: no config field {'.'.join(parts)} (use "
+                                  f"{OVERRIDE_PREFIX}<SECTION>__<KEY>, e.g. "
+                                  f"{OVERRIDE_PREFIX}SERVER__PORT=8080)")
+            try:
+                raw[parts[0]][parts[1]] = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{name}: not a YAML value: {exc}") from None
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+            raise ConfigError("invalid config after environment overrides "
+                              f"({', '.join(sorted(overrides))})\n" + "\n".join(lines)) from None
+
+    @classmethod
     def default(cls) -> ServeConfig:
         """The embedded default: Cora and the GraphSAGE shipped in ``models/``."""
         return cls.from_yaml(DEFAULT_CONFIG_PATH)
+
+
+#: environment: the YAML file to load, and the prefix of single-field overrides
+CONFIG_ENV = "QUIVER_SERVE_CONFIG"
+OVERRIDE_PREFIX = "QUIVER_SERVE__"
 
 
 class ConfigError(ValueError):

@@ -43,6 +43,11 @@ def multiprocess_dir() -> str:
     return path
 
 
+#: label values that exist from the start (see :class:`Metrics`)
+REJECT_REASONS = ("pending_full", "client_disconnected", "engine_lost", "deadline")
+WORKER_ROLES = ("engine", "sampler")
+
+
 class EngineMetrics:
     """Per-batch metrics, recorded in the engine core process that ran the batch."""
 
@@ -52,7 +57,8 @@ class EngineMetrics:
             PREFIX + "queue_duration_seconds", "time a batch's oldest request waited before work",
             buckets=_LATENCY_BUCKETS_S, registry=None)
         self.batch_nodes = Histogram(
-            PREFIX + "batch_nodes", "seed nodes per batch", buckets=_NODE_BUCKETS, registry=None)
+            PREFIX + "batch_nodes", "seed nodes per batch, by engine core (one per GPU)",
+            ["engine"], buckets=_NODE_BUCKETS, registry=None)
         self.sampled_nodes = Histogram(
             PREFIX + "sampled_nodes", "measured unique nodes per sampled batch",
             buckets=_NODE_BUCKETS, registry=None)
@@ -73,7 +79,7 @@ class EngineMetrics:
 
     def observe(self, stats: BatchStats) -> None:
         self.route_total.labels(stats.route).inc()
-        self.batch_nodes.observe(stats.num_seeds)
+        self.batch_nodes.labels(str(stats.worker)).observe(stats.num_seeds)
         self.sampled_nodes.observe(stats.num_sampled_nodes)
         self.queue_duration.observe(stats.queue_s)
         self.sample_duration.labels(stats.route).observe(stats.sample_s)
@@ -104,6 +110,11 @@ class Metrics(PipelineObserver):
         self.late_results = Counter(
             PREFIX + "late_results", "results that arrived after their request was answered",
             registry=None)
+        # Known label values start at 0, so rates and alerts work before the first event.
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for role in WORKER_ROLES:
+            self.restarts.labels(role)
 
     def on_pending(self, count: int) -> None:
         self.pending.set(count)

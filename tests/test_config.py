@@ -44,3 +44,22 @@ def test_readme_config_reference_is_current() -> None:
     for line in reference_markdown().splitlines()[2:]:
         key = line.split("|")[1].strip()
         assert key in readme, f"README lacks {key}; paste `python -m quiver_serve.config` output"
+
+
+def test_environment_overrides_single_fields_and_names_bad_ones(tmp_path: Path) -> None:
+    from quiver_serve.config import DEFAULT_CONFIG_PATH
+
+    env = {"QUIVER_SERVE__SERVER__PORT": "9001", "QUIVER_SERVE__SAMPLING__FANOUTS": "[5, 5]",
+           "QUIVER_SERVE__SERVER__HOST": "0.0.0.0", "QUIVER_SERVE_TOKEN": "not a field override"}
+    cfg = ServeConfig.load(environ=env)
+    assert (cfg.server.port, cfg.sampling.fanouts, cfg.server.host) == (9001, [5, 5], "0.0.0.0")
+    other = tmp_path / "other.yaml"
+    other.write_text(DEFAULT_CONFIG_PATH.read_text().replace("port: 8000", "port: 8123"))
+    assert ServeConfig.load(environ={"QUIVER_SERVE_CONFIG": str(other)}).server.port == 8123
+    assert ServeConfig.load(str(other), environ={"QUIVER_SERVE__SERVER__PORT": "1"}).server.port == 1
+    with pytest.raises(ConfigError, match="QUIVER_SERVE__SERVER__PROT"):
+        ServeConfig.load(environ={"QUIVER_SERVE__SERVER__PROT": "1"})
+    with pytest.raises(ConfigError, match="server.port"):
+        ServeConfig.load(environ={"QUIVER_SERVE__SERVER__PORT": "eighty"})
+    with pytest.raises(ConfigError, match="sampling.fanouts"):  # validators still run
+        ServeConfig.load(environ={"QUIVER_SERVE__SAMPLING__FANOUTS": "[5]"})

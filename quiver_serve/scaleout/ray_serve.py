@@ -1,0 +1,222 @@
+"""Scale-out on Ray Serve: N engine replicas (one per GPU) behind Ray's HTTP proxy.
+
+* The graph (CSC ``indptr``/``indices``, features) is put into Ray's object store once, as NumPy
+  arrays, by the driver. Ray moves an object to a node once; every replica on that node maps the
+  same shared-memory copy (zero-copy reads; a GPU replica then copies what it places on its GPU).
+* ``EngineReplica``: one engine core (``LocalEngine``) per replica, ``num_gpus=1`` where there
+  are GPUs; ``max_ongoing_requests`` bounds its queue; Ray's autoscaler can size the replica
+  count on ongoing requests (``--autoscale``).
+* ``Ingress``: the daemon's ``POST /v1/embed`` contract (same body, same JSON answer, same error
+  bodies and status codes) on Ray's HTTP proxy. A request whose replica dies (kill -9, a lost
+  node) is retried once on another replica, so a lost replica loses no request.
+
+Run: ``python -m quiver_serve.scaleout.ray_serve --config configs/default.yaml --replicas 2``
+(``--address auto`` joins a running cluster). Not handled: graphs larger than one node's memory
+(each node holds the whole graph; partitioning it across nodes is not implemented), the KServe
+routes and ``/metrics`` of the daemon (Ray Serve exports its own request metrics).
+"""
+
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.http.schemas import EmbedBody
+
+log = logging.getLogger(__name__)
+
+#: exceptions that mean "the replica is gone": retried once on another replica
+RETRIES = 1
+
+
+def graph_arrays(graph: GraphData) -> dict[str, Any]:
+    """The graph as NumPy arrays (what goes into the object store) plus its name."""
+    return {"name": graph.name, "indptr": graph.indptr.numpy(), "indices": graph.indices.numpy(),
+            "x": graph.x.numpy()}
+
+
+def graph_from_arrays(arrays: dict[str, Any]) -> GraphData:
+    """GraphData over the object store's read-only arrays, without copying them."""
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a) if a.flags.writeable else _readonly_tensor(a)
+    return GraphData(arrays["name"], tensor(arrays["indptr"]), tensor(arrays["indices"]),
+                     tensor(arrays["x"]))
+
+
+def _readonly_tensor(a: np.ndarray) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns that writing would be undefined: nothing writes
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class EngineReplica:
+    """One engine core (one GPU, or the CPU) serving ``embed`` calls from the ingress."""
+
+    def __init__(self, cfg_dict: dict[str, Any], graph_ref: dict[str, Any]) -> None:
+        import ray
+
+        from quiver_serve.scaleout.local_engine import LocalEngine
+
+        cfg = ServeConfig.model_validate(cfg_dict)
+        arrays = ray.get(graph_ref["ref"])  # zero-copy views of this node's shared copy
+        self.engine = LocalEngine(cfg, graph_from_arrays(arrays))
+
+    def embed(self, node_ids: np.ndarray, exact: bool, seed: int | None,
+              timeout_s: float | None) -> np.ndarray | dict[str, Any]:
+        """Rows, or the error as a plain dict (exceptions would lose their status over Ray)."""
+        try:
+            return self.engine.embed(node_ids, exact, seed, timeout_s)
+        except errors.ServeError as exc:
+            return {"code": exc.info.code, "message": exc.info.message, "status": exc.info.status}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+APP = FastAPI(title="quiver-serve on Ray Serve",
+              description="POST /v1/embed with the daemon's contract, answered by engine replicas")
+
+
+@APP.exception_handler(RequestValidationError)
+async def _malformed(_: Any, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "malformed body"}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    return _error(422, "malformed_request", f"{where}: {first.get('msg')}")
+
+
+@serve.ingress(APP)
+class Ingress:
+    """``POST /v1/embed`` on Ray's HTTP proxy, answered by the engine replicas."""
+
+    def __init__(self, engine: Any, cfg_dict: dict[str, Any], num_nodes: int) -> None:
+        self.engine = engine
+        self.cfg = ServeConfig.model_validate(cfg_dict)
+        self.num_nodes = num_nodes
+
+    @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
+    async def embed(self, body: EmbedBody) -> Response:
+        refused = self._check(body)
+        if refused is not None:
+            return refused
+        ids = np.asarray(body.node_ids, dtype=np.int64)
+        timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
+        out = await self._call(ids, body.exact, body.seed, timeout_s)
+        if isinstance(out, dict):
+            return _error(out["status"], out["code"], out["message"])
+        payload = {"model": self.cfg.model.name, "dim": int(out.shape[1]), "embeddings": out}
+        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
+
+    @APP.get("/v2/health/live", summary="Liveness")
+    async def live(self) -> dict[str, bool]:
+        return {"live": True}
+
+    def _check(self, body: EmbedBody) -> JSONResponse | None:
+        limit = self.cfg.server.max_request_nodes
+        if len(body.node_ids) > limit:
+            e = errors.too_large(len(body.node_ids), limit).info
+            return _error(e.status, e.code, e.message)
+        lo, hi = min(body.node_ids), max(body.node_ids)
+        if lo < 0 or hi >= self.num_nodes:
+            bad = lo if lo < 0 else hi
+            return _error(400, "invalid_node_ids", f"node id {bad} is out of range: valid ids "
+                          f"are 0..{self.num_nodes - 1}")
+        return None
+
+    async def _call(self, ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_s: float | None) -> Any:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        for attempt in range(RETRIES + 1):
+            try:
+                return await self.engine.embed.remote(ids, exact, seed, timeout_s)
+            except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
+                if attempt == RETRIES:
+                    return {"status": 503, "code": "replica_lost",
+                            "message": f"the engine replica was lost ({type(exc).__name__})"}
+                log.warning("engine replica lost (%s); retrying on another", type(exc).__name__)
+                await asyncio.sleep(0.05)
+        raise AssertionError("unreachable")
+
+
+def build_app(cfg: ServeConfig, graph: GraphData, num_replicas: int = 2,
+              gpus_per_replica: float | None = None, autoscale: bool = False) -> Any:
+    """The Ray Serve application (call after ``ray.init``): graph into the object store once."""
+    import ray
+
+    if gpus_per_replica is None:
+        gpus_per_replica = 1.0 if torch.cuda.is_available() else 0.0
+    graph_ref = {"ref": ray.put(graph_arrays(graph))}  # nested: replicas ray.get it themselves
+    cfg_dict = cfg.model_dump(mode="json")
+    scaling: dict[str, Any] = {"num_replicas": num_replicas}
+    if autoscale:
+        scaling = {"autoscaling_config": {"min_replicas": 1, "max_replicas": num_replicas,
+                                          "target_ongoing_requests": 32}}
+    engine = serve.deployment(EngineReplica, name="engine").options(
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1},
+        max_ongoing_requests=cfg.batching.queue_capacity, **scaling)
+    ingress = serve.deployment(Ingress, name="ingress").options(
+        ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=cfg.server.max_pending_requests)
+    return ingress.bind(engine.bind(cfg_dict, graph_ref), cfg_dict, graph.num_nodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from quiver_serve.graph.datasets import load_graph
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="YAML config (default: $QUIVER_SERVE_CONFIG "
+                                                   "or the embedded default)")
+    ap.add_argument("--replicas", type=int, default=2, help="engine replicas (one GPU each)")
+    ap.add_argument("--autoscale", action="store_true", help="1..--replicas on ongoing requests")
+    ap.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
+    ap.add_argument("--host", default=None, help="HTTP bind address (default: server.host)")
+    ap.add_argument("--port", type=int, default=None, help="HTTP port (default: server.port)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    cfg = ServeConfig.load(args.config)
+    ray.init(address=args.address, include_dashboard=False)
+    serve.start(http_options={"host": args.host or cfg.server.host,
+                              "port": args.port or cfg.server.port})
+    serve.run(build_app(cfg, load_graph(cfg.graph), args.replicas, autoscale=args.autoscale),
+              name="quiver-serve", route_prefix="/")
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.run_until_complete(stop.wait())
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
