@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.pipeline import Pipeline
+from quiver_serve.http import kserve
 from quiver_serve.http.guards import Guards, resolve_token
 from quiver_serve.http.schemas import EmbedBody, ErrorBody, InferBody, InferResponse
 from quiver_serve.messages import EmbedResult
@@ -37,8 +38,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error body of the route's protocol (``/v2``: KServe's ``{"error": "<message>"}``)."""
+    return JSONResponse(kserve.error_payload(path, code, message), status_code=status,
+                        headers=headers)
 
 
 class ServerState:
@@ -60,10 +64,10 @@ class ServerState:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
-    def error(self, exc: errors.ServeError) -> JSONResponse:
+    def error(self, exc: errors.ServeError, path: str = "") -> JSONResponse:
         retry = exc.info.status in (503, 429)
         headers = {"Retry-After": str(self.cfg.server.retry_after_s)} if retry else None
-        return error_response(exc.info.status, exc.info.code, exc.info.message, headers)
+        return error_response(exc.info.status, exc.info.code, exc.info.message, headers, path)
 
 
 def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
@@ -91,7 +95,7 @@ def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
         for err in exc.errors()[:5]:
             if err.get("type") == "json_invalid":
@@ -100,20 +104,20 @@ def _install_error_handlers(app: FastAPI) -> None:
                 continue
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
             parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-        return error_response(422, "invalid_request", "; ".join(parts))
+        return error_response(422, "invalid_request", "; ".join(parts), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, "http_error", str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "http_error", str(exc.detail), path=request.url.path)
 
     @app.exception_handler(errors.ServeError)
     async def _serve(request: Request, exc: errors.ServeError) -> JSONResponse:
-        return request.app.state.qs.error(exc)
+        return request.app.state.qs.error(exc, request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         info = errors.internal_error(exc, f"{request.method} {request.url.path}", log).info
-        return error_response(info.status, info.code, info.message)
+        return error_response(info.status, info.code, info.message, path=request.url.path)
 
 
 def _install_timing(app: FastAPI, metrics: Metrics, token: str | None, max_body_bytes: int) -> None:
@@ -166,8 +170,8 @@ async def _result_or_disconnect(state: ServerState, request: Request, request_id
     raise errors.ServeError("client_disconnected", "client went away", 499)
 
 
-async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[int], exact: bool,
-                     seed: int | None, timeout_ms: float | None) -> torch.Tensor:
+async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[int] | np.ndarray,
+                     exact: bool, seed: int | None, timeout_ms: float | None) -> torch.Tensor:
     """Validate, submit, await: the embeddings, or a ServeError with the right status."""
     limit = state.cfg.server.max_request_nodes
     if len(node_ids) > limit:
@@ -175,7 +179,10 @@ async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[i
     if not state.pipeline.ready:
         raise state.pipeline.refusal()
     n = state.pipeline.num_nodes
-    lo, hi = min(node_ids), max(node_ids)
+    if isinstance(node_ids, np.ndarray):
+        lo, hi = int(node_ids.min()), int(node_ids.max())
+    else:
+        lo, hi = min(node_ids), max(node_ids)
     if lo < 0 or hi >= n:  # checked on Python ints: ids beyond int64 are named too
         bad = lo if lo < 0 else hi
         raise errors.invalid(f"node id {bad} is out of range: valid ids are 0..{n - 1}")
@@ -230,7 +237,7 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
         refusal = state.pipeline.refusal()
         message = "start-up failed" if state.start_error else refusal.info.message
         return error_response(503, refusal.info.code, message,
-                              {"Retry-After": str(state.cfg.server.retry_after_s)})
+                              {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
 
     @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",
              responses={404: {"model": ErrorBody}})
@@ -252,31 +259,18 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
         return await ready()
 
     @app.post("/v2/models/{name}/infer", response_model=InferResponse, responses=_ERRORS,
-              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 [n, dim]")
-    async def infer(name: str, body: InferBody, request: Request) -> Response:
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": InferBody.model_json_schema()},
+                  kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
+              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
+                      "[n, dim]; JSON or the binary tensor extension")
+    async def infer(name: str, request: Request) -> Response:
         _model_or_404(state, name)
-        node_ids = _kserve_node_ids(body)
-        p = body.parameters
-        emb = await _serve_ids(state, request, node_ids, p.exact if p else False, p.seed if p else None,
-                               p.timeout_ms if p else None)
-        out = {"model_name": name, "model_version": "1", "id": body.id, "outputs": [
-            {"name": "embeddings", "datatype": "FP32", "shape": list(emb.shape),
-             "data": emb.numpy().reshape(-1)}]}
-        return Response(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY),
-                        media_type="application/json")
+        req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
+        emb = await _serve_ids(state, request, req.node_ids, req.exact, req.seed, req.timeout_ms)
+        body, headers = kserve.infer_response(name, req, emb.numpy())
+        return Response(body, headers=headers)
 
-
-def _kserve_node_ids(body: InferBody) -> list[int]:
-    tensor = body.inputs[0]
-    if tensor.name != "node_ids":
-        raise errors.ServeError("invalid_request", f"input must be named 'node_ids', got {tensor.name!r}", 422)
-    if tensor.datatype.upper() != "INT64":
-        raise errors.ServeError("invalid_request", f"node_ids must be INT64, got {tensor.datatype}", 422)
-    if len(tensor.shape) != 1 or tensor.shape[0] != len(tensor.data):
-        raise errors.ServeError(
-            "invalid_request", f"node_ids shape {tensor.shape} does not match {len(tensor.data)} values", 422)
-    if not tensor.data:
-        raise errors.ServeError("invalid_request", "node_ids is empty", 422)
-    if not all(type(v) is int for v in tensor.data):
-        raise errors.ServeError("invalid_request", "node_ids data must be integers", 422)
-    return tensor.data
+    @app.get("/v2", summary="KServe v2 server metadata")
+    async def server_metadata() -> dict[str, Any]:
+        return kserve.SERVER_METADATA

@@ -19,9 +19,11 @@ def resolve_token(configured: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or configured
 
 
-async def _reject(send: Any, status: int, code: str, message: str,
+async def _reject(send: Any, status: int, code: str, message: str, path: str,
                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    from quiver_serve.http.kserve import error_payload
+
+    body = json.dumps(error_payload(path, code, message)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})
@@ -44,12 +46,13 @@ class Guards:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _reject(send, 401, "unauthorized", "missing or wrong bearer token",
-                              [(b"www-authenticate", b"Bearer")])
+                              scope["path"], [(b"www-authenticate", b"Bearer")])
                 return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reject(send, 413, "body_too_large",
-                          f"request body of {int(length)} bytes exceeds {self.max_body_bytes}")
+                          f"request body of {int(length)} bytes exceeds {self.max_body_bytes}",
+                          scope["path"])
             return
         if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
             await self._call_buffered(scope, receive, send)
@@ -67,7 +70,7 @@ class Guards:
             seen += len(message.get("body", b""))
             if seen > self.max_body_bytes:
                 await _reject(send, 413, "body_too_large",
-                              f"request body exceeds {self.max_body_bytes} bytes")
+                              f"request body exceeds {self.max_body_bytes} bytes", scope["path"])
                 return
             parts.append(message.get("body", b""))
             if not message.get("more_body", False):

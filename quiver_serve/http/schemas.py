@@ -43,8 +43,9 @@ class TensorInput(_Body):
     name: str
     datatype: str
     shape: list[StrictInt]
-    data: list[Any]
-    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = Field(None, description="values; absent when sent as binary data")
+    parameters: dict[str, Any] | None = Field(
+        None, description="binary tensor extension: binary_data_size (bytes after the JSON header)")
 
 
 class InferParameters(_Body):
