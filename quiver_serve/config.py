@@ -135,6 +135,9 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="bind address (loopback unless configured)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="KServe v2 gRPC port on the same host (Triton's default is 8001); null: no gRPC endpoint")
     max_request_nodes: int = Field(4096, ge=1, description="most node ids in one request (else 413)")
     max_pending_requests: int = Field(2048, ge=1, description="admitted requests not yet answered (else 503)")
     request_timeout_s: float = Field(10.0, gt=0, description="deadline of a request (else 504)")

@@ -1,8 +1,9 @@
-"""KServe v2 with real clients: Triton's ``tritonclient.http`` against the real server.
+"""KServe v2 with real clients: Triton's ``tritonclient`` (http and grpc) against the real server.
 
 Liveness, readiness, server and model metadata, inference with JSON and binary tensors (the
 answer equals ``/v1/embed``'s), errors raised by the client with our message (KServe's
-``{"error": "<message>"}``), and the binary extension's edge cases over raw HTTP.
+``{"error": "<message>"}``; gRPC status codes), the binary extension's edge cases over raw HTTP,
+and the gRPC messages' wire format against tritonclient's compiled proto.
 """
 
 from __future__ import annotations
@@ -13,9 +14,26 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, _to_yaml, free_port, small_config
 
 MODEL = "cora-graphsage"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """The real daemon with its gRPC endpoint on (``server.grpc_port``)."""
+    tmp = tmp_path_factory.mktemp("kserve")
+    cfg = small_config()
+    cfg.server.grpc_port = free_port()
+    path = tmp / "config.yaml"
+    path.write_text(_to_yaml(cfg))
+    srv = ServerProcess(path, free_port(), tmp / "server.log")
+    srv.grpc_port = cfg.server.grpc_port  # type: ignore[attr-defined]
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +130,61 @@ def test_kserve_json_without_content_type_and_v2_errors(server: ServerProcess) -
     assert missing.status_code == 404 and isinstance(missing.json()["error"], str)
     v1 = httpx.post(f"{server.url}/v1/embed", json={"node_ids": [10**6]})
     assert v1.status_code == 400 and v1.json()["error"]["code"] == "invalid_node_ids"
+
+
+@pytest.fixture(scope="module")
+def triton_grpc(server: ServerProcess):  # noqa: ANN201
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{server.grpc_port}")
+    yield client
+    client.close()
+
+
+def test_tritonclient_grpc(triton_grpc, server: ServerProcess) -> None:  # noqa: ANN001
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    assert triton_grpc.is_server_live() and triton_grpc.is_server_ready()
+    assert triton_grpc.is_model_ready(MODEL)
+    assert triton_grpc.get_server_metadata().name == "quiver-serve"
+    meta = triton_grpc.get_model_metadata(MODEL)
+    assert meta.inputs[0].name == "node_ids" and list(meta.outputs[0].shape) == [-1, 64]
+    ids = np.array([4, 5, 2707, 4], dtype=np.int64)
+    node_ids = grpcclient.InferInput("node_ids", [4], "INT64")
+    node_ids.set_data_from_numpy(ids)
+    result = triton_grpc.infer(MODEL, [node_ids], parameters={"exact": True},
+                               outputs=[grpcclient.InferRequestedOutput("embeddings")])
+    direct = httpx.post(server.url + "/v1/embed", json={"node_ids": ids.tolist(), "exact": True})
+    np.testing.assert_allclose(result.as_numpy("embeddings"),
+                               np.array(direct.json()["embeddings"], dtype=np.float32), atol=1e-6)
+    bad = grpcclient.InferInput("node_ids", [2], "INT64")
+    bad.set_data_from_numpy(np.array([1, 99999], dtype=np.int64))
+    with pytest.raises(InferenceServerException, match="node id 99999 is out of range") as err:
+        triton_grpc.infer(MODEL, [bad])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException, match="no model named") as err:
+        triton_grpc.get_model_metadata("nope")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_grpc_messages_match_the_published_proto() -> None:
+    """Every message and field (number, type, label) equals tritonclient's compiled proto."""
+    from tritonclient.grpc import service_pb2
+
+    from quiver_serve.http import grpc_proto as gp
+
+    for name in gp.MESSAGES:
+        ours = gp.message(name).DESCRIPTOR
+        theirs = service_pb2.DESCRIPTOR.message_types_by_name[name.split(".")[0]]
+        for part in name.split(".")[1:]:
+            theirs = theirs.nested_types_by_name[part]
+        for f in ours.fields:
+            t = theirs.fields_by_name[f.name]
+            assert (f.number, f.type, f.label) == (t.number, t.type, t.label), f"{name}.{f.name}"
+            if f.message_type is not None:
+                assert f.message_type.name == t.message_type.name, f"{name}.{f.name}"
+    service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for rpc, (req, resp) in gp.RPCS.items():
+        m = service.methods_by_name[rpc]
+        assert (m.input_type.name, m.output_type.name) == (req, resp)

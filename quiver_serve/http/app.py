@@ -80,7 +80,10 @@ def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         threading.Thread(target=state.start_pipeline, name="quiver-start", daemon=True).start()
+        grpc = await _start_grpc(state)
         yield
+        if grpc is not None:
+            await grpc.stop(grace=cfg.server.drain_timeout_s)
         await asyncio.get_running_loop().run_in_executor(None, pipeline.stop)
 
     app = FastAPI(title="quiver-serve", version="0.1.0", lifespan=lifespan,
@@ -91,6 +94,20 @@ def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
     _add_embed_routes(app, state)
     _add_kserve_routes(app, state)
     return app
+
+
+async def _start_grpc(state: ServerState) -> Any:
+    """The KServe v2 gRPC endpoint on this loop when ``server.grpc_port`` is set, else None."""
+    s = state.cfg.server
+    if s.grpc_port is None:
+        return None
+    from quiver_serve.http import grpc_server
+
+    async def serve(ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_ms: float | None) -> torch.Tensor:
+        return await _serve_ids(state, None, ids, exact, seed, timeout_ms)
+
+    return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -170,7 +187,8 @@ async def _result_or_disconnect(state: ServerState, request: Request, request_id
     raise errors.ServeError("client_disconnected", "client went away", 499)
 
 
-async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[int] | np.ndarray,
+async def _serve_ids(state: ServerState, http_request: Request | None,
+                     node_ids: list[int] | np.ndarray,
                      exact: bool, seed: int | None, timeout_ms: float | None) -> torch.Tensor:
     """Validate, submit, await: the embeddings, or a ServeError with the right status."""
     limit = state.cfg.server.max_request_nodes
@@ -189,7 +207,10 @@ async def _serve_ids(state: ServerState, http_request: Request, node_ids: list[i
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request = state.pipeline.new_request(node_ids, exact, seed, timeout_s)
     future = state.pipeline.submit_async(request)
-    result = await _result_or_disconnect(state, http_request, request.request_id, future)
+    if http_request is None:  # gRPC: the channel's own cancellation ends the call
+        result = await future
+    else:
+        result = await _result_or_disconnect(state, http_request, request.request_id, future)
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
