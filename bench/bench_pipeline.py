@@ -255,7 +255,9 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
     d = snaps[1][0] - snaps[0][0]
     return {"lat": np.asarray(lat), "status": dict(status), "cpu_frac": float(d[0]) / cmd["seconds"],
             "batches": int(d[1]), "seeds": int(d[2]), "sampled": int(d[3]),
-            "compute_s": float(d[4]), "sample_s": float(d[5]), "routes": snaps[1][1] - snaps[0][1]}
+            "compute_s": float(d[4]), "sample_s": float(d[5]), "routes": snaps[1][1] - snaps[0][1],
+            "sent_per_engine": list(client.sent), "answered_per_engine": list(client.answered),
+            "load_per_engine": list(client._load)}
 
 
 def load_main(index: int, endpoints: Any, hot: np.ndarray, num_nodes: int, cmds: Any, out: Any) -> None:
@@ -328,6 +330,10 @@ def merge_point(parts: list[dict], workload: str, k: int, callers: int, seconds:
             "seeds_per_s": ok * k / seconds, "req_per_s": ok / seconds, **latency_ms(lat),
             "load_cpu_frac": [round(p["cpu_frac"], 3) for p in parts],
             "engine_batches": batches, "routes": dict(routes),
+            "sent_per_engine": np.sum([p["sent_per_engine"] for p in parts], axis=0).tolist(),
+            "answered_per_engine": np.sum([p["answered_per_engine"] for p in parts],
+                                          axis=0).tolist(),
+            "load_ids_per_engine": np.sum([p["load_per_engine"] for p in parts], axis=0).tolist(),
             "mean_batch_seeds": sum(p["seeds"] for p in parts) / per_batch if batches else None,
             "mean_sampled_nodes": sum(p["sampled"] for p in parts) / per_batch,
             "mean_sample_ms": 1e3 * sum(p["sample_s"] for p in parts) / per_batch,

@@ -106,6 +106,9 @@ class EngineClient:
         self._flights: dict[int, _Flight] = {}
         self._by_id: dict[str, _Request] = {}
         self._load = [0] * endpoints.num_engines
+        #: per engine core: micro-batches sent to it and answered by it (observability)
+        self.sent = [0] * endpoints.num_engines
+        self.answered = [0] * endpoints.num_engines
         self._deadlines: list[tuple[float, int, _Request]] = []
         self._tie = itertools.count()
         self._stopping = threading.Event()
@@ -291,6 +294,7 @@ class EngineClient:
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
         engine = min(range(len(self._load)), key=self._load.__getitem__)
         self._load[engine] += int(ids.size)
+        self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine))
         frames = [encode(head), ids, lengths, deadlines]
         self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
@@ -325,6 +329,7 @@ class EngineClient:
             self.observer.on_late_result()  # answered already (a retried copy came back first)
             return
         self._load[flight.engine] -= flight.num_ids
+        self.answered[flight.engine] += 1
         rows = None
         if done.dim and len(frames) > 1:
             rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
