@@ -56,6 +56,9 @@ class MicroBatchDone(msgspec.Struct, array_like=True):
     errors: list[RequestError] = []
     #: per-batch stats, on exactly one micro-batch of each batch (so observers count once)
     stats: BatchStats | None = None
+    #: ids the engine core holds from all its clients when it sends this (waiting, sampling,
+    #: computing): lets each client spread load by what every client sent, not only its own
+    engine_ids: int = 0
 
 
 class SampleTask(msgspec.Struct, array_like=True, frozen=True):

@@ -220,6 +220,14 @@ def test_two_engine_cores_share_the_load(cora: GraphData) -> None:
         futures = [p.submit(p.new_request([i % 2708] * 48)) for i in range(400)]
         assert all(f.result(timeout=60).ok for f in futures)
         assert {s.worker for s in observer.batches} == {0, 1}
+        # callers in lock-step (each round: all submit, all wait): every engine core is idle
+        # when a round starts, and each round's requests must still be spread over both
+        before = list(p.client.answered)
+        for _ in range(20):
+            round_ = [p.submit(p.new_request([i] * 48)) for i in range(16)]
+            assert all(f.result(timeout=60).ok for f in round_)
+        per_engine = [a - b for a, b in zip(p.client.answered, before, strict=True)]
+        assert min(per_engine) >= 0.3 * sum(per_engine), per_engine
     finally:
         p.stop()
 

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _MAX_SLEEP_S = 0.05
 _RETRIES = 1
+#: how long an engine core's report of other clients' ids counts (about a batch or two)
+_OTHERS_TTL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class EngineClient:
         #: per engine core: micro-batches sent to it and answered by it (observability)
         self.sent = [0] * endpoints.num_engines
         self.answered = [0] * endpoints.num_engines
+        #: per engine core: (ids other clients have there, when it said so)
+        self._others = [(0, 0.0)] * endpoints.num_engines
+        self._next_engine = os.getpid() % endpoints.num_engines  # clients start apart
         self._deadlines: list[tuple[float, int, _Request]] = []
         self._tie = itertools.count()
         self._stopping = threading.Event()
@@ -267,32 +272,61 @@ class EngineClient:
         return taken
 
     def _send_new(self) -> None:
-        """Requests due to leave, as micro-batches to the engines."""
-        groups: dict[bool, list[_Request]] = {False: [], True: []}
+        """Requests due to leave, as micro-batches to the engines: each request joins the engine
+        with the least estimated work, counting what this tick already gave it (so callers that
+        return together are spread over every engine core, not sent to one); one micro-batch per
+        engine and kind, split at ``max_batch_nodes``; a seeded request travels alone."""
         cap = self.endpoints.max_batch_nodes
-        sizes = {False: 0, True: 0}
+        planned = self._estimated_load()
+        groups: dict[tuple[int, bool], list[_Request]] = {}
+        sizes: dict[tuple[int, bool], int] = {}
         for req in self._take_inbox():
             if req.done:
                 continue
+            engine = self._pick(planned)
+            planned[engine] += req.ids.size
             if req.seed is not None:
-                self._send([req], req.exact, req.seed)
+                self._send([req], req.exact, req.seed, engine)
                 continue
-            group = groups[req.exact]
-            if group and sizes[req.exact] + req.ids.size > cap:
-                self._send(group, req.exact, NO_SEED)
-                groups[req.exact], sizes[req.exact] = [], 0
-            groups[req.exact].append(req)
-            sizes[req.exact] += req.ids.size
-        for exact, group in groups.items():
+            key = (engine, req.exact)
+            group = groups.setdefault(key, [])
+            if group and sizes[key] + req.ids.size > cap:
+                self._send(group, req.exact, NO_SEED, engine)
+                group = groups[key] = []
+                sizes[key] = 0
+            group.append(req)
+            sizes[key] = sizes.get(key, 0) + req.ids.size
+        for (engine, exact), group in groups.items():
             if group:
-                self._send(group, exact, NO_SEED)
+                self._send(group, exact, NO_SEED, engine)
 
-    def _send(self, reqs: list[_Request], exact: bool, seed: int) -> None:
+    def _estimated_load(self) -> list[int]:
+        """Per engine core: the ids this client has there plus, for a short while after the
+        engine said so, the ids other clients have there."""
+        now_s = time.monotonic()
+        return [mine + (others if now_s - at_s < _OTHERS_TTL_S else 0)
+                for mine, (others, at_s) in zip(self._load, self._others, strict=True)]
+
+    def _pick(self, load: list[int]) -> int:
+        """The engine with the least load; ties go round-robin (never always to engine 0: with
+        callers in lock-step every engine is idle at once, and index order would starve the
+        rest)."""
+        n = len(load)
+        if n == 1:
+            return 0
+        best, start = -1, self._next_engine
+        for k in range(n):
+            e = (start + k) % n
+            if best < 0 or load[e] < load[best]:
+                best = e
+        self._next_engine = (best + 1) % n
+        return best
+
+    def _send(self, reqs: list[_Request], exact: bool, seed: int, engine: int) -> None:
         seq = next(self._seq)
         ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
         lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        engine = min(range(len(self._load)), key=self._load.__getitem__)
         self._load[engine] += int(ids.size)
         self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine))
@@ -330,6 +364,8 @@ class EngineClient:
             return
         self._load[flight.engine] -= flight.num_ids
         self.answered[flight.engine] += 1
+        self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),
+                                       time.monotonic())
         rows = None
         if done.dim and len(frames) > 1:
             rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
@@ -371,7 +407,7 @@ class EngineClient:
                 failed += flight.requests
                 continue
             flight.attempts += 1
-            target = min(range(len(self._load)), key=self._load.__getitem__)
+            target = self._pick(self._estimated_load())
             flight.engine = target
             self._load[target] += flight.num_ids
             self._socks[target].send_multipart(flight.frames, copy=False)

@@ -175,7 +175,7 @@ class EngineCore:
             self._client_ids[mb.client] = (mb.outstanding_ids, mb.received_s)
         return None
 
-    def _ids_in_hand(self) -> int:
+    def ids_in_hand(self) -> int:
         """Ids waiting, at the CPU pool, sampled or on the GPU (not the batch being answered)."""
         return self._waiting_ids + sum(
             int(b.seeds.numel()) for group in (self.sampling.values(), self.sampled,
@@ -399,7 +399,7 @@ class EngineCore:
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
         stats = self._stats(batch, compute_s)
-        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self._ids_in_hand(),
+        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
                               self._clients_outstanding(time.time()))
         replies, start, dim = [], 0, int(rows.shape[1])
         for i, part in enumerate(batch.parts):

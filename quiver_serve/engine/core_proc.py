@@ -235,8 +235,11 @@ class EngineLoop:
             if self.pool is not None:
                 replies += self.pool.drain(core, events)
             replies += core.step()
-            for reply in replies:
-                self._send(reply)
+            if replies:
+                held_ids = core.ids_in_hand()
+                for reply in replies:
+                    reply.done.engine_ids = held_ids
+                    self._send(reply)
             core.flush_stats()
             self.reporter.heartbeat()
 
