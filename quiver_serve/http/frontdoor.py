@@ -272,7 +272,7 @@ def _drain_and_stop(door: FrontDoor, pipeline: Any, signals: list[int]) -> int:
              drain_s)
     door.begin_drain()
     pipeline.begin_drain()
-    end = time.monotonic() + 2 * drain_s + 5.0  # requests, then open connections, then exit
+    end = time.monotonic() + drain_s + 5.0  # admitted requests, then the last connections, exit
     while time.monotonic() < end and len(signals) < 2:
         if door.wait_exited(0.1):
             break

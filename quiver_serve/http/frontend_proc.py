@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 WATCH_S = 0.1
 #: the event loop must run a callback within this long for heartbeats to go on
 LOOP_STALL_S = 5.0
+#: after the drain, how long uvicorn waits for connections still mid-request
+GRACEFUL_S = 2
 
 
 class RemotePipeline(ClientFacade):
@@ -140,9 +142,11 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     app = create_app(cfg, pipeline)
     s = cfg.server
     sock = reuseport_socket(s.host, s.port, listen=True)
+    # The drain has already waited for every admitted request; what is left at shutdown is a
+    # request still being read, so the graceful wait for connections is short.
     server = DrainingServer(uvicorn.Config(
         app, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=max(int(s.drain_timeout_s), 1)), pipeline, s.drain_timeout_s)
+        timeout_graceful_shutdown=GRACEFUL_S), pipeline, s.drain_timeout_s)
     watch = Watch(index, run_dir, pipeline, server)
     watch.thread.start()
     server.run(sockets=[sock])
