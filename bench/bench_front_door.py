@@ -17,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ import httpx
 import numpy as np
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quiver_serve
 RESULTS = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 
 
