@@ -3,6 +3,8 @@
 
 ``--config configs/X.yaml`` serves anything else; ``--host`` / ``--port`` override the config.
 SIGINT/SIGTERM: stop admitting, finish in-flight work (``server.drain_timeout_s``), stop every process.
+``server.http_workers`` > 1 runs that many HTTP front-end processes on the port (SO_REUSEPORT),
+supervised by this process (``quiver_serve/http/frontdoor.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 
 from quiver_serve.config import DEFAULT_CONFIG_PATH, ConfigError, ServeConfig
 
@@ -22,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "QUIVER_SERVE__<SECTION>__<KEY>=<value> variables override single fields")
     p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default from config: 8000)")
+    p.add_argument("--http-workers", type=int,
+                   help="HTTP front-end processes on the port (default from config: 0 = by CPUs)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -39,39 +42,36 @@ def main(argv: list[str] | None = None) -> int:
         cfg.server.host = args.host
     if args.port is not None:
         cfg.server.port = args.port
+    if args.http_workers is not None:
+        try:
+            cfg.server.http_workers = args.http_workers
+        except ValueError as exc:
+            print(f"error: --http-workers: {exc}", file=sys.stderr)
+            return 2
 
+    from quiver_serve.config import resolve_http_workers
+
+    workers = resolve_http_workers(cfg.server.http_workers)
+    if workers > 1:
+        from quiver_serve.http import frontdoor
+
+        return frontdoor.run(cfg, workers, args.log_level)
+    return serve_in_process(cfg, args.log_level)
+
+
+def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
+    """One front-end, in this process beside the supervisor (the cheapest path)."""
     import uvicorn
 
     from quiver_serve.http.app import create_app
+    from quiver_serve.http.listen import DrainingServer
 
     app = create_app(cfg)
     state = app.state.qs
-
-    class Server(uvicorn.Server):
-        """First SIGTERM/SIGINT drains (readiness 503, in-flight work finishes), then exits 0."""
-
-        draining = False
-
-        def handle_exit(self, sig: int, frame: object) -> None:
-            if self.draining:  # a second signal: stop now
-                super().handle_exit(sig, frame)  # type: ignore[arg-type]
-            else:
-                self.draining = True
-                logging.getLogger("quiver_serve").info(
-                    "signal %d: draining (up to %.0f s)", sig, cfg.server.drain_timeout_s)
-                threading.Thread(target=self._drain, name="quiver-drain", daemon=True).start()
-            # uvicorn re-raises the signal after shutdown; a requested stop is a clean exit (0).
-            self._captured_signals.clear()
-
-        def _drain(self) -> None:
-            state.pipeline.begin_drain()
-            state.pipeline.wait_drained(cfg.server.drain_timeout_s)
-            self.should_exit = True
-
-    server = Server(uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,
+    server = DrainingServer(uvicorn.Config(
+        app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
         timeout_graceful_shutdown=max(int(cfg.server.drain_timeout_s), 1), access_log=False,
-    ))
+    ), state.pipeline, cfg.server.drain_timeout_s)
 
     def fatal(exc: BaseException) -> None:
         logging.getLogger("quiver_serve").error("start-up failed, exiting: %s", exc)

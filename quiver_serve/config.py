@@ -135,6 +135,9 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="bind address (loopback unless configured)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    http_workers: int = Field(
+        0, ge=0, le=64,
+        description="HTTP front-end processes sharing server.port (SO_REUSEPORT), each a client of every engine core; 0 = max(1, min(8, CPUs // 4)); 1 = one front-end inside the main process")
     grpc_port: int | None = Field(
         None, ge=0, le=65535,
         description="KServe v2 gRPC port on the same host (Triton's default is 8001); null: no gRPC endpoint")
@@ -151,6 +154,17 @@ class ServerConfig(_Section):
     auth_token: str | None = Field(
         None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
     )
+
+
+def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
+    """``server.http_workers``, with 0 resolved from the CPUs this process may use: a quarter of
+    them (a front-end parses, validates and encodes, about one core at full load; the engine
+    cores, the CPU sampler pool and the load balancer's other tenants need the rest), 1 to 8."""
+    if configured > 0:
+        return configured
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cpus // 4))
 
 
 class ServeConfig(_Section):

@@ -45,7 +45,7 @@ def multiprocess_dir() -> str:
 
 #: label values that exist from the start (see :class:`Metrics`)
 REJECT_REASONS = ("pending_full", "client_disconnected", "engine_lost", "deadline")
-WORKER_ROLES = ("engine", "sampler")
+WORKER_ROLES = ("engine", "sampler", "frontend")
 
 
 class EngineMetrics:

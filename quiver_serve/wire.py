@@ -90,6 +90,31 @@ class Control(msgspec.Struct, array_like=True, frozen=True):
     info: dict[str, Any] = {}
 
 
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """One supervised process, as ``GET /v1/workers`` lists it."""
+
+    role: str
+    index: int
+    pid: int | None
+    alive: bool
+    ready: bool
+    restarts: int
+
+
+class FrontDoorState(msgspec.Struct, frozen=True):
+    """Main process → every HTTP front-end process, published ~10 times a second.
+
+    ``engines`` is absent until the engine cores are up: a front-end then answers liveness, and
+    503 ``not_ready`` to the rest. It carries what ``EngineEndpoints`` holds (a front-end builds
+    its client from it) and the graph's size."""
+
+    engines_ready: bool  # at least one engine core is up
+    draining: bool
+    workers: list[WorkerInfo]
+    engines: dict[str, Any] | None = None
+    num_features: int | None = None
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -105,6 +130,7 @@ class Decoders:
     task = msgspec.msgpack.Decoder(SampleTask)
     sample_done = msgspec.msgpack.Decoder(SampleDone)
     control = msgspec.msgpack.Decoder(Control)
+    front_door = msgspec.msgpack.Decoder(FrontDoorState)
 
 
 def view(frame: Any, dtype: Any) -> np.ndarray:

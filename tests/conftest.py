@@ -37,6 +37,7 @@ def small_config(**overrides: object) -> ServeConfig:
     """The default config with test-friendly limits; ``section__field=value`` overrides."""
     cfg = ServeConfig.default()
     cfg.server.start_timeout_s = 120.0
+    cfg.server.http_workers = 1  # the same process layout on every machine (tests of several: test_frontends)
     for key, value in overrides.items():
         section, field = key.split("__")
         setattr(getattr(cfg, section), field, value)

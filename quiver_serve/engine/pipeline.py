@@ -25,6 +25,7 @@ from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.batcher import as_request
 from quiver_serve.engine.client import EngineClient, EngineEndpoints
+from quiver_serve.engine.facade import ClientFacade
 from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.engine.process import get_or_none, spawn_context
 from quiver_serve.engine.supervisor import Supervisor
@@ -42,7 +43,7 @@ def connect(endpoints: EngineEndpoints, observer: PipelineObserver | None = None
     return EngineClient(endpoints, observer)
 
 
-class Pipeline:
+class Pipeline(ClientFacade):
     """``Pipeline(cfg).start()``, then ``embed(ids)`` or ``submit(EmbedRequest)``; ``stop()``."""
 
     def __init__(self, cfg: ServeConfig | None = None, graph: GraphData | None = None,
@@ -54,9 +55,7 @@ class Pipeline:
         self.client: EngineClient | None = None
         self.out_dim: int | None = None
         self._ids = itertools.count()
-        self._accepting = False
-        self._draining = False
-        self._stopping = threading.Event()
+        self._init_facade("h-")
         self._threads: list[threading.Thread] = []
         ctx = spawn_context()
         cap = self.cfg.batching.queue_capacity
@@ -100,43 +99,22 @@ class Pipeline:
             hold_s=0.0 if self.cfg.batching.adaptive else self.cfg.batching.max_delay_ms / 1000.0)
 
     @property
-    def ready(self) -> bool:
-        return self._accepting and not self._stopping.is_set()
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    def refusal(self) -> errors.ServeError:
-        """The 503 to answer while not accepting: starting up, or shutting down."""
-        if self._draining:
-            return errors.unavailable("shutting_down", "the server is shutting down")
-        return errors.unavailable("not_ready", "the server is starting up")
-
-    @property
     def num_nodes(self) -> int:
         assert self.graph is not None
         return self.graph.num_nodes
 
     @property
-    def pending_count(self) -> int:
-        return self.client.pending_count if self.client is not None else 0
+    def num_features(self) -> int | None:
+        return self.graph.num_features if self.graph is not None else None
+
+    @property
+    def engines_ready(self) -> bool:
+        """At least one engine core is up (one restarting after a crash is not)."""
+        return self.supervisor is not None and self.supervisor.engines_ready()
 
     def workers(self) -> list[dict[str, Any]]:
         """Every supervised process: role, index, pid, alive, ready, restarts."""
         return self.supervisor.workers() if self.supervisor is not None else []
-
-    def begin_drain(self) -> None:
-        """Readiness turns false and new requests get 503; admitted ones go on."""
-        self._accepting = False
-        self._draining = True
-
-    def wait_drained(self, timeout_s: float) -> bool:
-        """Wait (bounded) until no admitted request is left; True if none is."""
-        end = time.monotonic() + timeout_s
-        while self.pending_count and time.monotonic() < end:
-            time.sleep(0.01)
-        return not self.pending_count
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new work, let in-flight requests finish (bounded), stop every process."""
@@ -192,10 +170,6 @@ class Pipeline:
         self.validate(request.node_ids, request.seed)
         return client.submit_async(request.node_ids.numpy(), request.exact, request.seed,
                                    request.deadline_s, request.request_id)
-
-    def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
-        """Forget a request nobody waits for; not computed if it has not been sent yet."""
-        return self.client.cancel(request_id) if self.client is not None else False
 
     def new_request(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                     timeout_s: float | None = None) -> EmbedRequest:

@@ -192,6 +192,10 @@ class Supervisor:
         return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
                  "ready": c.ready, "restarts": c.restarts} for c in self.children]
 
+    def engines_ready(self) -> bool:
+        """At least one engine core is alive and has reported ready since its last (re)start."""
+        return any(c.ready and c.alive() for c in self.engines)
+
     def engine_info(self, index: int = 0) -> dict[str, Any]:
         return self.engines[index].info
 

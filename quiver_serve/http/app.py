@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,8 +24,9 @@ from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.pipeline import Pipeline
 from quiver_serve.http import kserve
+from quiver_serve.http.bodies import npy_bytes, parse_embed, validation_message
 from quiver_serve.http.guards import Guards, resolve_token
-from quiver_serve.http.schemas import EmbedBody, ErrorBody, InferBody, InferResponse
+from quiver_serve.http.schemas import EmbedBody, EmbedResponse, ErrorBody, InferBody, InferResponse
 from quiver_serve.messages import EmbedResult
 from quiver_serve.metrics import Metrics
 from quiver_serve.models import model_metadata
@@ -46,9 +47,13 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 
 
 class ServerState:
-    """What the routes share: config, pipeline, metrics, and the start-up outcome."""
+    """What the routes share: config, pipeline, metrics, and the start-up outcome.
 
-    def __init__(self, cfg: ServeConfig, pipeline: Pipeline, metrics: Metrics) -> None:
+    ``pipeline`` is a :class:`Pipeline` (one front-end, in the main process) or a
+    ``frontend_proc.RemotePipeline`` (one front-end process of several); both are
+    :class:`~quiver_serve.engine.facade.ClientFacade`."""
+
+    def __init__(self, cfg: ServeConfig, pipeline: Any, metrics: Metrics) -> None:
         self.cfg = cfg
         self.pipeline = pipeline
         self.metrics = metrics
@@ -70,7 +75,7 @@ class ServerState:
         return error_response(exc.info.status, exc.info.code, exc.info.message, headers, path)
 
 
-def create_app(cfg: ServeConfig, pipeline: Pipeline | None = None) -> FastAPI:
+def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
     """The app; the pipeline starts in a background thread so liveness answers during start-up."""
     metrics = Metrics()
     pipeline = pipeline or Pipeline(cfg, observer=metrics)
@@ -113,15 +118,8 @@ async def _start_grpc(state: ServerState) -> Any:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors()[:5]:
-            if err.get("type") == "json_invalid":
-                detail = (err.get("ctx") or {}).get("error", "")
-                parts.append(f"malformed JSON body at character {err['loc'][-1]}: {detail}".rstrip(": "))
-                continue
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-        return error_response(422, "invalid_request", "; ".join(parts), path=request.url.path)
+        return error_response(422, "invalid_request", validation_message(list(exc.errors())),
+                              path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -187,30 +185,26 @@ async def _result_or_disconnect(state: ServerState, request: Request, request_id
     raise errors.ServeError("client_disconnected", "client went away", 499)
 
 
-async def _serve_ids(state: ServerState, http_request: Request | None,
-                     node_ids: list[int] | np.ndarray,
+async def _serve_ids(state: ServerState, http_request: Request | None, ids: np.ndarray,
                      exact: bool, seed: int | None, timeout_ms: float | None) -> torch.Tensor:
-    """Validate, submit, await: the embeddings, or a ServeError with the right status."""
+    """Check (NumPy), submit, await: the embeddings, or a ServeError with the right status."""
     limit = state.cfg.server.max_request_nodes
-    if len(node_ids) > limit:
-        raise errors.too_large(len(node_ids), limit)
-    if not state.pipeline.ready:
-        raise state.pipeline.refusal()
-    n = state.pipeline.num_nodes
-    if isinstance(node_ids, np.ndarray):
-        lo, hi = int(node_ids.min()), int(node_ids.max())
-    else:
-        lo, hi = min(node_ids), max(node_ids)
-    if lo < 0 or hi >= n:  # checked on Python ints: ids beyond int64 are named too
-        bad = lo if lo < 0 else hi
-        raise errors.invalid(f"node id {bad} is out of range: valid ids are 0..{n - 1}")
+    if ids.size > limit:
+        raise errors.too_large(int(ids.size), limit)
+    pipeline = state.pipeline
+    if not pipeline.ready:
+        raise pipeline.refusal()
+    n = pipeline.num_nodes
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= n:
+        raise errors.invalid(f"node id {lo if lo < 0 else hi} is out of range: valid ids are "
+                             f"0..{n - 1}")
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
-    request = state.pipeline.new_request(node_ids, exact, seed, timeout_s)
-    future = state.pipeline.submit_async(request)
+    request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s)
     if http_request is None:  # gRPC: the channel's own cancellation ends the call
         result = await future
     else:
-        result = await _result_or_disconnect(state, http_request, request.request_id, future)
+        result = await _result_or_disconnect(state, http_request, request_id, future)
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
@@ -218,21 +212,34 @@ async def _serve_ids(state: ServerState, http_request: Request | None,
 
 
 def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/embed", responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
+    embed_body = {"required": True, "content": {"application/json": {
+        "schema": EmbedBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}
+
+    @app.post("/v1/embed", response_model=EmbedResponse,
+              responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
+              openapi_extra={"requestBody": embed_body},
               summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
-    async def embed(body: EmbedBody, request: Request) -> Response:
-        emb = await _serve_ids(state, request, body.node_ids, body.exact, body.seed, body.timeout_ms)
+    async def embed(request: Request) -> Response:
+        # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
+        # (http/bodies.py); EmbedBody stays the documented schema and words the 422s.
+        body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
+        emb = (await _serve_ids(state, request, body.node_ids, body.exact, body.seed,
+                                body.timeout_ms)).numpy()
         if NPY_MEDIA_TYPE in request.headers.get("accept", ""):
-            buf = io.BytesIO()
-            np.save(buf, emb.numpy().astype(np.float32, copy=False))
-            return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE)
-        payload = {"model": state.cfg.model.name, "dim": int(emb.size(1)), "embeddings": emb.numpy()}
+            return Response(npy_bytes(emb), media_type=NPY_MEDIA_TYPE)
+        payload = {"model": state.cfg.model.name, "dim": emb.shape[1], "embeddings": emb}
         return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
                         media_type="application/json")
 
-    @app.get("/v1/workers", summary="Worker processes: role, index, pid, alive, restarts")
+    @app.get("/v1/workers", summary="Worker processes (front-ends included): role, index, pid, "
+                                    "alive, ready, restarts; and the front-end that answered")
     async def workers() -> dict[str, Any]:
-        return {"workers": state.pipeline.workers(), "pending_requests": state.pipeline.pending_count}
+        rows = state.pipeline.workers()
+        me = {"index": getattr(state.pipeline, "index", 0), "pid": os.getpid()}
+        if not any(w["role"] == "frontend" for w in rows):  # the one front-end, in this process
+            rows = [{"role": "frontend", **me, "alive": True, "ready": state.pipeline.ready,
+                     "restarts": 0}, *rows]
+        return {"workers": rows, "frontend": me, "pending_requests": state.pipeline.pending_count}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -253,9 +260,10 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2/health/ready", summary="Readiness: 503 until graph and model are loaded, and when draining",
              responses={503: {"model": ErrorBody}})
     async def ready() -> Response:
-        if state.pipeline.ready:
+        if state.pipeline.ready and state.pipeline.engines_ready:
             return JSONResponse({"ready": True})
-        refusal = state.pipeline.refusal()
+        refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
+            "engines_not_ready", "no engine core is ready (restarting after a failure)")
         message = "start-up failed" if state.start_error else refusal.info.message
         return error_response(503, refusal.info.code, message,
                               {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
@@ -264,8 +272,7 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
              responses={404: {"model": ErrorBody}})
     async def metadata(name: str) -> dict[str, Any]:
         _model_or_404(state, name)
-        g = state.pipeline.graph
-        in_ch = g.num_features if g is not None else state.cfg.model.kwargs.get("in_channels", -1)
+        in_ch = state.pipeline.num_features or state.cfg.model.kwargs.get("in_channels", -1)
         dim = state.pipeline.out_dim or state.cfg.model.kwargs.get("out_channels", -1)
         return {
             "name": name, "versions": ["1"], "platform": "pytorch_geometric",

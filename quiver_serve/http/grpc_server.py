@@ -50,12 +50,12 @@ class KServeGrpc:
 
     async def ServerReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
-        return gp.message("ServerReadyResponse")(ready=self.state.pipeline.ready)
+        return gp.message("ServerReadyResponse")(ready=self._ready())
 
     async def ModelReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
         await self._model(req.name, ctx)
-        return gp.message("ModelReadyResponse")(ready=self.state.pipeline.ready)
+        return gp.message("ModelReadyResponse")(ready=self._ready())
 
     async def ServerMetadata(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
@@ -90,6 +90,9 @@ class KServeGrpc:
             model_name=req.model_name, model_version="1", id=req.id,
             outputs=[{"name": "embeddings", "datatype": "FP32", "shape": list(rows.shape)}],
             raw_output_contents=[rows.tobytes()])
+
+    def _ready(self) -> bool:
+        return bool(self.state.pipeline.ready and self.state.pipeline.engines_ready)
 
     async def _auth(self, ctx: Any) -> None:
         if self.expected is None:

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
@@ -153,6 +154,9 @@ def _process_build_lock(build_dir: Path) -> Iterator[None]:
                 if waited_s > BUILD_LOCK_TIMEOUT_S:
                     raise TimeoutError(f"another process held the build lock in {build_dir} "
                                        f"for {BUILD_LOCK_TIMEOUT_S:.0f} s") from None
+                parent = multiprocessing.parent_process()
+                if parent is not None and not parent.is_alive():  # never outlive the daemon
+                    raise RuntimeError("the parent process is gone; not waiting for the build") from None
                 if waited_s > 1.0 and not announced:  # loading a cached build takes well under 1 s
                     _announce(f"waiting for another process's C++ sampler build in {build_dir}...")
                     announced = True

@@ -1,0 +1,283 @@
+"""The front door with several HTTP front-end processes (``server.http_workers`` > 1).
+
+The main process is the supervisor: it holds the config, the graph in shared memory, the engine
+cores and CPU samplers (:class:`~quiver_serve.engine.pipeline.Pipeline`), and here the HTTP
+front-ends. Each front-end is a spawned process (``http/frontend_proc.py``) that binds
+``server.port`` with ``SO_REUSEPORT`` and is a client of every engine core. The main process:
+
+* holds the port (and the gRPC port) with an unlistened ``SO_REUSEPORT`` socket, so a restarted
+  front-end always gets it back and a port of 0 is resolved once for all of them;
+* starts the front-ends before loading the graph, so liveness answers during start-up (readiness
+  is 503 until the engine cores are up);
+* publishes ``wire.FrontDoorState`` (engines ready, draining, the worker list, the engine
+  endpoints) about ten times a second;
+* restarts a front-end that exits or stops sending heartbeats (kill -9 included), and on
+  SIGTERM/SIGINT drains them all (each finishes its admitted requests, then exits), then stops
+  the engine cores and samplers and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.observer import PipelineObserver
+from quiver_serve.engine.supervisor import RESTART_BACKOFF_S, Child
+from quiver_serve.http.listen import check_port_free, reuseport_socket
+from quiver_serve.wire import Decoders, FrontDoorState, WorkerInfo, encode
+
+log = logging.getLogger(__name__)
+
+PUBLISH_S = 0.1
+HANG_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class FrontDoorAddresses:
+    """The main process's two sockets for its front-ends (a private directory; picklable)."""
+
+    run_dir: str
+
+    @property
+    def state(self) -> str:
+        return f"ipc://{self.run_dir}/frontdoor-state.sock"
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.run_dir}/frontdoor-control.sock"
+
+
+def reserve_ports(cfg: ServeConfig) -> tuple[ServeConfig, list[Any]]:
+    """A copy of ``cfg`` with ports of 0 resolved, and the sockets holding them (OSError if a
+    port is taken)."""
+    cfg = cfg.model_copy(deep=True)
+    s = cfg.server
+    held = []
+    for field in ("port", "grpc_port"):
+        port = getattr(s, field)
+        if port is None:
+            continue
+        port = check_port_free(s.host, port)
+        held.append(reuseport_socket(s.host, port, listen=False))
+        setattr(s, field, port)
+    return cfg, held
+
+
+class FrontDoor:
+    """Starts, watches, restarts and drains ``count`` front-end processes."""
+
+    def __init__(self, cfg: ServeConfig, count: int, observer: PipelineObserver | None = None,
+                 log_level: str = "info") -> None:
+        from quiver_serve.http.frontend_proc import frontend_main
+
+        self.cfg, self._held = reserve_ports(cfg)
+        self.observer = observer or PipelineObserver()
+        self.addrs = FrontDoorAddresses(tempfile.mkdtemp(prefix="quiver-door-"))
+        self._ctx = zmq.Context()
+        self._control = self._ctx.socket(zmq.PULL)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.bind(self.addrs.control)
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.addrs.state)
+        self.children = [Child("frontend", i, frontend_main,
+                               (i, self.cfg, self.addrs.run_dir, log_level)) for i in range(count)]
+        self.pipeline: Any = None
+        self.draining = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="quiver-frontdoor", daemon=True)
+
+    def start(self) -> None:
+        for child in self.children:
+            child.start()
+        self._thread.start()
+        log.info("%d HTTP front-end processes on %s:%d (SO_REUSEPORT)%s", len(self.children),
+                 self.cfg.server.host, self.cfg.server.port,
+                 "" if self.cfg.server.grpc_port is None else
+                 f"; KServe gRPC on port {self.cfg.server.grpc_port} in each")
+
+    def attach(self, pipeline: Any) -> None:
+        """The engine cores are up: front-ends may build their clients and admit requests."""
+        self.pipeline = pipeline
+
+    def begin_drain(self) -> None:
+        """Front-ends drain and exit (and are not restarted)."""
+        self.draining = True
+
+    def wait_exited(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while any(c.alive() for c in self.children) and time.monotonic() < end:
+            time.sleep(0.05)
+        return not any(c.alive() for c in self.children)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self.draining = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        for child in self.children:
+            child.stop(timeout_s)
+        self._control.close(linger=0)
+        self._pub.close(linger=0)
+        self._ctx.term()
+        for sock in self._held:
+            sock.close()
+        shutil.rmtree(self.addrs.run_dir, ignore_errors=True)
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
+                 "ready": c.ready, "restarts": c.restarts} for c in self.children]
+
+    # ---- the watch thread (owns both sockets) --------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._read_control(int(PUBLISH_S * 1000))
+            for child in self.children:
+                self._check(child)
+            try:
+                self._pub.send(encode(self._state()), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+    def _read_control(self, timeout_ms: int) -> None:
+        if not self._control.poll(timeout_ms):
+            return
+        while True:
+            try:
+                raw = self._control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = Decoders.control.decode(raw)
+            except msgspec.DecodeError:
+                log.error("unreadable front-end control message (%d bytes) ignored", len(raw))
+                continue
+            if not 0 <= msg.index < len(self.children):
+                continue
+            child = self.children[msg.index]
+            if child.pid != msg.pid:
+                continue  # from a predecessor that has since been replaced
+            child.last_beat_s = time.monotonic()
+            if msg.kind == "ready" and not child.ready:
+                child.ready = True
+                log.info("front-end %d listening (pid %s)", child.index, child.pid)
+
+    def _check(self, child: Child) -> None:
+        now = time.monotonic()
+        if child.ready and child.alive() and now - child.last_beat_s > HANG_TIMEOUT_S:
+            log.error("front-end %d (pid %s) sent no heartbeat for %.0f s; killing it",
+                      child.index, child.pid, now - child.last_beat_s)
+            child.process.kill()
+            child.process.join(timeout=2.0)
+        if child.alive() or child.process is None:
+            return
+        if child.info.get("gauges_of") != child.pid:
+            child.info["gauges_of"] = child.pid
+            _forget_live_gauges(child.pid)
+        if self.draining or now - child.started_s < RESTART_BACKOFF_S:
+            return
+        log.error("front-end %d (pid %s) died with code %s; restarting", child.index, child.pid,
+                  child.process.exitcode)
+        child.restarts += 1
+        child.start()
+        self.observer.on_restart("frontend")
+
+    def _state(self) -> FrontDoorState:
+        p = self.pipeline
+        rows = self.workers() + (p.workers() if p is not None else [])
+        workers = [WorkerInfo(**row) for row in rows]
+        if p is None or p.supervisor is None:
+            return FrontDoorState(False, self.draining, workers)
+        return FrontDoorState(p.engines_ready and not self.draining, self.draining, workers,
+                              msgspec.to_builtins(p.endpoints()), p.num_features)
+
+
+def _forget_live_gauges(pid: int) -> None:
+    """A dead front-end's ``pending_requests`` (a live-sum gauge) must leave the total."""
+    from prometheus_client import multiprocess
+
+    try:
+        multiprocess.mark_process_dead(pid)
+    except OSError:
+        pass
+
+
+class _StopDuringStart(BaseException):
+    """A signal arrived while the engine cores were starting: abandon start-up."""
+
+
+def run(cfg: ServeConfig, count: int, log_level: str) -> int:
+    """The daemon with ``count`` front-end processes; returns the exit code."""
+    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.metrics import Metrics, multiprocess_dir
+
+    multiprocess_dir()  # before any child starts, so every child inherits it
+    metrics = Metrics()
+    signals: list[int] = []
+    got_signal = threading.Event()
+    starting = [True]
+
+    def on_signal(sig: int, frame: Any) -> None:
+        signals.append(sig)
+        got_signal.set()
+        if starting[0]:
+            starting[0] = False
+            raise _StopDuringStart
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        door = FrontDoor(cfg, count, observer=metrics, log_level=log_level)
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", cfg.server.host, cfg.server.port, exc)
+        return 1
+    pipeline = Pipeline(door.cfg, observer=metrics)
+    try:
+        door.start()
+        pipeline.start()
+        starting[0] = False
+        door.attach(pipeline)
+    except _StopDuringStart:
+        log.info("signal during start-up: stopping")
+        _stop_all(door, pipeline)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - logged; everything is stopped
+        starting[0] = False
+        log.error("start-up failed, exiting: %s", exc)
+        _stop_all(door, pipeline)
+        return 1
+    while not got_signal.wait(0.5):
+        pass
+    return _drain_and_stop(door, pipeline, signals)
+
+
+def _stop_all(door: FrontDoor, pipeline: Any) -> None:
+    door.stop(timeout_s=1.0)
+    pipeline.stop(drain_timeout_s=0.0)
+
+
+def _drain_and_stop(door: FrontDoor, pipeline: Any, signals: list[int]) -> int:
+    drain_s = door.cfg.server.drain_timeout_s
+    log.info("signal %d: draining %d front-end(s) (up to %.0f s)", signals[0], len(door.children),
+             drain_s)
+    door.begin_drain()
+    pipeline.begin_drain()
+    end = time.monotonic() + drain_s + 5.0  # admitted requests, then the last connections, exit
+    while time.monotonic() < end and len(signals) < 2:
+        if door.wait_exited(0.1):
+            break
+    if len(signals) >= 2:
+        log.info("second signal: stopping now")
+    door.stop(timeout_s=1.0)
+    pipeline.stop(drain_timeout_s=0.0 if len(signals) >= 2 else min(drain_s, 1.0))
+    return 0
