@@ -1,0 +1,64 @@
+"""PNG plots (matplotlib, Agg): throughput vs p99, and latency CDFs, several series per figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():  # noqa: ANN202 - the pyplot module
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def throughput_vs_p99(series: dict[str, list[dict]], path: str | Path, title: str,
+                      bounds_ms: tuple[float, ...] = (10.0, 30.0)) -> Path:
+    """One line per series: each point's seed nodes/s (x) against its p99 (y, log scale)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in series.items():
+        pts = [p for p in points if p["p99_ms"] is not None]
+        if pts:
+            ax.plot([p["seed_nodes_per_s"] for p in pts], [p["p99_ms"] for p in pts],
+                    marker="o", label=name)
+    for b in bounds_ms:
+        ax.axhline(b, color="grey", linestyle="--", linewidth=0.8)
+        ax.text(ax.get_xlim()[0], b, f" p99 = {b:g} ms", va="bottom", fontsize=8, color="grey")
+    ax.set_xscale("symlog", linthresh=100)
+    ax.set_yscale("log")
+    ax.set_xlabel("seed nodes / s (answered)")
+    ax.set_ylabel("p99 latency (ms)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def latency_cdf(series: dict[str, np.ndarray], path: str | Path, title: str) -> Path:
+    """One CDF per series (latencies in ms, any order); x on a log scale."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, lat_ms in series.items():
+        lat = np.sort(np.asarray(lat_ms, np.float64))
+        if lat.size:
+            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=f"{name} (n={lat.size})")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
