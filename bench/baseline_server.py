@@ -16,8 +16,8 @@ log say which one runs.
     python bench/baseline_server.py --config configs/default.yaml --port 8100 [--sampler auto|pyg|reference]
 """
 
-from __future__ import annotations
 
+# No `from __future__ import annotations`: FastAPI reads the route annotations at run time.
 import argparse
 import io
 import logging

@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     from quiver_serve.config import ServeConfig, resolve_path
 
     args = parse_args(argv)
+    # SIGTERM (timeout, Ctrl-C of a wrapper) unwinds like an exception: the servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = ServeConfig.from_yaml(resolve_path(args.config))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

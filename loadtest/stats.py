@@ -38,7 +38,7 @@ def merge_point(parts: list[dict], cmd: dict) -> dict[str, Any]:
         "protocol": cmd["target"]["protocol"], "mode": cmd["mode"],
         "level": cmd["rate"] if cmd["mode"] == "open" else cmd["callers"],
         "offered_req_per_s": cmd["rate"] if cmd["mode"] == "open" else None,
-        "seconds": seconds, "requests": total, "ok": ok,
+        "seconds": seconds, "requests": total, "sent_per_s": total / seconds, "ok": ok,
         "req_per_s": ok / seconds, "seed_nodes_per_s": sum(p["seeds"] for p in parts) / seconds,
         **percentiles_ms(lat),
         "mean_ms": float(lat.mean() * 1e3) if lat.size else None,
