@@ -148,7 +148,12 @@ def probe(url: str, timeout_s: float = 10.0) -> tuple[str | None, int | None]:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
 
-    status, body = post([0])
+    try:
+        status, body = post([0])
+    except OSError as exc:
+        raise SystemExit(f"cannot reach {url}/v1/embed: {exc}") from exc
+    if status == 503:
+        raise SystemExit(f"{url} answered 503 (not ready yet?): {body[:200]!r}")
     model = json.loads(body).get("model") if status == 200 else None
     status, body = post([2**62])
     m = re.search(rb"0\s*\.\.\s*(\d+)", body) if status == 400 else None
@@ -256,6 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         check_loopback(args.grpc_target, args.allow_remote)
     if "queue" in args.protocol and not args.config:
         raise SystemExit("--protocol queue needs --config (the daemon is started in this process)")
+    levels = levels_of(args)
     pipeline = start_pipeline(args.config) if "queue" in args.protocol else None
     gen = None
     try:
@@ -276,7 +282,7 @@ def run(args: argparse.Namespace) -> dict:
                       "endpoints": pipeline.endpoints() if protocol == "queue" else None}
             metrics = None if args.no_metrics else ("local" if protocol == "queue" else args.url)
             stop = args.stop_p99_ms if args.sweep else float("inf")
-            results[protocol] = gen.sweep(target, spec, args.mode, levels_of(args), stop,
+            results[protocol] = gen.sweep(target, spec, args.mode, levels, stop,
                                           args.bounds_ms, metrics)
         return results
     finally:
