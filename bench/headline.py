@@ -91,7 +91,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=8)
             except subprocess.TimeoutExpired:
                 pass
         try:
@@ -139,6 +139,7 @@ class Run:
         self.skipped: list[str] = []
         self.starts: dict[str, float] = {}
         self.levels = [c for c in args.clients]
+        self.baseline_info: dict | None = None
 
     def left_s(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.t0)
@@ -158,7 +159,7 @@ class Run:
             return
         print(f"\n== {name} ==", flush=True)
         res = self.gen.sweep(target, self.spec_a, "closed", self.levels, self.args.stop_p99_ms,
-                             list(BOUNDS_MS), metrics)
+                             list(BOUNDS_MS), metrics, deadline=self.t0 + self.args.budget_s)
         self.series[name] = res
 
     def single_id(self, name: str, target: dict) -> None:
@@ -257,7 +258,8 @@ def table(run: Run) -> tuple[list[dict], str]:
             if any(n.startswith("baseline/") for n in run.series) else 0.0 for b in BOUNDS_MS}
     rows, lines = [], []
     head = " | ".join(f"seed nodes/s at p99 <= {b:g} ms (callers, p99) | x baseline" for b in BOUNDS_MS)
-    lines += [f"| path | {head} |", "|---|" + "---|---|" * len(BOUNDS_MS)]
+    lines += [f"| path | {head} | load CPU (max process, cores) |",
+              "|---|" + "---|---|" * len(BOUNDS_MS) + "---|"]
     for name, s in run.series.items():
         row: dict[str, Any] = {"series": name}
         cells = []
@@ -270,12 +272,32 @@ def table(run: Run) -> tuple[list[dict], str]:
             cells.append("none" if best is None else
                          f"{v:,.0f} ({best['level']:g}, {best['p99_ms']:.1f} ms)")
             cells.append(fmt(ratio, ".1f"))
+        row["load_cpu_max"] = max((max(p["load_cpu_cores"], default=0.0) for p in s["points"]),
+                                  default=0.0)
+        cells.append(f"{row['load_cpu_max']:.2f}")
         rows.append(row)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, p in run.single.items():
         lines.append(f"\nsingle id, 1 caller, {name}: p50 {fmt(p['p50_ms'])} ms, "
                      f"p99 {fmt(p['p99_ms'])} ms")
-    return rows, "\n".join(lines)
+    return rows, "\n".join(lines + stage_lines(run))
+
+
+def stage_lines(run: Run) -> list[str]:
+    """Where the time goes at each path's best point (p99 <= the largest bound): the server's
+    per-batch stage means from /metrics, next to the client's p50."""
+    names = ("queue", "sample", "gather", "compute", "request")
+    out = [f"\nserver stages at each path's best point at p99 <= {BOUNDS_MS[-1]:g} ms (mean ms per "
+           "batch; request: per HTTP request):",
+           "| path | callers | client p50 | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+    for name, s in run.series.items():
+        p = best_under(s["points"], BOUNDS_MS[-1])
+        if p is None or not p.get("stages"):
+            continue
+        cells = [fmt((p["stages"].get(k) or {}).get("mean_ms")) for k in names]
+        out.append(f"| {name} | {p['level']:g} | {fmt(p['p50_ms'])} | " + " | ".join(cells) + " |")
+    return out
 
 
 def write_plots(run: Run, out: Path, title: str) -> None:
@@ -296,13 +318,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
                     help="Cora (configs/default.yaml), short points, CPU routes: a check, not a figure")
-    ap.add_argument("--routes", nargs="+", default=["auto", "cpu", "gpu"], choices=["auto", "cpu", "gpu"])
+    ap.add_argument("--routes", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "cpu", "gpu"],
+                    help="sampling.route of each quiver-serve start, in this order")
     ap.add_argument("--queue-routes", nargs="+", default=None, help="routes of the queue API "
                     "path (default: the first route)")
     ap.add_argument("--paths", nargs="+", default=HTTP_PATHS + ["queue"],
                     choices=HTTP_PATHS + ["queue", "kserve-json"])
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
                     help="closed-loop callers per point, rising until p99 > --stop-p99-ms")
     ap.add_argument("--stop-p99-ms", type=float, default=30.0)
     ap.add_argument("--seconds", type=float, default=1.5, help="measured window per point")
@@ -352,13 +375,31 @@ def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
         quiver_route(run, cfg, npz, route, folder, first=False)
 
 
+def finish(run: Run, info: dict, out: Path) -> None:
+    """headline.json, the two plots, and the table printed last."""
+    rows, text = table(run)
+    result = {"meta": info, "baseline": run.baseline_info, "starts_s": run.starts, "rows": rows,
+              "series": run.series, "single_id": run.single, "skipped": run.skipped,
+              "wall_s": time.perf_counter() - run.t0}
+    (out / "headline.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    title = f"{info['graph'].split(':')[0]}, {info['device']}, workload (a), closed loop"
+    write_plots(run, out, title)
+    print(f"\nwrote {out}/headline.json, headline_throughput_vs_p99.png, headline_latency_cdf.png")
+    if run.skipped:
+        print("skipped: " + "; ".join(run.skipped))
+    print(f"baseline sampler: {(run.baseline_info or {}).get('sampler')}; wall "
+          f"{result['wall_s']:.0f} s\n\n{text}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import shutil
+
     import torch
 
     from quiver_serve.config import ServeConfig, resolve_path
 
     args = parse_args(argv)
-    # SIGTERM (timeout, Ctrl-C of a wrapper) unwinds like an exception: the servers are stopped
+    # SIGTERM (the wrapper's timeout) unwinds like an exception: servers stopped, results written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = ServeConfig.from_yaml(resolve_path(args.config))
     out = Path(args.out)
@@ -376,29 +417,20 @@ def main(argv: list[str] | None = None) -> int:
         spec_c = {"workload": "c", "hot": None, "num_nodes": graph.num_nodes, "seed": 0}
         gen = Generator(args.procs, args.warmup, args.seconds)
         run = Run(args, gen, spec_a, spec_c)
-        run.baseline_info = None
         info = meta(args, graph, cfg)
         print(f"{info['device']}, {info['cpus']} CPUs, torch {info['torch']}; {args.procs} load "
               f"process(es); budget {args.budget_s:.0f} s", flush=True)
-        phases(run, cfg, graph, npz, folder)
-        rows, text = table(run)
-        result = {"meta": info, "baseline": run.baseline_info, "starts_s": run.starts,
-                  "rows": rows, "series": run.series, "single_id": run.single,
-                  "skipped": run.skipped, "wall_s": time.perf_counter() - run.t0}
-        (out / "headline.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
-        title = f"{info['graph'].split(':')[0]}, {info['device']}, workload (a), closed loop"
-        write_plots(run, out, title)
-        print(f"\nwrote {out}/headline.json, headline_throughput_vs_p99.png, headline_latency_cdf.png")
-        if run.skipped:
-            print("skipped: " + "; ".join(run.skipped))
-        print(f"baseline sampler: {(run.baseline_info or {}).get('sampler')}; wall "
-              f"{result['wall_s']:.0f} s\n\n{text}")
-        return 0
+        code = 0
+        try:
+            phases(run, cfg, graph, npz, folder)
+        except SystemExit as exc:  # SIGTERM: keep what was measured
+            run.skipped.append(f"cut short (exit {exc.code})")
+            code = 1
+        finish(run, info, out)
+        return code
     finally:
         if gen is not None:
             gen.close()
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
 
 

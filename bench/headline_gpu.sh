@@ -27,7 +27,7 @@ nvidia-smi -L 2>/dev/null || echo "no nvidia-smi: CPU only"
 OUT_DIR=${OUT:-bench/results}
 mkdir -p "$OUT_DIR"
 # tqdm's progress bars end in \r: split them so the filter drops only them and INFO log lines
-timeout -k 10 540 "$PY" bench/headline.py --out "$OUT_DIR" --budget-s 480 "$@" 2>&1 \
+timeout -k 30 540 "$PY" bench/headline.py --out "$OUT_DIR" --budget-s 480 "$@" 2>&1 \
     | tr '\r' '\n' | grep --line-buffered -v ' INFO \|proc/s\|^[[:space:]]*$' | tee "$OUT_DIR/headline.log"
 rc=${PIPESTATUS[0]}
 echo "headline.py exit $rc"

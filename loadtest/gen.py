@@ -95,11 +95,16 @@ class Generator:
         return point
 
     def sweep(self, target: dict, spec: dict, mode: str, levels: list[float], stop_p99_ms: float,
-              bounds_ms: list[float], metrics: str | None = None, log: bool = True) -> dict:
+              bounds_ms: list[float], metrics: str | None = None, log: bool = True,
+              deadline: float | None = None) -> dict:
         """Points at rising ``levels`` until one is not served at ``stop_p99_ms`` (p99 above it,
-        or more than 1% errors); the summary gives max seed nodes/s under each bound."""
+        or more than 1% errors), or ``time.perf_counter()`` passes ``deadline``; the summary gives
+        max seed nodes/s under each bound."""
         points = []
         for level in levels:
+            if deadline is not None and time.perf_counter() > deadline and points:
+                print(f"(time budget: sweep stopped before level {level:g})", flush=True)
+                break
             p = self.point(target, spec, mode, level, metrics)
             points.append(p)
             if log:
