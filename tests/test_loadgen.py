@@ -201,3 +201,34 @@ def test_generator_against_the_real_daemon(server) -> None:  # noqa: ANN001 - co
             assert 20 <= opened["sent_per_s"] <= 60  # 40/s Poisson over 1 s
     finally:
         gen.close()
+
+
+def test_metrics_diff_on_prometheus_client_output() -> None:
+    """Text written by prometheus_client itself (the library the daemon exports with), with the
+    daemon's metric names and buckets: differenced counts and means are exact."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from quiver_serve.metrics import _LATENCY_BUCKETS_S
+
+    reg = CollectorRegistry()
+    sample = Histogram("quiver_serve_sample_duration_seconds", "s", ["route"],
+                       buckets=_LATENCY_BUCKETS_S, registry=reg)
+    queue = Histogram("quiver_serve_queue_duration_seconds", "q", buckets=_LATENCY_BUCKETS_S,
+                      registry=reg)
+    for v in (0.003, 0.004):
+        sample.labels("gpu").observe(v)
+    before = generate_latest(reg).decode()
+    rng = np.random.default_rng(0)
+    gpu, cpu, q = rng.uniform(0.001, 0.002, 30), rng.uniform(0.006, 0.009, 10), rng.uniform(0, 1e-3, 40)
+    for v in gpu:
+        sample.labels("gpu").observe(v)
+    for v in cpu:
+        sample.labels("cpu").observe(v)
+    for v in q:
+        queue.observe(v)
+    b = promdiff.breakdown(before, generate_latest(reg).decode())
+    assert b["sample"]["count"] == 40 and b["sample[gpu]"]["count"] == 30
+    assert b["sample[cpu]"]["mean_ms"] == pytest.approx(cpu.mean() * 1e3)
+    assert b["sample"]["mean_ms"] == pytest.approx(np.concatenate([gpu, cpu]).mean() * 1e3)
+    assert 1.0 <= b["sample[gpu]"]["p50_ms"] <= 2.0 and 5.0 <= b["sample[cpu]"]["p99_ms"] <= 10.0
+    assert b["queue"]["count"] == 40 and b["queue"]["p99_ms"] <= 1.0
