@@ -27,6 +27,8 @@ from loadtest.protocols import OK
 Call = Callable[[int], Awaitable[str]]
 ERROR_BACKOFF_S = 0.001  # a closed-loop caller whose request failed waits this long (no hot spin)
 YIELD_EVERY = 32  # an open-loop sender behind schedule yields to its callers this often
+PREPARE_TIMEOUT_S = 120.0  # longest a process may take to connect and encode a point's requests
+START_DELAY_S = 0.2  # every process starts this long after the parent sends the start time
 
 
 def arrival_times(rate_per_s: float, t0: float, t1: float, seed: int,
@@ -127,28 +129,34 @@ async def closed_loop(call: Call, sizes: np.ndarray, callers: int, win0: float,
     return tally.result()
 
 
-async def run_point(index: int, procs: int, cmd: dict) -> dict[str, Any]:
-    """One point in this process: build the caller, wait for t_start, drive, report."""
+async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> dict[str, Any]:
+    """One point in this process: build the caller (connections, encoded bodies), report
+    "prepared", wait for the parent's start time, drive, report."""
     from loadtest.protocols import make_caller
     from loadtest.workloads import process_requests
 
     reqs = process_requests(cmd["spec"], index, procs)
     sizes = np.array([r.size for r in reqs], np.int64)
-    win0, win1 = cmd["t_start"] + cmd["warm_s"], cmd["t_start"] + cmd["warm_s"] + cmd["seconds"]
     cpu: list[float] = []
-
-    async def cpu_window() -> None:
-        await asyncio.sleep(max(0.0, win0 - time.time()))
-        cpu.append(time.process_time())
-        await asyncio.sleep(max(0.0, win1 - time.time()))
-        cpu.append(time.process_time())
-
     limit = cmd["max_inflight"] if cmd["mode"] == "open" else max(1, cmd["callers"])
     async with make_caller(cmd["target"], reqs, limit) as caller:
-        await asyncio.sleep(max(0.0, cmd["t_start"] - time.time()))
+        out.put({"prepared": index})
+        go = await asyncio.get_running_loop().run_in_executor(None, cmds.get, True, PREPARE_TIMEOUT_S)
+        if "t_start" not in go:
+            return {"index": index, "aborted": True}
+        t_start = go["t_start"]
+        win0, win1 = t_start + cmd["warm_s"], t_start + cmd["warm_s"] + cmd["seconds"]
+
+        async def cpu_window() -> None:
+            await asyncio.sleep(max(0.0, win0 - time.time()))
+            cpu.append(time.process_time())
+            await asyncio.sleep(max(0.0, win1 - time.time()))
+            cpu.append(time.process_time())
+
+        await asyncio.sleep(max(0.0, t_start - time.time()))
         watch = asyncio.ensure_future(cpu_window())
         if cmd["mode"] == "open":
-            times = arrival_times(cmd["rate"], cmd["t_start"], win1, cmd["seed"], cmd["arrivals"])
+            times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
             res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
                                   cmd["max_inflight"], cmd["target"]["timeout_s"])
         else:
@@ -179,7 +187,7 @@ def load_main(index: int, cmds: Any, out: Any) -> None:
         while (cmd := cmds.get()) is not None:
             try:
                 # grpc.aio wants asyncio's own loop
-                res = _run(lambda c=cmd: run_point(index, c["procs"], c),
+                res = _run(lambda c=cmd: run_point(index, c["procs"], c, cmds, out),
                            cmd["target"]["protocol"] != "grpc")
             except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
                 res = {"index": index, "failed": f"{type(exc).__name__}: {exc}"}
@@ -204,18 +212,32 @@ class LoadPool:
         for _ in self.procs:
             self.out.get(timeout=start_timeout_s)
 
-    def run(self, cmd: dict, t_start: float) -> list[dict]:
-        """Send ``cmd`` (mode open: ``rate`` is the total; closed: ``callers`` the total) to the
-        processes it needs, all starting at wall-clock ``t_start``, and gather their reports."""
+    def run(self, cmd: dict, on_start: Callable[[float], None] | None = None) -> list[dict]:
+        """Run ``cmd`` (mode open: ``rate`` is the total; closed: ``callers`` the total) on the
+        processes it needs: each prepares (connects, encodes), then all start at one wall-clock
+        instant, passed to ``on_start`` first; returns their reports."""
         n = len(self.procs) if cmd["mode"] == "open" else max(1, min(len(self.procs), cmd["callers"]))
         callers = split_evenly(cmd.get("callers") or 0, n)
         for i in range(n):
-            part = dict(cmd, t_start=t_start, procs=n)
+            part = dict(cmd, procs=n)
             if cmd["mode"] == "closed":
                 part["callers"] = callers[i]
             self.cmds[i].put(part)
-        wait_s = max(0.0, t_start - time.time()) + cmd["warm_s"] + cmd["seconds"] \
-            + cmd["target"]["timeout_s"] + 60
+        ready = [self.out.get(timeout=PREPARE_TIMEOUT_S) for _ in range(n)]
+        failed = [m["failed"] for m in ready if "failed" in m]
+        if failed:
+            prepared = [m["prepared"] for m in ready if "prepared" in m]
+            for i in prepared:
+                self.cmds[i].put({"abort": True})
+            for _ in prepared:
+                self.out.get(timeout=PREPARE_TIMEOUT_S)
+            raise RuntimeError(f"load process failed: {failed[0]}")
+        t_start = time.time() + START_DELAY_S
+        if on_start is not None:
+            on_start(t_start)
+        for i in range(n):
+            self.cmds[i].put({"t_start": t_start})
+        wait_s = START_DELAY_S + cmd["warm_s"] + cmd["seconds"] + cmd["target"]["timeout_s"] + 60
         parts = [self.out.get(timeout=wait_s) for _ in range(n)]
         failed = [p["failed"] for p in parts if "failed" in p]
         if failed:

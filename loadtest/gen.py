@@ -48,8 +48,6 @@ from loadtest.protocols import HTTP_CLIENTS, PROTOCOLS  # noqa: E402
 from loadtest.stats import POINT_HEADER, merge_point, point_row, served, summary  # noqa: E402
 from loadtest.workloads import hot_set, load_trace  # noqa: E402
 
-START_DELAY_S = 0.5  # every process starts its point this long after the command is sent
-
 
 class Generator:
     """The load processes plus the point / sweep logic; reusable from other scripts."""
@@ -71,25 +69,27 @@ class Generator:
                "arrivals": self.arrivals, "seed": self.seed,
                "rate": float(level) if mode == "open" else None,
                "callers": int(level) if mode == "closed" else None}
-        t_start = time.time() + START_DELAY_S
-        win0 = t_start + self.warm_s
         texts: list[str | None] = []
-        scraper = None
-        if metrics:
-            def scrape_at(t: float) -> None:
-                time.sleep(max(0.0, t - time.time()))
-                texts.append(promdiff.local_text() if metrics == "local" else promdiff.scrape(metrics))
+        threads: list[threading.Thread] = []
 
-            def scrape_window() -> None:
-                scrape_at(win0)
-                scrape_at(win0 + self.seconds)
+        def on_start(t_start: float) -> None:
+            if not metrics:
+                return
+            win0 = t_start + self.warm_s
 
-            scraper = threading.Thread(target=scrape_window, daemon=True)
-            scraper.start()
-        parts = self.pool.run(cmd, t_start)
+            def scrape_window() -> None:  # /metrics at both ends of the window
+                for t in (win0, win0 + self.seconds):
+                    time.sleep(max(0.0, t - time.time()))
+                    texts.append(promdiff.local_text() if metrics == "local"
+                                 else promdiff.scrape(metrics))
+
+            threads.append(threading.Thread(target=scrape_window, daemon=True))
+            threads[0].start()
+
+        parts = self.pool.run(cmd, on_start)
         point = merge_point(parts, cmd)
-        if scraper is not None:
-            scraper.join(timeout=10)
+        for t in threads:
+            t.join(timeout=10)
             if len(texts) == 2 and all(texts):
                 point["stages"] = promdiff.breakdown(texts[0], texts[1])  # type: ignore[arg-type]
         return point
@@ -348,7 +348,11 @@ def report(results: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report(run(args), args)
+    try:
+        results = run(args)
+    except RuntimeError as exc:  # a load process failed: its message says why
+        raise SystemExit(str(exc)) from exc
+    report(results, args)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,12 @@ class GrpcCaller:
         self.channel = grpc.aio.insecure_channel(self.target, options=[
             ("grpc.max_receive_message_length", 64 << 20)])
         self.stub = self.channel.unary_unary(self.METHOD)  # bytes in, bytes out
+        try:  # connect before the point starts, not inside its window
+            await asyncio.wait_for(self.channel.channel_ready(), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            await self.channel.close()
+            raise ConnectionError(f"gRPC endpoint {self.target} not reachable in "
+                                  f"{self.timeout_s:g} s") from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:
