@@ -151,6 +151,12 @@ class Run:
         print(f"SKIPPED {self.skipped[-1]}", flush=True)
         return False
 
+    def start_cost_s(self) -> float:
+        """Expected server start: the last quiver-serve start (the first one also builds the C++
+        sampler), else --start-cost-s."""
+        quiver = [v for k, v in self.starts.items() if k.startswith("quiver-serve")]
+        return quiver[-1] if quiver else self.args.start_cost_s
+
     def sweep_cost_s(self) -> float:
         return 3 * (self.args.seconds + self.args.warmup + 0.8)
 
@@ -179,7 +185,7 @@ def target_of(protocol: str, url: str, grpc_port: int | None, model: str, args: 
 
 def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first: bool) -> None:
     """server.py with one sampling route: every HTTP/gRPC path; single-id on the first route."""
-    if not run.afford(f"route {route}", run.args.start_cost_s + run.sweep_cost_s()):
+    if not run.afford(f"route {route}", run.start_cost_s() + run.sweep_cost_s()):
         return
     port, grpc_port = free_port(), free_port()
     conf = derived_config(cfg, npz, route, folder, grpc_port)
@@ -210,7 +216,7 @@ def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
     """The queue API: Pipeline in this process, load processes connect(endpoints)."""
     from quiver_serve.engine.pipeline import Pipeline
 
-    if not run.afford(f"queue API ({route})", run.args.start_cost_s + run.sweep_cost_s()):
+    if not run.afford(f"queue API ({route})", run.start_cost_s() + run.sweep_cost_s()):
         return
     c = cfg.model_copy(deep=True)
     c.sampling.route = route
@@ -226,7 +232,7 @@ def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
 
 
 def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
-    if not run.afford("baseline", run.args.start_cost_s / 2 + run.sweep_cost_s()):
+    if not run.afford("baseline", run.start_cost_s() / 2 + run.sweep_cost_s()):
         return
     port = free_port()
     conf = derived_config(cfg, npz, "auto", folder, None)

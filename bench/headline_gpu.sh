@@ -4,8 +4,8 @@
 # and the PyG-style baseline (bench/baseline_server.py), closed-loop sweeps over HTTP JSON, HTTP npy,
 # KServe binary, gRPC and the queue API, workload (a), plus single-id HTTP p50 (workload c).
 # Writes $OUT/headline.json, $OUT/headline_throughput_vs_p99.png, $OUT/headline_latency_cdf.png,
-# $OUT/headline.log; prints the table last. Budget: phases that would start after 480 s are
-# skipped (and named); the whole run is cut at 540 s.
+# $OUT/headline.log; prints the table last. Budget: phases that would start after 460 s are
+# skipped (and named); the run is cut at 520 s (SIGTERM: what was measured is still written).
 # Wheels the GPU machine lacks (fastapi, uvicorn, pydantic, pyzmq, msgspec, orjson, ...) come in
 # .whl/ (git-ignored; carry it); aiohttp and matplotlib are in the machine's image.
 #   bash bench/headline_gpu.sh [extra bench/headline.py options]
@@ -27,7 +27,7 @@ nvidia-smi -L 2>/dev/null || echo "no nvidia-smi: CPU only"
 OUT_DIR=${OUT:-bench/results}
 mkdir -p "$OUT_DIR"
 # tqdm's progress bars end in \r: split them so the filter drops only them and INFO log lines
-timeout -k 30 540 "$PY" bench/headline.py --out "$OUT_DIR" --budget-s 480 "$@" 2>&1 \
+timeout -k 30 520 "$PY" bench/headline.py --out "$OUT_DIR" --budget-s 460 "$@" 2>&1 \
     | tr '\r' '\n' | grep --line-buffered -v ' INFO \|proc/s\|^[[:space:]]*$' | tee "$OUT_DIR/headline.log"
 rc=${PIPESTATUS[0]}
 echo "headline.py exit $rc"
