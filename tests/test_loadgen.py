@@ -38,8 +38,12 @@ def test_open_loop_rate_within_5_percent(arrivals: str) -> None:
     res, sent = run_open(rate, seconds, arrivals, delay_s=0.005)  # ~10 requests in flight
     assert abs(len(sent) / seconds - rate) / rate < 0.05
     assert abs(res["status"]["200"] / seconds - rate) / rate < 0.05
-    # the sender kept to its schedule: requests left within a few ms of their planned time
-    assert np.percentile(res["lag_s"], 50) < 0.005
+    # measured on the wall clock: the sends spread over the whole window, at the set rate
+    span_s = max(sent) - min(sent)
+    assert abs(span_s - seconds) / seconds < 0.05
+    assert abs(len(sent) / span_s - rate) / rate < 0.05
+    # the sender kept to its schedule: never early, and mostly within a few ms
+    assert res["lag_s"].min() > -0.002 and np.percentile(res["lag_s"], 50) < 0.02
 
 
 def test_open_loop_latency_counts_from_the_schedule() -> None:
