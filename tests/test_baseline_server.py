@@ -4,16 +4,14 @@ the same answer as the served PyG model on the full graph (same class, weights, 
 from __future__ import annotations
 
 import io
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from quiver_serve.config import REPO_ROOT, ServeConfig
+from quiver_serve.config import ServeConfig
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-baseline_server = pytest.importorskip("baseline_server")
+baseline_server = pytest.importorskip("bench.baseline_server")
 
 
 def can_pyg() -> bool:

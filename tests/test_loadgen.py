@@ -203,6 +203,13 @@ def test_generator_against_the_real_daemon(server) -> None:  # noqa: ANN001 - co
             opened = gen.point(target, spec, "open", 40.0)
             assert opened["errors"] == {} and opened["ok"] == opened["requests"]
             assert 20 <= opened["sent_per_s"] <= 60  # 40/s Poisson over 1 s
+        # the KServe binary tensor extension: ids as raw INT64, binary output asked for
+        target = {"protocol": "kserve-binary", "url": server.url, "model": model, "timeout_s": 10.0}
+        kserve = gen.point(target, spec, "closed", 2)
+        assert kserve["errors"] == {} and kserve["ok"] > 5, kserve
+        # a bad model name is counted by status, not hidden
+        bad = gen.point(dict(target, model="nope"), spec, "closed", 1)
+        assert bad["ok"] == 0 and set(bad["errors"]) == {"404"}
     finally:
         gen.close()
 
