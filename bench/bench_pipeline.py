@@ -54,32 +54,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, shared with loadtest/
+    HOT_SET_SIZE,
+    IDS_PER_REQUEST,
+    REQUEST_POOL,
+    draw_requests,
+    hot_set,
+)
 from quiver_serve.config import ServeConfig, resolve_path  # noqa: E402
 from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
 
-IDS_PER_REQUEST = {"a": 48, "b": 48, "c": 1}
-HOT_SET_SIZE = 1500
-REQUEST_POOL = 4096  # distinct requests each load process cycles through
+__all__ = ["HOT_SET_SIZE", "IDS_PER_REQUEST", "REQUEST_POOL", "draw_requests", "hot_set"]
 MIN_ENGINE_BATCHES = 5
-
-
-# ---- workloads ---------------------------------------------------------------------------------
-def hot_set(degree: np.ndarray, size: int = HOT_SET_SIZE, seed: int = 0) -> np.ndarray:
-    """Workload (a)'s fixed hot set: half the lowest in-degree nodes, half the highest (ties broken
-    by a seeded permutation, so it is not just the lowest ids)."""
-    n = degree.size
-    half = min(size // 2, n // 2)
-    perm = np.random.default_rng(seed).permutation(n)
-    order = perm[np.argsort(degree[perm], kind="stable")]
-    return np.concatenate([order[:half], order[n - half:]]).astype(np.int64)
-
-
-def draw_requests(workload: str, n: int, k: int, num_nodes: int, hot: np.ndarray,
-                  rng: np.random.Generator) -> np.ndarray:
-    """[n, k] int64 node ids: from the hot set (a) or uniform over every node (b, c)."""
-    if workload == "a":
-        return hot[rng.integers(0, hot.size, (n, k))]
-    return rng.integers(0, num_nodes, (n, k), dtype=np.int64)
 
 
 def latency_ms(lat: np.ndarray | list[float]) -> dict[str, float | None]:

@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""The headline benchmark (issue 9): quiver-serve against a PyG-style server, one run, one table.
+
+1. Builds the graph of --config once (Reddit-scale synthetic by default) and saves it as an .npz in
+   a temporary folder; every server of the run loads that file (no graph generation per start).
+2. For each sampling route (auto, cpu, gpu): starts ``server.py`` (HTTP + KServe gRPC) and sweeps
+   closed-loop load (callers doubling until p99 > --stop-p99-ms) over HTTP JSON, HTTP npy, KServe
+   binary and gRPC, workload (a); on the first route also single-id (c) HTTP p50 with one caller.
+3. The queue API: ``Pipeline`` in this process (first route only, --queue-routes for more), load
+   processes connected with ``connect(endpoints)``.
+4. The baseline (bench/baseline_server.py: FastAPI, one process, PyG's sampler, CPU gather, model
+   on the GPU): HTTP JSON and npy, workload (a), and single-id (c).
+5. One table: max seed nodes/s at p99 <= 10 ms and <= 30 ms for every path and the baseline, and
+   the ratio to the baseline's best at the same bound; PNGs: throughput vs p99, latency CDFs.
+
+Everything is timed against --budget-s: a phase that would start past it is skipped and named.
+The same load processes (loadtest/, spawned once) drive every server.
+
+    python bench/headline.py [--config configs/bench_reddit.yaml] [--out DIR]
+    python bench/headline.py --smoke          # Cora on a CPU box, about 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from loadtest import plots  # noqa: E402
+from loadtest.gen import Generator, jsonable  # noqa: E402
+from loadtest.stats import best_under, fmt, point_row  # noqa: E402
+from loadtest.workloads import hot_set  # noqa: E402
+
+HTTP_PATHS = ["http-json", "http-npy", "kserve-binary", "grpc"]
+BOUNDS_MS = (10.0, 30.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server subprocess in its own process group (killed whole at the end), log to a file."""
+
+    def __init__(self, argv: list[str], url: str, log_path: Path, name: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.url, self.name, self.log_path = url, name, log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from start to ready; raises with the log's tail when it dies or times out."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1.0) as r:  # noqa: S310
+                    if r.status == 200:
+                        return time.perf_counter() - self.t0
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=8)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
+    """Build the graph once; save indptr / indices / x as an uncompressed .npz the servers load."""
+    from quiver_serve.graph.datasets import load_graph
+
+    t0 = time.perf_counter()
+    graph = load_graph(cfg.graph)
+    path = folder / "graph.npz"
+    np.savez(path, indptr=graph.indptr.numpy(), indices=graph.indices.numpy(), x=graph.x.numpy())
+    print(f"graph: {graph.describe()}; built and saved in {time.perf_counter() - t0:.1f} s "
+          f"({path.stat().st_size / 2**20:,.0f} MiB)", flush=True)
+    return graph, path
+
+
+def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None) -> Path:
+    """The run's config for one route: the saved .npz as graph, everything else from --config."""
+    import yaml
+
+    c = cfg.model_copy(deep=True)
+    c.graph.format, c.graph.path = "npz", str(npz)
+    c.sampling.route = route
+    c.server.grpc_port = grpc_port
+    path = folder / f"serve_{route}.yaml"
+    path.write_text(yaml.safe_dump(c.model_dump(mode="json")))
+    return path
+
+
+class Run:
+    """The run's state: budget, load processes, workload specs, results by series."""
+
+    def __init__(self, args: argparse.Namespace, gen: Generator, spec_a: dict, spec_c: dict) -> None:
+        self.args, self.gen, self.spec_a, self.spec_c = args, gen, spec_a, spec_c
+        self.t0 = time.perf_counter()
+        self.series: dict[str, dict] = {}
+        self.single: dict[str, dict] = {}
+        self.skipped: list[str] = []
+        self.starts: dict[str, float] = {}
+        self.levels = [c for c in args.clients]
+        self.baseline_info: dict | None = None
+
+    def left_s(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def afford(self, what: str, cost_s: float) -> bool:
+        if self.left_s() >= cost_s:
+            return True
+        self.skipped.append(f"{what} (needs ~{cost_s:.0f} s, {max(0.0, self.left_s()):.0f} s left)")
+        print(f"SKIPPED {self.skipped[-1]}", flush=True)
+        return False
+
+    def start_cost_s(self) -> float:
+        """Expected server start: the last quiver-serve start (the first one also builds the C++
+        sampler), else --start-cost-s."""
+        quiver = [v for k, v in self.starts.items() if k.startswith("quiver-serve")]
+        return quiver[-1] if quiver else self.args.start_cost_s
+
+    def sweep_cost_s(self) -> float:
+        return 3 * (self.args.seconds + self.args.warmup + 0.8)
+
+    def sweep(self, name: str, target: dict, metrics: str | None) -> None:
+        if not self.afford(f"sweep {name}", self.sweep_cost_s()):
+            return
+        print(f"\n== {name} ==", flush=True)
+        res = self.gen.sweep(target, self.spec_a, "closed", self.levels, self.args.stop_p99_ms,
+                             list(BOUNDS_MS), metrics, deadline=self.t0 + self.args.budget_s)
+        self.series[name] = res
+
+    def single_id(self, name: str, target: dict) -> None:
+        if not self.afford(f"single-id {name}", self.args.seconds + self.args.warmup + 1):
+            return
+        p = self.gen.point(target, self.spec_c, "closed", 1)
+        print(f"single id, 1 caller, {name}: " + point_row(p), flush=True)
+        self.single[name] = p
+
+
+def target_of(protocol: str, url: str, grpc_port: int | None, model: str, args: argparse.Namespace,
+              endpoints: Any = None) -> dict:
+    return {"protocol": protocol, "url": url, "grpc_target": f"127.0.0.1:{grpc_port}",
+            "model": model, "timeout_s": args.timeout_s, "http_client": "aiohttp",
+            "endpoints": endpoints}
+
+
+def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first: bool) -> None:
+    """server.py with one sampling route: every HTTP/gRPC path; single-id on the first route."""
+    if not run.afford(f"route {route}", run.start_cost_s() + run.sweep_cost_s()):
+        return
+    port, grpc_port = free_port(), free_port()
+    conf = derived_config(cfg, npz, route, folder, grpc_port)
+    url = f"http://127.0.0.1:{port}"
+    srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level", "warning"],
+                 url, folder / f"server_{route}.log", f"quiver-serve ({route})")
+    try:
+        run.starts[f"quiver-serve {route}"] = srv.wait_ready(run.args.start_timeout_s)
+        print(f"\nquiver-serve route={route} ready in {run.starts[f'quiver-serve {route}']:.1f} s",
+              flush=True)
+        for protocol in run.args.paths:
+            if protocol == "queue":
+                continue
+            t = target_of(protocol, url, grpc_port, cfg.model.name, run.args)
+            run.sweep(f"{route}/{protocol}", t, url)
+        if first:
+            for protocol in ("http-json", "http-npy"):
+                run.single_id(f"{route}/{protocol}", target_of(protocol, url, grpc_port,
+                                                               cfg.model.name, run.args))
+    except (RuntimeError, TimeoutError) as exc:
+        run.skipped.append(f"route {route}: {str(exc).splitlines()[0]}")
+        print(f"FAILED route {route}:\n{exc}", flush=True)
+    finally:
+        srv.stop()
+
+
+def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
+    """The queue API: Pipeline in this process, load processes connect(endpoints)."""
+    from quiver_serve.engine.pipeline import Pipeline
+
+    if not run.afford(f"queue API ({route})", run.start_cost_s() + run.sweep_cost_s()):
+        return
+    c = cfg.model_copy(deep=True)
+    c.sampling.route = route
+    t0 = time.perf_counter()
+    p = Pipeline(c, graph=graph).start()
+    try:
+        run.starts[f"queue API {route}"] = time.perf_counter() - t0
+        print(f"\nPipeline route={route} ready in {run.starts[f'queue API {route}']:.1f} s", flush=True)
+        run.sweep(f"{route}/queue", target_of("queue", "", None, c.model.name, run.args,
+                                              p.endpoints()), "local")
+    finally:
+        p.stop()
+
+
+def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
+    if not run.afford("baseline", run.start_cost_s() / 2 + run.sweep_cost_s()):
+        return
+    port = free_port()
+    conf = derived_config(cfg, npz, "auto", folder, None)
+    url = f"http://127.0.0.1:{port}"
+    srv = Server(["bench/baseline_server.py", "--config", str(conf), "--port", str(port)], url,
+                 folder / "baseline.log", "baseline")
+    try:
+        run.starts["baseline"] = srv.wait_ready(run.args.start_timeout_s)
+        with urllib.request.urlopen(url + "/v1/baseline", timeout=5) as r:  # noqa: S310
+            run.baseline_info = json.loads(r.read())
+        print(f"\nbaseline ready in {run.starts['baseline']:.1f} s: {run.baseline_info}", flush=True)
+        for protocol in ("http-json", "http-npy"):
+            run.sweep(f"baseline/{protocol}", target_of(protocol, url, None, cfg.model.name,
+                                                        run.args), None)
+        run.single_id("baseline/http-json", target_of("http-json", url, None, cfg.model.name,
+                                                      run.args))
+    except (RuntimeError, TimeoutError) as exc:
+        run.skipped.append(f"baseline: {str(exc).splitlines()[0]}")
+        print(f"FAILED baseline:\n{exc}", flush=True)
+    finally:
+        srv.stop()
+
+
+def table(run: Run) -> tuple[list[dict], str]:
+    """Rows (one per series) and the markdown table: max seed nodes/s at each bound, ratio to the
+    baseline's best at that bound."""
+    base = {b: max((best_under(s["points"], b) or {}).get("seed_nodes_per_s", 0.0)
+                   for n, s in run.series.items() if n.startswith("baseline/"))
+            if any(n.startswith("baseline/") for n in run.series) else 0.0 for b in BOUNDS_MS}
+    rows, lines = [], []
+    head = " | ".join(f"seed nodes/s at p99 <= {b:g} ms (callers, p99) | x baseline" for b in BOUNDS_MS)
+    lines += [f"| path | {head} | load CPU (max process, cores) |",
+              "|---|" + "---|---|" * len(BOUNDS_MS) + "---|"]
+    for name, s in run.series.items():
+        row: dict[str, Any] = {"series": name}
+        cells = []
+        for b in BOUNDS_MS:
+            best = best_under(s["points"], b)
+            v = best["seed_nodes_per_s"] if best else None
+            ratio = v / base[b] if v and base[b] else None
+            row[f"p99<={b:g}ms"] = v
+            row[f"x_baseline_p99<={b:g}ms"] = ratio
+            cells.append("none" if best is None else
+                         f"{v:,.0f} ({best['level']:g}, {best['p99_ms']:.1f} ms)")
+            cells.append(fmt(ratio, ".1f"))
+        row["load_cpu_max"] = max((max(p["load_cpu_cores"], default=0.0) for p in s["points"]),
+                                  default=0.0)
+        cells.append(f"{row['load_cpu_max']:.2f}")
+        rows.append(row)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, p in run.single.items():
+        lines.append(f"\nsingle id, 1 caller, {name}: p50 {fmt(p['p50_ms'])} ms, "
+                     f"p99 {fmt(p['p99_ms'])} ms")
+    return rows, "\n".join(lines + stage_lines(run))
+
+
+def stage_lines(run: Run) -> list[str]:
+    """Where the time goes at each path's best point (p99 <= the largest bound): the server's
+    per-batch stage means from /metrics, next to the client's p50."""
+    names = ("queue", "sample", "gather", "compute", "request")
+    out = [f"\nserver stages at each path's best point at p99 <= {BOUNDS_MS[-1]:g} ms (mean ms per "
+           "batch; request: per HTTP request):",
+           "| path | callers | client p50 | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+    for name, s in run.series.items():
+        p = best_under(s["points"], BOUNDS_MS[-1])
+        if p is None or not p.get("stages"):
+            continue
+        cells = [fmt((p["stages"].get(k) or {}).get("mean_ms")) for k in names]
+        out.append(f"| {name} | {p['level']:g} | {fmt(p['p50_ms'])} | " + " | ".join(cells) + " |")
+    return out
+
+
+def write_plots(run: Run, out: Path, title: str) -> None:
+    plots.throughput_vs_p99({n: s["points"] for n, s in run.series.items()},
+                            out / "headline_throughput_vs_p99.png", title, BOUNDS_MS)
+    cdfs = {}
+    for n, s in run.series.items():
+        p = best_under(s["points"], BOUNDS_MS[-1]) or (s["points"][0] if s["points"] else None)
+        if p is not None:
+            cdfs[f"{n} @{p['level']:g}"] = p["latencies_ms"]
+    plots.latency_cdf(cdfs, out / "headline_latency_cdf.png", title + " (best point at p99 <= 30 ms)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/bench_reddit.yaml")
+    ap.add_argument("--smoke", action="store_true",
+                    help="Cora (configs/default.yaml), short points, CPU routes: a check, not a figure")
+    ap.add_argument("--routes", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "cpu", "gpu"],
+                    help="sampling.route of each quiver-serve start, in this order")
+    ap.add_argument("--queue-routes", nargs="+", default=None, help="routes of the queue API "
+                    "path (default: the first route)")
+    ap.add_argument("--paths", nargs="+", default=HTTP_PATHS + ["queue"],
+                    choices=HTTP_PATHS + ["queue", "kserve-json"])
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
+                    help="closed-loop callers per point, rising until p99 > --stop-p99-ms")
+    ap.add_argument("--stop-p99-ms", type=float, default=30.0)
+    ap.add_argument("--seconds", type=float, default=1.5, help="measured window per point")
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
+                    help="load processes (default cpus / 4, 1..4)")
+    ap.add_argument("--timeout-s", type=float, default=10.0)
+    ap.add_argument("--budget-s", type=float, default=500.0,
+                    help="phases that would start past this (from the start) are skipped")
+    ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected server start-up")
+    ap.add_argument("--start-timeout-s", type=float, default=240.0)
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if args.config == "configs/bench_reddit.yaml":
+            args.config = "configs/default.yaml"
+        args.clients, args.seconds, args.warmup = [1, 2, 4, 8], 1.0, 0.3
+        args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 240.0)
+    return args
+
+
+def meta(args: argparse.Namespace, graph: Any, cfg: Any) -> dict:
+    import platform
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(),
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "graph": graph.describe(), "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}",
+            "fanouts": cfg.sampling.fanouts, "workload": "a (48 ids from the 1,500-node hot set)",
+            "command": "bench/headline.py " + " ".join(sys.argv[1:])}
+
+
+def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
+    """First route, baseline, queue API, then the other routes: the ratio exists even when the
+    budget cuts the run short."""
+    routes = run.args.routes
+    quiver_route(run, cfg, npz, routes[0], folder, first=True)
+    if not run.args.no_baseline:
+        baseline(run, cfg, npz, folder)
+    if "queue" in run.args.paths:
+        for route in run.args.queue_routes or routes[:1]:
+            queue_route(run, cfg, graph, route)
+    for route in routes[1:]:
+        quiver_route(run, cfg, npz, route, folder, first=False)
+
+
+def finish(run: Run, info: dict, out: Path) -> None:
+    """headline.json, the two plots, and the table printed last."""
+    rows, text = table(run)
+    result = {"meta": info, "baseline": run.baseline_info, "starts_s": run.starts, "rows": rows,
+              "series": run.series, "single_id": run.single, "skipped": run.skipped,
+              "wall_s": time.perf_counter() - run.t0}
+    (out / "headline.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    title = f"{info['graph'].split(':')[0]}, {info['device']}, workload (a), closed loop"
+    write_plots(run, out, title)
+    print(f"\nwrote {out}/headline.json, headline_throughput_vs_p99.png, headline_latency_cdf.png")
+    if run.skipped:
+        print("skipped: " + "; ".join(run.skipped))
+    print(f"baseline sampler: {(run.baseline_info or {}).get('sampler')}; wall "
+          f"{result['wall_s']:.0f} s\n\n{text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shutil
+
+    import torch
+
+    from quiver_serve.config import ServeConfig, resolve_path
+
+    args = parse_args(argv)
+    # SIGTERM (the wrapper's timeout) unwinds like an exception: servers stopped, results written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if "gpu" in args.routes and not torch.cuda.is_available():
+        args.routes = [r for r in args.routes if r != "gpu"]
+        print("no CUDA device: route gpu left out", flush=True)
+    folder = Path(tempfile.mkdtemp(prefix="qs-headline-"))
+    gen = None
+    try:
+        graph, npz = save_graph(cfg, folder)
+        graph.share_memory_()
+        hot = hot_set(graph.degree().numpy())
+        spec_a = {"workload": "a", "hot": hot, "num_nodes": graph.num_nodes, "seed": 0}
+        spec_c = {"workload": "c", "hot": None, "num_nodes": graph.num_nodes, "seed": 0}
+        gen = Generator(args.procs, args.warmup, args.seconds)
+        run = Run(args, gen, spec_a, spec_c)
+        info = meta(args, graph, cfg)
+        print(f"{info['device']}, {info['cpus']} CPUs, torch {info['torch']}; {args.procs} load "
+              f"process(es); budget {args.budget_s:.0f} s", flush=True)
+        code = 0
+        try:
+            phases(run, cfg, graph, npz, folder)
+        except SystemExit as exc:  # SIGTERM: keep what was measured
+            run.skipped.append(f"cut short (exit {exc.code})")
+            code = 1
+        finish(run, info, out)
+        return code
+    finally:
+        if gen is not None:
+            gen.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Load processes: each runs one asyncio loop with many concurrent callers.
+
+Open loop: one Poisson (or evenly spaced) arrival schedule at the total rate, the same in every
+process (same seed); process p sends arrivals p, p + P, ... Latency is measured from the SCHEDULED
+send time, so a slow server (or a late sender) shows up in the latency instead of lowering the rate
+(no coordinated omission). Closed loop: N callers, each sends its next request when the last one
+is answered; latency from the actual send.
+
+Only requests inside the common window [win0, win1) count: open loop, those scheduled in it;
+closed loop, those answered in it. Every process reports its own CPU use over the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from loadtest.protocols import OK
+
+Call = Callable[[int], Awaitable[str]]
+ERROR_BACKOFF_S = 0.001  # a closed-loop caller whose request failed waits this long (no hot spin)
+YIELD_EVERY = 32  # an open-loop sender behind schedule yields to its callers this often
+PREPARE_TIMEOUT_S = 120.0  # longest a process may take to connect and encode a point's requests
+START_DELAY_S = 0.2  # every process starts this long after the parent sends the start time
+
+
+def arrival_times(rate_per_s: float, t0: float, t1: float, seed: int,
+                  arrivals: str = "poisson") -> np.ndarray:
+    """Send times in [t0, t1) of a process of ``rate_per_s`` arrivals per second (all processes)."""
+    if rate_per_s <= 0:
+        raise ValueError(f"rate must be > 0, got {rate_per_s}")
+    span = t1 - t0
+    if arrivals == "uniform":
+        return t0 + np.arange(int(np.ceil(span * rate_per_s))) / rate_per_s
+    if arrivals != "poisson":
+        raise ValueError(f"arrivals must be poisson or uniform, got {arrivals!r}")
+    rng = np.random.default_rng(seed)
+    n = int(rate_per_s * span + 6 * np.sqrt(rate_per_s * span) + 16)
+    times = np.cumsum(rng.exponential(1.0 / rate_per_s, n))
+    while times[-1] < span:  # rare: draw more
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate_per_s, n))])
+    return t0 + times[times < span]
+
+
+class Tally:
+    """What one process saw in the window: latencies, statuses, seed nodes answered."""
+
+    def __init__(self, sizes: np.ndarray) -> None:
+        self.sizes = sizes
+        self.lat_s: list[float] = []
+        self.lag_s: list[float] = []
+        self.status: Counter[str] = Counter()
+        self.seeds = 0
+
+    def record(self, status: str, latency_s: float, i: int) -> None:
+        self.status[status] += 1
+        if status == OK:
+            self.lat_s.append(latency_s)
+            self.seeds += int(self.sizes[i])
+
+    def result(self) -> dict[str, Any]:
+        return {"lat_s": np.asarray(self.lat_s, np.float64), "lag_s": np.asarray(self.lag_s),
+                "status": dict(self.status), "seeds": self.seeds}
+
+
+async def open_loop(call: Call, sizes: np.ndarray, times_wall: np.ndarray, win0: float, win1: float,
+                    max_inflight: int, drain_s: float) -> dict[str, Any]:
+    """Send request ``j % len(sizes)`` at ``times_wall[j]`` (wall clock), whatever is in flight."""
+    off = time.time() - time.perf_counter()
+    sched = np.asarray(times_wall) - off
+    w0, w1 = win0 - off, win1 - off
+    tally, inflight = Tally(sizes), {}
+
+    async def one(i: int, t: float) -> None:
+        status = await call(i)
+        if w0 <= t < w1:
+            tally.record(status, time.perf_counter() - t, i)
+
+    n = len(sizes)
+    for j, t in enumerate(sched.tolist()):
+        delay = t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif j % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+        if len(inflight) >= max_inflight:
+            if w0 <= t < w1:
+                tally.status["client_overload"] += 1
+            continue
+        if w0 <= t < w1:
+            tally.lag_s.append(time.perf_counter() - t)
+        task = asyncio.ensure_future(one(j % n, t))
+        inflight[task] = t
+        task.add_done_callback(inflight.pop)
+    if inflight:
+        _, pending = await asyncio.wait(list(inflight), timeout=drain_s)
+        for task in pending:
+            if w0 <= inflight.get(task, -1.0) < w1:
+                tally.status["timeout"] += 1
+            task.cancel()
+    return tally.result()
+
+
+async def closed_loop(call: Call, sizes: np.ndarray, callers: int, win0: float,
+                      win1: float) -> dict[str, Any]:
+    """``callers`` callers; request indices are handed out in order (0, 1, 2, ... cycling)."""
+    off = time.time() - time.perf_counter()
+    w0, w1 = win0 - off, win1 - off
+    tally, order, n = Tally(sizes), itertools.count(), len(sizes)
+
+    async def caller() -> None:
+        while (t0 := time.perf_counter()) < w1:
+            i = next(order) % n
+            status = await call(i)
+            done = time.perf_counter()
+            if w0 <= done < w1:
+                tally.record(status, done - t0, i)
+            if status != OK:
+                await asyncio.sleep(ERROR_BACKOFF_S)
+
+    await asyncio.gather(*[caller() for _ in range(callers)])
+    return tally.result()
+
+
+async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> dict[str, Any]:
+    """One point in this process: build the caller (connections, encoded bodies), report
+    "prepared", wait for the parent's start time, drive, report."""
+    from loadtest.protocols import make_caller
+    from loadtest.workloads import process_requests
+
+    reqs = process_requests(cmd["spec"], index, procs)
+    sizes = np.array([r.size for r in reqs], np.int64)
+    cpu: list[float] = []
+    limit = cmd["max_inflight"] if cmd["mode"] == "open" else max(1, cmd["callers"])
+    async with make_caller(cmd["target"], reqs, limit) as caller:
+        out.put({"prepared": index})
+        go = await asyncio.get_running_loop().run_in_executor(None, cmds.get, True, PREPARE_TIMEOUT_S)
+        if "t_start" not in go:
+            return {"index": index, "aborted": True}
+        t_start = go["t_start"]
+        win0, win1 = t_start + cmd["warm_s"], t_start + cmd["warm_s"] + cmd["seconds"]
+
+        async def cpu_window() -> None:
+            await asyncio.sleep(max(0.0, win0 - time.time()))
+            cpu.append(time.process_time())
+            await asyncio.sleep(max(0.0, win1 - time.time()))
+            cpu.append(time.process_time())
+
+        await asyncio.sleep(max(0.0, t_start - time.time()))
+        watch = asyncio.ensure_future(cpu_window())
+        if cmd["mode"] == "open":
+            times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
+            res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
+                                  cmd["max_inflight"], cmd["target"]["timeout_s"])
+        else:
+            res = await closed_loop(caller.call, sizes, cmd["callers"], win0, win1)
+        await watch
+    return {"index": index, **res, "cpu_frac": (cpu[1] - cpu[0]) / cmd["seconds"]}
+
+
+def _run(coro_fn: Callable[[], Any], use_uvloop: bool) -> Any:
+    """asyncio.run on uvloop when asked and installed (less CPU per request)."""
+    if use_uvloop:
+        try:
+            import uvloop
+
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(coro_fn())
+        except (ImportError, AttributeError):  # no uvloop, or Python < 3.11 (no Runner)
+            pass
+    return asyncio.run(coro_fn())
+
+
+def load_main(index: int, cmds: Any, out: Any) -> None:
+    """A load process: run each point it is sent until it gets None."""
+    from loadtest.protocols import QueueCaller
+
+    out.put({"ready": index})
+    try:
+        while (cmd := cmds.get()) is not None:
+            try:
+                # grpc.aio wants asyncio's own loop
+                res = _run(lambda c=cmd: run_point(index, c["procs"], c, cmds, out),
+                           cmd["target"]["protocol"] != "grpc")
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                res = {"index": index, "failed": f"{type(exc).__name__}: {exc}"}
+            out.put(res)
+    finally:
+        QueueCaller.close_all()
+
+
+class LoadPool:
+    """P spawned load processes kept for a whole run; ``run`` measures one point."""
+
+    def __init__(self, procs: int, start_timeout_s: float = 120.0) -> None:
+        if procs < 1:
+            raise ValueError(f"load processes must be >= 1, got {procs}")
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.cmds = [ctx.Queue() for _ in range(procs)]
+        self.procs = [ctx.Process(target=load_main, name=f"loadgen-{i}", daemon=True,
+                                  args=(i, self.cmds[i], self.out)) for i in range(procs)]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            self.out.get(timeout=start_timeout_s)
+
+    def run(self, cmd: dict, on_start: Callable[[float], None] | None = None) -> list[dict]:
+        """Run ``cmd`` (mode open: ``rate`` is the total; closed: ``callers`` the total) on the
+        processes it needs: each prepares (connects, encodes), then all start at one wall-clock
+        instant, passed to ``on_start`` first; returns their reports."""
+        n = len(self.procs) if cmd["mode"] == "open" else max(1, min(len(self.procs), cmd["callers"]))
+        callers = split_evenly(cmd.get("callers") or 0, n)
+        for i in range(n):
+            part = dict(cmd, procs=n)
+            if cmd["mode"] == "closed":
+                part["callers"] = callers[i]
+            self.cmds[i].put(part)
+        ready = [self.out.get(timeout=PREPARE_TIMEOUT_S) for _ in range(n)]
+        failed = [m["failed"] for m in ready if "failed" in m]
+        if failed:
+            prepared = [m["prepared"] for m in ready if "prepared" in m]
+            for i in prepared:
+                self.cmds[i].put({"abort": True})
+            for _ in prepared:
+                self.out.get(timeout=PREPARE_TIMEOUT_S)
+            raise RuntimeError(f"load process failed: {failed[0]}")
+        t_start = time.time() + START_DELAY_S
+        if on_start is not None:
+            on_start(t_start)
+        for i in range(n):
+            self.cmds[i].put({"t_start": t_start})
+        wait_s = START_DELAY_S + cmd["warm_s"] + cmd["seconds"] + cmd["target"]["timeout_s"] + 60
+        parts = [self.out.get(timeout=wait_s) for _ in range(n)]
+        failed = [p["failed"] for p in parts if "failed" in p]
+        if failed:
+            raise RuntimeError(f"load process failed: {failed[0]}")
+        return parts
+
+    def close(self) -> None:
+        for q in self.cmds:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def split_evenly(total: int, parts: int) -> Sequence[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]

@@ -1,0 +1,185 @@
+"""One async caller per protocol: ``await caller.call(i) -> status`` sends request ``i`` of the
+process's list and reads the whole answer.
+
+Bodies are encoded once before the run, so the generator's CPU goes to sending and receiving.
+Statuses are strings: HTTP codes (``"200"``, ``"503"``), ``"grpc:UNAVAILABLE"``, ``"timeout"``,
+``"conn:<Exception>"``; only ``"200"`` (and gRPC ``OK``, reported as ``"200"``) is a success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+
+PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "queue")
+HTTP_CLIENTS = ("aiohttp", "httpx")
+OK = "200"
+
+
+def encode_http(protocol: str, ids: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """(body, headers) of one request of an HTTP protocol."""
+    if protocol in ("http-json", "http-npy"):
+        headers = {"Content-Type": "application/json"}
+        if protocol == "http-npy":
+            headers["Accept"] = "application/x-npy"
+        return json.dumps({"node_ids": ids.tolist()}).encode(), headers
+    inp: dict[str, Any] = {"name": "node_ids", "datatype": "INT64", "shape": [int(ids.size)]}
+    if protocol == "kserve-json":
+        inp["data"] = ids.tolist()
+        return json.dumps({"inputs": [inp]}).encode(), {"Content-Type": "application/json"}
+    raw = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+    inp["parameters"] = {"binary_data_size": len(raw)}
+    head = json.dumps({"inputs": [inp], "outputs": [
+        {"name": "embeddings", "parameters": {"binary_data": True}}]}).encode()
+    return head + raw, {"Content-Type": "application/octet-stream",
+                        "Inference-Header-Content-Length": str(len(head))}
+
+
+def http_path(protocol: str, model: str) -> str:
+    return "/v1/embed" if protocol.startswith("http-") else f"/v2/models/{model}/infer"
+
+
+class HttpCaller:
+    """aiohttp (default) or httpx; one connection pool per load process, ``limit`` connections."""
+
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+        self.url = target["url"].rstrip("/") + http_path(target["protocol"], target.get("model", ""))
+        self.timeout_s = target["timeout_s"]
+        self.bodies = [encode_http(target["protocol"], r) for r in reqs]
+        self.kind, self.limit = target.get("http_client", "aiohttp"), limit
+        self.session: Any = None
+
+    async def __aenter__(self) -> HttpCaller:
+        if self.kind == "httpx":
+            import httpx
+
+            self.session = httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(
+                max_connections=self.limit, max_keepalive_connections=self.limit))
+        else:
+            import aiohttp
+
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.limit, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.kind == "httpx":
+            await self.session.aclose()
+        else:
+            await self.session.close()
+
+    async def call(self, i: int) -> str:
+        body, headers = self.bodies[i]
+        try:
+            if self.kind == "httpx":
+                r = await self.session.post(self.url, content=body, headers=headers)
+                return str(r.status_code)
+            async with self.session.post(self.url, data=body, headers=headers) as r:
+                await r.read()
+                return str(r.status)
+        except asyncio.TimeoutError:
+            return "timeout"
+        except Exception as exc:  # noqa: BLE001 - every client failure is counted, by kind
+            if type(exc).__name__ in ("ReadTimeout", "ConnectTimeout", "PoolTimeout"):
+                return "timeout"
+            return f"conn:{type(exc).__name__}"
+
+
+class GrpcCaller:
+    """KServe v2 ``ModelInfer`` over grpc.aio; requests serialised once, answers read as bytes."""
+
+    METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+        from quiver_serve.http.grpc_proto import message
+
+        req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
+        self.bodies = []
+        for ids in reqs:
+            inp = inp_cls(name="node_ids", datatype="INT64", shape=[int(ids.size)])
+            msg = req_cls(model_name=target["model"], inputs=[inp],
+                          raw_input_contents=[np.ascontiguousarray(ids, "<i8").tobytes()])
+            self.bodies.append(msg.SerializeToString())
+        self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
+        self.channel: Any = None
+
+    async def __aenter__(self) -> GrpcCaller:
+        import grpc
+
+        self.channel = grpc.aio.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = self.channel.unary_unary(self.METHOD)  # bytes in, bytes out
+        try:  # connect before the point starts, not inside its window
+            await asyncio.wait_for(self.channel.channel_ready(), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            await self.channel.close()
+            raise ConnectionError(f"gRPC endpoint {self.target} not reachable in "
+                                  f"{self.timeout_s:g} s") from None
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.channel.close()
+
+    async def call(self, i: int) -> str:
+        import grpc
+
+        try:
+            await self.stub(self.bodies[i], timeout=self.timeout_s)
+            return OK
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            return "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f"grpc:{code.name}"
+
+
+class QueueCaller:
+    """The queue API: ``connect(endpoints).submit_async(ids)`` (one client per load process)."""
+
+    clients: dict[str, Any] = {}  # one engine client per process, kept across points
+
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+        from quiver_serve.engine.pipeline import connect
+
+        key = repr(target["endpoints"])
+        if key not in self.clients:
+            for old in self.clients.values():
+                old.stop()
+            self.clients.clear()
+            self.clients[key] = connect(target["endpoints"])
+        self.client, self.reqs = self.clients[key], reqs
+
+    async def __aenter__(self) -> QueueCaller:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def call(self, i: int) -> str:
+        from quiver_serve.errors import ServeError
+
+        try:
+            res = await self.client.submit_async(self.reqs[i])
+        except ServeError as exc:  # refused at admission (pending full, shutting down)
+            return str(exc.info.status)
+        return OK if res.ok else str(res.error.status)
+
+    @classmethod
+    def close_all(cls) -> None:
+        for c in cls.clients.values():
+            c.stop()
+        cls.clients.clear()
+
+
+def make_caller(target: dict, reqs: list[np.ndarray], limit: int) -> Any:
+    """The caller of ``target['protocol']`` for this process's requests."""
+    protocol = target["protocol"]
+    if protocol == "grpc":
+        return GrpcCaller(target, reqs, limit)
+    if protocol == "queue":
+        return QueueCaller(target, reqs, limit)
+    if protocol in PROTOCOLS:
+        return HttpCaller(target, reqs, limit)
+    raise ValueError(f"unknown protocol {protocol!r}; one of {PROTOCOLS}")
