@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: timed batches per (path, size) after one untimed warm-up batch
-REPEATS = 3
+#: timed batches per (path, size) after one untimed warm-up batch; their medians make one point
+REPEATS = 5
 
 
 def calibration_sizes(num_nodes: int, max_batch_nodes: int) -> list[int]:
@@ -96,18 +96,24 @@ def calibrate_paths(core: EngineCore, budget_s: float = 20.0, progress: bool = T
                 bar.update(1)
                 if time.monotonic() > end_s:
                     continue
+                timed = []
                 for rep in range(REPEATS + 1):
                     seeds = torch.from_numpy(rng.integers(0, core.num_nodes, size, dtype=np.int64))
                     sample_s, out = _time_sample(core, sampler, seeds)
                     compute_s = _time_compute(core, seeds, out)
-                    if rep:
-                        points[name].append((float(out.n_id.numel()), sample_s))
-                        compute.append((float(out.n_id.numel()), compute_s))
+                    if rep:  # the first of each size pays one-off costs
+                        timed.append((float(out.n_id.numel()), sample_s, compute_s))
+                x, sample_s, compute_s = np.median(np.array(timed), axis=0).tolist()
+                points[name].append((x, sample_s))
+                compute.append((x, compute_s))
     bar.close()
     lines = {p: fit_line(pts) for p, pts in points.items() if pts}
-    model = CostModel(lines, fit_line(compute)) if compute else CostModel(lines)
+    xs = [x for x, _ in compute] or [10.0, 10_000.0]
+    x_range = (min(xs), max(xs))
+    model = CostModel(lines, fit_line(compute), x_range=x_range) if compute else \
+        CostModel(lines, x_range=x_range)
     if "local" in lines:
-        model.paths["cpu"].set_line(lines["local"][0] + model.hop_s, lines["local"][1])
+        model.paths["cpu"].set_line(lines["local"][0] + model.hop_s, lines["local"][1], x_range)
     model.calibrated = True
     for p, m in model.paths.items():
         log.info("cost %-5s: %.3f ms + %.3f us per sampled node", p, m.fixed_s * 1e3,

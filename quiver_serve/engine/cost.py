@@ -82,11 +82,18 @@ class LatencyModel:
             return float("inf")
         return max(0.0, (budget_s - self.fixed_s) / self.per_seed_s)
 
-    def set_line(self, fixed_s: float, per_x_s: float) -> None:
-        """Start from a calibrated line (forgets the window)."""
+    def set_line(self, fixed_s: float, per_x_s: float,
+                 x_range: tuple[float, float] | None = None, weight: int = 32) -> None:
+        """Start from a calibrated line: the window is refilled with ``weight`` points on it over
+        ``x_range`` (log-spaced), so measured batches move the line gradually, and one outlier
+        (a busy host) cannot replace it."""
         self._points.clear()
         self._sums = [0.0, 0.0, 0.0, 0.0]
         self.fixed_s, self.per_seed_s = max(fixed_s, 0.0), max(per_x_s, 0.0)
+        if x_range is not None and weight > 0:
+            lo, hi = max(x_range[0], 1.0), max(x_range[1], x_range[0] + 1.0, 2.0)
+            for x in np.geomspace(lo, hi, weight):
+                self.observe(float(x), self.fixed_s + self.per_seed_s * float(x))
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -118,13 +125,15 @@ class CostModel:
 
     def __init__(self, lines: dict[str, tuple[float, float]] | None = None,
                  compute: tuple[float, float] = PRIOR_COMPUTE, key: dict | None = None,
-                 hop_s: float | None = None) -> None:
+                 hop_s: float | None = None,
+                 x_range: tuple[float, float] = (10.0, 10_000.0)) -> None:
         lines = {**PRIORS, **(lines or {})}
+        self.x_range = (float(x_range[0]), float(x_range[1]))
         self.paths = {p: LatencyModel() for p in PATHS}
         for p, (a, b) in lines.items():
-            self.paths[p].set_line(a, b)
+            self.paths[p].set_line(a, b, self.x_range)
         self.compute = LatencyModel()
-        self.compute.set_line(*compute)
+        self.compute.set_line(*compute, self.x_range)
         self.key = dict(key or {})
         #: the pool's hop there and back, on top of the C++ sampling time
         self.hop_s = PRIORS["cpu"][0] - PRIORS["local"][0] if hop_s is None else hop_s
@@ -155,14 +164,16 @@ class CostModel:
     # ---- persistence -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"version": COST_VERSION, "key": self.key, "hop_s": self.hop_s,
+                "x_range": list(self.x_range),
                 "paths": {p: [m.fixed_s, m.per_seed_s] for p, m in self.paths.items()},
                 "compute": [self.compute.fixed_s, self.compute.per_seed_s]}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
+        x_range = d.get("x_range") or (10.0, 10_000.0)
         model = cls({p: (float(v[0]), float(v[1])) for p, v in d["paths"].items() if p in PATHS},
                     (float(d["compute"][0]), float(d["compute"][1])), d.get("key"),
-                    float(d.get("hop_s", PRIORS["cpu"][0])))
+                    float(d.get("hop_s", PRIORS["cpu"][0])), (float(x_range[0]), float(x_range[1])))
         model.calibrated = True
         return model
 
