@@ -312,7 +312,7 @@ class EngineCore:
                                  len(self.in_flight), waiting_batches=self._waiting_ids / max(n, 1))
         if self.psgs is not None and not batch.exact:
             ids = batch.seeds.numpy()
-            state.psgs = batch.psgs = self.psgs.estimate(ids)
+            state.psgs = batch.psgs = float(self.psgs.estimate(ids))
             if self.router.forced == "quiver":
                 state.quiver_size = self.psgs.quiver_sum(ids)
         if outstanding:
@@ -324,7 +324,8 @@ class EngineCore:
         decision = self.router.decide(state)
         batch.route = decision.route
         if batch.psgs > 0:
-            batch.predicted_s = decision.predicted_s + self.cost.compute.predict_s(batch.psgs)
+            batch.predicted_s = float(decision.predicted_s
+                                      + self.cost.compute.predict_s(batch.psgs))
         if decision.route == "cpu":
             assert self.pool is not None
             self.sampling[batch.batch_id] = batch

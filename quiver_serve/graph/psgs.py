@@ -210,7 +210,7 @@ class PsgsTable:
         per_draw = lo + (hi - lo) * fi  # the grid holds f / D (smooth in both axes)
         if per_seed > self.draw_hi:
             per_draw *= self.draw_hi / per_seed  # beyond the grid: saturated, f flat
-        return per_draw * draws
+        return float(per_draw * draws)
 
     def estimate_parts(self, seeds: np.ndarray) -> tuple[float, float]:
         """``(S, raw)``: the plain sum of per-node sizes and the union estimate.
@@ -227,7 +227,7 @@ class PsgsTable:
         if draws <= 0.0:
             return plain, plain
         seeds_hit = b * -math.expm1(-float(draws) * float(pop) / b)
-        return plain, b + self.occupancy(float(draws), b) - seeds_hit
+        return plain, float(b + self.occupancy(float(draws), b) - seeds_hit)
 
     def estimate(self, seeds: np.ndarray) -> float:
         """Predicted unique nodes of one batch's sampled subgraph (``seeds`` int64, may repeat)."""
