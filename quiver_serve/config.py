@@ -82,8 +82,20 @@ class SamplingConfig(_Section):
     gpu_mode: Literal["auto", "device", "uva"] = Field(
         "auto", description="GPU sampling: CSC in GPU memory (device), pinned host memory read by the GPU (uva), or device when it fits in half the free GPU memory (auto)"
     )
-    route: Literal["auto", "cpu", "gpu", "local"] = Field(
-        "auto", description="routing policy: auto (router decides), or force one path"
+    route: Literal["auto", "cpu", "gpu", "local", "quiver"] = Field(
+        "auto", description="routing: auto (the path the cost model predicts finishes first; cpu on a box without a GPU sampler), cpu (CPU pool or engine, by the cost model), gpu, local (C++ sampler in the engine), quiver (torch-quiver's rule: one-draw size sum vs quiver_threshold)"
+    )
+    quiver_threshold: int = Field(
+        800, ge=0, description="route quiver: batches whose summed one-draw sampled size reaches this go to the GPU, the rest to the CPU"
+    )
+    psgs_rounds: int = Field(
+        4, ge=1, le=64, description="samples of every node alone behind its PSGS table entry (cached on disk per graph and fanouts)"
+    )
+    calibration: Literal["auto", "startup", "off"] = Field(
+        "auto", description="cost model: auto (reuse the saved calibration when graph, fanouts and hardware match, else time the paths at start-up), startup (always time), off (priors, refined online)"
+    )
+    calibration_s: float = Field(
+        20.0, gt=0, description="longest time the start-up calibration of the sampling paths may take"
     )
 
     @model_validator(mode="after")
@@ -185,7 +197,8 @@ class ServeConfig(_Section):
                 f"is {self.model.num_layers}: they must match (one hop per layer)"
             )
         if self.sampling.route == "cpu" and self.sampling.num_cpu_workers == 0:
-            raise ValueError("sampling.route=cpu needs sampling.num_cpu_workers >= 1")
+            raise ValueError("sampling.route=cpu needs sampling.num_cpu_workers >= 1 (use local "
+                             "to sample inside the engine core)")
         if self.sampling.route == "gpu" and self.inference.device == "cpu":
             raise ValueError("sampling.route=gpu needs inference.device auto or cuda")
         return self

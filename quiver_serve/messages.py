@@ -85,6 +85,8 @@ class BatchStats:
     compute_s: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
+    psgs: float = 0.0  # predicted unique nodes of the batch (0: no prediction)
+    predicted_s: float = 0.0  # predicted sample + gather + model seconds (0: no prediction)
 
 
 @dataclass

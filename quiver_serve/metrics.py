@@ -25,6 +25,8 @@ PREFIX = "quiver_serve_"
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
+_RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 def multiprocess_dir() -> str:
@@ -76,6 +78,15 @@ class EngineMetrics:
             PREFIX + "feature_cache_hits", "feature rows read from GPU memory", registry=None)
         self.cache_misses = Counter(
             PREFIX + "feature_cache_misses", "feature rows read from host memory", registry=None)
+        self.psgs = Histogram(
+            PREFIX + "psgs", "predicted sampled-graph size (unique nodes) per batch",
+            buckets=_NODE_BUCKETS, registry=None)
+        self.psgs_error = Histogram(
+            PREFIX + "psgs_relative_error", "|predicted - measured| / measured sampled nodes",
+            buckets=_RELATIVE_ERROR_BUCKETS, registry=None)
+        self.latency_ratio = Histogram(
+            PREFIX + "batch_latency_ratio", "measured / predicted batch latency (sample + "
+            "gather + model), by route", ["route"], buckets=_RATIO_BUCKETS, registry=None)
 
     def observe(self, stats: BatchStats) -> None:
         self.route_total.labels(stats.route).inc()
@@ -89,6 +100,14 @@ class EngineMetrics:
             self.cache_hits.inc(stats.cache_hits)
         if stats.cache_misses:
             self.cache_misses.inc(stats.cache_misses)
+        if stats.psgs > 0:
+            self.psgs.observe(stats.psgs)
+            if stats.num_sampled_nodes:
+                self.psgs_error.observe(abs(stats.psgs - stats.num_sampled_nodes)
+                                        / stats.num_sampled_nodes)
+        if stats.predicted_s > 0:
+            measured_s = stats.sample_s + stats.compute_s
+            self.latency_ratio.labels(stats.route).observe(measured_s / stats.predicted_s)
 
 
 class Metrics(PipelineObserver):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.cost import CostModel, LatencyModel
 from quiver_serve.engine.fill import ExpectedFill
 from quiver_serve.engine.micro_batch import (
     MicroBatch,
@@ -37,7 +37,8 @@ from quiver_serve.engine.micro_batch import (
     check_ids,
     prune,
 )
-from quiver_serve.engine.router import EngineRouter, EngineRouteState
+from quiver_serve.engine.router import EngineRouter, EngineRouteState, PoolClock
+from quiver_serve.graph.psgs import PsgsTable
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
 from quiver_serve.models.graphed import GraphedForward, Staged
@@ -72,6 +73,12 @@ class Batch:
     start_event: Any = None
     launched_s: float = 0.0
     expected_done_s: float = 0.0
+    # routing: predicted sampled-graph size and batch latency; the pool sampler it went to
+    psgs: float = 0.0
+    predicted_s: float = 0.0
+    sampler: int = -1
+    sent_s: float = 0.0
+    sent_idle: bool = False
 
 
 class SamplerPool:
@@ -105,6 +112,12 @@ class EngineCore:
         self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
         self.in_flight: deque[Batch] = deque()  # launched on the GPU
         self.reset_cost_models()
+        #: PSGS table (``engine/calibrate.py`` sets it); None: route and size by seed count
+        self.psgs: PsgsTable | None = None
+        self._waiting_draws = 0.0
+        self._pool_clock = PoolClock()  # when each CPU sampler's queue is predicted done
+        #: learn from measured batches (off during the warm-up: one-off costs)
+        self.learn_costs = True
         self._ids = itertools.count()
         self.on_gpu = device.type == "cuda"
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
@@ -155,6 +168,14 @@ class EngineCore:
         self.latency = LatencyModel()
         self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
 
+    @property
+    def cost(self) -> CostModel:
+        """The per-path cost model (the router's)."""
+        return self.router.cost
+
+    def set_cost_model(self, model: CostModel) -> None:
+        self.router.cost = model
+
     # ---- intake --------------------------------------------------------------------------------
     def add(self, mb: MicroBatch) -> Reply | None:
         """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded)."""
@@ -169,6 +190,10 @@ class EngineCore:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+        if self.psgs is not None:
+            ids = mb.ids if mb.valid is None else mb.ids[(mb.ids >= 0) & (mb.ids < self.num_nodes)]
+            mb.draws = self.psgs.draws(ids)
+            self._waiting_draws += mb.draws
         self.waiting.append(mb)
         self._waiting_ids += mb.num_ids
         if mb.outstanding_ids:
@@ -237,8 +262,7 @@ class EngineCore:
     def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:
         """Merge waiting micro-batches of one kind into a batch sized to the deadline budget."""
         first = self.waiting[0]
-        budget_s = first.min_deadline_s - now_s
-        cap = self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
+        cap = self._seed_cap(first.min_deadline_s - now_s)
         parts: list[Part] = []
         refused: list[Reply] = []
         taken = 0
@@ -249,6 +273,7 @@ class EngineCore:
                 break
             self.waiting.popleft()
             self._waiting_ids -= mb.num_ids
+            self._waiting_draws -= mb.draws
             part = prune(mb, now_s)
             if part.alive is not None and not part.alive.any():
                 refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
@@ -265,17 +290,49 @@ class EngineCore:
                       formed_s=now_s)
         return batch, refused
 
+    def _seed_cap(self, budget_s: float) -> int:
+        """Most seeds a batch may take and finish inside ``budget_s``: the cost model's largest
+        PSGS over the paths the router may use, turned into seeds at the waiting work's mean
+        PSGS per seed (the union grows slower than the seeds, so this errs small)."""
+        if self.psgs is None or self._waiting_ids <= 0:
+            return self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
+        paths = self.router.paths(self.gpu_sampler is not None, self.pool is not None)
+        psgs_cap = self.cost.max_psgs_within(budget_s, paths)
+        per_seed = self.psgs.union_of(max(self._waiting_draws, 0.0), self._waiting_ids) \
+            / self._waiting_ids
+        if psgs_cap == float("inf") or per_seed <= 0:
+            return self.max_batch_nodes
+        return max(1, min(self.max_batch_nodes, int(psgs_cap / per_seed)))
+
     # ---- routing, sampling, launching ------------------------------------------------------------
+    def _route_state(self, batch: Batch) -> EngineRouteState:
+        n = int(batch.seeds.numel())
+        outstanding = self.pool.outstanding() if self.pool is not None else []
+        state = EngineRouteState(n, len(self.waiting), outstanding, self.gpu_sampler is not None,
+                                 len(self.in_flight), waiting_batches=self._waiting_ids / max(n, 1))
+        if self.psgs is not None and not batch.exact:
+            ids = batch.seeds.numpy()
+            state.psgs = batch.psgs = float(self.psgs.estimate(ids))
+            if self.router.forced == "quiver":
+                state.quiver_size = self.psgs.quiver_sum(ids)
+        if outstanding:
+            state.pool_queued_s = self._pool_clock.queued_s(outstanding, time.time())
+        return state
+
     def _route_and_run(self, batch: Batch) -> list[Reply]:
-        state = EngineRouteState(
-            num_seeds=int(batch.seeds.numel()), waiting_micro_batches=len(self.waiting),
-            pool_outstanding=self.pool.outstanding() if self.pool is not None else [],
-            on_gpu=self.gpu_sampler is not None, in_flight=len(self.in_flight))
+        state = self._route_state(batch)
         decision = self.router.decide(state)
         batch.route = decision.route
+        if batch.psgs > 0:
+            batch.predicted_s = float(decision.predicted_s
+                                      + self.cost.compute.predict_s(batch.psgs))
         if decision.route == "cpu":
             assert self.pool is not None
             self.sampling[batch.batch_id] = batch
+            now = time.time()
+            batch.sampler, batch.sent_s = decision.sampler, now
+            batch.sent_idle = not state.pool_outstanding[decision.sampler]
+            self._pool_clock.on_send(decision.sampler, decision.predicted_s, now)
             self.pool.send(decision.sampler, batch.batch_id, batch.seeds, self._fanouts(batch),
                            batch.seed)
             return []
@@ -293,6 +350,8 @@ class EngineCore:
             return self._fail(batch, exc)
         batch.sample_s = time.perf_counter() - t0
         self.sample_latency.observe(int(batch.seeds.numel()), batch.sample_s)
+        if self.learn_costs and not batch.exact:
+            self.cost.observe_sample(decision.route, batch.sampled.num_nodes, batch.sample_s)
         return self._launch(batch)
 
     def on_sampled(self, task_id: int, out: SamplerOutput | None, sample_s: float,
@@ -304,6 +363,9 @@ class EngineCore:
         if out is None:
             return self._fail(batch, RuntimeError(f"CPU sampler failed: {error}"))
         batch.sampled, batch.sample_s = out, sample_s
+        if self.learn_costs and batch.sent_idle and not batch.exact:
+            # sent to an idle sampler: the round trip is the path's own time (no queue in it)
+            self.cost.observe_sample("cpu", out.num_nodes, time.time() - batch.sent_s)
         self.sampled.append(batch)
         return []
 
@@ -357,6 +419,7 @@ class EngineCore:
         rows = self._forward(batch).float()
         compute_s = time.perf_counter() - t0
         self.latency.observe(int(batch.seeds.numel()), compute_s + batch.sample_s)
+        self._observe_compute(batch, compute_s)
         return self._replies(batch, rows.numpy(), compute_s)
 
     def _run_async(self, batch: Batch) -> None:
@@ -391,10 +454,15 @@ class EngineCore:
             self.in_flight.popleft()
             compute_s = batch.start_event.elapsed_time(batch.done_event) / 1e3
             self.latency.observe(int(batch.seeds.numel()), compute_s)
+            self._observe_compute(batch, compute_s)
             assert batch.rows is not None
             replies += self._replies(batch, batch.rows.numpy(), compute_s)
             block = False
         return replies
+
+    def _observe_compute(self, batch: Batch, compute_s: float) -> None:
+        if self.learn_costs and not batch.exact and batch.sampled is not None:
+            self.cost.observe_compute(batch.sampled.num_nodes, compute_s)
 
     # ---- replies ---------------------------------------------------------------------------------
     def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
@@ -440,7 +508,8 @@ class EngineCore:
             num_sampled_edges=int(sb.edge_index.size(1)),
             queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
             compute_s=compute_s, cache_hits=n_rows if on_gpu_hit else 0,
-            cache_misses=0 if on_gpu_hit else n_rows)
+            cache_misses=0 if on_gpu_hit else n_rows, psgs=batch.psgs,
+            predicted_s=batch.predicted_s)
 
     def _fail(self, batch: Batch, exc: BaseException) -> list[Reply]:
         if is_cuda_fatal(exc):

@@ -298,8 +298,12 @@ def _peek_seq(frames: list[Any]) -> int | None:
 
 
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
-               pool: SamplerPool | None) -> EngineCore:
-    """Device, model (weights-only), samplers, feature placement, and a warm-up batch."""
+               pool: SamplerPool | None, calibration: str | None = None,
+               progress: bool = True) -> EngineCore:
+    """Device, model (weights-only), samplers, feature placement, a warm-up batch, then the
+    PSGS table and the cost model (``engine/calibrate.py``; ``calibration`` overrides
+    ``sampling.calibration``)."""
+    from quiver_serve.engine.calibrate import prepare_routing
     from quiver_serve.engine.inference import gpu_sampler_or_none, place_model_and_features
 
     device, model, features = place_model_and_features(cfg, graph, index)
@@ -307,25 +311,28 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
                                                   cfg.sampling.implementation),
         cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
-        router=EngineRouter(cfg.sampling.route),
+        router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device))
     core.check_fast_model()
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
+    prepare_routing(core, cfg, graph, calibration, progress)
     return core
 
 
 def warm_up(core: EngineCore) -> None:
     """Tiny batches through every path in this process (GPU and CPU sampling, sampled and exact),
     so the first request pays no lazy initialisation; the pool is not used here."""
-    router = core.router
+    mode = core.router.forced
+    core.learn_costs = False
     try:
         for route in ("gpu", "local") if core.gpu_sampler is not None else ("local",):
-            core.router = EngineRouter(route)
+            core.router.forced = route
             _warm_batches(core)
     finally:
-        core.router = router
+        core.router.forced = mode
+        core.learn_costs = True
     core.reset_cost_models()  # warm-up timings include one-off costs: forget them
 
 

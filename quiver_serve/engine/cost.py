@@ -1,15 +1,29 @@
-"""A measured latency model per path: seconds as a line in the batch's seed count.
+"""Measured latency models: a line in a batch's size, and the cost model of every sampling path.
 
-The engine core feeds it every batch it finishes (seeds, seconds) and asks it two things: how many
-seeds a batch may take and still finish inside the oldest request's remaining deadline budget, and
-when the batch now on the GPU is expected to finish (so the next one is formed as late as possible,
-with as many requests as possible, but still in time to keep the GPU busy). The routing issue
-replaces the seed count with the predicted sampled-graph size (PSGS) and calibrates at start-up.
+``LatencyModel``: least-squares line over a sliding window (O(1) per batch). The engine core uses
+one in seed count for when the batch now on the GPU finishes (so the next one is formed as late
+as possible, with as many requests as possible, but in time to keep the GPU busy) and for the
+expected fill's hold.
+
+``CostModel``: per sampling path (GPU sampler, C++ sampler in the engine, CPU sampler pool) the
+sampling latency as a line in the batch's PSGS (predicted unique nodes, ``graph/psgs.py``), and
+the gather + model time as a line in the same size. Calibrated by timing every path over a range
+of batch sizes (``engine/calibrate.py``, at start-up or with ``python -m quiver_serve.calibrate``),
+saved as JSON keyed by graph, fanouts and hardware, reloaded when the key matches, and refined
+online from each batch's measured times. The router sends a batch to the path predicted to finish
+first; the batch former sizes batches to the deadline with the same lines.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 from collections import deque
+from pathlib import Path
+
+import numpy as np
 
 
 class LatencyModel:
@@ -61,3 +75,144 @@ class LatencyModel:
             return cap
         n = int((budget_s - self.fixed_s) / self.per_seed_s)
         return max(1, min(cap, n))
+
+    def max_x_within(self, budget_s: float) -> float:
+        """The largest ``x`` predicted to finish inside ``budget_s`` (inf when the slope is 0)."""
+        if self.per_seed_s <= 0:
+            return float("inf")
+        return max(0.0, (budget_s - self.fixed_s) / self.per_seed_s)
+
+    def set_line(self, fixed_s: float, per_x_s: float,
+                 x_range: tuple[float, float] | None = None, weight: int = 32) -> None:
+        """Start from a calibrated line: the window is refilled with ``weight`` points on it over
+        ``x_range`` (log-spaced), so measured batches move the line gradually, and one outlier
+        (a busy host) cannot replace it."""
+        self._points.clear()
+        self._sums = [0.0, 0.0, 0.0, 0.0]
+        self.fixed_s, self.per_seed_s = max(fixed_s, 0.0), max(per_x_s, 0.0)
+        if x_range is not None and weight > 0:
+            lo, hi = max(x_range[0], 1.0), max(x_range[1], x_range[0] + 1.0, 2.0)
+            for x in np.geomspace(lo, hi, weight):
+                self.observe(float(x), self.fixed_s + self.per_seed_s * float(x))
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(fixed_s, per_x_s)`` through ``(x, seconds)`` points (both >= 0)."""
+    if not points:
+        raise ValueError("no points to fit")
+    x = np.array([p[0] for p in points], dtype=np.float64)
+    y = np.array([p[1] for p in points], dtype=np.float64)
+    if len(points) < 2 or float(np.ptp(x)) <= 0:
+        return float(y.mean()), 0.0
+    slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
+    return max(float(y.mean() - slope * x.mean()), 0.0), slope
+
+
+# ---- the cost model of every sampling path (PSGS-based; routing and batch sizing) -------------
+#: sampling paths: "gpu" = this engine's GPU sampler; "local" = the C++ sampler in the engine
+#: thread; "cpu" = a CPU sampler process of the pool (sampling time + the hop there and back)
+PATHS = ("gpu", "local", "cpu")
+#: prior lines (fixed_s, per sampled node s) before calibration or any measured batch
+PRIORS = {"gpu": (8e-5, 5e-9), "local": (2e-5, 2e-7), "cpu": (2e-4, 2e-7)}
+PRIOR_COMPUTE = (1e-3, 1e-6)
+COST_VERSION = 1
+
+
+class CostModel:
+    """Latency per path as a line in the batch's sampled-graph size (PSGS), and the model's
+    compute time as a line in the same size. Lines start from a calibration (``calibrate``
+    command or start-up) and follow the measured batches online (``LatencyModel``'s window)."""
+
+    def __init__(self, lines: dict[str, tuple[float, float]] | None = None,
+                 compute: tuple[float, float] = PRIOR_COMPUTE, key: dict | None = None,
+                 hop_s: float | None = None,
+                 x_range: tuple[float, float] = (10.0, 10_000.0)) -> None:
+        lines = {**PRIORS, **(lines or {})}
+        self.x_range = (float(x_range[0]), float(x_range[1]))
+        self.paths = {p: LatencyModel() for p in PATHS}
+        for p, (a, b) in lines.items():
+            self.paths[p].set_line(a, b, self.x_range)
+        self.compute = LatencyModel()
+        self.compute.set_line(*compute, self.x_range)
+        self.key = dict(key or {})
+        #: the pool's hop there and back, on top of the C++ sampling time
+        self.hop_s = PRIORS["cpu"][0] - PRIORS["local"][0] if hop_s is None else hop_s
+        self.calibrated = False
+
+    def sample_s(self, path: str, psgs: float) -> float:
+        return self.paths[path].predict_s(psgs)
+
+    def batch_s(self, path: str, psgs: float) -> float:
+        """Predicted batch latency on ``path``: sampling plus gather and model."""
+        return self.paths[path].predict_s(psgs) + self.compute.predict_s(psgs)
+
+    def observe_sample(self, path: str, sampled_nodes: int, seconds: float) -> None:
+        self.paths[path].observe(sampled_nodes, seconds)
+
+    def observe_compute(self, sampled_nodes: int, seconds: float) -> None:
+        self.compute.observe(sampled_nodes, seconds)
+
+    def max_psgs_within(self, budget_s: float, paths: tuple[str, ...]) -> float:
+        """The largest PSGS some path of ``paths`` samples and computes inside ``budget_s``."""
+        best = 0.0
+        for p in paths:
+            a = self.paths[p].fixed_s + self.compute.fixed_s
+            b = self.paths[p].per_seed_s + self.compute.per_seed_s
+            best = max(best, float("inf") if b <= 0 else (budget_s - a) / b)
+        return best
+
+    # ---- persistence -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": COST_VERSION, "key": self.key, "hop_s": self.hop_s,
+                "x_range": list(self.x_range),
+                "paths": {p: [m.fixed_s, m.per_seed_s] for p, m in self.paths.items()},
+                "compute": [self.compute.fixed_s, self.compute.per_seed_s]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        x_range = d.get("x_range") or (10.0, 10_000.0)
+        model = cls({p: (float(v[0]), float(v[1])) for p, v in d["paths"].items() if p in PATHS},
+                    (float(d["compute"][0]), float(d["compute"][1])), d.get("key"),
+                    float(d.get("hop_s", PRIORS["cpu"][0])), (float(x_range[0]), float(x_range[1])))
+        model.calibrated = True
+        return model
+
+    def save(self, path: Path) -> None:
+        """Write as JSON (atomically)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, key: dict) -> CostModel | None:
+        """The saved model when the file exists and its key equals ``key``, else None."""
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if d.get("version") != COST_VERSION or d.get("key") != key:
+            return None
+        try:
+            return cls.from_dict(d)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+
+
+def cost_key(graph_key: str, fanouts: list[int], device: str, extra: dict | None = None) -> dict:
+    """What a calibration holds for: graph, fanouts and hardware (device name, CPU count, torch
+    version), plus ``extra`` (GPU memory mode, model, samplers: they change the lines too)."""
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") \
+        else f"cpu:{platform.machine()}"
+    return {"graph": graph_key, "fanouts": list(fanouts), "device": name,
+            "cpus": os.cpu_count(), "torch": torch.__version__, **(extra or {})}
+
+
+def cost_path(key: dict) -> Path:
+    """``$QUIVER_SERVE_CACHE/costs/cost-<hash of key>.json``."""
+    from quiver_serve.graph.psgs import cache_dir
+
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return cache_dir().parent / "costs" / f"cost-{digest}.json"

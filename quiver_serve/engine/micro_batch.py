@@ -33,6 +33,8 @@ class MicroBatch:
     valid: np.ndarray | None = None
     errors: list[RequestError] = field(default_factory=list)
     min_deadline_s: float = 0.0
+    #: PSGS draws of its ids (``PsgsTable.draws``), summed for the batch former's sizing
+    draws: float = 0.0
 
     @property
     def num_ids(self) -> int:

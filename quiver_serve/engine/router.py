@@ -1,15 +1,20 @@
 """Routing: which path samples a batch. An interface returning a decision object, no processes.
 
-The policy here is join-the-shortest-queue over the available paths; the PSGS issue replaces it
-with a calibrated cost model behind the same interface.
+``QueueDepthRouter`` (join the shortest queue) serves the seed's stage API (``HybridSampler``);
+``EngineRouter`` serves the engine core: the calibrated cost model of every path over the batch's
+predicted sampled-graph size (PSGS), or torch-quiver's fixed-threshold rule as a baseline.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from quiver_serve.engine.cost import CostModel
 from quiver_serve.messages import BatchedRequest
+
+log = logging.getLogger(__name__)
 
 #: routes: "cpu" = CPU sampler pool; "gpu" = sampled on the GPU inside the inference worker;
 #: "local" = sampled on the CPU inside the inference worker (no pool, no GPU)
@@ -47,6 +52,8 @@ class QueueDepthRouter(Router):
     """Join the shortest queue; ``forced`` pins one route (config ``sampling.route``)."""
 
     def __init__(self, forced: str = "auto") -> None:
+        if forced == "quiver":
+            forced = "auto"  # the stage API has no PSGS table: torch-quiver's rule needs one
         if forced not in ("auto", *ROUTES):
             raise ValueError(f"unknown route {forced!r}")
         self.forced = forced
@@ -75,11 +82,10 @@ class QueueDepthRouter(Router):
 #: engine-core routes: "gpu" = sampled on this engine's GPU; "cpu" = the CPU sampler pool;
 #: "local" = sampled on the CPU inside the engine core
 ENGINE_ROUTES = ("gpu", "cpu", "local")
-#: below this many seeds the C++ sampler beats the GPU kernel's fixed cost (0.016 vs 0.065 ms on
-#: an H200 box, plus the GPU sampler's host sync for its counts); such batches are sampled inside
-#: the engine core (no hop to the pool, which costs more than it saves). The PSGS cost model of
-#: the routing issue replaces this measured constant.
-SMALL_BATCH_SEEDS = 16
+#: config ``sampling.route``: ``auto`` = every path, by the cost model; ``cpu`` = the CPU paths
+#: (pool and engine) by the cost model; ``gpu`` / ``local`` = one path; ``quiver`` = torch-quiver's
+#: rule (one draw's size per seed, summed, against ``quiver_threshold``: GPU above, CPU below)
+ROUTE_MODES = ("auto", "cpu", "gpu", "local", "quiver")
 
 
 @dataclass
@@ -91,38 +97,104 @@ class EngineRouteState:
     pool_outstanding: list[int]  # batches at each CPU sampler (empty: no pool)
     on_gpu: bool  # this engine samples on a GPU
     in_flight: int = 0  # batches launched on the GPU and not finished
+    psgs: float = 0.0  # predicted unique nodes of the batch (graph/psgs.py)
+    quiver_size: int = 0  # torch-quiver's estimate: one draw's size per seed, summed
+    pool_queued_s: list[float] = field(default_factory=list)  # predicted work at each sampler
+    waiting_batches: float = 0.0  # work left waiting, in batches of this one's size
+
+
+@dataclass
+class EngineRouteDecision(RouteDecision):
+    predicted_s: float = 0.0  # predicted sampling time on the chosen path
 
 
 class EngineRouter:
-    """Route one batch: ``forced`` pins a path (config ``sampling.route``); ``auto`` decides.
+    """Route one batch by the cost model (``engine/cost.py``).
 
-    auto on a GPU engine: the GPU, except tiny batches, which the C++ sampler samples right here
-    (its fixed cost is lower, and a hop to the pool would cost more than the sampling). auto on a CPU-only engine: sample here when nothing else waits (lowest
-    latency); hand the batch to an idle CPU sampler when more work waits, so sampling of this batch
-    overlaps the model of the next.
+    Each path's finish time is its queued work plus its sampling time for the batch's PSGS. The
+    engine thread is a path's queue too: the C++ sampler here and the GPU sampler (one host sync
+    per batch) hold the thread while they sample, so every batch still waiting is delayed by that
+    time; a pool sampler does not (the thread only sends). So a path scores
+    ``queued + sample(psgs) + waiting_batches x engine_time(psgs)``, and the lowest score wins:
+    with nothing waiting it is plain "finishes first"; under load, work moves to the pool while
+    its queue is shorter than what it saves the engine thread.
     """
 
-    def __init__(self, forced: str = "auto", pool_depth: int = 2) -> None:
-        if forced not in ("auto", *ENGINE_ROUTES):
-            raise ValueError(f"unknown route {forced!r}")
-        self.forced = forced
+    def __init__(self, mode: str = "auto", cost: CostModel | None = None, pool_depth: int = 2,
+                 quiver_threshold: int = 800) -> None:
+        if mode not in ROUTE_MODES:
+            raise ValueError(f"unknown route {mode!r}: expected one of {', '.join(ROUTE_MODES)}")
+        self.forced = mode
+        self.cost = cost if cost is not None else CostModel()
         self.pool_depth = pool_depth
+        self.quiver_threshold = quiver_threshold
+        self._logged_cpu_only = False
 
-    def decide(self, state: EngineRouteState) -> RouteDecision:
-        free = _least(state.pool_outstanding)
-        route = self.forced
-        if route == "auto":
-            pool_free = free is not None and state.pool_outstanding[free] < self.pool_depth
-            if state.on_gpu:
-                route = "local" if state.num_seeds < SMALL_BATCH_SEEDS else "gpu"
-            else:
-                route = "cpu" if pool_free and state.waiting_micro_batches > 0 else "local"
-        if route == "cpu" and free is None:
+    def decide(self, state: EngineRouteState) -> EngineRouteDecision:
+        free = _least_free(state.pool_outstanding, self.pool_depth)
+        any_pool = _least(state.pool_outstanding)
+        mode = self.forced
+        if mode == "auto" and not state.on_gpu:
+            if not self._logged_cpu_only:
+                log.info("route auto on an engine without a GPU sampler: auto is cpu here")
+                self._logged_cpu_only = True
+            mode = "cpu"
+        if mode == "gpu":
+            route = "gpu" if state.on_gpu else "local"  # no GPU sampler (no CuPy): the CPU here
+        elif mode == "local":
+            route = "local"
+        elif mode == "quiver":
+            big = state.quiver_size >= self.quiver_threshold and state.on_gpu
+            route = "gpu" if big else ("cpu" if free is not None else "local")
+        else:
+            paths = ["local"] + (["gpu"] if mode == "auto" else [])
+            if free is not None:
+                paths.append("cpu")
+            route = min(paths, key=lambda p: self._score(p, state, free))
+        if route == "cpu" and any_pool is None:
             raise RuntimeError("route 'cpu' needs sampling.num_cpu_workers >= 1")
-        if route == "gpu" and not state.on_gpu:
-            route = "local"  # no GPU sampler (no CuPy, or it failed to build): sample on the CPU
-        return RouteDecision(route=route, sampler=free or 0, worker=0, reason=self.forced)
+        sampler = free if free is not None else (any_pool or 0)
+        return EngineRouteDecision(route=route, sampler=sampler, worker=0, reason=mode,
+                                   predicted_s=self.cost.sample_s(route, state.psgs))
+
+    def paths(self, on_gpu: bool, has_pool: bool) -> tuple[str, ...]:
+        """The paths this router may send a batch to (the batch former sizes for the best)."""
+        mode = "cpu" if self.forced == "auto" and not on_gpu else self.forced
+        if mode in ("gpu", "local"):
+            return ("gpu",) if mode == "gpu" and on_gpu else ("local",)
+        out = ["local"] + (["gpu"] if on_gpu and mode in ("auto", "quiver") else [])
+        return tuple(out + (["cpu"] if has_pool else []))
+
+    def _score(self, path: str, state: EngineRouteState, sampler: int | None) -> float:
+        sample_s = self.cost.sample_s(path, state.psgs)
+        if path == "cpu":
+            queued = state.pool_queued_s[sampler] if sampler is not None and \
+                sampler < len(state.pool_queued_s) else 0.0
+            return queued + sample_s
+        return sample_s * (1.0 + state.waiting_batches)
 
 
 def _least(values: list[int]) -> int | None:
     return _argmin(values) if values else None
+
+
+def _least_free(values: list[int], depth: int) -> int | None:
+    """The sampler holding the fewest batches, if it holds fewer than ``depth``."""
+    j = _least(values)
+    return j if j is not None and values[j] < depth else None
+
+
+class PoolClock:
+    """When each CPU sampler's queued batches are predicted to be done (``time.time()``)."""
+
+    def __init__(self) -> None:
+        self.busy_until: list[float] = []
+
+    def queued_s(self, outstanding: list[int], now_s: float) -> list[float]:
+        if len(self.busy_until) != len(outstanding):
+            self.busy_until = [now_s] * len(outstanding)
+        return [max(0.0, t - now_s) if k else 0.0 for t, k in zip(self.busy_until, outstanding, strict=True)]
+
+    def on_send(self, sampler: int, predicted_s: float, now_s: float) -> None:
+        if sampler < len(self.busy_until):
+            self.busy_until[sampler] = max(now_s, self.busy_until[sampler]) + predicted_s

@@ -34,7 +34,7 @@ def unique_first(values: Tensor) -> tuple[Tensor, Tensor]:
 def floyd_select(degree: Tensor, k: int, node_h: Tensor) -> Tensor:
     """Floyd's k-of-d sampling for nodes with ``degree > k``: local offsets [P, k], draw order."""
     num = degree.numel()
-    chosen = torch.empty((num, k), dtype=torch.int64)
+    chosen = torch.empty((num, k), dtype=torch.int64, device=degree.device)
     for i in range(k):  # loop over draws, vectorised over nodes
         t = degree - k + i
         j = (draw32(node_h, i) * (t + 1)) >> 32
@@ -48,13 +48,16 @@ def floyd_select(degree: Tensor, k: int, node_h: Tensor) -> Tensor:
 def sample_hop(
     indptr: Tensor, indices: Tensor, frontier: Tensor, k: int, hop: int, base: int
 ) -> tuple[Tensor, Tensor]:
-    """Sample one hop: (global neighbour ids, frontier position of each), in frontier order."""
+    """Sample one hop: (global neighbour ids, frontier position of each), in frontier order.
+
+    Runs on the device of its tensors (the PSGS tables sample every node at once on a GPU)."""
+    dev = frontier.device
     start = indptr[frontier]
     degree = indptr[frontier + 1] - start
     count = degree if k < 0 else torch.clamp(degree, max=k)
     total = int(count.sum())
     out_offset = torch.cumsum(count, 0) - count
-    edge_pos = torch.empty(total, dtype=torch.int64)
+    edge_pos = torch.empty(total, dtype=torch.int64, device=dev)
 
     full = torch.ones_like(degree, dtype=torch.bool) if k < 0 else degree <= k
     full_idx = full.nonzero().flatten()
@@ -62,16 +65,17 @@ def sample_hop(
         cnt = count[full_idx]
         rep_start = torch.repeat_interleave(start[full_idx], cnt)
         rep_out = torch.repeat_interleave(out_offset[full_idx], cnt)
-        within = torch.arange(int(cnt.sum())) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+        within = torch.arange(int(cnt.sum()), device=dev) - torch.repeat_interleave(
+            torch.cumsum(cnt, 0) - cnt, cnt)
         edge_pos[rep_out + within] = rep_start + within
 
     part_idx = (~full).nonzero().flatten()
     if part_idx.numel():
         chosen = floyd_select(degree[part_idx], k, node_hash(base, hop, frontier[part_idx]))
-        slots = out_offset[part_idx].unsqueeze(1) + torch.arange(k)
+        slots = out_offset[part_idx].unsqueeze(1) + torch.arange(k, device=dev)
         edge_pos[slots.flatten()] = (start[part_idx].unsqueeze(1) + chosen).flatten()
 
-    owner = torch.repeat_interleave(torch.arange(frontier.numel()), count)
+    owner = torch.repeat_interleave(torch.arange(frontier.numel(), device=dev), count)
     return indices[edge_pos], owner
 
 
