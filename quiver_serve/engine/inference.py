@@ -26,6 +26,8 @@ from quiver_serve.engine.process import (
     wait_ready,
 )
 from quiver_serve.engine.work import InferenceEngine, SamplingEngine
+from quiver_serve.features.build import build_feature_store
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import BatchedRequest, ResultBatch
 from quiver_serve.models import ServedModel, build_model
@@ -58,9 +60,9 @@ def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Ba
 
 
 def place_model_and_features(cfg: ServeConfig, graph: GraphData,
-                             index: int) -> tuple[torch.device, ServedModel, torch.Tensor]:
-    """Worker ``index``'s device, its model there (weights-only), and its feature matrix: on the
-    GPU when it fits ``inference.gpu_cache_bytes`` (every row a hit), else the shared host copy."""
+                             index: int) -> tuple[torch.device, ServedModel, FeatureStore]:
+    """Worker ``index``'s device, its model there (weights-only), and its feature store: the
+    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory."""
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -68,11 +70,7 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData,
     model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
                         self_loops, precision=cfg.inference.precision,
                         fast=cfg.inference.fast_model).to(device)
-    features = graph.x
-    if device.type == "cuda" and features.numel() * features.element_size() \
-            <= cfg.inference.gpu_cache_bytes:
-        features = features.to(device)  # placement by access probability: the feature-store issue
-    return device, model, features
+    return device, model, build_feature_store(cfg, graph, device)
 
 
 def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
@@ -80,7 +78,8 @@ def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEng
     device, model, features = place_model_and_features(cfg, graph, index)
     sampler = local_sampler(cfg, graph, device)
     engine = InferenceEngine(model, features, device,
-                             SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index)
+                             SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index,
+                             gather=features.gather)
     _warm_up(engine)
     return engine
 
