@@ -202,6 +202,9 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
         log.exception("engine %d failed to start", index)
         time.sleep(0.5)
         raise SystemExit(1) from exc
+    import signal
+
+    signal.signal(signal.SIGUSR1, lambda *_: core.replacer.request())  # feature re-placement
     reporter.send("ready", device=str(core.device), sampler=core.local_sampler.name,
                   gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
                   features_on=str(core.features.device), **core.features.describe())
@@ -308,6 +311,9 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
         request_log_size=cfg.features.request_log_size)
+    from quiver_serve.features.replace import Replacer
+
+    core.replacer = Replacer(cfg, graph, core.features)
     core.check_fast_model()
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)

@@ -47,14 +47,15 @@ def plan_for(cfg: ServeConfig, graph: GraphData, store: FeatureStore,
     """The placement the config asks for on ``store``'s GPUs."""
     num_gpus = len(store.shard_devices)
     budget = cfg.inference.gpu_cache_bytes
-    if num_gpus and rows_within(budget, graph.num_nodes, store.row_bytes) >= graph.num_nodes \
-            and cfg.features.policy == "replicate":
-        scores = torch.zeros(graph.num_nodes)  # everything fits: no ranking needed
+    policy = cfg.features.policy if num_gpus > 1 else "replicate"
+    if not num_gpus or (policy == "replicate" and rows_within(
+            budget, graph.num_nodes, store.row_bytes) >= graph.num_nodes):
+        scores = torch.zeros(graph.num_nodes)  # all on the host, or all fit: no ranking needed
     else:
         scores = placement_scores(cfg, graph, log_ids)
     numa = len(store.numa_cpus) if cfg.features.numa_shards else 1
     return plan_placement(scores, store.row_bytes, budget if num_gpus else 0, num_gpus,
-                          cfg.features.policy, numa_nodes=max(numa, 1),
+                          policy, numa_nodes=max(numa, 1),
                           scores_name=cfg.features.placement)
 
 
@@ -67,9 +68,6 @@ def build_feature_store(cfg: ServeConfig, graph: GraphData, device: torch.device
     numa = numa_nodes() if cfg.features.numa_shards and device.type == "cuda" else []
     store = FeatureStore(graph.x, device, dtype=DTYPES[cfg.features.storage_dtype],
                          numa_cpus=numa if len(numa) > 1 else None)
-    if policy == "partition":
-        cfg = cfg.model_copy(deep=True)
-        cfg.features.policy = "replicate"
     store.place(plan_for(cfg, graph, store))
     p = store.placement
     assert p is not None

@@ -103,11 +103,13 @@ def plan_placement(scores: Tensor, row_bytes: int, budget_bytes: int, num_gpus: 
         raise ValueError(f"feature placement policy must be one of {POLICIES}, got {policy!r}")
     if budget_bytes < 0 or num_gpus < 0:
         raise ValueError("budget_bytes and num_gpus must be >= 0")
+    if num_gpus <= 1:
+        policy = "replicate"  # one GPU: nothing to split
     num_nodes = int(scores.numel())
     per_gpu = rows_within(budget_bytes, num_nodes, row_bytes) if num_gpus else 0
     # stable: ties keep id order, so a placement is a pure function of the scores
     order = torch.sort(scores.to(torch.float32), descending=True, stable=True).indices
-    if policy == "replicate" or num_gpus <= 1:
+    if policy == "replicate":
         hot = order[:per_gpu]
         gpu_nodes = [hot] if num_gpus else []
         if per_gpu == num_nodes and num_gpus:
