@@ -277,3 +277,30 @@ def test_engine_replaces_from_its_request_log_and_keeps_serving(cora: GraphData)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     hits, misses = store.read_counts()
     assert hits > 0 and misses > 0
+
+
+# ---- adjacency cache (CPU twin of what the sampler kernel reads) ----------------------------
+@pytest.mark.parametrize("share", [0.0, 0.1, 1.0])
+def test_adjacency_cache_maps_every_node_to_its_own_list(cora: GraphData, share: float) -> None:
+    from quiver_serve.features.adjacency import (
+        FIXED_BYTES_PER_NODE,
+        build_adjacency_cache,
+        cached_neighbours,
+        expansion_scores,
+    )
+
+    n = cora.num_nodes
+    budget = FIXED_BYTES_PER_NODE * n + 16 + int(share * cora.num_edges * 8)
+    scores = expansion_scores(cora.indptr, cora.indices, [25, 10], 64)
+    cache = build_adjacency_cache(cora.indptr, cora.indices, scores, budget, CPU)
+    assert cache is not None and cache.nbytes <= budget
+    assert cache.num_cached == (0 if share == 0 else int((cache.offsets >= 0).sum()))
+    if share == 1.0:
+        assert cache.num_cached == int((cora.degree() > 0).sum())
+    for v in range(n):
+        want = cora.indices[cora.indptr[v]:cora.indptr[v + 1]]
+        assert torch.equal(cached_neighbours(cache, cora.indices, v), want)
+    if 0 < share < 1:  # the cached lists are the most-expanded per byte
+        cached = cache.offsets >= 0
+        assert scores[cached].min() >= scores[~cached & (cora.degree() > 0)].max()
+    assert build_adjacency_cache(cora.indptr, cora.indices, scores, 100, CPU) is None

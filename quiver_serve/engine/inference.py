@@ -53,10 +53,32 @@ def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Ba
         free_bytes, _ = torch.cuda.mem_get_info(device)
         csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
         mode = "device" if csc_bytes < free_bytes // 2 else "uva"
-    cls = CudaSampler if mode == "device" else UvaSampler
-    sampler = cls(graph.indptr, graph.indices, device=device)
+    if mode == "device":
+        sampler: BaseSampler = CudaSampler(graph.indptr, graph.indices, device=device)
+    else:
+        sampler = UvaSampler(graph.indptr, graph.indices, device=device,
+                             adjacency_cache=_adjacency_cache(cfg, graph, device))
     sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
     return sampler
+
+
+def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Any:
+    """The UVA sampler's GPU copy of the hottest neighbour lists (None: no budget for it)."""
+    budget = cfg.sampling.gpu_graph_cache_bytes
+    if budget <= 0:
+        return None
+    from quiver_serve.features.adjacency import build_adjacency_cache, expansion_scores
+
+    scores = expansion_scores(graph.indptr, graph.indices, cfg.sampling.fanouts,
+                              cfg.features.fap_batch_size)
+    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device)
+    if cache is None:
+        log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
+                    "per node): no adjacency cache", budget)
+    else:
+        log.info("adjacency cache: %d of %d neighbour lists, %d bytes on %s", cache.num_cached,
+                 graph.num_nodes, cache.nbytes, device)
+    return cache
 
 
 def place_model_and_features(cfg: ServeConfig, graph: GraphData,

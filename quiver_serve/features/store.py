@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from quiver_serve.features.placement import Placement, unpack
 
@@ -116,8 +115,7 @@ class FeatureStore:
                              f"{len(self.shard_devices)} shard devices")
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         total = placement.num_gpu_rows + sum(int(t.numel()) for t in placement.host_nodes)
-        bar = tqdm(total=total, unit="row", desc="placing feature rows",
-                   disable=not self.progress or total < ROWS_PER_CHUNK)
+        bar = _progress(total, not self.progress or total < ROWS_PER_CHUNK)
         with bar, torch.cuda.stream(side) if side is not None else _nullcontext():
             tiers = [self._copy_rows(nodes, dev, bar) for nodes, dev
                      in zip(gpu_nodes, self.shard_devices, strict=False)]
@@ -135,7 +133,7 @@ class FeatureStore:
             layout.table_host = self._table_for(layout)
         return layout
 
-    def _copy_rows(self, nodes: Tensor, dev: torch.device, bar: tqdm) -> Tensor:
+    def _copy_rows(self, nodes: Tensor, dev: torch.device, bar: Any) -> Tensor:
         shard = torch.empty((int(nodes.numel()), self.dim), dtype=self.dtype, device=dev)
         for lo in range(0, int(nodes.numel()), ROWS_PER_CHUNK):
             part = nodes[lo:lo + ROWS_PER_CHUNK]
@@ -143,7 +141,7 @@ class FeatureStore:
             bar.update(int(part.numel()))
         return shard
 
-    def _host_shard(self, nodes: Tensor, s: int, bar: tqdm, keep: list[Any]) -> Tensor:
+    def _host_shard(self, nodes: Tensor, s: int, bar: Any, keep: list[Any]) -> Tensor:
         """Rows of host shard ``s``, first touched by threads of NUMA node ``s`` (so the pages
         live there), then pinned in place when the GPU reads them."""
         from quiver_serve.features.host import on_cpus
@@ -254,6 +252,28 @@ class FeatureStore:
                 "feature_placement": p.scores_name if p is not None else None,
                 "feature_dtype": str(self.dtype).removeprefix("torch."),
                 "feature_gather": "kernel" if self.kernel is not None else "torch"}
+
+
+def _progress(total: int, disable: bool) -> Any:
+    """A tqdm bar over rows placed (a silent stand-in where tqdm is not installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        disable = True
+    if disable:
+        return _NoBar()
+    return tqdm(total=total, unit="row", unit_scale=True, desc="placing feature rows")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        return None
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class _nullcontext:
