@@ -241,6 +241,20 @@ class FeatureStore:
     def reset_counts(self) -> None:
         self.counts.zero_()  # in place: captured graphs keep the address
 
+    def close(self) -> None:
+        """Unpin the host memory this store pinned (the store must not gather afterwards)."""
+        layouts = [self.layout] + [lay for _, lay in self._retired]
+        for region in self._host_regions + [r for lay in layouts if lay for r in lay.keep]:
+            region.release()
+        self._host_regions = []
+        self.layout, self._retired = None, []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CuPy may already be gone
+            pass
+
     def gpu_bytes(self) -> dict[str, int]:
         return self.layout.gpu_bytes() if self.layout is not None else {}
 
