@@ -209,6 +209,14 @@ def main() -> None:
                                   "out": str(args.out)}, "graphs": {}, "gather": [],
                               "engine": [], "adjacency": []}
     t_start = time.perf_counter()
+    out = args.out or (Path(os.environ["OUT"]) / "features_gpu.json" if os.environ.get("OUT")
+                       else ROOT / "bench" / "results" / f"features_{dev.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section: a run cut by its time limit keeps what it did
+        result["wall_s"] = time.perf_counter() - t_start
+        out.write_text(json.dumps(result, indent=1, default=str))
+
     for preset, scale in (("reddit", args.reddit_scale), ("products", args.products_scale)):
         graph, gen_s = make_graph(preset, scale)
         result["graphs"][preset] = {"scale": scale, "nodes": graph.num_nodes,
@@ -218,18 +226,17 @@ def main() -> None:
               f"generated in {gen_s:.1f} s", flush=True)
         if "gather" in args.sections:
             result["gather"] += gather_rows(preset, graph, dev, args)
-        if preset == "reddit" and "engine" in args.sections:
-            result["engine"] = engine_rows(graph, args)
+            save()
         if preset == "reddit" and "adjacency" in args.sections and dev.type == "cuda":
             result["adjacency"] = adjacency_rows(graph, dev, args)
+            save()
+        if preset == "reddit" and "engine" in args.sections:
+            result["engine"] = engine_rows(graph, args)
+            save()
         del graph
         gc.collect()
     sync(dev)
-    result["wall_s"] = time.perf_counter() - t_start
-    out = args.out or (Path(os.environ["OUT"]) / "features_gpu.json" if os.environ.get("OUT")
-                       else ROOT / "bench" / "results" / f"features_{dev.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    save()
     print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
     table(result)
 
