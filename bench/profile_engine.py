@@ -77,8 +77,7 @@ def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
 
     def eager() -> torch.Tensor:
         n_id = sb.n_id.to(dev)
-        x = core.features.index_select(0, n_id) if core.features_on_device else \
-            core.features.index_select(0, sb.n_id).to(dev)
+        x = core.features.gather(n_id)
         out = core.model(x, n_id, sb.edge_index.to(dev, torch.int64), sb.num_sampled_nodes,
                          sb.num_sampled_edges, False)
         return out.index_select(0, sb.seed_index.to(dev)).float()
@@ -178,7 +177,7 @@ def main() -> None:
     small = core.local_sampler.sample(torch.from_numpy(hot[:1]), core.fanouts, 1)
     dev = core.device
     kernels = count_kernels(lambda: core.model(
-        core.features.index_select(0, small.n_id.to(dev)), small.n_id.to(dev),
+        core.features.gather(small.n_id.to(dev)), small.n_id.to(dev),
         small.edge_index.to(dev, torch.int64), small.num_sampled_nodes, small.num_sampled_edges,
         False))
     host = host_overhead(core, 6144, [1, 16, 128], max(args.iters // 3, 5))

@@ -42,10 +42,10 @@ typedef unsigned long long u64;
 // an SM's L1 is not coherent with the other SMs' stores.
 #define LOAD(ptr) __ldcg(ptr)
 
-// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 20
+// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 22
 // P_* below in their order, then the fanouts. One launch argument instead of 20 saves about
 // 10 us of CuPy's per-argument work on the host for every batch, for one bus read per block here.
-#define NUM_PARAMS 20
+#define NUM_PARAMS 22
 #define MAX_HOPS 32
 
 #ifndef SAMPLER_EMU  // (a CPU emulation of this file, used in development, supplies its own)
@@ -291,9 +291,13 @@ __device__ void relabel(i64* rows, i64 lo, i64 hi, const int* state) {
 
 // Block-local exclusive offsets of the frontier's edge counts; returns the block's edge count.
 // Each node's CSC range goes to front_csc so that the draw phase does not read indptr again
-// (with UVA every indptr read is a round trip over the bus).
+// (with UVA every indptr read is a round trip over the bus). With an adjacency cache
+// (cache_off != 0: per node, the start of its neighbour list in the GPU-resident copy, or -1),
+// a cached node's range is stored as -(start + 1) in that copy: the draw phase then reads the
+// same neighbours, in the same order, from GPU memory instead of over the bus.
 __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier, i64 lo, i64 hi,
-                             i64 k, int* front_off, i64* front_csc) {
+                             i64 k, int* front_off, i64* front_csc,
+                             const i64* __restrict__ cache_off) {
     i64 planned = 0;
     for (i64 c = lo; c < hi; c += blockDim.x) {
         const i64 i = c + threadIdx.x;
@@ -303,7 +307,8 @@ __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier
             const i64 start = indptr[v];
             const i64 deg = indptr[v + 1] - start;
             cnt = (k < 0 || deg <= k) ? deg : k;
-            front_csc[2 * i] = start;
+            const i64 cached = cache_off ? cache_off[v] : -1;
+            front_csc[2 * i] = cached >= 0 ? -(cached + 1) : start;
             front_csc[2 * i + 1] = deg;
         }
         i64 chunk_total;
@@ -383,6 +388,8 @@ __device__ i64 sample_seeds(i64 num_nodes, int* state, const i64* request, i64* 
 #define P_RANK_BUF ((int*)P[17])
 #define P_BLOCK_SUMS ((i64*)P[18])
 #define P_BARRIER ((u32*)P[19])
+#define P_CACHE_OFF ((const i64*)P[20])
+#define P_CACHE_INDICES ((const i64*)P[21])
 #define P_FANOUT(hop) (P[NUM_PARAMS + (hop) - 1])
 #define P_EDGES (P_N_ID + P_N_CAP)
 #define P_SEED_INDEX (P_EDGES + 2 * P_E_CAP)
@@ -404,7 +411,8 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
         const i64* frontier = P_N_ID + front_lo;
         // 1. size each frontier node's share of the hop
         block_range(num_rows - front_lo, &lo, &hi);
-        const i64 planned = plan_frontier(P_INDPTR, frontier, lo, hi, k, P_FRONT_OFF, P_FRONT_CSC);
+        const i64 planned = plan_frontier(P_INDPTR, frontier, lo, hi, k, P_FRONT_OFF, P_FRONT_CSC,
+                                          P_CACHE_OFF);
         if (threadIdx.x == 0) P_BLOCK_SUMS[blockIdx.x] = planned;
         grid_sync(P_BARRIER);
         i64 hop_edges;
@@ -427,7 +435,9 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
         // 2. draw: one warp per frontier node; neighbours propose their first occurrence
         for (i64 i = lo + warp; i < hi; i += num_warps) {
             const i64* front_csc = P_FRONT_CSC;
-            expand_node(P_INDICES, LOAD(frontier + i), LOAD(front_csc + 2 * i),
+            const i64 start = LOAD(front_csc + 2 * i);  // < 0: in the adjacency cache
+            expand_node(start < 0 ? P_CACHE_INDICES : P_INDICES, LOAD(frontier + i),
+                        start < 0 ? -start - 1 : start,
                         LOAD(front_csc + 2 * i + 1), k, hop, (u32)P_BASE, (int)(front_lo + i),
                         carry + LOAD(P_FRONT_OFF + i), P_EDGES + edges_before,
                         P_COL_BUF + edges_before, P_STATE, lane);

@@ -97,6 +97,8 @@ class SamplingConfig(_Section):
     calibration_s: float = Field(
         20.0, gt=0, description="longest time the start-up calibration of the sampling paths may take"
     )
+    gpu_graph_cache_bytes: int = Field(
+        0, ge=0, description="uva GPU sampling: GPU memory for the hottest nodes' neighbour lists (by access probability) and indptr; 0: all adjacency read over the bus")
 
     @model_validator(mode="after")
     def _check_fanouts(self) -> SamplingConfig:
@@ -128,7 +130,7 @@ class InferenceConfig(_Section):
     torch_threads: int = Field(1, ge=1, description="intra-op threads per inference worker")
     gpu_cache_bytes: int = Field(
         4 << 30, ge=0,
-        description="GPU memory for node features per GPU: the whole feature matrix is placed there when it fits, else rows are read from host memory",
+        description="GPU memory for node features per GPU (rows and location map): the hottest rows by features.placement go there, the rest are read from pinned host memory",
     )
     cuda_graph_max_seeds: int = Field(
         64, ge=0,
@@ -140,6 +142,23 @@ class InferenceConfig(_Section):
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = Field(
         "fp32", description="sampled-mode compute precision (weights and activations; tf32: TF32 matmuls); exact mode always runs fp32",
     )
+
+
+class FeaturesConfig(_Section):
+    """Feature store (DESIGN §4): which rows go to GPU memory (``inference.gpu_cache_bytes`` per GPU)."""
+
+    placement: Literal["fap", "degree"] = Field(
+        "fap", description="rank rows by feature access probability (fap) or by in-degree (degree, torch-quiver's serving order)")
+    policy: Literal["replicate", "partition"] = Field(
+        "replicate", description="replicate: every GPU caches the same hottest rows; partition: GPUs with peer access split a larger hot set (one process driving them; engine cores per GPU fall back to replicate)")
+    storage_dtype: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="precision features are stored and moved in (fp16/bf16 halve the bytes; exact mode computes in fp32 from the stored values)")
+    fap_batch_size: int = Field(
+        1024, ge=1, description="seeds per batch assumed by the uniform seed distribution of FAP")
+    request_log_size: int = Field(
+        1_000_000, ge=0, description="requested ids remembered per engine core (ring buffer): the seed distribution of a re-placement")
+    numa_shards: bool = Field(
+        True, description="host rows in one shard per NUMA node when the system has several (else the shared matrix in place)")
 
 
 class ServerConfig(_Section):
@@ -187,6 +206,7 @@ class ServeConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")

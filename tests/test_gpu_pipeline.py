@@ -60,7 +60,7 @@ def test_gpu_route_samples_on_the_gpu(gpu_pipeline) -> None:  # type: ignore[no-
     out = p.embed([0, 1, 2707])
     assert out.shape == (3, 64) and out.device.type == "cpu"
     assert routes.routes and set(routes.routes) == {"gpu"}
-    assert info["features_on"].startswith("cuda")  # Cora fits gpu_cache_bytes
+    assert info["feature_rows_on_gpu"] == p.graph.num_nodes  # Cora fits gpu_cache_bytes
     assert routes.hits > 0 and routes.misses == 0
 
 
@@ -71,7 +71,7 @@ def test_features_stay_on_host_when_over_budget() -> None:
     observer = Routes()
     p = Pipeline(cfg, graph=graph, observer=observer).start()
     try:
-        assert p.supervisor.engine_info(0)["features_on"] == "cpu"
+        assert p.supervisor.engine_info(0)["feature_rows_on_gpu"] == 0  # 1 KiB: not even the map
         assert p.embed([1, 2, 3]).shape == (3, 64)
         assert observer.misses > 0 and observer.hits == 0
     finally:

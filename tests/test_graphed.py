@@ -4,6 +4,7 @@ on a GPU the captured graphs replay them, inside the engine core too."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def test_padded_forward_equals_eager(awkward: GraphData, cls: str, kwargs: dict,
         sb = sampler.sample(seeds, FANOUTS, seed=trial)
         assert layout.fits(sb)
         layout.pack(flat, sb)  # one buffer reused: stale slots of the last batch must not leak
-        got = padded_forward(model_fn(served), awkward.x, layout,
+        got = padded_forward(model_fn(served), partial(torch.index_select, awkward.x, 0), layout,
                              layout.views(torch.from_numpy(flat)))[:k]
         torch.testing.assert_close(got, eager_rows(served, awkward.x, sb), atol=1e-5, rtol=1e-5)
 
@@ -106,8 +107,8 @@ def test_fits_rejects_what_the_layout_cannot_hold(awkward: GraphData) -> None:
 
 def test_capture_is_a_no_op_without_cuda(awkward: GraphData) -> None:
     served = served_model("GraphSAGE", {}, awkward)
-    graphed = GraphedForward.capture(model_fn(served), awkward.x, FANOUTS, 8,
-                                     lambda k: None)  # type: ignore[arg-type,return-value]
+    graphed = GraphedForward.capture(model_fn(served), partial(torch.index_select, awkward.x, 0),
+                                     torch.device("cpu"), FANOUTS, 8, lambda k: None)  # type: ignore[arg-type,return-value]
     assert graphed.graphs == [] and graphed.max_seeds == 0
 
 
@@ -125,7 +126,8 @@ def test_replayed_graphs_equal_eager_rows(awkward: GraphData, cls: str, kwargs: 
     def sample(k: int) -> SamplerOutput:
         return sampler.sample(torch.randint(0, NUM_NODES, (k,)), FANOUTS, seed=k)
 
-    graphed = GraphedForward.capture(model_fn(served), x, FANOUTS, 8, sample)
+    graphed = GraphedForward.capture(model_fn(served), partial(torch.index_select, x, 0), dev,
+                                     FANOUTS, 8, sample)
     if cls == "GraphSAGE":
         assert [g.layout.max_seeds for g in graphed.graphs] == [1, 2, 4, 8]
     for k in range(1, 9):

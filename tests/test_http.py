@@ -121,6 +121,23 @@ def test_metrics_count_requests(server: ServerProcess) -> None:
         assert name in text
 
 
+def test_feature_replacement_while_serving(server: ServerProcess) -> None:
+    """POST /admin/features/replace: every engine core rebuilds its placement in the background
+    (SIGUSR1) and serves the same rows meanwhile; no process restarts; rows are counted."""
+    ids = {"node_ids": [5, 6, 2707], "exact": True}
+    before = np.array(post(server, "/v1/embed", ids).json()["embeddings"])
+    r = post(server, "/admin/features/replace")
+    assert r.status_code == 202 and r.json()["engines_asked"] >= 1, r.text
+    for _ in range(10):
+        got = np.array(post(server, "/v1/embed", ids).json()["embeddings"])
+        np.testing.assert_allclose(got, before, rtol=1e-5, atol=1e-5)
+        time.sleep(0.05)
+    workers = httpx.get(server.url + "/v1/workers").json()["workers"]
+    assert all(w["alive"] and w["restarts"] == 0 for w in workers), workers
+    text = httpx.get(server.url + "/metrics").text
+    assert "quiver_serve_feature_cache_misses_total" in text  # a CPU box: every row from host
+
+
 def test_sigterm_stops_every_process(server: ServerProcess) -> None:
     """Last test of the module: the daemon and all its workers exit within 10 s."""
     pids = server.group_pids()

@@ -38,6 +38,8 @@ from quiver_serve.engine.micro_batch import (
     prune,
 )
 from quiver_serve.engine.router import EngineRouter, EngineRouteState, PoolClock
+from quiver_serve.features.fap import RequestLog
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.psgs import PsgsTable
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
@@ -69,6 +71,7 @@ class Batch:
     staged: Staged | None = None  # packed for a CUDA graph (small sampled batches)
     # set once launched
     rows: Tensor | None = None
+    counts: Tensor | None = None  # the feature store's hit/miss counters after this batch
     done_event: Any = None
     start_event: Any = None
     launched_s: float = 0.0
@@ -94,12 +97,15 @@ class SamplerPool:
 class EngineCore:
     """Stage logic of one engine core; see the module docstring."""
 
-    def __init__(self, model: ServedModel, features: Tensor, device: torch.device,
+    def __init__(self, model: ServedModel, features: FeatureStore, device: torch.device,
                  local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
                  max_batch_nodes: int, router: EngineRouter, index: int = 0,
                  pool: SamplerPool | None = None, max_waiting: int = 4096,
-                 gpu_sampler: BaseSampler | None = None) -> None:
+                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0) -> None:
         self.model, self.features, self.device = model, features, device
+        #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
+        self.request_log = RequestLog(request_log_size)
+        self.replacer: Any = None  # a ``features.replace.Replacer`` when re-placement is wired
         self.local_sampler, self.gpu_sampler = local_sampler, gpu_sampler
         self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
         self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
@@ -122,7 +128,7 @@ class EngineCore:
         self.on_gpu = device.type == "cuda"
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
-        self.features_on_device = features.device == device
+        self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
         #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
         self.graphed: GraphedForward | None = None
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
@@ -134,7 +140,7 @@ class EngineCore:
     def capture_graphs(self, max_seeds: int) -> None:
         """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
         features on the device); each is checked against the eager forward on a real sample."""
-        if not (self.on_gpu and self.features_on_device and max_seeds > 0):
+        if not (self.on_gpu and self.features.capturable and max_seeds > 0):
             return
         sampler = self.gpu_sampler or self.local_sampler
 
@@ -147,7 +153,8 @@ class EngineCore:
             return self.model(x, n_id, edges, nodes, edge_counts, False)
 
         with torch.cuda.stream(self._compute_stream):
-            graphed = GraphedForward.capture(model, self.features, self.fanouts, max_seeds, sample)
+            graphed = GraphedForward.capture(model, self.features.gather, self.device,
+                                             self.fanouts, max_seeds, sample)
         torch.cuda.synchronize(self.device)
         self.graphed = graphed if graphed.graphs else None
         if self.graphed is not None:
@@ -159,9 +166,13 @@ class EngineCore:
         seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
         sb = self.local_sampler.sample(seeds, self.fanouts, new_batch_seed())
         n_id = sb.n_id.to(self.device)
-        x = self.features.index_select(0, n_id.to(self.features.device)).to(self.device)
+        x = self.features.gather(n_id)
         return self.model.check_fast(x, n_id, sb.edge_index.to(self.device),
                                      sb.num_sampled_nodes, sb.num_sampled_edges)
+
+    def reset_feature_counts(self) -> None:
+        self.features.reset_counts()
+        self._counts_seen = (0, 0)
 
     def reset_cost_models(self) -> None:
         self.fill = ExpectedFill()
@@ -222,6 +233,8 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Reply]:
+        if self.replacer is not None:
+            self.replacer.poll(self)  # a finished re-placement switches here, between batches
         replies = self._finish(block=False)
         while self.sampled:
             replies += self._launch(self.sampled.popleft())
@@ -288,6 +301,7 @@ class EngineCore:
         seed = first.seed if first.seed != NO_SEED else new_batch_seed()
         batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
                       formed_s=now_s)
+        self.request_log.record(seeds)
         return batch, refused
 
     def _seed_cap(self, budget_s: float) -> int:
@@ -405,10 +419,7 @@ class EngineCore:
         if batch.staged is not None:
             return GraphedForward.launch(batch.staged)  # one launch instead of dozens
         n_id = sb.n_id
-        if self.features_on_device:
-            x = self.features.index_select(0, n_id.to(self.device, non_blocking=True))
-        else:  # host rows (features larger than the GPU budget): the feature-store issue fixes it
-            x = self.features.index_select(0, n_id.cpu()).to(self.device, non_blocking=True)
+        x = self.features.gather(n_id)  # GPU hits, zero-copy host misses, counted on the device
         edge_index = sb.edge_index.to(self.device, torch.int64, non_blocking=True)
         out = self.model(x, n_id.to(self.device, non_blocking=True), edge_index,
                          sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
@@ -435,6 +446,8 @@ class EngineCore:
             rows = self._forward(batch).float()
             host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(rows, non_blocking=True)
+            batch.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            batch.counts.copy_(self.features.counts, non_blocking=True)  # read with the rows
             batch.done_event.record(stream)
         batch.rows = host
         now = time.time()
@@ -500,16 +513,32 @@ class EngineCore:
         assert sb is not None
         n_rows = int(sb.n_id.numel())
         oldest = min(p.mb.received_s for p in batch.parts)
-        on_gpu_hit = self.features_on_device and self.on_gpu
+        hits, misses = self._batch_counts(batch)
         return BatchStats(
             batch_id=batch.batch_id, route=batch.route, worker=self.index,
             num_requests=sum(p.num_alive for p in batch.parts),
             num_seeds=int(batch.seeds.numel()), num_sampled_nodes=n_rows,
             num_sampled_edges=int(sb.edge_index.size(1)),
             queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
-            compute_s=compute_s, cache_hits=n_rows if on_gpu_hit else 0,
-            cache_misses=0 if on_gpu_hit else n_rows, psgs=batch.psgs,
+            compute_s=compute_s, cache_hits=hits, cache_misses=misses, psgs=batch.psgs,
             predicted_s=batch.predicted_s)
+
+    def _batch_counts(self, batch: Batch) -> tuple[int, int]:
+        """Rows this batch read from GPU memory (hits) and host memory (misses): the store's
+        device counters (copied out with the batch's rows; on a CPU read directly) minus their
+        value at the previous batch. A CUDA graph also reads node 0's row for every padding
+        slot: those reads are taken off again."""
+        counts = batch.counts if batch.counts is not None else self.features.counts
+        now = (int(counts[0]), int(counts[1]))
+        hits, misses = now[0] - self._counts_seen[0], now[1] - self._counts_seen[1]
+        self._counts_seen = now
+        if batch.staged is not None and batch.sampled is not None:
+            pad = batch.staged.graph.layout.num_nodes - sum(batch.sampled.num_sampled_nodes)
+            if self.features.is_hit(0):
+                hits -= pad
+            else:
+                misses -= pad
+        return max(hits, 0), max(misses, 0)
 
     def _fail(self, batch: Batch, exc: BaseException) -> list[Reply]:
         if is_cuda_fatal(exc):

@@ -202,9 +202,12 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
         log.exception("engine %d failed to start", index)
         time.sleep(0.5)
         raise SystemExit(1) from exc
+    import signal
+
+    signal.signal(signal.SIGUSR1, lambda *_: core.replacer.request())  # feature re-placement
     reporter.send("ready", device=str(core.device), sampler=core.local_sampler.name,
                   gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
-                  features_on=str(core.features.device))
+                  features_on=str(core.features.device), **core.features.describe())
     EngineLoop(core, front, pool, poller, reporter).run()
 
 
@@ -313,7 +316,11 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
         router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
-        gpu_sampler=gpu_sampler_or_none(cfg, graph, device))
+        gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
+        request_log_size=cfg.features.request_log_size)
+    from quiver_serve.features.replace import Replacer
+
+    core.replacer = Replacer(cfg, graph, core.features)
     core.check_fast_model()
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
@@ -334,6 +341,7 @@ def warm_up(core: EngineCore) -> None:
         core.router.forced = mode
         core.learn_costs = True
     core.reset_cost_models()  # warm-up timings include one-off costs: forget them
+    core.reset_feature_counts()  # and their rows are no requests' hits or misses
 
 
 def _warm_batches(core: EngineCore) -> None:

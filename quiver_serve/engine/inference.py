@@ -26,6 +26,8 @@ from quiver_serve.engine.process import (
     wait_ready,
 )
 from quiver_serve.engine.work import InferenceEngine, SamplingEngine
+from quiver_serve.features.build import build_feature_store
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import BatchedRequest, ResultBatch
 from quiver_serve.models import ServedModel, build_model
@@ -51,16 +53,38 @@ def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Ba
         free_bytes, _ = torch.cuda.mem_get_info(device)
         csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
         mode = "device" if csc_bytes < free_bytes // 2 else "uva"
-    cls = CudaSampler if mode == "device" else UvaSampler
-    sampler = cls(graph.indptr, graph.indices, device=device)
+    if mode == "device":
+        sampler: BaseSampler = CudaSampler(graph.indptr, graph.indices, device=device)
+    else:
+        sampler = UvaSampler(graph.indptr, graph.indices, device=device,
+                             adjacency_cache=_adjacency_cache(cfg, graph, device))
     sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
     return sampler
 
 
+def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Any:
+    """The UVA sampler's GPU copy of the hottest neighbour lists (None: no budget for it)."""
+    budget = cfg.sampling.gpu_graph_cache_bytes
+    if budget <= 0:
+        return None
+    from quiver_serve.features.adjacency import build_adjacency_cache, expansion_scores
+
+    scores = expansion_scores(graph.indptr, graph.indices, cfg.sampling.fanouts,
+                              cfg.features.fap_batch_size)
+    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device)
+    if cache is None:
+        log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
+                    "per node): no adjacency cache", budget)
+    else:
+        log.info("adjacency cache: %d of %d neighbour lists, %d bytes on %s", cache.num_cached,
+                 graph.num_nodes, cache.nbytes, device)
+    return cache
+
+
 def place_model_and_features(cfg: ServeConfig, graph: GraphData,
-                             index: int) -> tuple[torch.device, ServedModel, torch.Tensor]:
-    """Worker ``index``'s device, its model there (weights-only), and its feature matrix: on the
-    GPU when it fits ``inference.gpu_cache_bytes`` (every row a hit), else the shared host copy."""
+                             index: int) -> tuple[torch.device, ServedModel, FeatureStore]:
+    """Worker ``index``'s device, its model there (weights-only), and its feature store: the
+    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory."""
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -68,11 +92,7 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData,
     model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
                         self_loops, precision=cfg.inference.precision,
                         fast=cfg.inference.fast_model).to(device)
-    features = graph.x
-    if device.type == "cuda" and features.numel() * features.element_size() \
-            <= cfg.inference.gpu_cache_bytes:
-        features = features.to(device)  # placement by access probability: the feature-store issue
-    return device, model, features
+    return device, model, build_feature_store(cfg, graph, device)
 
 
 def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEngine:
@@ -80,7 +100,8 @@ def build_engine(cfg: ServeConfig, graph: GraphData, index: int) -> InferenceEng
     device, model, features = place_model_and_features(cfg, graph, index)
     sampler = local_sampler(cfg, graph, device)
     engine = InferenceEngine(model, features, device,
-                             SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index)
+                             SamplingEngine(sampler, cfg.sampling.fanouts, graph.num_nodes), index,
+                             gather=features.gather)
     _warm_up(engine)
     return engine
 

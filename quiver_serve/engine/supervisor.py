@@ -11,7 +11,9 @@ of a lost engine core from their own socket and resend what it held.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -195,6 +197,16 @@ class Supervisor:
     def engines_ready(self) -> bool:
         """At least one engine core is alive and has reported ready since its last (re)start."""
         return any(c.ready and c.alive() for c in self.engines)
+
+    def replace_features(self) -> int:
+        """Ask every engine core to re-place its feature rows from its request log (SIGUSR1;
+        each keeps serving while it rebuilds). Returns how many were asked."""
+        asked = 0
+        for child in self.engines:
+            if child.alive() and child.ready and child.pid is not None:
+                os.kill(child.pid, signal.SIGUSR1)
+                asked += 1
+        return asked
 
     def engine_info(self, index: int = 0) -> dict[str, Any]:
         return self.engines[index].info

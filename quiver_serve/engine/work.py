@@ -101,6 +101,17 @@ class InferenceEngine:
         self.worker_index = worker_index
         self._gather = gather or self._gather_host
 
+    def _count_rows(self, rows_read: int) -> tuple[int, int]:
+        """(hits, misses) of the batch just computed: counted per row by a feature store (its
+        counters, read after the batch's own sync), else by where the matrix lives."""
+        counts = getattr(self.features, "counts", None)
+        if counts is not None:
+            hits, misses = (int(v) for v in counts.tolist())
+            counts.zero_()
+            return hits, misses
+        on_gpu = self.features.device == self.device and self.device.type == "cuda"
+        return (rows_read, 0) if on_gpu else (0, rows_read)
+
     def _gather_host(self, n_id: Tensor) -> Tensor:
         rows = self.features.index_select(0, n_id.to(self.features.device))
         return rows.to(self.device, non_blocking=True)
@@ -144,11 +155,7 @@ class InferenceEngine:
             queue_s=max(time.time() - batch.created_s - (t2 - t0) - sb.sample_s, 0.0),
             sample_s=sb.sample_s, gather_s=t1 - t0, compute_s=t2 - t1,
         )
-        rows_read = int(sb.n_id.numel())
-        if self.features.device == self.device and self.device.type == "cuda":
-            stats.cache_hits = rows_read
-        else:
-            stats.cache_misses = rows_read  # read from host memory
+        stats.cache_hits, stats.cache_misses = self._count_rows(int(sb.n_id.numel()))
         results = [
             EmbedResult(request_id=rid, embeddings=rows[start:end].clone())
             for rid, start, end in batch.slices()

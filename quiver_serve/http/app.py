@@ -241,6 +241,14 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
                      "restarts": 0}, *rows]
         return {"workers": rows, "frontend": me, "pending_requests": state.pipeline.pending_count}
 
+    @app.post("/admin/features/replace", status_code=202,
+              summary="Re-place feature rows from the requests served so far (engines keep serving)")
+    async def replace_features() -> dict[str, Any]:
+        supervisor = getattr(state.pipeline, "supervisor", None)
+        if supervisor is None:
+            raise errors.ServeError("not_ready", "no engine cores to re-place", 503)
+        return {"engines_asked": supervisor.replace_features()}
+
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

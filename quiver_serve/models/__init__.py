@@ -175,6 +175,7 @@ class ServedModel:
         num_edges: list[int], exact: bool,
     ) -> Tensor:
         """The forward with PyG's own layers (the reference the fast path is checked against)."""
+        x = x.float()  # features stored in fp16/bf16: PyG's layers hold fp32 weights
         if exact and self.gcn_norm is not None:
             return self._gcn_exact(x, n_id, edge_index, num_nodes, num_edges)
         return self.model(x, edge_index, num_sampled_nodes_per_hop=num_nodes,

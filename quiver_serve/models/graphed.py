@@ -159,12 +159,15 @@ class PaddedBuffers:
 
 #: (x, n_id, edge_index, num_nodes per hop, num_edges per hop) -> node outputs
 ModelFn = Callable[[Tensor, Tensor, Tensor, list[int], list[int]], Tensor]
+#: n_id (on the GPU) -> feature rows; must not synchronise the host (the feature store's kernel,
+#: or ``features.index_select`` with ``partial(torch.index_select, features, 0)``)
+GatherFn = Callable[[Tensor], Tensor]
 
 
-def padded_forward(model: ModelFn, features: Tensor, layout: PaddedLayout,
+def padded_forward(model: ModelFn, gather: GatherFn, layout: PaddedLayout,
                    buf: PaddedBuffers) -> Tensor:
     """Gather + model on the padded buffers; rows of the ``max_seeds`` seed slots (float32)."""
-    x = features.index_select(0, buf.n_id)
+    x = gather(buf.n_id)
     out = model(x, buf.n_id, buf.edge_index, list(layout.node_caps), list(layout.edge_caps))
     return out.index_select(0, buf.seed_index).float()
 
@@ -242,33 +245,33 @@ class GraphedForward:
         return None if staged is None else self.launch(staged)
 
     @classmethod
-    def capture(cls, model: ModelFn, features: Tensor, fanouts: list[int], max_seeds: int,
-                check: Callable[[int], SamplerOutput]) -> GraphedForward:
+    def capture(cls, model: ModelFn, gather: GatherFn, device: torch.device, fanouts: list[int],
+                max_seeds: int, check: Callable[[int], SamplerOutput]) -> GraphedForward:
         """Capture one graph per bucket (largest first, one shared memory pool) and check each
         against the eager forward on a real sample of that size (``check(num_seeds)``).
         Returns an empty object (eager everywhere) when capture fails or results differ."""
         buckets = [1 << i for i in range(max(max_seeds, 1).bit_length()) if 1 << i <= max_seeds]
-        if max_seeds < 1 or not features.is_cuda or any(f < 1 for f in fanouts):
+        if max_seeds < 1 or device.type != "cuda" or any(f < 1 for f in fanouts):
             return cls()
         pool = torch.cuda.graph_pool_handle()
         graphs: list[_Graph] = []
         try:
             for s in reversed(buckets):
-                graphs.append(_capture_one(model, features, PaddedLayout.for_fanouts(s, fanouts),
-                                           pool))
+                graphs.append(_capture_one(model, gather, device,
+                                           PaddedLayout.for_fanouts(s, fanouts), pool))
             graphed = cls(list(reversed(graphs)))
             for s in buckets:
-                _check_bucket(graphed, model, features, check(s))
+                _check_bucket(graphed, model, gather, device, check(s))
         except Exception as exc:  # noqa: BLE001 - any failure: serve eagerly, say why
             log.warning("CUDA graphs off (batches run eagerly): %s: %s", type(exc).__name__,
                         str(exc).splitlines()[0] if str(exc) else "")
-            torch.cuda.synchronize(features.device)
+            torch.cuda.synchronize(device)
             return cls()
         return graphed
 
 
-def _capture_one(model: ModelFn, features: Tensor, layout: PaddedLayout, pool: object) -> _Graph:
-    dev = features.device
+def _capture_one(model: ModelFn, gather: GatherFn, dev: torch.device, layout: PaddedLayout,
+                 pool: object) -> _Graph:
     first = layout.new_flat()
     flat = torch.from_numpy(first).to(dev)
     buf = layout.views(flat)
@@ -276,11 +279,11 @@ def _capture_one(model: ModelFn, features: Tensor, layout: PaddedLayout, pool: o
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, allocator)
         for _ in range(2):
-            padded_forward(model, features, layout, buf)
+            padded_forward(model, gather, layout, buf)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        out = padded_forward(model, features, layout, buf)
+        out = padded_forward(model, gather, layout, buf)
     ring = []
     for _ in range(HOST_RING):
         pinned = torch.from_numpy(first.copy()).pin_memory()
@@ -288,14 +291,13 @@ def _capture_one(model: ModelFn, features: Tensor, layout: PaddedLayout, pool: o
     return _Graph(layout, flat, graph, out, ring)
 
 
-def _check_bucket(graphed: GraphedForward, model: ModelFn, features: Tensor,
+def _check_bucket(graphed: GraphedForward, model: ModelFn, gather: GatherFn, dev: torch.device,
                   sb: SamplerOutput) -> None:
     got = graphed.run(sb)
     if got is None:
         raise RuntimeError(f"no bucket fits a {sb.seed_index.numel()}-seed sample")
-    dev = features.device
     n_id = sb.n_id.to(dev)
-    want = model(features.index_select(0, n_id), n_id, sb.edge_index.to(dev, torch.int64),
+    want = model(gather(n_id), n_id, sb.edge_index.to(dev, torch.int64),
                  sb.num_sampled_nodes, sb.num_sampled_edges)
     want = want.index_select(0, sb.seed_index.to(dev)).float()
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ _MAX_INT32_POSITIONS = 2**31 - 1  # hop-local positions and local ids are int32 
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
-_NUM_PARAMS, _MAX_HOPS = 20, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
+_NUM_PARAMS, _MAX_HOPS = 22, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
 
 #: A launcher takes (number of blocks, address of the parameter block, CUDA stream handle) and
 #: launches the kernel asynchronously.
@@ -254,6 +255,8 @@ class _GpuSampler(BaseSampler):
         if self.num_nodes >= _MAX_INT32_POSITIONS:
             raise ValueError(f"{self.num_nodes} nodes: the GPU sampler keeps local ids in int32")
         self._indptr_ptr, self._indices_ptr = csc_pointers
+        #: adjacency cache (UVA): per-node offsets into a GPU copy of the hottest lists; 0 = none
+        self._cache_off_ptr, self._cache_indices_ptr = getattr(self, "_cache_pointers", (0, 0))
         self._num_edges = int(indices.numel())
         degree = indptr[1:] - indptr[:-1]
         self._max_degree = int(degree.max()) if degree.numel() else 0
@@ -330,6 +333,7 @@ class _GpuSampler(BaseSampler):
             out.data_ptr(), plan.n_cap, plan.e_cap, plan.e_hop_cap, counts_ptr,
             col_buf.data_ptr(), front_off.data_ptr(), front_csc.data_ptr(), rank_buf.data_ptr(),
             work.block_sums.data_ptr(), work.barrier.data_ptr(),
+            self._cache_off_ptr, self._cache_indices_ptr,
         )  # fmt: skip
         params[_NUM_PARAMS : _NUM_PARAMS + len(fanouts)] = fanouts
         # The block is reused by the next batch only after this one's final sync.
@@ -450,6 +454,10 @@ class UvaSampler(_GpuSampler):
     ``indptr``/``indices`` must be CPU tensors; shared-memory tensors are pinned where they are,
     so CPU sampler workers and this GPU sampler read the same single copy. Call :meth:`close`
     (or drop the sampler) to unpin.
+
+    ``adjacency_cache`` (``features/adjacency.py``): indptr and the hottest nodes' neighbour
+    lists in GPU memory; the kernel reads a cached list there and the rest over the bus, and
+    samples exactly what it samples without the cache.
     """
 
     name = "uva"
@@ -457,7 +465,7 @@ class UvaSampler(_GpuSampler):
 
     def __init__(
         self, indptr: Tensor, indices: Tensor, device: torch.device | str | int | None = None,
-        launcher: Launcher | None = None,
+        launcher: Launcher | None = None, adjacency_cache: Any = None,
     ) -> None:  # fmt: skip
         if indptr.device.type != "cpu" or indices.device.type != "cpu":
             raise ValueError("UvaSampler needs the CSC in CPU memory")
@@ -471,6 +479,11 @@ class UvaSampler(_GpuSampler):
             pointers = (self._regions[0].device_ptr, self._regions[1].device_ptr)
         else:  # emulated launches read host memory directly
             pointers = (host[0].data_ptr(), host[1].data_ptr())
+        self.adjacency_cache = adjacency_cache
+        if adjacency_cache is not None:
+            pointers = (adjacency_cache.indptr.data_ptr(), pointers[1])
+            self._cache_pointers = (adjacency_cache.offsets.data_ptr(),
+                                    adjacency_cache.indices.data_ptr())
         self._host_csc = host
         super().__init__(indptr, indices, target, pointers, launcher)
 
