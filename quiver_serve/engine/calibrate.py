@@ -127,8 +127,10 @@ def engine_cost_key(cfg: ServeConfig, table: PsgsTable, core: EngineCore) -> dic
     gpu = getattr(core.gpu_sampler, "name", None)
     model = {"class": cfg.model.pyg_class, "kwargs": cfg.model.kwargs,
              "precision": cfg.inference.precision, "fast": cfg.inference.fast_model,
-             "graphs": cfg.inference.cuda_graph_max_seeds, "features_on_device":
-             core.features_on_device}
+             "graphs": cfg.inference.cuda_graph_max_seeds,
+             # where feature rows live changes the gather's cost
+             "gpu_cache_bytes": cfg.inference.gpu_cache_bytes,
+             "features": cfg.features.model_dump(mode="json")}
     return cost_key(table.key, cfg.sampling.fanouts, str(core.device),
                     {"gpu_sampler": gpu, "cpu_sampler": core.local_sampler.name,
                      "torch_threads": cfg.inference.torch_threads,

@@ -41,7 +41,8 @@ class GatherKernel:
         major, minor = torch.cuda.get_device_capability(device)
         with cupy.cuda.Device(device.index):
             module = _compile(cupy, major * 10 + minor)
-            self._functions = {w: module.get_function(f"gather_w{w}") for w in WORD_BYTES}
+            # the loaded cupy.cuda.function.Function (takes shared memory and a stream handle)
+            self._functions = {w: module.get_function(f"gather_w{w}").kernel for w in WORD_BYTES}
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_blocks = sm_count * 16
 
