@@ -4,8 +4,8 @@
 For each batch size B (seed ids drawn as in bench_pipeline's workloads), on the engine core's
 device, medians over --iters batches, each stage timed alone with a device sync around it:
 
-* ``sample``: the sampler the engine routes such a batch to (GPU kernel, or C++ here below
-  router.SMALL_BATCH_SEEDS seeds);
+* ``sample``: the faster of the engine's own samplers for this batch (GPU kernel or C++), which
+  is what the cost-model router picks when nothing waits;
 * ``eager``: feature gather + model + seed rows, PyG eagerly (host time = launch overhead when the
   GPU is idle);
 * ``graphed``: the same through the captured CUDA graph (batches up to
@@ -68,12 +68,12 @@ def count_kernels(fn: Any) -> int | None:
 
 
 def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
-    from quiver_serve.engine.router import SMALL_BATCH_SEEDS
-
     dev, b = core.device, int(seeds.numel())
-    small = b < SMALL_BATCH_SEEDS or core.gpu_sampler is None
-    sampler = core.local_sampler if small else core.gpu_sampler
-    sample_s, sb = timed(lambda: sampler.sample(seeds, core.fanouts, 7), dev, iters)
+    timings = []
+    for sampler in filter(None, (core.local_sampler, core.gpu_sampler)):
+        sample_s, sb = timed(lambda s=sampler: s.sample(seeds, core.fanouts, 7), dev, iters)
+        timings.append((sample_s, sampler.name, sb))
+    sample_s, name, sb = min(timings, key=lambda t: t[0])
 
     def eager() -> torch.Tensor:
         n_id = sb.n_id.to(dev)
@@ -83,7 +83,7 @@ def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
         return out.index_select(0, sb.seed_index.to(dev)).float()
 
     row: dict[str, Any] = {"batch_seeds": b, "sampled_nodes": sb.num_nodes,
-                           "sampled_edges": sb.num_edges, "sampler": sampler.name,
+                           "sampled_edges": sb.num_edges, "sampler": name,
                            "sample_ms": sample_s * 1e3,
                            "eager_ms": timed(eager, dev, iters)[0] * 1e3}
     fits = core.graphed is not None and b <= core.graphed.max_seeds

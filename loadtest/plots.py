@@ -38,15 +38,20 @@ def throughput_vs_p99(series: dict[str, list[dict]], path: str | Path, title: st
     """One line per series: each point's seed nodes/s (x) against its p99 (y, log scale)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 5.5))
+    rates = []
     for name, points in series.items():
-        pts = [p for p in points if p["p99_ms"] is not None]
+        # a point with nothing answered has no place on a log axis
+        pts = [p for p in points if p["p99_ms"] is not None and p["seed_nodes_per_s"] > 0]
         if pts:
+            rates += [p["seed_nodes_per_s"] for p in pts]
             ax.plot([p["seed_nodes_per_s"] for p in pts], [p["p99_ms"] for p in pts],
                     label=name, **style(name))
+    ax.set_xscale("log")
+    if rates:
+        ax.set_xlim(min(rates) / 1.5, max(rates) * 1.5)
     for b in bounds_ms:
         ax.axhline(b, color="grey", linestyle="--", linewidth=0.8)
         ax.text(ax.get_xlim()[0], b, f" p99 = {b:g} ms", va="bottom", fontsize=8, color="grey")
-    ax.set_xscale("symlog", linthresh=100)
     ax.set_yscale("log")
     ax.set_xlabel("seed nodes / s (answered)")
     ax.set_ylabel("p99 latency (ms)")
