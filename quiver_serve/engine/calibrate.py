@@ -48,7 +48,7 @@ def calibration_sizes(num_nodes: int, max_batch_nodes: int) -> list[int]:
 
 def _time_compute(core: EngineCore, seeds: torch.Tensor, sampled) -> float:
     """Gather + model of one sampled batch, timed as the engine times it."""
-    from quiver_serve.engine.core import Batch
+    from quiver_serve.engine.batch import Batch
 
     batch = Batch(-1, [], seeds, False, 0, sampled=sampled)
     if core._compute_stream is None:

@@ -21,13 +21,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.engine.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
 from quiver_serve.engine.cost import CostModel, LatencyModel
 from quiver_serve.engine.fill import ExpectedFill
 from quiver_serve.engine.micro_batch import (
@@ -43,7 +43,7 @@ from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.psgs import PsgsTable
 from quiver_serve.messages import BatchStats
 from quiver_serve.models import ServedModel
-from quiver_serve.models.graphed import GraphedForward, Staged
+from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
 
@@ -53,45 +53,6 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 2
 #: a client's report of its outstanding ids counts this long after its last micro-batch
 CLIENT_REPORT_S = 1.0
-
-
-@dataclass
-class Batch:
-    """Micro-batches merged for one pass of sample → gather → model."""
-
-    batch_id: int
-    parts: list[Part]
-    seeds: Tensor  # int64, the alive requests' ids concatenated
-    exact: bool
-    seed: int
-    route: str = ""
-    formed_s: float = 0.0
-    sample_s: float = 0.0
-    sampled: SamplerOutput | None = None
-    staged: Staged | None = None  # packed for a CUDA graph (small sampled batches)
-    # set once launched
-    rows: Tensor | None = None
-    counts: Tensor | None = None  # the feature store's hit/miss counters after this batch
-    done_event: Any = None
-    start_event: Any = None
-    launched_s: float = 0.0
-    expected_done_s: float = 0.0
-    # routing: predicted sampled-graph size and batch latency; the pool sampler it went to
-    psgs: float = 0.0
-    predicted_s: float = 0.0
-    sampler: int = -1
-    sent_s: float = 0.0
-    sent_idle: bool = False
-
-
-class SamplerPool:
-    """The CPU sampler pool as the engine core sees it (the process wrapper implements it)."""
-
-    def outstanding(self) -> list[int]:
-        return []
-
-    def send(self, worker: int, task_id: int, seeds: Tensor, fanouts: list[int], seed: int) -> None:
-        raise NotImplementedError
 
 
 class EngineCore:
@@ -509,36 +470,9 @@ class EngineCore:
                 self.on_stats(stats)
 
     def _stats(self, batch: Batch, compute_s: float) -> BatchStats:
-        sb = batch.sampled
-        assert sb is not None
-        n_rows = int(sb.n_id.numel())
-        oldest = min(p.mb.received_s for p in batch.parts)
-        hits, misses = self._batch_counts(batch)
-        return BatchStats(
-            batch_id=batch.batch_id, route=batch.route, worker=self.index,
-            num_requests=sum(p.num_alive for p in batch.parts),
-            num_seeds=int(batch.seeds.numel()), num_sampled_nodes=n_rows,
-            num_sampled_edges=int(sb.edge_index.size(1)),
-            queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
-            compute_s=compute_s, cache_hits=hits, cache_misses=misses, psgs=batch.psgs,
-            predicted_s=batch.predicted_s)
-
-    def _batch_counts(self, batch: Batch) -> tuple[int, int]:
-        """Rows this batch read from GPU memory (hits) and host memory (misses): the store's
-        device counters (copied out with the batch's rows; on a CPU read directly) minus their
-        value at the previous batch. A CUDA graph also reads node 0's row for every padding
-        slot: those reads are taken off again."""
-        counts = batch.counts if batch.counts is not None else self.features.counts
-        now = (int(counts[0]), int(counts[1]))
-        hits, misses = now[0] - self._counts_seen[0], now[1] - self._counts_seen[1]
-        self._counts_seen = now
-        if batch.staged is not None and batch.sampled is not None:
-            pad = batch.staged.graph.layout.num_nodes - sum(batch.sampled.num_sampled_nodes)
-            if self.features.is_hit(0):
-                hits -= pad
-            else:
-                misses -= pad
-        return max(hits, 0), max(misses, 0)
+        stats, self._counts_seen = batch_stats(batch, compute_s, self.index, self.features,
+                                               self._counts_seen)
+        return stats
 
     def _fail(self, batch: Batch, exc: BaseException) -> list[Reply]:
         if is_cuda_fatal(exc):
@@ -554,12 +488,3 @@ class EngineCore:
                                   for i in alive]
             replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
         return replies
-
-
-def is_cuda_fatal(exc: BaseException) -> bool:
-    """CUDA errors that leave the context unusable (illegal address, launch failure, ECC...)."""
-    text = f"{type(exc).__name__}: {exc}".lower()
-    sticky = ("illegal memory access", "illegal address", "unspecified launch failure",
-              "device-side assert", "ecc error", "cudaerrorlaunchfailure", "misaligned address",
-              "an illegal instruction")
-    return any(s in text for s in sticky) or type(exc).__name__ == "AcceleratorError"
