@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,16 +54,7 @@ def throughput_vs_p99(series: dict[str, list[dict]], path: str | Path, title: st
         ax.axhline(b, color="grey", linestyle="--", linewidth=0.8)
         ax.text(ax.get_xlim()[0], b, f" p99 = {b:g} ms", va="bottom", fontsize=8, color="grey")
     ax.set_yscale("log")
-    ax.set_xlabel("seed nodes / s (answered)")
-    ax.set_ylabel("p99 latency (ms)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, "seed nodes / s (answered)", "p99 latency (ms)")
 
 
 def latency_cdf(series: dict[str, np.ndarray], path: str | Path, title: str) -> Path:
@@ -75,8 +67,14 @@ def latency_cdf(series: dict[str, np.ndarray], path: str | Path, title: str) -> 
             st = {k: v for k, v in style(name).items() if k != "marker"}
             ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=f"{name} (n={lat.size})", **st)
     ax.set_xscale("log")
-    ax.set_xlabel("latency (ms)")
-    ax.set_ylabel("fraction of requests")
+    return _save(plt, fig, ax, path, title, "latency (ms)", "fraction of requests")
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: str | Path, title: str, xlabel: str,
+          ylabel: str) -> Path:
+    """Labels, grid, legend beside the axes; written as PNG and closed."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))

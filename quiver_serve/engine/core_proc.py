@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,22 @@ class Reporter:
         if now - self._last_beat >= HEARTBEAT_S:
             self._last_beat = now
             self.send("heartbeat")
+
+
+def control_messages(sock: zmq.Socket, timeout_ms: int) -> Iterator[Control]:
+    """Every readable control message waiting on the supervisor's PULL socket (after up to
+    ``timeout_ms`` for the first); an unreadable one is logged and skipped, never fatal."""
+    if not sock.poll(timeout_ms):
+        return
+    while True:
+        try:
+            raw = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            yield Decoders.control.decode(raw)
+        except Exception:  # noqa: BLE001 - a stray or truncated message
+            log.error("unreadable control message (%d bytes) ignored", len(raw))
 
 
 # ---- the CPU sampler pool, as an engine core reaches it -------------------------------------------

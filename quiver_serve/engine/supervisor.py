@@ -24,11 +24,15 @@ from typing import Any
 import zmq
 
 from quiver_serve.config import ServeConfig
-from quiver_serve.engine.core_proc import RunAddresses, engine_core_main, sampler_main
+from quiver_serve.engine.core_proc import (
+    RunAddresses,
+    control_messages,
+    engine_core_main,
+    sampler_main,
+)
 from quiver_serve.engine.devices import num_inference_workers
 from quiver_serve.engine.process import spawn_context
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.wire import Decoders
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +138,7 @@ class Supervisor:
             log.info("%s %d ready (pid %s) %s", what, c.index, c.pid, c.info)
 
     def _read_control(self, timeout_ms: int, on_ready: Callable[[Child], None] | None = None) -> None:
-        if not self._control.poll(timeout_ms):
-            return
-        while True:
-            try:
-                raw = self._control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = Decoders.control.decode(raw)
-            except Exception:  # noqa: BLE001
-                log.error("unreadable control message (%d bytes) ignored", len(raw))
-                continue
+        for msg in control_messages(self._control, timeout_ms):
             child = self._child(msg.role, msg.index)
             if child is None or child.pid != msg.pid:
                 continue  # from a predecessor that has since been replaced

@@ -31,10 +31,11 @@ import msgspec
 import zmq
 
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core_proc import control_messages
 from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.engine.supervisor import RESTART_BACKOFF_S, Child
 from quiver_serve.http.listen import check_port_free, reuseport_socket
-from quiver_serve.wire import Decoders, FrontDoorState, WorkerInfo, encode
+from quiver_serve.wire import FrontDoorState, WorkerInfo, encode
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +151,7 @@ class FrontDoor:
                 pass
 
     def _read_control(self, timeout_ms: int) -> None:
-        if not self._control.poll(timeout_ms):
-            return
-        while True:
-            try:
-                raw = self._control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = Decoders.control.decode(raw)
-            except msgspec.DecodeError:
-                log.error("unreadable front-end control message (%d bytes) ignored", len(raw))
-                continue
+        for msg in control_messages(self._control, timeout_ms):
             if not 0 <= msg.index < len(self.children):
                 continue
             child = self.children[msg.index]
