@@ -88,17 +88,9 @@ class Server:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+        from quiver_serve.engine.process import stop_process_group
+
+        stop_process_group(self.proc, grace_s=8)
         self._log.close()
 
 

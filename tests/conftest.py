@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +13,7 @@ import pytest
 import torch
 
 from quiver_serve.config import REPO_ROOT, ServeConfig, resolve_path
+from quiver_serve.engine.process import stop_process_group
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_planetoid_raw
 
@@ -88,16 +87,7 @@ class ServerProcess:
         return [int(p) for p in out.stdout.split()]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.proc, grace_s=15)
         self._log.close()
 
 

@@ -27,6 +27,25 @@ def spawn_context() -> Any:
     return mp.get_context("spawn")
 
 
+def stop_process_group(proc: Any, grace_s: float) -> None:
+    """Stop a ``subprocess.Popen`` started with ``start_new_session=True`` and everything it
+    spawned: SIGTERM (the daemon drains), then SIGKILL to the whole group after ``grace_s``."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
 def parent_alive() -> bool:
     """False once the process that spawned us is gone, so workers never outlive the daemon."""
     parent = std_mp.parent_process()
