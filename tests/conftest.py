@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -111,3 +112,20 @@ def _to_yaml(cfg: ServeConfig) -> str:
     import yaml
 
     return yaml.safe_dump(cfg.model_dump(mode="json"))
+
+
+def start_server(tmp: Path, env: dict[str, str] | None = None,
+                 **overrides: object) -> tuple[ServerProcess, ServeConfig]:
+    """The real daemon on a free port with ``small_config(**overrides)``; ``env`` is set only
+    while it is spawned (the server inherits it, this process keeps its own)."""
+    cfg = small_config(**overrides)
+    path = tmp / "config.yaml"
+    path.write_text(_to_yaml(cfg))
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        srv = ServerProcess(path, free_port(), tmp / "server.log")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return srv, cfg

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, _to_yaml, free_port, small_config
+from tests.conftest import ServerProcess, free_port, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TOKEN = "front-door-token"
@@ -30,16 +30,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def start(tmp: Path, env: dict[str, str] | None = None, **overrides: object) -> ServerProcess:
-    cfg = small_config(server__http_workers=2, **overrides)
-    path = tmp / "config.yaml"
-    path.write_text(_to_yaml(cfg))
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        srv = ServerProcess(path, free_port(), tmp / "server.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    srv, cfg = start_server(tmp, env, server__http_workers=2, **overrides)
     srv.grpc_port = cfg.server.grpc_port  # type: ignore[attr-defined]
     return srv
 

@@ -13,23 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, _to_yaml, free_port, small_config
+from tests.conftest import ServerProcess, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TOKEN = "s3cret-token"
 
 
 def start(tmp: Path, env: dict[str, str] | None = None, **overrides: object) -> ServerProcess:
-    cfg = small_config(**overrides)
-    path = tmp / "config.yaml"
-    path.write_text(_to_yaml(cfg))
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        srv = ServerProcess(path, free_port(), tmp / "server.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    srv, _ = start_server(tmp, env, **overrides)
     srv.wait_ready_headers = {"Authorization": f"Bearer {TOKEN}"} if env else {}
     return srv
 
