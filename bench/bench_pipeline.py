@@ -7,7 +7,8 @@ API, on one graph and model, in one run.
    B of one id for workload c) and calls ``step()`` until every reply is back. Per-batch latency.
    The core is freed before the daemon starts, so GPU memory is not held twice.
 2. Daemon: ``Pipeline(cfg, graph=graph).start()``; the load comes from P other processes (spawned
-   once, kept for every point), each a fast-path client (``connect(p.endpoints(), observer)``)
+   once, kept for every point), each a fast-path client per point (``connect_async(p.endpoints(),
+   observer)``, driven by the point's event loop)
    running closed-loop asyncio callers (``await client.submit_async(ids)``). Every process starts
    its callers at the same wall-clock instant; after a warm-up, only requests that complete inside
    the common window count. Each process reports its latencies, statuses, its own CPU use and
@@ -246,23 +247,29 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
             "load_per_engine": list(client._load)}
 
 
-def load_main(index: int, endpoints: Any, hot: np.ndarray, num_nodes: int, cmds: Any, out: Any) -> None:
-    """A load process: connect once, then run each point it is sent until it gets None."""
-    from quiver_serve.engine.pipeline import connect
+async def drive_point(endpoints: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> dict:
+    """One point on a client driven by this point's event loop (``connect_async``: the
+    queue API's coroutine path, no IO thread)."""
+    from quiver_serve.engine.pipeline import connect_async
 
-    torch.set_num_threads(1)
-    obs = BatchCounter()
-    client = connect(endpoints, obs)
-    out.put({"ready": index})
+    client = connect_async(endpoints, obs)
     try:
-        while (cmd := cmds.get()) is not None:
-            k = cmd["k"]
-            n = max(16, min(REQUEST_POOL, (1 << 20) // k))
-            rng = np.random.default_rng(cmd["seed"])
-            reqs = draw_requests(cmd["workload"], n, k, num_nodes, hot, rng)
-            out.put({"index": index, **asyncio.run(drive(client, obs, reqs, cmd))})
+        return await drive(client, obs, reqs, cmd)
     finally:
         client.stop()
+
+
+def load_main(index: int, endpoints: Any, hot: np.ndarray, num_nodes: int, cmds: Any, out: Any) -> None:
+    """A load process: run each point it is sent until it gets None."""
+    torch.set_num_threads(1)
+    obs = BatchCounter()
+    out.put({"ready": index})
+    while (cmd := cmds.get()) is not None:
+        k = cmd["k"]
+        n = max(16, min(REQUEST_POOL, (1 << 20) // k))
+        rng = np.random.default_rng(cmd["seed"])
+        reqs = draw_requests(cmd["workload"], n, k, num_nodes, hot, rng)
+        out.put({"index": index, **asyncio.run(drive_point(endpoints, obs, reqs, cmd))})
 
 
 class LoadPool:

@@ -136,19 +136,22 @@ class GrpcCaller:
 
 
 class QueueCaller:
-    """The queue API: ``connect(endpoints).submit_async(ids)`` (one client per load process)."""
+    """The queue API: ``connect_async(endpoints).submit_async(ids)`` (one client per load
+    process and event loop, driven by that loop)."""
 
-    clients: dict[str, Any] = {}  # one engine client per process, kept across points
+    clients: dict[str, Any] = {}  # the current engine client of this process
 
     def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
-        from quiver_serve.engine.pipeline import connect
+        import asyncio
 
-        key = repr(target["endpoints"])
+        from quiver_serve.engine.pipeline import connect_async
+
+        key = f"{target['endpoints']!r}@{id(asyncio.get_running_loop())}"
         if key not in self.clients:
             for old in self.clients.values():
                 old.stop()
             self.clients.clear()
-            self.clients[key] = connect(target["endpoints"])
+            self.clients[key] = connect_async(target["endpoints"])
         self.client, self.reqs = self.clients[key], reqs
 
     async def __aenter__(self) -> QueueCaller:

@@ -26,6 +26,7 @@ ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
 _RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_TRANSPORT_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.05, 0.5)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
@@ -129,6 +130,12 @@ class Metrics(PipelineObserver):
         self.late_results = Counter(
             PREFIX + "late_results", "results that arrived after their request was answered",
             registry=None)
+        self.transport = Histogram(
+            PREFIX + "transport_seconds", "a micro-batch's trip between a front-end client and "
+            "an engine core, by direction (to_engine: sent to taken in; to_client: reply built "
+            "to read)", ["direction"], buckets=_TRANSPORT_BUCKETS_S, registry=None)
+        self._to_engine = self.transport.labels("to_engine")
+        self._to_client = self.transport.labels("to_client")
         # Known label values start at 0, so rates and alerts work before the first event.
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
@@ -146,3 +153,8 @@ class Metrics(PipelineObserver):
 
     def on_restart(self, role: str) -> None:
         self.restarts.labels(role).inc()
+
+    def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
+                     received_s: float) -> None:
+        self._to_engine.observe(max(engine_received_s - sent_s, 0.0))
+        self._to_client.observe(max(received_s - engine_replied_s, 0.0))

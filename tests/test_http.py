@@ -119,6 +119,11 @@ def test_metrics_count_requests(server: ServerProcess) -> None:
     for name in ("quiver_serve_route_total", "quiver_serve_batch_nodes_bucket",
                  "quiver_serve_sample_duration_seconds_bucket", "quiver_serve_pending_requests"):
         assert name in text
+    trips = {d: 0.0 for d in ("to_engine", "to_client")}
+    for line in text.splitlines():
+        if line.startswith("quiver_serve_transport_seconds_count"):
+            trips[line.split('direction="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    assert trips["to_engine"] >= 5 and trips["to_client"] >= 5, trips  # each micro-batch's trip
 
 
 def test_feature_replacement_while_serving(server: ServerProcess) -> None:

@@ -235,3 +235,54 @@ def test_two_engine_cores_share_the_load(cora: GraphData) -> None:
 def test_concurrent_exact_requests_equal_pyg(pipeline: Pipeline, cora: GraphData) -> None:
     """Many exact requests in flight at once (merged into batches): every row still exact."""
     check_concurrent_exact(pipeline, cora, 150, 20)
+
+
+def test_coroutines_are_served_by_their_own_loops_client(pipeline: Pipeline, cora: GraphData) -> None:
+    """``embed_async`` runs on a client driven by the caller's event loop (no IO thread): 300
+    requests in flight from one loop are each answered once, exact rows equal the sync path's,
+    a deadline is answered 504 by the loop's timer, and a closed loop's client is stopped."""
+    import asyncio
+
+    from quiver_serve.engine.loop_client import LoopClient
+
+    ids = [[i % cora.num_nodes, (7 * i) % cora.num_nodes] for i in range(300)]
+
+    async def many() -> list[torch.Tensor]:
+        rows = await asyncio.gather(*(pipeline.embed_async(x, exact=True) for x in ids))
+        client = pipeline.async_client()
+        assert isinstance(client, LoopClient) and client.pending_count == 0
+        with pytest.raises(ServeError) as err:
+            await pipeline.embed_async([1, 2], timeout_s=1e-6)
+        assert err.value.info.status == 504
+        return rows
+
+    rows = asyncio.run(many())
+    expect = pipeline.embed(ids[3], exact=True)
+    torch.testing.assert_close(rows[3], expect, atol=1e-5, rtol=1e-5)
+    assert all(r.shape == (2, 64) for r in rows)
+    for _ in range(3):  # each asyncio.run is a new loop: the old loops' clients are let go
+        asyncio.run(pipeline.embed_async([5]))
+    assert len(pipeline._loop_clients) == 1
+
+
+def test_transport_trip_is_reported(pipeline: Pipeline) -> None:
+    """Each reply's stats carry when the engine core took the micro-batch in and answered it;
+    the client adds its send and receive times (the ``transport_seconds`` metric's input)."""
+    trips: list[tuple[float, float, float, float]] = []
+
+    class Trips(PipelineObserver):
+        def on_transport(self, *t: float) -> None:
+            trips.append(t)
+
+    client = pipeline.client
+    assert client is not None
+    old, client.observer = client.observer, Trips()
+    try:
+        for i in range(5):
+            pipeline.embed([i])
+    finally:
+        client.observer = old
+    assert len(trips) == 5
+    for sent, taken, replied, back in trips:
+        assert sent <= taken + 1e-3 and taken <= replied <= back + 1e-3  # one clock, in order
+        assert back - sent < 5.0

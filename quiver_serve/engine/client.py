@@ -88,6 +88,7 @@ class _Flight:
     num_ids: int
     attempts: int = 1
     sent_s: float = field(default_factory=time.monotonic)
+    sent_wall_s: float = field(default_factory=time.time)  # the same, comparable across processes
 
 
 class EngineClient:
@@ -118,6 +119,14 @@ class EngineClient:
         self._tie = itertools.count()
         self._stopping = threading.Event()
         self._sleeping = False
+        #: the event loop that drives this client (``LoopClient``); None: the IO thread does
+        self._home_loop: asyncio.AbstractEventLoop | None = None
+        self._socks: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []
+        self._start_io(name)
+
+    def _start_io(self, name: str) -> None:
+        """Start what drives the sockets: here an IO thread (``LoopClient``: an event loop)."""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._run, name=f"quiver-{name}-io", daemon=True)
@@ -168,6 +177,10 @@ class EngineClient:
         req = _Request(rid, ids, exact, seed, deadline_s, fut, loop)
         self._by_id[rid] = req
         self._inbox.append(req)
+        self._wake()
+
+    def _wake(self) -> None:
+        """New requests wait in the inbox: wake the IO thread if it sleeps in its poll."""
         if self._sleeping:
             self._sleeping = False
             os.write(self._wake_w, b"x")
@@ -183,16 +196,19 @@ class EngineClient:
         return True
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop the IO thread; requests still pending are answered 503."""
+        """Stop the IO; requests still pending are answered 503."""
         self._stopping.set()
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=timeout_s)
+        self._stop_io(timeout_s)
         left = [r for f in self._flights.values() for r in f.requests] + list(self._inbox) \
             + self._held
         self._flights.clear()
         self._inbox.clear()
         err = errors.unavailable("shutting_down", "the server is shutting down").info
         self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in left if not r.done])
+
+    def _stop_io(self, timeout_s: float) -> None:
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=timeout_s)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -200,11 +216,9 @@ class EngineClient:
                 pass
 
     # ---- the IO thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _open_sockets(self) -> None:
+        """One DEALER per engine core, and a monitor that says when its connection drops."""
         ctx = zmq.Context.instance()
-        self._socks, self._monitors = [], []
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
         for e in range(self.endpoints.num_engines):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -212,10 +226,16 @@ class EngineClient:
             sock.setsockopt(zmq.RCVHWM, 0)
             mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.endpoints.addrs.engine(e))
-            poller.register(sock, zmq.POLLIN)
-            poller.register(mon, zmq.POLLIN)
             self._socks.append(sock)
             self._monitors.append(mon)
+
+    def _run(self) -> None:
+        self._open_sockets()
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for sock, mon in zip(self._socks, self._monitors, strict=True):
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
         try:
             self._loop(poller)
         except Exception:  # noqa: BLE001 - logged; stop() answers what is left
@@ -359,6 +379,9 @@ class EngineClient:
         flight = self._flights.pop(done.seq, None)
         if done.stats is not None:
             self.observer.on_batch(done.stats)
+            if flight is not None and done.stats.replied_s:
+                self.observer.on_transport(flight.sent_wall_s, done.stats.received_s,
+                                           done.stats.replied_s, time.time())
         if flight is None:
             self.observer.on_late_result()  # answered already (a retried copy came back first)
             return
@@ -445,10 +468,17 @@ class EngineClient:
             else:
                 by_loop.setdefault(req.loop, []).append((req.future, result))
         for loop, items in by_loop.items():
+            if loop is self._home_loop and self._on_home_thread():
+                _set_all(items)  # this loop drives the client: no hand-off
+                continue
             try:
                 loop.call_soon_threadsafe(_set_all, items)
             except RuntimeError:  # that loop is closed: nobody waits
                 pass
+
+
+    def _on_home_thread(self) -> bool:
+        return False
 
 
 def _set_all(items: list[tuple[asyncio.Future[EmbedResult], EmbedResult]]) -> None:

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 2
 #: a client's report of its outstanding ids counts this long after its last micro-batch
 CLIENT_REPORT_S = 1.0
+#: this many waiting ids or fewer form one batch whatever the deadline (no cost-model sizing)
+SMALL_BATCH_IDS = 16
 
 
 class EngineCore:
@@ -151,13 +153,14 @@ class EngineCore:
     # ---- intake --------------------------------------------------------------------------------
     def add(self, mb: MicroBatch) -> Reply | None:
         """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded)."""
-        if mb.num_requests == 0 or int(mb.lengths.sum()) != mb.num_ids \
-                or mb.deadlines_s.size != mb.num_requests:
+        n_req = mb.num_requests
+        total = int(mb.lengths[0]) if n_req == 1 else int(mb.lengths.sum())
+        if n_req == 0 or total != mb.num_ids or mb.deadlines_s.size != n_req:
             err = RequestError(0, "invalid_request", "malformed micro-batch: ids, lengths and "
                                "deadlines do not agree", 400)
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
         mb.valid, mb.errors = check_ids(mb, self.num_nodes)
-        mb.min_deadline_s = float(mb.deadlines_s.min())
+        mb.min_deadline_s = float(mb.deadlines_s[0] if n_req == 1 else mb.deadlines_s.min())
         if len(self.waiting) >= self.max_waiting:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
@@ -269,7 +272,9 @@ class EngineCore:
         """Most seeds a batch may take and finish inside ``budget_s``: the cost model's largest
         PSGS over the paths the router may use, turned into seeds at the waiting work's mean
         PSGS per seed (the union grows slower than the seeds, so this errs small)."""
-        if self.psgs is None or self._waiting_ids <= 0:
+        if self._waiting_ids <= SMALL_BATCH_IDS:
+            return self.max_batch_nodes  # splitting a handful of ids finishes none sooner
+        if self.psgs is None:
             return self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
         paths = self.router.paths(self.gpu_sampler is not None, self.pool is not None)
         psgs_cap = self.cost.max_psgs_within(budget_s, paths)

@@ -225,20 +225,21 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
     reporter.send("ready", device=str(core.device), sampler=core.local_sampler.name,
                   gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
                   features_on=str(core.features.device), **core.features.describe())
-    EngineLoop(core, front, pool, poller, reporter).run()
+    EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3).run()
 
 
 class EngineLoop:
     """The engine core's busy loop: take input, ``step()``, send replies, beat."""
 
     def __init__(self, core: EngineCore, front: zmq.Socket, pool: ZmqSamplerPool | None,
-                 poller: zmq.Poller, reporter: Reporter) -> None:
+                 poller: zmq.Poller, reporter: Reporter, spin_s: float = 0.0) -> None:
         self.core, self.front, self.pool, self.poller = core, front, pool, poller
-        self.reporter = reporter
+        self.reporter, self.spin_s = reporter, spin_s
 
     def run(self) -> None:
         core = self.core
         next_check_s = 0.0
+        last_answer_s = 0.0
         while True:
             now_s = time.monotonic()
             if now_s >= next_check_s:  # a syscall: not on every turn of a busy loop
@@ -246,7 +247,9 @@ class EngineLoop:
                     return
                 next_check_s = now_s + PARENT_CHECK_S
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
-            if core.in_flight or core.sampled or (core.waiting and not core.fill.holding):
+            # and for ``spin_s`` after the last answer (the next request is likely near)
+            if core.in_flight or core.sampled or (core.waiting and not core.fill.holding) \
+                    or now_s - last_answer_s < self.spin_s:
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers
                 timeout_ms = 1 if core.sampling or core.waiting else IDLE_POLL_MS
@@ -256,6 +259,7 @@ class EngineLoop:
                 replies += self.pool.drain(core, events)
             replies += core.step()
             if replies:
+                last_answer_s = time.monotonic()
                 held_ids = core.ids_in_hand()
                 for reply in replies:
                     reply.done.engine_ids = held_ids

@@ -1,14 +1,19 @@
-"""What an HTTP front-end needs from the serving path, over one :class:`EngineClient`.
+"""What an HTTP front-end needs from the serving path, over its engine clients.
 
 Two classes implement it: :class:`~quiver_serve.engine.pipeline.Pipeline` (the engine cores are
 this process's children; one front-end in the main process) and
 :class:`~quiver_serve.http.frontend_proc.RemotePipeline` (a front-end process of several, whose
-client reaches the main process's engine cores). Admission, drain and the per-request submit are
+clients reach the main process's engine cores). Admission, drain and the per-request submit are
 here, once.
+
+Coroutines are served by a :class:`~quiver_serve.engine.loop_client.LoopClient` per event loop
+(made on a loop's first request: no thread hand-off on the request path); threads by the
+IO-thread client ``self.client`` (``Pipeline`` only).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -18,7 +23,9 @@ import numpy as np
 
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
-from quiver_serve.engine.client import EngineClient
+from quiver_serve.engine.client import EngineClient, EngineEndpoints
+from quiver_serve.engine.loop_client import LoopClient
+from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.sampling.base import MAX_SEED
 
 
@@ -27,8 +34,13 @@ class ClientFacade:
 
     cfg: ServeConfig
     client: EngineClient | None
+    observer: PipelineObserver
 
     def _init_facade(self, id_prefix: str) -> None:
+        #: what a loop client connects to; None until the engine cores are up
+        self.client_endpoints: EngineEndpoints | None = None
+        self._loop_clients: dict[asyncio.AbstractEventLoop, LoopClient] = {}
+        self._clients_lock = threading.Lock()
         self._rids = itertools.count()
         self._rid_prefix = id_prefix
         self._accepting = False
@@ -52,7 +64,36 @@ class ClientFacade:
 
     @property
     def pending_count(self) -> int:
-        return self.client.pending_count if self.client is not None else 0
+        return sum(c.pending_count for c in self._clients())
+
+    def _clients(self) -> list[EngineClient]:
+        with self._clients_lock:
+            loop_clients: list[EngineClient] = list(self._loop_clients.values())
+        return ([self.client] if self.client is not None else []) + loop_clients
+
+    def async_client(self) -> LoopClient:
+        """The client of the running event loop (made on its first request; clients of loops
+        that have closed since are stopped here)."""
+        loop = asyncio.get_running_loop()
+        client = self._loop_clients.get(loop)
+        if client is not None:
+            return client
+        if self.client_endpoints is None or not self.ready:
+            raise self.refusal()
+        with self._clients_lock:
+            dead = [lp for lp in self._loop_clients if lp.is_closed()]
+            stale = [self._loop_clients.pop(lp) for lp in dead]
+            client = LoopClient(self.client_endpoints, self.observer,
+                                f"{self._rid_prefix}loop{len(self._loop_clients)}", loop)
+            self._loop_clients[loop] = client
+        for old in stale:
+            old.stop(timeout_s=0.1)
+        return client
+
+    def stop_clients(self) -> None:
+        """Stop every client; what they still hold is answered 503."""
+        for client in self._clients():
+            client.stop()
 
     def begin_drain(self) -> None:
         """Readiness turns false and new requests get 503; admitted ones go on."""
@@ -70,15 +111,22 @@ class ClientFacade:
                          timeout_s: float | None) -> tuple[str, Any]:
         """The hot path of a front-end: ids already checked (int64, in range, not too many).
         Returns the request id (to cancel it) and an asyncio future of its EmbedResult."""
-        if not self.ready or self.client is None:
+        if not self.ready:
             raise self.refusal()
+        client = self.async_client()
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise errors.ServeError("invalid_seed", f"seed must be in [0, {MAX_SEED}], got {seed}", 400)
         limit = self.cfg.server.request_timeout_s
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         rid = f"{self._rid_prefix}{next(self._rids)}"
-        return rid, self.client.submit_async(ids, exact, seed, deadline_s, rid)
+        return rid, client.submit_async(ids, exact, seed, deadline_s, rid)
 
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
         """Forget a request nobody waits for; not computed if it has not been sent yet."""
+        try:
+            client: EngineClient | None = self._loop_clients.get(asyncio.get_running_loop())
+        except RuntimeError:  # not on an event loop
+            client = None
+        if client is not None and client.cancel(request_id):
+            return True
         return self.client.cancel(request_id) if self.client is not None else False

@@ -78,7 +78,13 @@ def expired_error(index: int) -> RequestError:
 def check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray | None, list[RequestError]]:
     """Which requests have every id in range (None: all; front-ends validate, this guards every
     other client), and a 400 naming the first bad id of each that does not."""
-    if int(mb.ids.min()) >= 0 and int(mb.ids.max()) < num_nodes:
+    ids = mb.ids
+    if ids.size == 0:
+        return None, []  # no id to be out of range
+    if ids.size == 1:
+        if 0 <= int(ids[0]) < num_nodes:
+            return None, []
+    elif int(ids.min()) >= 0 and int(ids.max()) < num_nodes:
         return None, []
     bad = (mb.ids < 0) | (mb.ids >= num_nodes)
     starts = np.concatenate([[0], np.cumsum(mb.lengths)[:-1]]).astype(np.int64)

@@ -17,3 +17,8 @@ class PipelineObserver:
     def on_restart(self, role: str) -> None: ...
 
     def on_pending(self, count: int) -> None: ...
+
+    def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
+                     received_s: float) -> None:
+        """One micro-batch's trip, ``time.time()`` instants: the client sent it, the engine core
+        took it in, the engine core built its reply, the client read the reply."""

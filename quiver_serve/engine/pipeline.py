@@ -26,6 +26,7 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.batcher import as_request
 from quiver_serve.engine.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.facade import ClientFacade
+from quiver_serve.engine.loop_client import connect_async
 from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.engine.process import get_or_none, spawn_context
 from quiver_serve.engine.supervisor import Supervisor
@@ -33,13 +34,14 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import EmbedRequest, EmbedResult
 from quiver_serve.sampling.base import MAX_SEED
 
-__all__ = ["Pipeline", "PipelineObserver", "connect"]
+__all__ = ["Pipeline", "PipelineObserver", "connect", "connect_async"]
 
 log = logging.getLogger(__name__)
 
 
 def connect(endpoints: EngineEndpoints, observer: PipelineObserver | None = None) -> EngineClient:
-    """A client of a running daemon's engine cores, in this process (the fast path)."""
+    """A client of a running daemon's engine cores, in this process (the fast path), usable
+    from any thread; coroutines on one event loop do better with :func:`connect_async`."""
     return EngineClient(endpoints, observer)
 
 
@@ -78,7 +80,8 @@ class Pipeline(ClientFacade):
             self.supervisor.stop(timeout_s=1.0)
             raise
         self.out_dim = int(self.supervisor.engine_info(0)["dim"])
-        self.client = EngineClient(self.endpoints(), self.observer, name="pipeline")
+        self.client_endpoints = self.endpoints()
+        self.client = EngineClient(self.client_endpoints, self.observer, name="pipeline")
         t = threading.Thread(target=self._user_queue_loop, name="quiver-user-queue", daemon=True)
         t.start()
         self._threads.append(t)
@@ -124,8 +127,7 @@ class Pipeline(ClientFacade):
             log.warning("drain timeout: %d request(s) still in flight are answered 503",
                         self.pending_count)
         self._stopping.set()
-        if self.client is not None:
-            self.client.stop()
+        self.stop_clients()
         for t in self._threads:
             t.join(timeout=1.0)
         if self.supervisor is not None:
@@ -165,8 +167,10 @@ class Pipeline(ClientFacade):
                              request.deadline_s, request.request_id)
 
     def submit_async(self, request: EmbedRequest) -> Any:
-        """``submit`` for coroutines: an asyncio future on the running loop."""
-        client = self._client_or_refuse()
+        """``submit`` for coroutines: an asyncio future on the running loop (served by that
+        loop's own client: no thread hand-off)."""
+        self._client_or_refuse()
+        client = self.async_client()
         self.validate(request.node_ids, request.seed)
         return client.submit_async(request.node_ids.numpy(), request.exact, request.seed,
                                    request.deadline_s, request.request_id)

@@ -218,6 +218,9 @@ class PsgsTable:
         The seeds' own chance of being drawn by the other seeds, ``sum_v 1 - (1 - d q_v) ** B``,
         is taken at the seeds' mean popularity (``B (1 - exp(-D mean q))``: exact to first order,
         an upper bound by Jensen), so a batch costs one gather of two columns."""
+        if seeds.size == 1:  # one seed: its own expected size is the answer
+            size = float(self.mean_size[int(seeds[0])])
+            return size, size
         uniq = self.unique(seeds)
         b = int(uniq.size)
         if b == 0:
@@ -235,6 +238,8 @@ class PsgsTable:
 
     def draws(self, ids: np.ndarray) -> float:
         """Sum of ``m_v - 1`` over ``ids`` (repeats counted): what a micro-batch adds to a batch."""
+        if ids.size == 1:
+            return float(self._draws[int(ids[0])])
         return float(self._draws[ids].sum(dtype=np.float64))
 
     def union_of(self, draws: float, seeds: int) -> float:

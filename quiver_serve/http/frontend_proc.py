@@ -58,11 +58,11 @@ class RemotePipeline(ClientFacade):
         """Called by the watch thread with each state the main process publishes."""
         self._workers = [msgspec.structs.asdict(w) for w in state.workers]
         self.engines_ready = state.engines_ready
-        if self.client is None and state.engines is not None and not self._draining:
+        if self.client_endpoints is None and state.engines is not None and not self._draining:
             endpoints = msgspec.convert(state.engines, EngineEndpoints)
             self.num_nodes, self.out_dim = endpoints.num_nodes, endpoints.dim
             self.num_features = state.num_features
-            self.client = EngineClient(endpoints, self.observer, name=f"frontend-{self.index}")
+            self.client_endpoints = endpoints  # each event loop connects its own client
             self._accepting = True
             log.info("front-end %d: serving (pid %d)", self.index, os.getpid())
 
@@ -72,8 +72,7 @@ class RemotePipeline(ClientFacade):
     def stop(self) -> None:
         self.begin_drain()
         self._stopping.set()
-        if self.client is not None:
-            self.client.stop()
+        self.stop_clients()
 
 
 class Watch:
