@@ -302,6 +302,8 @@ class EngineLoop:
             return Reply(client, MicroBatchDone(seq, 0, [err]), None)
 
     def _send(self, reply: Reply) -> None:
+        if reply.done.stats is not None:
+            reply.done.stats.replied_s = time.time()  # the trip back starts here
         frames: list[Any] = [reply.client, encode(reply.done)]
         if reply.rows is not None:
             frames.append(np.ascontiguousarray(reply.rows, dtype=np.float32))
