@@ -88,3 +88,48 @@ def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
         assert p.pending_count == 0
     finally:
         p.stop()
+
+
+def test_kill_9_engine_under_asyncio_load(cora: GraphData) -> None:
+    """The same drill for coroutine callers, whose requests ride the event loop's own client
+    (``LoopClient``): the engine core's death is seen on the loop, its micro-batches are sent
+    again once, nothing hangs, service resumes within 5 s."""
+    import asyncio
+
+    cfg = small_config(model__weights=None, server__request_timeout_s=20.0)
+    p = Pipeline(cfg, graph=cora).start()
+    outcomes: Counter[str] = Counter()
+    marks: dict[str, float] = {}
+
+    async def caller(seed: int, until_s: float) -> None:
+        i = seed
+        while time.monotonic() < until_s:
+            i += 7
+            try:
+                await asyncio.wait_for(p.embed_async([i % 2708, (i * 13) % 2708]), timeout=30)
+                key = "200"
+                if "killed" in marks and "resumed" not in marks:
+                    marks["resumed"] = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - refusals count as outcomes
+                key = str(getattr(getattr(exc, "info", None), "status", type(exc).__name__))
+            outcomes[key] += 1
+
+    async def drill() -> None:
+        until_s = time.monotonic() + 8.0  # the restart takes 1-5 s; callers keep going past it
+        callers = [asyncio.ensure_future(caller(s, until_s)) for s in range(16)]
+        await asyncio.sleep(1.0)
+        assert p.supervisor is not None
+        handle = p.supervisor.engines[0]
+        os.kill(handle.pid, signal.SIGKILL)
+        marks["killed"] = time.monotonic()
+        await asyncio.gather(*callers)
+
+    try:
+        asyncio.run(drill())
+        print(dict(outcomes), f"resumed after {marks.get('resumed', 0) - marks['killed']:.2f} s")
+        assert "resumed" in marks, f"no success after the kill: {outcomes}"
+        assert marks["resumed"] - marks["killed"] < 5.0
+        assert set(outcomes) <= {"200", "503"}, outcomes  # retried, or refused; none lost or hung
+        assert p.pending_count == 0
+    finally:
+        p.stop()

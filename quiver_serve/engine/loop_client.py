@@ -11,8 +11,10 @@ descriptors and resolve their futures directly, and deadlines (and held requests
 ``batching.adaptive: false``) are swept by one timer armed for the earliest.
 
 ZeroMQ's ``FD`` is edge-triggered: it signals that the socket's events may have changed, and a
-send or receive can consume that signal. So each callback reads until the socket is empty, and
-after any send the socket's ``EVENTS`` are checked again.
+send or receive can consume that signal; and a socket signals a message only after a read found
+it empty (asking for ``EVENTS`` counts). So every socket is asked once when the client starts,
+each callback reads until the socket is empty, and after any send the sockets' ``EVENTS`` are
+checked again. (A monitor socket never asked would not report its engine core's death.)
 
 Every method but ``stop()`` runs on the loop's thread; ``submit()`` (sync futures) is refused
 from other threads. Everything else (spreading over engine cores, retry after an engine core
@@ -61,6 +63,10 @@ class LoopClient(EngineClient):
         for e, (sock, mon) in enumerate(zip(self._socks, self._monitors, strict=True)):
             self._loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable, e)
             self._loop.add_reader(mon.getsockopt(zmq.FD), self._on_monitor_readable, e)
+            # Arm both: a socket signals its FD only after a read found it empty (asking for
+            # EVENTS counts); a socket never asked would not signal its first message.
+            sock.getsockopt(zmq.EVENTS)
+            mon.getsockopt(zmq.EVENTS)
 
     def _on_home_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread

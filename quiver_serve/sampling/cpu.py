@@ -71,13 +71,16 @@ def cpu_sampler_status() -> str:
 
 
 def extension_build_dir() -> Path:
-    """Build directory keyed by torch version, Python version and torch's install path.
+    """Build directory keyed by torch version, Python version, torch's install path and the
+    source file's path.
 
-    The path is in the key because torch writes it into build.ninja: two environments sharing a
-    directory would each see changed build commands and rebuild the other's library every time.
+    The paths are in the key because torch writes them into build.ninja: two environments (or two
+    clones of the repository) sharing a directory would each see changed build commands and
+    rebuild the other's library every time, each waiting on the other's build lock.
     """
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "quiver_serve")
-    torch_dir = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    where = f"{Path(torch.__file__).resolve().parent}|{SOURCE_PATH.resolve()}"
+    torch_dir = hashlib.sha1(where.encode()).hexdigest()[:8]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{torch_dir}"
     return root / "ext" / tag
 
