@@ -123,6 +123,7 @@ HOT_CASES = {
     "embed_too_many_ids": embed({"node_ids": list(range(513))}),
     "embed_body_too_large": embed({"node_ids": [1] * 5000}),
     "embed_empty_body": embed(b""),
+    "embed_deadline_passed": embed({"node_ids": [1], "timeout_ms": 0.001}),
     "infer_json": infer_json([ids_tensor([4, 5])], id="x1", parameters={"exact": True}),
     "infer_no_content_type": ("POST", INFER, orjson.dumps(
         {"inputs": [ids_tensor([4, 5])], "parameters": {"exact": True}}), {}),
@@ -136,6 +137,7 @@ HOT_CASES = {
     "infer_binary_size_mismatch": infer_binary([1, 2], size=8),
     "infer_unknown_output": infer_json([ids_tensor([1])], outputs=[{"name": "logits"}]),
     "infer_too_many_ids": infer_json([ids_tensor(list(range(513)))]),
+    "infer_deadline_passed": infer_json([ids_tensor([1])], parameters={"timeout_ms": 0.001}),
 }
 OTHER_CASES = {  # not the hot routes: FastAPI answers them in both apps
     "embed_get": ("GET", "/v1/embed", b"", {}),
@@ -180,8 +182,8 @@ def test_hot_routes_cover_every_error_class(apps: tuple) -> None:
     for case in HOT_CASES.values():
         got, _ = both(apps, case)
         statuses[case[1][:3]].add(got["status"])
-    assert statuses["/v1"] >= {200, 400, 413, 422}, statuses
-    assert statuses["/v2"] >= {200, 400, 404, 413, 422}, statuses
+    assert statuses["/v1"] >= {200, 400, 413, 422, 504}, statuses
+    assert statuses["/v2"] >= {200, 400, 404, 413, 422, 504}, statuses
 
 
 def test_kserve_errors_are_kserve_bodies_and_v1_errors_ours(apps: tuple) -> None:
@@ -256,3 +258,13 @@ def test_openapi_still_documents_the_hot_routes(apps: tuple) -> None:
     assert "post" in paths["/v1/embed"] and "post" in paths["/v2/models/{name}/infer"]
     body = paths["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/octet-stream"}
+
+
+def test_draining_refusals_are_the_same(apps: tuple) -> None:
+    """Last test of the module (it drains the pipeline): 503 with Retry-After from both."""
+    apps[2].begin_drain()
+    for name in ("embed_json", "infer_binary"):
+        got, want = both(apps, HOT_CASES[name])
+        assert got["status"] == want["status"] == 503, name
+        assert (got["headers"], got["body"]) == (want["headers"], want["body"]), name
+        assert (b"retry-after", b"1") in got["headers"], got["headers"]
