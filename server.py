@@ -64,14 +64,14 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
     import uvicorn
 
     from quiver_serve.http.app import create_app
-    from quiver_serve.http.listen import DrainingServer
+    from quiver_serve.http.listen import DrainingServer, uvicorn_speedups
 
     app = create_app(cfg)
     state = app.state.qs
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
         timeout_graceful_shutdown=max(int(cfg.server.drain_timeout_s), 1), access_log=False,
-    ), state.pipeline, cfg.server.drain_timeout_s)
+        **uvicorn_speedups()), state.pipeline, cfg.server.drain_timeout_s)
 
     def fatal(exc: BaseException) -> None:
         logging.getLogger("quiver_serve").error("start-up failed, exiting: %s", exc)

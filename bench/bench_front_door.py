@@ -121,6 +121,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000, help="requests per route")
     p.add_argument("--pids", type=int, nargs="*", help="front-end pids (default: from /v1/workers)")
     p.add_argument("--label", default="run")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 48], help="ids per request")
+    p.add_argument("--routes", nargs="+", default=None,
+                   help="only these rows (embed_json, embed_npy, kserve_json, kserve_binary)")
     args = p.parse_args()
     out: dict[str, object] = {"label": args.label, "url": args.url, "encode_48x64_us": encode_costs_us()}
     with httpx.Client(base_url=args.url, timeout=30) as client:
@@ -128,10 +131,11 @@ def main() -> None:
         pids = args.pids if args.pids is not None else frontend_pids(client)
         out["frontend_pids"] = pids
         rows: dict[str, dict[str, float]] = {}
-        for n_ids in (1, 48):
+        for n_ids in args.sizes:
             ids = list(range(100, 100 + n_ids))
             for name, send in routes(client, model, ids).items():
-                rows[name] = latency(client, send, args.requests, pids)
+                if args.routes is None or name.rsplit("_", 1)[0] in args.routes:
+                    rows[name] = latency(client, send, args.requests, pids)
         rows["health_live"] = latency(client, lambda: client.get("/v2/health/live"), args.requests, pids)
         out["latency"] = rows
     RESULTS.mkdir(parents=True, exist_ok=True)

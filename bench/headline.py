@@ -18,6 +18,8 @@ The same load processes (loadtest/, spawned once) drive every server.
 
     python bench/headline.py [--config configs/bench_reddit.yaml] [--out DIR]
     python bench/headline.py --smoke          # Cora on a CPU box, about 2 minutes
+    python bench/headline.py --single-only --routes auto --seconds 5
+                                              # single-id HTTP only, server.fast_routes on / off
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
     return graph, path
 
 
-def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None) -> Path:
+def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None,
+                   fast_routes: bool = True) -> Path:
     """The run's config for one route: the saved .npz as graph, everything else from --config."""
     import yaml
 
@@ -115,7 +118,8 @@ def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int
     c.graph.format, c.graph.path = "npz", str(npz)
     c.sampling.route = route
     c.server.grpc_port = grpc_port
-    path = folder / f"serve_{route}.yaml"
+    c.server.fast_routes = fast_routes
+    path = folder / f"serve_{route}{'' if fast_routes else '_nofast'}.yaml"
     path.write_text(yaml.safe_dump(c.model_dump(mode="json")))
     return path
 
@@ -202,6 +206,36 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
         print(f"FAILED route {route}:\n{exc}", flush=True)
     finally:
         srv.stop()
+
+
+SINGLE_PATHS = ("http-json", "http-npy", "kserve-binary")
+
+
+def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
+    """--single-only: single-id (c), one caller, on the first route, with the hot routes' raw-ASGI
+    layer (``server.fast_routes``) on and then off: the front door's per-request cost, A/B."""
+    route = run.args.routes[0]
+    for fast in (True, False):
+        if not run.afford(f"single-id fast_routes={fast}", run.start_cost_s() + 10):
+            return
+        port = free_port()
+        conf = derived_config(cfg, npz, route, folder, None, fast_routes=fast)
+        url = f"http://127.0.0.1:{port}"
+        tag = f"{route}{'' if fast else ' (fast_routes off)'}"
+        srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level",
+                      "warning"], url, folder / f"server_{route}_{fast}.log", f"quiver-serve {tag}")
+        try:
+            run.starts[f"quiver-serve {tag}"] = srv.wait_ready(run.args.start_timeout_s)
+            print(f"\nquiver-serve {tag} ready in {run.starts[f'quiver-serve {tag}']:.1f} s",
+                  flush=True)
+            for protocol in SINGLE_PATHS:
+                run.single_id(f"{tag}/{protocol}", target_of(protocol, url, None, cfg.model.name,
+                                                             run.args))
+        except (RuntimeError, TimeoutError) as exc:
+            run.skipped.append(f"single-id {tag}: {str(exc).splitlines()[0]}")
+            print(f"FAILED {tag}:\n{exc}", flush=True)
+        finally:
+            srv.stop()
 
 
 def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
@@ -323,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--paths", nargs="+", default=HTTP_PATHS + ["queue"],
                     choices=HTTP_PATHS + ["queue", "kserve-json"])
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--single-only", action="store_true",
+                    help="only single-id (c) with one caller over HTTP JSON, npy and KServe "
+                    "binary on the first route, server.fast_routes on then off (~2-3 minutes)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
                     help="closed-loop callers per point, rising until p99 > --stop-p99-ms")
     ap.add_argument("--stop-p99-ms", type=float, default=30.0)
@@ -363,6 +400,9 @@ def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
     """First route, baseline, queue API, then the other routes: the ratio exists even when the
     budget cuts the run short."""
     routes = run.args.routes
+    if run.args.single_only:
+        single_only(run, cfg, npz, folder)
+        return
     quiver_route(run, cfg, npz, routes[0], folder, first=True)
     if not run.args.no_baseline:
         baseline(run, cfg, npz, folder)

@@ -10,6 +10,8 @@
 # .whl/ (git-ignored; carry it); aiohttp and matplotlib are in the machine's image.
 #   bash bench/headline_gpu.sh [extra bench/headline.py options]
 #   bash bench/headline_gpu.sh --smoke      # Cora, CPU routes: the same code path in ~2 minutes
+#   bash bench/headline_gpu.sh --single-only --routes auto --seconds 5
+#                                           # single-id HTTP p50 only, fast_routes on/off (~2-3 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,6 +25,8 @@ else
 fi
 "$PY" -c "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, aiohttp, matplotlib, grpc" || {
     echo "missing Python packages: carry them as wheels in .whl/ (see the device README)"; exit 1; }
+"$PY" -c "import uvloop, httptools" 2>/dev/null || echo "WARNING: uvloop or httptools missing: \
+uvicorn runs on asyncio/h11, every HTTP request costs more CPU (carry their wheels in .whl/)"
 nvidia-smi -L 2>/dev/null || echo "no nvidia-smi: CPU only"
 OUT_DIR=${OUT:-bench/results}
 mkdir -p "$OUT_DIR"

@@ -186,6 +186,8 @@ class ServerConfig(_Section):
         503, description="status when queues are full (503, or 429 for clients that back off on it)"
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
+    fast_routes: bool = Field(
+        True, description="answer POST /v1/embed and /v2/models/{name}/infer in a raw-ASGI layer in front of FastAPI (same answers, less CPU per request); false: FastAPI's routes answer them")
     auth_token: str | None = Field(
         None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
     )

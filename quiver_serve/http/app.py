@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,15 +26,21 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.pipeline import Pipeline
 from quiver_serve.http import kserve
 from quiver_serve.http.bodies import npy_bytes, parse_embed, validation_message
+from quiver_serve.http.fastpath import (
+    EMBED_PATH,
+    INFER_TEMPLATE,
+    NPY_MEDIA_TYPE,
+    HotRoutes,
+    model_or_404,
+    serve_ids,
+)
 from quiver_serve.http.guards import Guards, resolve_token
 from quiver_serve.http.schemas import EmbedBody, EmbedResponse, ErrorBody, InferBody, InferResponse
-from quiver_serve.messages import EmbedResult
 from quiver_serve.metrics import Metrics
 from quiver_serve.models import model_metadata
 
 log = logging.getLogger(__name__)
 
-NPY_MEDIA_TYPE = "application/x-npy"
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503, 504)
 }
@@ -95,7 +102,7 @@ def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
                   description="Node embeddings from a PyG model over a sampled graph.")
     app.state.qs = state
     _install_error_handlers(app)
-    _install_timing(app, metrics, resolve_token(cfg.server.auth_token), cfg.server.max_body_bytes)
+    _install_timing(app, state, resolve_token(cfg.server.auth_token), cfg.server.max_body_bytes)
     _add_embed_routes(app, state)
     _add_kserve_routes(app, state)
     return app
@@ -110,7 +117,7 @@ async def _start_grpc(state: ServerState) -> Any:
 
     async def serve(ids: np.ndarray, exact: bool, seed: int | None,
                     timeout_ms: float | None) -> torch.Tensor:
-        return await _serve_ids(state, None, ids, exact, seed, timeout_ms)
+        return await serve_ids(state, None, ids, exact, seed, timeout_ms)
 
     return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token))
 
@@ -135,13 +142,28 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(info.status, info.code, info.message, path=request.url.path)
 
 
-def _install_timing(app: FastAPI, metrics: Metrics, token: str | None, max_body_bytes: int) -> None:
+def _install_timing(app: FastAPI, state: ServerState, token: str | None,
+                   max_body_bytes: int) -> None:
     """Request latency by route template and status, as plain ASGI (no per-request task hop);
-    the guards (token, body size) sit inside it so refusals are timed and counted too."""
+    the guards (token, body size) sit inside it so refusals are timed and counted too, and the
+    hot routes' raw-ASGI layer (``http/fastpath.py``) inside them, in front of FastAPI."""
     inner = app.build_middleware_stack
+    duration = state.metrics.request_duration
+    children: dict[tuple[str, int], Any] = {}  # bound (endpoint, status) children, looked up once
+
+    def observe(endpoint: str, status: int, seconds: float) -> None:
+        child = children.get((endpoint, status))
+        if child is None:
+            child = children.setdefault((endpoint, status), duration.labels(endpoint, str(status)))
+        child.observe(seconds)
 
     def build() -> Any:
-        asgi = Guards(inner(), token, max_body_bytes)
+        asgi = inner()
+        if state.cfg.server.fast_routes:
+            routes = {r.path: r for r in app.routes
+                      if isinstance(r, APIRoute) and r.path in (EMBED_PATH, INFER_TEMPLATE)}
+            asgi = app.state.hot_routes = HotRoutes(asgi, state, routes)
+        asgi = Guards(asgi, token, max_body_bytes)
 
         async def timed(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -158,64 +180,19 @@ def _install_timing(app: FastAPI, metrics: Metrics, token: str | None, max_body_
             try:
                 await asgi(scope, receive, send_status)
             finally:
-                endpoint = getattr(scope.get("route"), "path", "unmatched")
-                metrics.request_duration.labels(endpoint, str(status[0])).observe(time.perf_counter() - t0)
+                observe(getattr(scope.get("route"), "path", "unmatched"), status[0],
+                        time.perf_counter() - t0)
 
         return timed
 
     app.build_middleware_stack = build  # type: ignore[method-assign]
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body is already read, so only that can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _result_or_disconnect(state: ServerState, request: Request, request_id: str,
-                                result_f: Any) -> EmbedResult:
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({result_f, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if result_f in done:
-        return result_f.result()
-    state.pipeline.cancel(request_id)  # nobody listens: do not compute it
-    raise errors.ServeError("client_disconnected", "client went away", 499)
-
-
-async def _serve_ids(state: ServerState, http_request: Request | None, ids: np.ndarray,
-                     exact: bool, seed: int | None, timeout_ms: float | None) -> torch.Tensor:
-    """Check (NumPy), submit, await: the embeddings, or a ServeError with the right status."""
-    limit = state.cfg.server.max_request_nodes
-    if ids.size > limit:
-        raise errors.too_large(int(ids.size), limit)
-    pipeline = state.pipeline
-    if not pipeline.ready:
-        raise pipeline.refusal()
-    n = pipeline.num_nodes
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= n:
-        raise errors.invalid(f"node id {lo if lo < 0 else hi} is out of range: valid ids are "
-                             f"0..{n - 1}")
-    timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
-    request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s)
-    if http_request is None:  # gRPC: the channel's own cancellation ends the call
-        result = await future
-    else:
-        result = await _result_or_disconnect(state, http_request, request_id, future)
-    if result.error is not None:
-        raise errors.ServeError.from_info(result.error)
-    assert result.embeddings is not None
-    return result.embeddings
-
-
 def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
     embed_body = {"required": True, "content": {"application/json": {
         "schema": EmbedBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}
 
-    @app.post("/v1/embed", response_model=EmbedResponse,
+    @app.post(EMBED_PATH, response_model=EmbedResponse,
               responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
               openapi_extra={"requestBody": embed_body},
               summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
@@ -223,8 +200,8 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
         # (http/bodies.py); EmbedBody stays the documented schema and words the 422s.
         body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
-        emb = (await _serve_ids(state, request, body.node_ids, body.exact, body.seed,
-                                body.timeout_ms)).numpy()
+        emb = (await serve_ids(state, request.receive, body.node_ids, body.exact, body.seed,
+                               body.timeout_ms)).numpy()
         if NPY_MEDIA_TYPE in request.headers.get("accept", ""):
             return Response(npy_bytes(emb), media_type=NPY_MEDIA_TYPE)
         payload = {"model": state.cfg.model.name, "dim": emb.shape[1], "embeddings": emb}
@@ -254,12 +231,6 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_or_404(state: ServerState, name: str) -> None:
-    if name != state.cfg.model.name:
-        raise errors.ServeError("model_not_found",
-                                f"no model named {name!r}; this server serves {state.cfg.model.name!r}", 404)
-
-
 def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2/health/live", summary="Liveness")
     async def live() -> dict[str, bool]:
@@ -279,7 +250,7 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",
              responses={404: {"model": ErrorBody}})
     async def metadata(name: str) -> dict[str, Any]:
-        _model_or_404(state, name)
+        model_or_404(state, name)
         in_ch = state.pipeline.num_features or state.cfg.model.kwargs.get("in_channels", -1)
         dim = state.pipeline.out_dim or state.cfg.model.kwargs.get("out_channels", -1)
         return {
@@ -291,19 +262,20 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v2/models/{name}/ready", summary="Model readiness", responses={404: {"model": ErrorBody}})
     async def model_ready(name: str) -> Response:
-        _model_or_404(state, name)
+        model_or_404(state, name)
         return await ready()
 
-    @app.post("/v2/models/{name}/infer", response_model=InferResponse, responses=_ERRORS,
+    @app.post(INFER_TEMPLATE, response_model=InferResponse, responses=_ERRORS,
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": InferBody.model_json_schema()},
                   kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
               summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
                       "[n, dim]; JSON or the binary tensor extension")
     async def infer(name: str, request: Request) -> Response:
-        _model_or_404(state, name)
+        model_or_404(state, name)
         req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
-        emb = await _serve_ids(state, request, req.node_ids, req.exact, req.seed, req.timeout_ms)
+        emb = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
+                              req.timeout_ms)
         body, headers = kserve.infer_response(name, req, emb.numpy())
         return Response(body, headers=headers)
 

@@ -135,7 +135,7 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     import uvicorn
 
     from quiver_serve.http.app import create_app
-    from quiver_serve.http.listen import DrainingServer, reuseport_socket
+    from quiver_serve.http.listen import DrainingServer, reuseport_socket, uvicorn_speedups
 
     pipeline = RemotePipeline(cfg, index)
     app = create_app(cfg, pipeline)
@@ -144,8 +144,8 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     # The drain has already waited for every admitted request; what is left at shutdown is a
     # request still being read, so the graceful wait for connections is short.
     server = DrainingServer(uvicorn.Config(
-        app, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_S), pipeline, s.drain_timeout_s)
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
+        **uvicorn_speedups()), pipeline, s.drain_timeout_s)
     watch = Watch(index, run_dir, pipeline, server)
     watch.thread.start()
     server.run(sockets=[sock])

@@ -42,13 +42,17 @@ class Guards:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        given, length = b"", None
+        for key, value in scope["headers"]:  # one pass; the last of a repeated header counts
+            if key == b"authorization":
+                given = value
+            elif key == b"content-length":
+                length = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _reject(send, 401, "unauthorized", "missing or wrong bearer token",
                               scope["path"], [(b"www-authenticate", b"Bearer")])
                 return
-        length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reject(send, 413, "body_too_large",
                           f"request body of {int(length)} bytes exceeds {self.max_body_bytes}",

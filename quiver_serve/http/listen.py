@@ -56,6 +56,21 @@ def reuseport_socket(host: str, port: int, listen: bool) -> socket.socket:
     return sock
 
 
+def uvicorn_speedups() -> dict[str, str]:
+    """uvicorn's ``loop`` and ``http`` named outright: uvloop and httptools where they import
+    (both are dependencies), else asyncio and h11 with a warning. uvicorn's ``auto`` picks the
+    same but quietly, and a machine without uvloop (a GPU box fed wheels by hand) then pays for
+    the asyncio loop on every request without saying so."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    if (loop, http) != ("uvloop", "httptools"):
+        log.warning("uvicorn runs on %s + %s (uvloop / httptools not installed): each request "
+                    "costs more CPU", loop, http)
+    return {"loop": loop, "http": http}
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT (or :meth:`drain`) drains: readiness 503, new requests
     503, admitted ones finish (bounded by ``drain_timeout_s``), then it exits 0. A second signal

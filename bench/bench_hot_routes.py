@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""CPU per request of the hot routes' Python layers: the raw-ASGI layer against FastAPI's routes.
+
+One process, one real :class:`~quiver_serve.engine.pipeline.Pipeline` (the config's graph and
+model; its engine cores and samplers are other processes), two apps on it: ``server.fast_routes``
+on and off. Single requests go to each app as raw ASGI calls (what uvicorn hands over: scope,
+receive, send), in alternating blocks, and this process's CPU time per request is read with
+``time.process_time``: the guards, the timing layer, routing, body parsing, the submit to the
+engine client and the answer's encoding, without uvicorn's socket and HTTP parsing (the same for
+both) and without the engine's work (other processes). CPU time, not wall time, so a busy shared
+box moves it little.
+
+    python bench/bench_hot_routes.py [--config configs/default.yaml] [--requests 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quiver_serve
+RESULTS = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+
+
+def requests(model: str) -> dict[str, tuple[str, bytes, list[tuple[bytes, bytes]]]]:
+    raw = np.asarray([100], dtype="<i8").tobytes()
+    head = orjson.dumps({"inputs": [{"name": "node_ids", "datatype": "INT64", "shape": [1],
+                                     "parameters": {"binary_data_size": 8}}],
+                         "parameters": {"binary_data_output": True}})
+    json_h = [(b"content-type", b"application/json")]
+    return {
+        "embed_json_1": ("/v1/embed", b'{"node_ids": [100]}', json_h),
+        "embed_npy_1": ("/v1/embed", b'{"node_ids": [100]}',
+                        [*json_h, (b"accept", b"application/x-npy")]),
+        "kserve_json_1": (f"/v2/models/{model}/infer", orjson.dumps({"inputs": [
+            {"name": "node_ids", "datatype": "INT64", "shape": [1], "data": [100]}]}), json_h),
+        "kserve_binary_1": (f"/v2/models/{model}/infer", head + raw,
+                            [(b"content-type", b"application/octet-stream"),
+                             (b"inference-header-content-length", str(len(head)).encode())]),
+    }
+
+
+async def one(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+    """One request as uvicorn hands it over; returns the status."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"127.0.0.1:8000"),
+                         (b"content-length", str(len(body)).encode()), *headers]}
+    sent = asyncio.get_running_loop().create_future()
+    first = True
+    status = [0]
+
+    async def receive() -> dict[str, Any]:
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        await sent  # as uvicorn: http.disconnect only once the answer is out (or the client left)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = message["status"]
+        elif not message.get("more_body", False) and not sent.done():
+            sent.set_result(None)
+
+    await app(scope, receive, send)
+    return status[0]
+
+
+async def measure(apps: dict[str, Any], reqs: dict, n: int, block: int) -> dict[str, dict]:
+    cpu = {(a, r): 0.0 for a in apps for r in reqs}
+    wall: dict[tuple[str, str], list[float]] = {(a, r): [] for a in apps for r in reqs}
+    for app in apps.values():  # warm-up (first calls build the middleware stacks)
+        for path, body, headers in reqs.values():
+            for _ in range(20):
+                assert await one(app, path, body, headers) == 200
+    for _ in range(max(1, n // block)):
+        for r, (path, body, headers) in reqs.items():
+            for a, app in apps.items():
+                c0 = time.process_time()
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    status = await one(app, path, body, headers)
+                    wall[(a, r)].append(time.perf_counter() - t0)
+                    if status != 200:
+                        raise RuntimeError(f"{a} {r}: status {status}")
+                cpu[(a, r)] += time.process_time() - c0
+    done = max(1, n // block) * block
+    return {f"{a}/{r}": {"cpu_us_per_request": cpu[(a, r)] / done * 1e6,
+                         "p50_ms": float(np.percentile(wall[(a, r)], 50) * 1e3)}
+            for a in apps for r in reqs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
+    p.add_argument("--requests", type=int, default=2000, help="requests per app and route")
+    p.add_argument("--block", type=int, default=100, help="requests per block (apps alternate)")
+    p.add_argument("--label", default="run")
+    args = p.parse_args()
+    import uvloop
+
+    from quiver_serve.config import ServeConfig, resolve_path
+    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.http.app import create_app
+
+    cfg = ServeConfig.from_yaml(resolve_path(args.config)) if args.config else ServeConfig.default()
+    slow_cfg = cfg.model_copy(deep=True)
+    cfg.server.fast_routes, slow_cfg.server.fast_routes = True, False
+    pipeline = Pipeline(cfg)
+    apps = {"fastapi": create_app(slow_cfg, pipeline), "fast_layer": create_app(cfg, pipeline)}
+    pipeline.start()
+    try:
+        rows = uvloop.run(measure(apps, requests(cfg.model.name), args.requests, args.block))
+    finally:
+        pipeline.stop(drain_timeout_s=0.0)
+    out = {"label": args.label, "requests": args.requests, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"hot_routes_{args.label}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"{'app/route':34s} {'CPU us/req':>10s} {'p50 ms':>8s}")
+    for name, r in rows.items():
+        print(f"{name:34s} {r['cpu_us_per_request']:10.0f} {r['p50_ms']:8.3f}")
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()
