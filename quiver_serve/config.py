@@ -280,6 +280,27 @@ class ServeConfig(_Section):
             raise ConfigError("invalid config after environment overrides "
                               f"({', '.join(sorted(overrides))})\n" + "\n".join(lines)) from None
 
+    def with_overrides(self, sets: list[str]) -> ServeConfig:
+        """A copy with ``section.key=<YAML value>`` settings applied (benches' ``--set``),
+        validated as a whole; a bad name or value raises :class:`ConfigError` naming it."""
+        raw = self.model_dump()
+        for item in sets:
+            name, sep, text = item.partition("=")
+            parts = name.strip().split(".")
+            if not sep or len(parts) != 2 or parts[0] not in raw or parts[1] not in raw[parts[0]]:
+                raise ConfigError(f"--set {item!r}: expected section.key=value with an existing "
+                                  "field, e.g. sampling.route=gpu")
+            try:
+                raw[parts[0]][parts[1]] = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"--set {item!r}: not a YAML value: {exc}") from None
+        try:
+            return type(self).model_validate(raw)
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+            raise ConfigError(f"invalid config after --set {' '.join(sets)}\n"
+                              + "\n".join(lines)) from None
+
     @classmethod
     def default(cls) -> ServeConfig:
         """The embedded default: Cora and the GraphSAGE shipped in ``models/``."""
