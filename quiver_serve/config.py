@@ -97,8 +97,8 @@ class SamplingConfig(_Section):
     calibration_s: float = Field(
         20.0, gt=0, description="longest time the start-up calibration of the sampling paths may take"
     )
-    pool_overlap: bool = Field(
-        True, description="route auto: while the GPU is busy, sample part of the waiting work on idle CPU samplers when the cost model says GPU sampling is the slower stage (engine/overlap.py)"
+    pool_overlap: Literal["hidden", "serial", "off"] = Field(
+        "hidden", description="route auto: while the GPU is busy, idle CPU samplers sample part of the waiting work; hidden: only when GPU sampling is slower than the model (it runs beside it), serial: whenever it saves GPU time (GPU sampling takes GPU time from the model, e.g. uva), off (engine/overlap.py)"
     )
     gpu_graph_cache_bytes: int = Field(
         0, ge=0, description="uva GPU sampling: GPU memory for the hottest nodes' neighbour lists (by access probability) and indptr; 0: all adjacency read over the bus")

@@ -52,6 +52,17 @@ def test_compute_bound_engine_never_offloads() -> None:
     assert offload_seeds(DEVICE, inputs(waiting_ids=8000, gpu_free_in_s=1.0)) == 0
 
 
+def test_serial_gpu_sampling_offloads_what_the_pool_returns_in_time_if_it_saves_gpu_time() -> None:
+    # the GPU saves 20 ns per node moved: the pool's in-time share (5.1 k nodes, 255 seeds)
+    # saves 102 us, under the added batch's fixed 300 us: not worth it ...
+    assert offload_seeds(UVA, inputs(), serial=True) == 0
+    # ... but with a fast pool (10 ns/node) the in-time share is the whole next batch: 8,000 seeds
+    fast_pool = CostModel({"gpu": (1e-4, 2e-8), "cpu": (2e-4, 1e-8)}, compute=(3e-4, 1e-8))
+    assert offload_seeds(fast_pool, inputs(waiting_ids=8000), serial=True) == pytest.approx(8000, abs=2)
+    # device-resident sampling (2 ns/node) never saves the fixed cost of a batch
+    assert offload_seeds(DEVICE, inputs(), serial=True) == 0
+
+
 def test_nothing_is_sent_without_an_idle_sampler_a_whole_chunk_or_budget() -> None:
     assert offload_seeds(UVA, inputs(idle_samplers=0)) == 0
     assert offload_seeds(UVA, inputs(waiting_ids=0)) == 0

@@ -19,8 +19,14 @@ pure function), how many of the waiting seeds to sample on an idle CPU sampler n
 * only a whole chunk is sent (the waiting seeds reach it), so the pool never gets slivers that
   each cost a batch's fixed compute.
 
+That assumes GPU sampling runs beside the model (its own stream) and only holds the engine thread
+(``sampling.pool_overlap: hidden``). If instead it takes GPU time from the model (UVA kernels
+stalled on the bus occupy the GPU: ``serial``), the GPU saves ``b_g`` per node moved whatever the
+stages' balance, so the pool takes as much as it returns in time, whenever that saves more than
+the added batch's fixed cost ``a_c``. Which one holds is the hardware's: the bench measures both.
+
 Device-resident sampling is ~10x faster than the model, so there it never fires: route auto then
-behaves as before. Config ``sampling.pool_overlap`` turns it off (an A/B in the bench).
+behaves as before. Config ``sampling.pool_overlap``: hidden (default), serial, off.
 """
 
 from __future__ import annotations
@@ -58,20 +64,28 @@ def may_pay(cost: CostModel) -> bool:
     return gpu.per_seed_s > compute.per_seed_s or gpu.fixed_s > 2.0 * compute.fixed_s
 
 
-def offload_seeds(cost: CostModel, x: OverlapInputs) -> int:
-    """Seeds to sample on an idle CPU sampler now; 0: leave them for the next GPU batch."""
+def offload_seeds(cost: CostModel, x: OverlapInputs, serial: bool = False) -> int:
+    """Seeds to sample on an idle CPU sampler now; 0: leave them for the next GPU batch.
+    ``serial``: GPU sampling takes GPU time from the model (see the module doc)."""
     if x.idle_samplers <= 0 or x.waiting_ids <= 0 or x.psgs_per_seed <= 0:
         return 0
     gpu, pool, compute = cost.paths["gpu"], cost.paths["cpu"], cost.compute
     p_next = x.psgs_per_seed * max(x.expected_ids - x.at_pool_ids, x.waiting_ids)
     g_s = gpu.predict_s(p_next)
-    surplus_s = g_s - compute.predict_s(p_next) - compute.fixed_s
-    if surplus_s <= 0 or gpu.per_seed_s <= 0:
-        return 0  # compute-bound: a batch more costs the GPU more than it saves the thread
-    p_off = min(surplus_s / gpu.per_seed_s, p_next)
+    if gpu.per_seed_s <= 0:
+        return 0
+    if serial:
+        p_off = p_next
+    else:
+        surplus_s = g_s - compute.predict_s(p_next) - compute.fixed_s
+        if surplus_s <= 0:
+            return 0  # compute-bound: a batch more costs the GPU more than it saves the thread
+        p_off = min(surplus_s / gpu.per_seed_s, p_next)
     if pool.per_seed_s > 0:  # back before the GPU path would have it sampled, and in budget
         p_off = min(p_off, (x.gpu_free_in_s + g_s - pool.fixed_s) / pool.per_seed_s,
                     (x.budget_s - pool.fixed_s - compute.predict_s(p_off)) / pool.per_seed_s)
+    if serial and gpu.per_seed_s * p_off <= compute.fixed_s:
+        return 0  # saves the GPU less sampling time than the added batch's fixed cost
     seeds = int(p_off / x.psgs_per_seed)
     return seeds if 0 < seeds <= x.waiting_ids else 0
 
@@ -79,8 +93,10 @@ def offload_seeds(cost: CostModel, x: OverlapInputs) -> int:
 class PoolOverlap:
     """The engine core's side: inputs from its state, then form and send one pool batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, serial: bool = False) -> None:
+        self.serial = serial
         self.sent_batches = 0
+        self._refused_at = (-1, -1)  # (waiting ids, idle samplers) of the last "no": skip repeats
 
     def inputs(self, core: EngineCore, now_s: float) -> OverlapInputs | None:
         if not (core.in_flight and core.pool is not None and core.psgs is not None
@@ -106,9 +122,13 @@ class PoolOverlap:
             return []
         now_s = time.time()
         x = self.inputs(core, now_s)
-        seeds = offload_seeds(core.cost, x) if x is not None else 0
+        if x is None or (x.waiting_ids, x.idle_samplers) == self._refused_at:
+            return []  # the engine loop spins while the GPU computes: plan once per change
+        seeds = offload_seeds(core.cost, x, self.serial)
         if seeds <= 0:
+            self._refused_at = (x.waiting_ids, x.idle_samplers)
             return []
+        self._refused_at = (-1, -1)
         fill = core.fill
         usual = fill.recent_ids, fill.hit_rate  # a pool chunk is no sample of the GPU batches
         batch, replies = core._form(now_s, cap=seeds)
