@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", nargs="+", choices=["device", "uva"],
                     help="GPU memory modes (default: device uva on a GPU, device without)")
     ap.add_argument("--modes", nargs="+", default=list(MODES),
-                    help="route modes; NAME or NAME:section.key=value,... (an extra setting)")
+                    help="route modes: NAME[:section.key=value,...][@device|@uva] (extra settings; "
+                         "only in that memory mode)")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     ap.add_argument("--callers", nargs="+", type=int, default=[16, 64, 192, 384])
     ap.add_argument("--seconds", type=float, default=1.0, help="measured window of a point")
@@ -72,8 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def mode_settings(mode: str, gpu_mode: str) -> tuple[str, list[str]]:
-    """``auto:sampling.x=1`` -> ("auto:sampling.x=1", [route=auto, gpu_mode, x=1])."""
+def mode_settings(mode: str, gpu_mode: str) -> tuple[str, list[str]] | None:
+    """``auto:sampling.x=1@uva`` -> ("auto:sampling.x=1", [route=auto, gpu_mode, x=1]); None
+    when the mode is for another memory mode (``@device`` / ``@uva``)."""
+    mode, _, only = mode.partition("@")
+    if only and gpu_mode and only != gpu_mode:
+        return None
     route, _, extra = mode.partition(":")
     sets = [f"sampling.route={route}", f"sampling.gpu_mode={gpu_mode}"]
     return mode, sets + [s for s in extra.split(",") if s]
@@ -183,7 +188,10 @@ def main() -> None:
     last_s = 0.0
     for gm in memory:
         for mode in args.modes:
-            name, sets = mode_settings(mode, gm)
+            settings = mode_settings(mode, gm)
+            if settings is None:
+                continue
+            name, sets = settings
             elapsed = time.perf_counter() - t_start
             if elapsed + last_s > args.budget_s:
                 print(f"{gm}/{name}: skipped (budget: {elapsed:.0f} s used, last daemon "
@@ -202,7 +210,8 @@ def main() -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(jsonable(out), indent=1, default=str) + "\n")
     print(f"\nJSON: {dest} (wall {out['wall_s']:.0f} s)\n")
-    print("\n".join(table(results, [mode_settings(m, "")[0] for m in args.modes], args.p99_ms)))
+    names = list(dict.fromkeys(m.partition("@")[0] for m in args.modes))
+    print("\n".join(table(results, names, args.p99_ms)))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 # in .whl/ (git-ignored; carry it).
 #   bash bench/routing_gpu.sh daemon [extra bench/bench_routing_daemon.py options]
 #     the real daemon through the queue API, one daemon per (memory, mode), load processes
-#     (bench/bench_routing_daemon.py); ~6-7 min on one H200, cut at 470 s, daemons that would
-#     end after 400 s are skipped (the table is still printed). JSON: $OUT/routing_daemon.json.
+#     (bench/bench_routing_daemon.py): modes cpu, gpu, auto (pool overlap "hidden"), quiver, and
+#     in uva also auto with pool overlap "serial" and "off" (A/B); 10 daemons, ~6-7 min on one
+#     H200, cut at 470 s; daemons that would end after 400 s are skipped (the table is still
+#     printed). JSON: $OUT/routing_daemon.json.
 #   bash bench/routing_gpu.sh [extra bench/bench_routing.py options]
 #     the engine core driven directly, one 48-id batch per caller (bench/bench_routing.py);
 #     ~3-6 min. JSON: $OUT/routing.json.
@@ -19,8 +21,10 @@ nvidia-smi -L
 if [ "${1:-}" = daemon ]; then
     shift
     BENCH=bench/bench_routing_daemon.py
-    ARGS=(--memory uva device --callers 16 64 192 384 --seconds 1 --warmup 0.4 --procs 6
-          --budget-s 400 --set sampling.num_cpu_workers=8)
+    ARGS=(--memory uva device --callers 32 128 256 384 --seconds 0.8 --warmup 0.4 --procs 6
+          --budget-s 400 --set sampling.num_cpu_workers=8
+          --modes cpu gpu auto quiver auto:sampling.pool_overlap=serial@uva
+                  auto:sampling.pool_overlap=off@uva)
 else
     BENCH=bench/bench_routing.py
     ARGS=(--callers 4 16 64 --seconds 2 --samplers 8)
