@@ -96,7 +96,8 @@ class PoolOverlap:
     def __init__(self, serial: bool = False) -> None:
         self.serial = serial
         self.sent_batches = 0
-        self._refused_at = (-1, -1)  # (waiting ids, idle samplers) of the last "no": skip repeats
+        #: (waiting ids, batches at the pool, on the GPU) at the last "no": skip repeats
+        self._refused_at = (-1, -1, -1)
 
     def inputs(self, core: EngineCore, now_s: float) -> OverlapInputs | None:
         if not (core.in_flight and core.pool is not None and core.psgs is not None
@@ -118,17 +119,19 @@ class PoolOverlap:
 
     def step(self, core: EngineCore) -> list[Reply]:
         """Send one batch to an idle CPU sampler if the planner says so (see module doc)."""
-        if not may_pay(core.cost):
+        if not self.serial and not may_pay(core.cost):
+            return []
+        # the engine loop spins while the GPU computes: plan again only when the work changed
+        seen = (core._waiting_ids, len(core.sampling), len(core.in_flight))
+        if seen == self._refused_at:
             return []
         now_s = time.time()
         x = self.inputs(core, now_s)
-        if x is None or (x.waiting_ids, x.idle_samplers) == self._refused_at:
-            return []  # the engine loop spins while the GPU computes: plan once per change
-        seeds = offload_seeds(core.cost, x, self.serial)
+        seeds = offload_seeds(core.cost, x, self.serial) if x is not None else 0
         if seeds <= 0:
-            self._refused_at = (x.waiting_ids, x.idle_samplers)
+            self._refused_at = seen
             return []
-        self._refused_at = (-1, -1)
+        self._refused_at = (-1, -1, -1)
         fill = core.fill
         usual = fill.recent_ids, fill.hit_rate  # a pool chunk is no sample of the GPU batches
         batch, replies = core._form(now_s, cap=seeds)
