@@ -185,6 +185,11 @@ def main() -> None:
     hot = hot_set(graph.degree().numpy())
     print(f"{graph.describe()} (built in {time.perf_counter() - t_start:.1f} s); "
           f"{torch.cuda.get_device_name(0) if cuda else 'cpu'}; {os.cpu_count()} CPUs", flush=True)
+    for gm in memory:  # every mode's settings are valid before the first daemon starts
+        for mode in args.modes:
+            settings = mode_settings(mode, gm)
+            if settings is not None:
+                cfg.with_overrides(settings[1])
     results: dict = {gm: {} for gm in memory}
     last_s = 0.0
     for gm in memory:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
@@ -102,6 +102,12 @@ class SamplingConfig(_Section):
     )
     gpu_graph_cache_bytes: int = Field(
         0, ge=0, description="uva GPU sampling: GPU memory for the hottest nodes' neighbour lists (by access probability) and indptr; 0: all adjacency read over the bus")
+
+    @field_validator("pool_overlap", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        """YAML reads a bare ``off`` as false (and ``on`` as true)."""
+        return {False: "off", True: "hidden"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _check_fanouts(self) -> SamplingConfig:

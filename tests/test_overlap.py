@@ -123,3 +123,11 @@ def test_engine_splits_work_off_to_real_samplers_and_answers_every_request(cora)
         for p in procs:
             p.terminate()
             p.join(timeout=5)
+
+
+def test_pool_overlap_off_survives_yaml() -> None:
+    from quiver_serve.config import ServeConfig
+
+    cfg = ServeConfig.default()
+    assert cfg.with_overrides(["sampling.pool_overlap=off"]).sampling.pool_overlap == "off"
+    assert cfg.with_overrides(["sampling.pool_overlap=serial"]).sampling.pool_overlap == "serial"
