@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from bench.cli import add_set_option, load_config  # noqa: E402
 
 log = logging.getLogger("baseline")
 
@@ -186,19 +187,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: PyG's NeighborSampler when pyg-lib or torch-sparse is installed")
     ap.add_argument("--device", default="auto", help="model device: auto (cuda if any), cuda, cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_set_option(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from quiver_serve.config import ServeConfig, resolve_path
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     base = Baseline(cfg, args.sampler, args.device)
     uvicorn.run(make_app(base, cfg.server.max_request_nodes), host=args.host, port=args.port,
                 log_level="warning", access_log=False)

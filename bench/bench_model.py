@@ -33,10 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
 from bench.bench_pipeline import portable  # noqa: E402
+from bench.cli import add_set_option, load_config  # noqa: E402
 from bench.profile_engine import timed  # noqa: E402
-from quiver_serve.config import ServeConfig, resolve_path  # noqa: E402
+from quiver_serve.config import ServeConfig  # noqa: E402
 
 VARIANTS = ["pyg", "fp32", "tf32", "bf16", "fp16"]
 CLASS_KWARGS = {"GraphSAGE": {}, "GCN": {}, "GAT": {"heads": 4}}
@@ -153,11 +153,12 @@ def main() -> None:
     ap.add_argument("--layer-batch", type=int, default=4096, help="batch of the by-layer table")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", help="JSON file")
+    add_set_option(ap)
     args = ap.parse_args()
     from quiver_serve.engine.inference import gpu_sampler_or_none, local_sampler
     from quiver_serve.graph.datasets import load_graph
 
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     if args.scale is not None:
         cfg.graph.synthetic_scale = args.scale
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

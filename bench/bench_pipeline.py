@@ -54,7 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
+from bench.cli import add_set_option, load_config  # noqa: E402
 from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, shared with loadtest/
     HOT_SET_SIZE,
     IDS_PER_REQUEST,
@@ -62,7 +62,7 @@ from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, sh
     draw_requests,
     hot_set,
 )
-from quiver_serve.config import ServeConfig, resolve_path  # noqa: E402
+from quiver_serve.config import ServeConfig  # noqa: E402
 from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
 
 __all__ = ["HOT_SET_SIZE", "IDS_PER_REQUEST", "REQUEST_POOL", "draw_requests", "hot_set"]
@@ -580,6 +580,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-efficiency", action="store_true",
                     help="the CPU-box target (64x48 vs 2x4096 ids, single-id p50) instead of the sweep")
     ap.add_argument("--out", help="JSON file (default bench/results/pipeline_<device>_<graph>.json)")
+    add_set_option(ap)
     args = ap.parse_args(argv)
     if args.engine_seconds is None:
         args.engine_seconds = max(1.0, args.seconds / 2)
@@ -627,7 +628,7 @@ def main() -> None:
     args = parse_args()
     from quiver_serve.graph.datasets import load_graph
 
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     if args.scale is not None:
         cfg.graph.synthetic_scale = args.scale
     t0 = time.perf_counter()

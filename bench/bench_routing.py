@@ -34,8 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 from bench.bench_pipeline import hot_set, latency_ms  # noqa: E402
+from bench.cli import add_set_option, load_config  # noqa: E402
 from quiver_serve.config import ServeConfig  # noqa: E402
 
 MODES = ("cpu", "gpu", "auto", "quiver")
@@ -210,10 +210,11 @@ def main() -> None:
     ap.add_argument("--batch-ids", type=int, default=48, help="batching.max_batch_nodes")
     ap.add_argument("--p99-ms", type=float, default=10.0)
     ap.add_argument("--out")
+    add_set_option(ap)
     args = ap.parse_args()
     from quiver_serve.graph.datasets import load_graph
 
-    cfg = ServeConfig.from_yaml(ROOT / args.config)
+    cfg = load_config(args.config, args.sets)
     if args.smoke:
         cfg.graph.synthetic_scale = 0.01
         args.callers, args.seconds = [2, 8], 0.6

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.cli import add_set_option, load_config  # noqa: E402
 from quiver_serve import EmbedRequest, Pipeline, ServeConfig  # noqa: E402
 from quiver_serve.engine.inference import build_engine  # noqa: E402
 from quiver_serve.graph.datasets import load_graph  # noqa: E402
@@ -119,8 +119,9 @@ def main() -> None:
     ap.add_argument("--skip-http", action="store_true", help="queue API and floor only (no fastapi)")
     ap.add_argument("--gpu", action="store_true", help="inference on CUDA, GPU sampling route")
     ap.add_argument("--json", help="write the rows here")
+    add_set_option(ap)
     args = ap.parse_args()
-    cfg = ServeConfig.from_yaml(args.config)
+    cfg = load_config(args.config, args.sets)
     if args.gpu:
         cfg.inference.device, cfg.sampling.route = "cuda", "gpu"
     k = args.nodes_per_request

@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
+from bench.cli import add_set_option, load_config  # noqa: E402
 from loadtest import plots  # noqa: E402
 from loadtest.gen import Generator, jsonable  # noqa: E402
 from loadtest.stats import best_under, fmt, point_row  # noqa: E402
@@ -373,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected server start-up")
     ap.add_argument("--start-timeout-s", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    add_set_option(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         if args.config == "configs/bench_reddit.yaml":
@@ -434,12 +435,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from quiver_serve.config import ServeConfig, resolve_path
 
     args = parse_args(argv)
     # SIGTERM (the wrapper's timeout) unwinds like an exception: servers stopped, results written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if "gpu" in args.routes and not torch.cuda.is_available():

@@ -37,9 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
 from bench.bench_pipeline import hot_set, portable  # noqa: E402
-from quiver_serve.config import ServeConfig, resolve_path  # noqa: E402
+from bench.cli import add_set_option, load_config  # noqa: E402
 
 
 def timed(fn: Any, dev: torch.device, iters: int) -> tuple[float, Any]:
@@ -148,11 +147,12 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file")
     ap.add_argument("--cprofile", type=int, default=0, metavar="SEEDS",
                     help="also print the host functions that cost most in the core path at SEEDS")
+    add_set_option(ap)
     args = ap.parse_args()
     from quiver_serve.engine.core_proc import build_core
     from quiver_serve.graph.datasets import load_graph
 
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     if args.scale is not None:
         cfg.graph.synthetic_scale = args.scale
     graph = load_graph(cfg.graph)

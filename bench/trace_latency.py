@@ -35,8 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-from quiver_serve.config import ServeConfig, resolve_path  # noqa: E402
+from bench.cli import add_set_option, load_config  # noqa: E402
 from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
 
 STAGES = ("submit", "to_engine", "queue", "sample", "compute", "engine_other", "to_client", "wake")
@@ -124,6 +123,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=300, help="requests not counted")
     ap.add_argument("--mode", choices=["sync", "async", "both"], default="both")
     ap.add_argument("--out", help="JSON file")
+    add_set_option(ap)
     return ap.parse_args()
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     args = parse_args()
     from quiver_serve.engine.pipeline import Pipeline
 
-    cfg = ServeConfig.from_yaml(resolve_path(args.config))
+    cfg = load_config(args.config, args.sets)
     if args.scale is not None:
         cfg.graph.synthetic_scale = args.scale
     if args.route is not None:

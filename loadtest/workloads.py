@@ -1,7 +1,8 @@
 """Request streams: the workloads of DESIGN §6 and trace replay.
 
 (a) 48 ids drawn from a fixed hot set of 1,500 nodes, half the lowest and half the highest
-in-degree; (b) 48 ids uniform over every node; (c) 1 id uniform. A trace is an ``.npy`` file,
+in-degree; (b) 48 ids uniform over every node; (c) 1 id uniform. Routing mixes (issue 10): light,
+heavy, mixed: 48 ids from the hot set's low-degree half, its high-degree half, or alternating. A trace is an ``.npy`` file,
 one row per request, sent in row order (see :func:`load_trace` for the format).
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-IDS_PER_REQUEST = {"a": 48, "b": 48, "c": 1}
+IDS_PER_REQUEST = {"a": 48, "b": 48, "c": 1, "light": 48, "heavy": 48, "mixed": 48}
 HOT_SET_SIZE = 1500
 REQUEST_POOL = 4096  # distinct requests each load process cycles through (workloads a, b, c)
 
@@ -28,9 +29,20 @@ def hot_set(degree: np.ndarray, size: int = HOT_SET_SIZE, seed: int = 0) -> np.n
 
 def draw_requests(workload: str, n: int, k: int, num_nodes: int, hot: np.ndarray,
                   rng: np.random.Generator) -> np.ndarray:
-    """[n, k] int64 node ids: from the hot set (a) or uniform over every node (b, c)."""
+    """[n, k] int64 node ids: from the hot set (a), uniform over every node (b, c), or the
+    routing mixes (issue 10): light = the hot set's low-degree half, heavy = its high-degree half,
+    mixed = light and heavy rows alternating (a caller sends consecutive rows)."""
     if workload == "a":
         return hot[rng.integers(0, hot.size, (n, k))]
+    if workload in ("light", "heavy", "mixed"):
+        half = hot.size // 2
+        light, heavy = hot[:half], hot[half:]
+        if workload != "mixed":
+            src = light if workload == "light" else heavy
+            return src[rng.integers(0, src.size, (n, k))]
+        rows = light[rng.integers(0, light.size, (n, k))]
+        rows[1::2] = heavy[rng.integers(0, heavy.size, (n // 2, k))]
+        return rows
     return rng.integers(0, num_nodes, (n, k), dtype=np.int64)
 
 

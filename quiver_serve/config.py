@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
@@ -97,8 +97,17 @@ class SamplingConfig(_Section):
     calibration_s: float = Field(
         20.0, gt=0, description="longest time the start-up calibration of the sampling paths may take"
     )
+    pool_overlap: Literal["hidden", "serial", "off"] = Field(
+        "hidden", description="route auto: while the GPU is busy, idle CPU samplers sample part of the waiting work; hidden: only when GPU sampling is slower than the model (it runs beside it), serial: whenever it saves GPU time (GPU sampling takes GPU time from the model, e.g. uva), off (engine/overlap.py)"
+    )
     gpu_graph_cache_bytes: int = Field(
         0, ge=0, description="uva GPU sampling: GPU memory for the hottest nodes' neighbour lists (by access probability) and indptr; 0: all adjacency read over the bus")
+
+    @field_validator("pool_overlap", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        """YAML reads a bare ``off`` as false (and ``on`` as true)."""
+        return {False: "off", True: "hidden"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _check_fanouts(self) -> SamplingConfig:
@@ -281,6 +290,27 @@ class ServeConfig(_Section):
             lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
             raise ConfigError("invalid config after environment overrides "
                               f"({', '.join(sorted(overrides))})\n" + "\n".join(lines)) from None
+
+    def with_overrides(self, sets: list[str]) -> ServeConfig:
+        """A copy with ``section.key=<YAML value>`` settings applied (benches' ``--set``),
+        validated as a whole; a bad name or value raises :class:`ConfigError` naming it."""
+        raw = self.model_dump()
+        for item in sets:
+            name, sep, text = item.partition("=")
+            parts = name.strip().split(".")
+            if not sep or len(parts) != 2 or parts[0] not in raw or parts[1] not in raw[parts[0]]:
+                raise ConfigError(f"--set {item!r}: expected section.key=value with an existing "
+                                  "field, e.g. sampling.route=gpu")
+            try:
+                raw[parts[0]][parts[1]] = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"--set {item!r}: not a YAML value: {exc}") from None
+        try:
+            return type(self).model_validate(raw)
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+            raise ConfigError(f"invalid config after --set {' '.join(sets)}\n"
+                              + "\n".join(lines)) from None
 
     @classmethod
     def default(cls) -> ServeConfig:

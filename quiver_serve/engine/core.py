@@ -99,6 +99,8 @@ class EngineCore:
         #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
         self.defer_stats = False
         self._stats_held: list[BatchStats] = []
+        #: route auto: batches for idle CPU samplers while the GPU is busy (``overlap.py``)
+        self.overlap: Any = None
 
     def capture_graphs(self, max_seeds: int) -> None:
         """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
@@ -207,6 +209,8 @@ class EngineCore:
             replies += refused
             if batch is not None:
                 replies += self._route_and_run(batch)
+        elif self.waiting and self.overlap is not None:  # GPU busy: idle CPU samplers' share
+            replies += self.overlap.step(self)
         if not replies and not self.has_ready_work() and self.in_flight:
             replies += self._finish(block=not self.waiting)
         return replies
@@ -236,10 +240,11 @@ class EngineCore:
                                bool(self.in_flight), self.waiting[-1].received_s)
 
     # ---- forming ---------------------------------------------------------------------------------
-    def _form(self, now_s: float) -> tuple[Batch | None, list[Reply]]:
-        """Merge waiting micro-batches of one kind into a batch sized to the deadline budget."""
+    def _form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]:
+        """Merge waiting micro-batches of one kind into a batch sized to the deadline budget
+        (or to ``cap`` seeds)."""
         first = self.waiting[0]
-        cap = self._seed_cap(first.min_deadline_s - now_s)
+        cap = self._seed_cap(first.min_deadline_s - now_s) if cap is None else cap
         parts: list[Part] = []
         refused: list[Reply] = []
         taken = 0

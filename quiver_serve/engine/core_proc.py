@@ -344,6 +344,10 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     from quiver_serve.features.replace import Replacer
 
     core.replacer = Replacer(cfg, graph, core.features)
+    if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
+        from quiver_serve.engine.overlap import PoolOverlap
+
+        core.overlap = PoolOverlap(serial=cfg.sampling.pool_overlap == "serial")
     core.check_fast_model()
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)

@@ -129,17 +129,25 @@ class EngineRouter:
         self.pool_depth = pool_depth
         self.quiver_threshold = quiver_threshold
         self._logged_cpu_only = False
+        #: the next decision goes to a free CPU sampler (set by ``overlap.PoolOverlap``: a batch
+        #: split off for the pool while the GPU is busy); reset by every decision
+        self.pool_next = False
 
     def decide(self, state: EngineRouteState) -> EngineRouteDecision:
         free = _least_free(state.pool_outstanding, self.pool_depth)
         any_pool = _least(state.pool_outstanding)
         mode = self.forced
-        if mode == "auto" and not state.on_gpu:
+        to_pool, self.pool_next = self.pool_next and free is not None, False
+        if to_pool:
+            mode = "pool"
+        elif mode == "auto" and not state.on_gpu:
             if not self._logged_cpu_only:
                 log.info("route auto on an engine without a GPU sampler: auto is cpu here")
                 self._logged_cpu_only = True
             mode = "cpu"
-        if mode == "gpu":
+        if mode == "pool":
+            route = "cpu"
+        elif mode == "gpu":
             route = "gpu" if state.on_gpu else "local"  # no GPU sampler (no CuPy): the CPU here
         elif mode == "local":
             route = "local"
