@@ -70,9 +70,12 @@ def expansion_scores(indptr: Tensor, indices: Tensor, fanouts: list[int], batch_
     an expansion (a short list read whole coalesces: about ``(deg + 3) / 4`` of them; ``k`` draws
     from a long one about ``k``); ``reads`` counts entries ``min(k_h, deg)``; ``reads_any_hop``
     is the first version (``max_h P_h * min(max k, deg)``), kept for comparisons."""
+    if cost not in SCORE_COSTS:
+        raise ValueError(f"cost must be one of {SCORE_COSTS}, got {cost!r}")
     num_nodes = indptr.numel() - 1
     if seed_prob is None:
         seed_prob = torch.full((num_nodes,), min(1.0, batch_size / max(num_nodes, 1)))
+    seed_prob = seed_prob.to(indptr.device)
     probs = access_probability(indptr, indices, seed_prob, fanouts[:-1]) if len(fanouts) > 1 \
         else [seed_prob.to(torch.float32)]
     deg = (indptr[1:] - indptr[:-1]).to(torch.float32)
@@ -80,9 +83,7 @@ def expansion_scores(indptr: Tensor, indices: Tensor, fanouts: list[int], batch_
         k = max(fanouts)
         read = deg if k < 0 else torch.minimum(deg, torch.tensor(float(k)))
         return torch.stack(probs[:len(fanouts)]).max(dim=0).values * read / deg.clamp(min=1.0)
-    if cost not in SCORE_COSTS:
-        raise ValueError(f"cost must be one of {SCORE_COSTS}, got {cost!r}")
-    total = torch.zeros(num_nodes, dtype=torch.float32)
+    total = torch.zeros(num_nodes, dtype=torch.float32, device=indptr.device)
     for h, k in enumerate(fanouts):
         first = probs[h] - (probs[h - 1] if h else 0.0)  # first reached at hop h, expanded at h+1
         per_expansion = expansion_sectors(deg, k) if cost == "sectors" else \
