@@ -81,7 +81,7 @@ def expansion_scores(indptr: Tensor, indices: Tensor, fanouts: list[int], batch_
     deg = (indptr[1:] - indptr[:-1]).to(torch.float32)
     if cost == "reads_any_hop":
         k = max(fanouts)
-        read = deg if k < 0 else torch.minimum(deg, torch.tensor(float(k)))
+        read = deg if k < 0 else torch.clamp(deg, max=float(k))
         return torch.stack(probs[:len(fanouts)]).max(dim=0).values * read / deg.clamp(min=1.0)
     total = torch.zeros(num_nodes, dtype=torch.float32, device=indptr.device)
     for h, k in enumerate(fanouts):
