@@ -128,7 +128,10 @@ def adjacency_section(graph: Any, dev: torch.device, budget_frac: float, iters: 
                        m["sectors"] + m["lists"], 1)}
             if name in caches:
                 c = caches[name]["cache"]
+                deg = graph.indptr[1:] - graph.indptr[:-1]
                 row.update(index_bits=c.index_bits, cached_lists=c.num_cached,
+                           cached_entries_share=float(deg[c.offsets.cpu() >= 0].sum())
+                           / max(graph.num_edges, 1),
                            cache_bytes=c.nbytes, build_s=caches[name]["build_s"])
             t = next((r for r in timing if r["sampler"] == row["sampler"] and r["seeds"] == n),
                      None)
