@@ -6,8 +6,9 @@ For a graph already in memory: the device-resident CSC, plain UVA, and UVA with 
 and scores; ``int32``; ``packed``: the fewest bits per id, per-hop sector scores), at 1,024 and
 8,192 uniform seeds, fanouts [25, 10]. Each cached sampler is checked bit-identical to plain
 UVA. Next to each timing: the CPU read model's share of bus sectors, neighbour reads, lists and
-indptr reads the cache serves (``features/adjacency_reads.py``) and the time that share
-predicts, ``device + (1 - sectors served) * (uva - device)``.
+indptr reads the cache serves (``features/adjacency_reads.py``) and the time the share of bus
+requests (sectors plus one indptr read per frontier node) predicts,
+``device + (1 - requests served) * (uva - device)``.
 
 Used by bench/features_e2e.py; alone (CPU: only the read model):
     PYTHONPATH=. python bench/bench_adjacency.py [--scale 0.1] [--out FILE]
@@ -139,7 +140,7 @@ def adjacency_section(graph: Any, dev: torch.device, budget_frac: float, iters: 
                 row.update(sample_ms=t["sample_ms"], identical_to_uva=t["identical_to_uva"],
                            vs_device=t["sample_ms"] / ms[("device", n)])
                 if name in caches:
-                    row["predicted_ms"] = ms[("device", n)] + (1 - m["sectors_served"]) * (
+                    row["predicted_ms"] = ms[("device", n)] + (1 - row["requests_served"]) * (
                         ms[("uva", n)] - ms[("device", n)])
             rows.append(row)
     return {"budget_frac_of_int64_csc": budget_frac,
