@@ -6,6 +6,11 @@ counts what a cache serves."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,3 +146,53 @@ def test_packed_cache_serves_more_of_the_reads(graph) -> None:
     fixed = FIXED_BYTES_PER_NODE * graph.num_nodes + EXTRA_BYTES
     empty = build_adjacency_cache(graph.indptr, graph.indices, scores, fixed, CPU)
     assert empty is not None and empty.num_cached == 0
+
+
+_LIST_READER_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+%s
+int main() {  // stdin: bits, #words, #entries, the words, the expected entries
+    unsigned bits; long nw, ne;
+    if (scanf("%%u %%ld %%ld", &bits, &nw, &ne) != 3) return 2;
+    std::vector<int> w(nw); std::vector<i64> want(ne);
+    for (auto& x : w) if (scanf("%%d", &x) != 1) return 2;
+    for (auto& x : want) if (scanf("%%lld", &x) != 1) return 2;
+    const ListReader r{(const void*)w.data(), bits};
+    long bad = 0;
+    for (long q = 0; q < ne; ++q) bad += r[q] != want[q];
+    printf("%%ld\n", bad);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_kernels_list_reader_decodes_packed_lists(tmp_path) -> None:
+    """The kernel's own ``ListReader`` (csrc/gpu_sampler.cu, compiled for the CPU) reads every
+    entry of ``pack_lists``' output at every width: the device half of the bit-identity."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu").read_text()
+    reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
+    assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
+    (tmp_path / "reader.cpp").write_text(_LIST_READER_HARNESS % reader.group(0))
+    exe = tmp_path / "reader"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(tmp_path / "reader.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    for num_nodes, bits in ((2, 1), (7, 3), (5000, 13), (232_965, 18), (3_000_000, 22),
+                            (70_000, 32), (70_000, 64)):
+        indptr, indices = random_csc(min(num_nodes, 2000), 40)
+        indices = torch.randint(0, num_nodes, indices.shape, generator=torch.Generator())
+        indices[:3] = num_nodes - 1
+        nodes = torch.arange(0, indptr.numel() - 1, 2)
+        _, packed = pack_lists(indptr, indices, nodes, bits)
+        words = packed.view(torch.int32) if bits == 64 else packed
+        want = torch.cat([indices[indptr[v]:indptr[v + 1]] for v in nodes.tolist()])
+        stdin = (f"{bits} {words.numel()} {want.numel()}\n{' '.join(map(str, words.tolist()))}\n"
+                 f"{' '.join(map(str, want.tolist()))}\n")
+        run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, timeout=60,
+                             check=True)
+        assert run.stdout.strip() == "0", f"{bits} bits: {run.stdout.strip()} entries differ"
