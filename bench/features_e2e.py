@@ -188,7 +188,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--engine-seconds", type=float, default=1.0)
-    ap.add_argument("--daemon-timeout-s", type=float, default=150.0)
+    ap.add_argument("--daemon-timeout-s", type=float, default=165.0,
+                    help="cut for each daemon run (graph, engine sweep, daemon sweep)")
+    ap.add_argument("--model-batches", type=int, default=1,
+                    help="read-model batches of 1,024 seeds (CPU; the dev box's full-scale "
+                         "figures used 3)")
     ap.add_argument("--sections", nargs="+", default=["adjacency", "e2e"],
                     choices=["adjacency", "e2e"])
     ap.add_argument("--out", type=Path)
@@ -218,7 +222,8 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1, default=str))
 
     if "adjacency" in args.sections:
-        result["adjacency"] = adjacency_section(graph, dev, args.budget, args.iters, 3)
+        result["adjacency"] = adjacency_section(graph, dev, args.budget, args.iters,
+                                                args.model_batches)
         save()
         gc.collect()
         torch.cuda.empty_cache() if dev.type == "cuda" else None
