@@ -42,10 +42,10 @@ typedef unsigned long long u64;
 // an SM's L1 is not coherent with the other SMs' stores.
 #define LOAD(ptr) __ldcg(ptr)
 
-// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 22
+// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 23
 // P_* below in their order, then the fanouts. One launch argument instead of 20 saves about
 // 10 us of CuPy's per-argument work on the host for every batch, for one bus read per block here.
-#define NUM_PARAMS 22
+#define NUM_PARAMS 23
 #define MAX_HOPS 32
 
 #ifndef SAMPLER_EMU  // (a CPU emulation of this file, used in development, supplies its own)
@@ -198,6 +198,29 @@ __device__ void grid_carry(const i64* block_sums, i64 mine, i64* carry, i64* tot
 
 // ---- one frontier node ----------------------------------------------------------------------------
 
+// A neighbour list's entries, read by expand_node: int64 (bits == 64: the CSC, in GPU or pinned
+// host memory, or an adjacency cache of index_bits = 64), or the adjacency cache's bit-packed
+// lists (features/adjacency.py): entry q is `bits` (1-32) bits at bit q * bits of little-endian
+// 32-bit words, read as the 64-bit window of its word and the next (the host pads the array by
+// one word). Holding only the bits node ids need (18 on a Reddit-sized graph) puts 3.6x the
+// lists of int64 in the same GPU memory. One type for both (a branch the whole warp takes the
+// same way) rather than a template per layout: two copies of expand_node spilled more.
+struct ListReader {
+    const void* base;
+    u32 bits;
+    __device__ __forceinline__ i64 operator[](i64 q) const {
+        if (bits == 64) {
+            const i64* __restrict__ entries = (const i64*)base;
+            return entries[q];
+        }
+        const u32* __restrict__ words = (const u32*)base;
+        const u64 bit = (u64)q * bits;
+        const u64 j = bit >> 5;
+        const u64 window = ((u64)words[j + 1] << 32) | (u64)words[j];
+        return (i64)((window >> (bit & 31)) & ((1ull << bits) - 1ull));
+    }
+};
+
 // Records neighbour u at hop-local position p and proposes p as u's first occurrence.
 __device__ __forceinline__ void emit_edge(i64 p, i64 u, int owner, i64* rows, int* cols, int* state) {
     rows[p] = u;
@@ -213,7 +236,7 @@ __device__ __forceinline__ void emit_edge(i64 p, i64 u, int owner, i64* rows, in
 // warp vote per draw (k is small, so scanning the node's chosen slots beats any hash set).
 // (Measured slower on an H200: a warp first choosing positions for a chunk of nodes and then
 // resolving all its edges lane-parallel; it needs more registers than the 64 available.)
-__device__ void expand_node(const i64* __restrict__ indices, i64 v, i64 start, i64 deg, i64 k,
+__device__ void expand_node(const ListReader indices, i64 v, i64 start, i64 deg, i64 k,
                             i64 hop, u32 base, int owner, i64 p0, i64* rows, int* cols, int* state,
                             int lane) {
     if (k < 0 || deg <= k) {
@@ -389,7 +412,8 @@ __device__ i64 sample_seeds(i64 num_nodes, int* state, const i64* request, i64* 
 #define P_BLOCK_SUMS ((i64*)P[18])
 #define P_BARRIER ((u32*)P[19])
 #define P_CACHE_OFF ((const i64*)P[20])
-#define P_CACHE_INDICES ((const i64*)P[21])
+#define P_CACHE_INDICES (P[21])
+#define P_CACHE_BITS (P[22])
 #define P_FANOUT(hop) (P[NUM_PARAMS + (hop) - 1])
 #define P_EDGES (P_N_ID + P_N_CAP)
 #define P_SEED_INDEX (P_EDGES + 2 * P_E_CAP)
@@ -436,8 +460,10 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
         for (i64 i = lo + warp; i < hi; i += num_warps) {
             const i64* front_csc = P_FRONT_CSC;
             const i64 start = LOAD(front_csc + 2 * i);  // < 0: in the adjacency cache
-            expand_node(start < 0 ? P_CACHE_INDICES : P_INDICES, LOAD(frontier + i),
-                        start < 0 ? -start - 1 : start,
+            const bool cached = start < 0;
+            const ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
+                                  cached ? (u32)P_CACHE_BITS : 64u};
+            expand_node(list, LOAD(frontier + i), cached ? -start - 1 : start,
                         LOAD(front_csc + 2 * i + 1), k, hop, (u32)P_BASE, (int)(front_lo + i),
                         carry + LOAD(P_FRONT_OFF + i), P_EDGES + edges_before,
                         P_COL_BUF + edges_before, P_STATE, lane);

@@ -280,9 +280,12 @@ def test_engine_replaces_from_its_request_log_and_keeps_serving(cora: GraphData)
 
 
 # ---- adjacency cache (CPU twin of what the sampler kernel reads) ----------------------------
+@pytest.mark.parametrize("index_bits", [None, 32, 64])
 @pytest.mark.parametrize("share", [0.0, 0.1, 1.0])
-def test_adjacency_cache_maps_every_node_to_its_own_list(cora: GraphData, share: float) -> None:
+def test_adjacency_cache_maps_every_node_to_its_own_list(cora: GraphData, share: float,
+                                                         index_bits: int | None) -> None:
     from quiver_serve.features.adjacency import (
+        EXTRA_BYTES,
         FIXED_BYTES_PER_NODE,
         build_adjacency_cache,
         cached_neighbours,
@@ -290,9 +293,9 @@ def test_adjacency_cache_maps_every_node_to_its_own_list(cora: GraphData, share:
     )
 
     n = cora.num_nodes
-    budget = FIXED_BYTES_PER_NODE * n + 16 + int(share * cora.num_edges * 8)
+    budget = FIXED_BYTES_PER_NODE * n + EXTRA_BYTES + int(share * cora.num_edges * 8)
     scores = expansion_scores(cora.indptr, cora.indices, [25, 10], 64)
-    cache = build_adjacency_cache(cora.indptr, cora.indices, scores, budget, CPU)
+    cache = build_adjacency_cache(cora.indptr, cora.indices, scores, budget, CPU, index_bits)
     assert cache is not None and cache.nbytes <= budget
     assert cache.num_cached == (0 if share == 0 else int((cache.offsets >= 0).sum()))
     if share == 1.0:

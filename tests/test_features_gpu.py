@@ -15,6 +15,7 @@ from quiver_serve.features.adjacency import build_adjacency_cache, expansion_sco
 from quiver_serve.features.placement import LOC_BYTES_PER_NODE, plan_placement
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
+from quiver_serve.sampling.reference import ReferenceSampler
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,23 +113,32 @@ def test_partition_over_two_gpus_reads_the_peer() -> None:
 
 
 # ---- adjacency cache ------------------------------------------------------------------------
+@pytest.mark.parametrize("index_bits", [None, 32, 64])  # packed at the fewest bits, int32, int64
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.3, 1.0])
-def test_sampling_with_the_adjacency_cache_is_bit_identical(share: float) -> None:
+def test_sampling_with_the_adjacency_cache_is_bit_identical(share: float,
+                                                            index_bits: int | None) -> None:
+    """Kernel with the cache vs kernel without it vs the device-resident CSC vs the pure-torch
+    twin (the reference sampler), bit for bit, for every cache layout."""
     indptr, indices = power_law_csc()
     fanouts = [10, 5]
-    budget = int(16 * NUM_NODES + 16 + share * indices.numel() * 8)
+    budget = int(16 * NUM_NODES + 24 + share * indices.numel() * 8)
     scores = expansion_scores(indptr, indices, fanouts, 256)
-    cache = build_adjacency_cache(indptr, indices, scores, budget, torch.device("cuda", 0))
+    cache = build_adjacency_cache(indptr, indices, scores, budget, torch.device("cuda", 0),
+                                  index_bits)
     assert cache is not None and cache.nbytes <= budget
     assert (cache.num_cached == 0) == (share == 0.0)
     plain = UvaSampler(indptr, indices, device=0)
     cached = UvaSampler(indptr, indices, device=0, adjacency_cache=cache)
     device = CudaSampler(indptr, indices, device=0)
+    twin = ReferenceSampler(indptr, indices)
     g = torch.Generator().manual_seed(5)
     for trial, n in enumerate((1, 64, 1024, 3000)):
         seeds = torch.randint(0, NUM_NODES, (n,), generator=g)
-        for f in (fanouts, [-1, 3]):
+        for f in (fanouts, [-1, 3], [40, 2]):
             ref = plain.sample(seeds, f, trial)
+            ref_twin = twin.sample(seeds, f, trial)
+            assert torch.equal(ref.n_id.cpu(), ref_twin.n_id)
+            assert torch.equal(ref.edge_index.cpu(), ref_twin.edge_index)
             for other in (cached.sample(seeds, f, trial), device.sample(seeds, f, trial)):
                 assert torch.equal(other.n_id, ref.n_id)
                 assert torch.equal(other.edge_index, ref.edge_index)

@@ -76,8 +76,8 @@ def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -
         log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
                     "per node): no adjacency cache", budget)
     else:
-        log.info("adjacency cache: %d of %d neighbour lists, %d bytes on %s", cache.num_cached,
-                 graph.num_nodes, cache.nbytes, device)
+        log.info("adjacency cache: %d of %d neighbour lists (%d bits per entry), %d bytes on %s",
+                 cache.num_cached, graph.num_nodes, cache.index_bits, cache.nbytes, device)
     return cache
 
 

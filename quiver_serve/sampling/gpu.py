@@ -48,7 +48,7 @@ _MAX_INT32_POSITIONS = 2**31 - 1  # hop-local positions and local ids are int32 
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
-_NUM_PARAMS, _MAX_HOPS = 22, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
+_NUM_PARAMS, _MAX_HOPS = 23, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
 
 #: A launcher takes (number of blocks, address of the parameter block, CUDA stream handle) and
 #: launches the kernel asynchronously.
@@ -257,6 +257,8 @@ class _GpuSampler(BaseSampler):
         self._indptr_ptr, self._indices_ptr = csc_pointers
         #: adjacency cache (UVA): per-node offsets into a GPU copy of the hottest lists; 0 = none
         self._cache_off_ptr, self._cache_indices_ptr = getattr(self, "_cache_pointers", (0, 0))
+        #: bits per cached entry (64: int64 entries; 1-32: bit-packed int32 words)
+        self._cache_bits = getattr(self, "_cache_bits", 64)
         self._num_edges = int(indices.numel())
         degree = indptr[1:] - indptr[:-1]
         self._max_degree = int(degree.max()) if degree.numel() else 0
@@ -333,7 +335,7 @@ class _GpuSampler(BaseSampler):
             out.data_ptr(), plan.n_cap, plan.e_cap, plan.e_hop_cap, counts_ptr,
             col_buf.data_ptr(), front_off.data_ptr(), front_csc.data_ptr(), rank_buf.data_ptr(),
             work.block_sums.data_ptr(), work.barrier.data_ptr(),
-            self._cache_off_ptr, self._cache_indices_ptr,
+            self._cache_off_ptr, self._cache_indices_ptr, self._cache_bits,
         )  # fmt: skip
         params[_NUM_PARAMS : _NUM_PARAMS + len(fanouts)] = fanouts
         # The block is reused by the next batch only after this one's final sync.
@@ -456,8 +458,8 @@ class UvaSampler(_GpuSampler):
     (or drop the sampler) to unpin.
 
     ``adjacency_cache`` (``features/adjacency.py``): indptr and the hottest nodes' neighbour
-    lists in GPU memory; the kernel reads a cached list there and the rest over the bus, and
-    samples exactly what it samples without the cache.
+    lists (bit-packed, or int64) in GPU memory; the kernel reads a cached list there and the
+    rest over the bus, and samples exactly what it samples without the cache.
     """
 
     name = "uva"
@@ -484,6 +486,7 @@ class UvaSampler(_GpuSampler):
             pointers = (adjacency_cache.indptr.data_ptr(), pointers[1])
             self._cache_pointers = (adjacency_cache.offsets.data_ptr(),
                                     adjacency_cache.indices.data_ptr())
+            self._cache_bits = adjacency_cache.index_bits
         self._host_csc = host
         super().__init__(indptr, indices, target, pointers, launcher)
 

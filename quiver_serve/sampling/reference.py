@@ -51,6 +51,17 @@ def sample_hop(
     """Sample one hop: (global neighbour ids, frontier position of each), in frontier order.
 
     Runs on the device of its tensors (the PSGS tables sample every node at once on a GPU)."""
+    edge_pos, count = hop_edge_positions(indptr, frontier, k, hop, base)
+    owner = torch.repeat_interleave(torch.arange(frontier.numel(), device=frontier.device), count)
+    return indices[edge_pos], owner
+
+
+def hop_edge_positions(
+    indptr: Tensor, frontier: Tensor, k: int, hop: int, base: int
+) -> tuple[Tensor, Tensor]:
+    """The CSC positions (into ``indices``) one hop reads, in frontier order, and how many per
+    frontier node: exactly the neighbour reads of every sampler (the adjacency cache's read
+    model counts them, ``features/adjacency_reads.py``)."""
     dev = frontier.device
     start = indptr[frontier]
     degree = indptr[frontier + 1] - start
@@ -74,9 +85,7 @@ def sample_hop(
         chosen = floyd_select(degree[part_idx], k, node_hash(base, hop, frontier[part_idx]))
         slots = out_offset[part_idx].unsqueeze(1) + torch.arange(k, device=dev)
         edge_pos[slots.flatten()] = (start[part_idx].unsqueeze(1) + chosen).flatten()
-
-    owner = torch.repeat_interleave(torch.arange(frontier.numel(), device=dev), count)
-    return indices[edge_pos], owner
+    return edge_pos, count
 
 
 class ReferenceSampler(BaseSampler):
