@@ -30,7 +30,7 @@ timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest --noconftest -p no:cachepro
 tests_rc=${PIPESTATUS[0]}
 # The engine core's CUDA tests use the shared fixtures (pydantic comes from the carried wheels).
 timeout "${GPU_TEST_TIMEOUT_S:-600}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs \
-    tests/test_engine_core.py tests/test_graphed.py tests/test_fast_model.py 2>&1 | tee "$LOG_DIR/gpu_core_tests.log" | tail -n 5
+    tests/test_engine_core.py tests/test_graphed.py tests/test_fast_model.py tests/test_overlap.py 2>&1 | tee "$LOG_DIR/gpu_core_tests.log" | tail -n 5
 [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 
 echo "== GPU benchmark =="
