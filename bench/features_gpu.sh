@@ -10,16 +10,9 @@
 #   bash bench/features_gpu.sh [extra bench/bench_features.py options, e.g. --products-scale 0.5]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
 LOG_DIR=${OUT:-$(mktemp -d -t quiver_serve_features.XXXXXX)}
 mkdir -p "$LOG_DIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE=$(mktemp -d)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE:$PWD"
-else
-    export PYTHONPATH="$PWD"
-fi
+source bench/device_env.sh || exit 1
 nvidia-smi -L
 
 echo "== GPU tests: gather kernel, adjacency cache, samplers (bit for bit), engine core =="

@@ -7,14 +7,7 @@
 #   bash bench/features_gpu2.sh [--scale 0.2]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE=$(mktemp -d)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE:$PWD"
-else
-    export PYTHONPATH="$PWD"
-fi
+source bench/device_env.sh || exit 1
 nvidia-smi -L
 nvidia-smi topo -m || true
 timeout -k 10 120 python3 -m pytest --noconftest -p no:cacheprovider -m gpu -q -rs \

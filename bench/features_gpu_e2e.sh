@@ -12,17 +12,10 @@
 #   bash bench/features_gpu_e2e.sh [--smoke] [extra bench/features_e2e.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
 LOG_DIR=${OUT:-$(mktemp -d -t quiver_serve_features_e2e.XXXXXX)}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl && export PYTHONPATH="$SITE:$PWD"
-else
-    export PYTHONPATH="$PWD"
-fi
+source bench/device_env.sh || exit 1
 nvidia-smi -L 2>/dev/null || echo "no GPU: smoke run"
 
 # the daemon's CPU sampler (C++) builds once per machine: start it now, beside the tests

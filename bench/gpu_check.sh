@@ -13,15 +13,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG_DIR=${OUT:-$(mktemp -d -t quiver_serve_gpu_check.XXXXXX)}
 mkdir -p "$LOG_DIR"
-export PYTHONUNBUFFERED=1
 
 # The serving pipeline tests need pydantic, which GPU boxes may lack: carry wheels in .whl/
 # (git-ignored; see the device README) and they are installed here, outside the system packages.
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE_DIR=$(mktemp -d -t qs-site.XXXXXX)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" .whl/*.whl \
-        && export PYTHONPATH=$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_env.sh || exit 1
 
 echo "== GPU tests =="
 # Outer timeouts because a hung kernel blocks in C, where pytest-timeout cannot interrupt it.

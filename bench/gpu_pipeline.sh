@@ -9,10 +9,7 @@
 #   bash bench/gpu_pipeline.sh [extra bench/bench_pipeline.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    && export PYTHONPATH="$SITE:$PWD" || exit 1
+source bench/device_env.sh || exit 1
 nvidia-smi -L
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
 echo "GPUs: $GPUS"

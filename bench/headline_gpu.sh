@@ -14,15 +14,8 @@
 #                                           # single-id HTTP p50 only, fast_routes on/off (~2-3 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        .whl/*.whl && export PYTHONPATH="$SITE:$PWD" || exit 1
-else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source bench/device_env.sh || exit 1
 "$PY" -c "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, aiohttp, matplotlib, grpc" || {
     echo "missing Python packages: carry them as wheels in .whl/ (see the device README)"; exit 1; }
 "$PY" -c "import uvloop, httptools" 2>/dev/null || echo "WARNING: uvloop or httptools missing: \

@@ -13,10 +13,7 @@
 #     ~3-6 min. JSON: $OUT/routing.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    && export PYTHONPATH="$SITE:$PWD" || exit 1
+source bench/device_env.sh || exit 1
 nvidia-smi -L
 if [ "${1:-}" = daemon ]; then
     shift

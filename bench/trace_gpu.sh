@@ -11,12 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG_DIR=${OUT:-$(mktemp -d -t quiver_serve_trace.XXXXXX)}
 mkdir -p "$LOG_DIR"
-export PYTHONUNBUFFERED=1
-if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-    SITE_DIR=$(mktemp -d -t qs-site.XXXXXX)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" .whl/*.whl \
-        && export PYTHONPATH=$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_env.sh || exit 1
 SCALE_ARG=()
 [ -n "${SCALE:-}" ] && SCALE_ARG=(--scale "$SCALE")
 rc=0

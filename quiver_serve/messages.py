@@ -88,8 +88,9 @@ class BatchStats:
     psgs: float = 0.0  # predicted unique nodes of the batch (0: no prediction)
     predicted_s: float = 0.0  # predicted sample + gather + model seconds (0: no prediction)
     #: ``time.time()`` when the engine core took in the micro-batch this stats rides on, and
-    #: when it built that micro-batch's reply: with the client's send and receive times they
-    #: split a request's time into transport out, engine, transport back
+    #: when its process sent that micro-batch's reply (0: not sent over a socket): with the
+    #: client's send and receive times they split a request's time into transport out, engine,
+    #: transport back
     received_s: float = 0.0
     replied_s: float = 0.0
 

@@ -3,7 +3,6 @@ per-batch numbers it reports (``BatchStats``): the data the stage logic in ``cor
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +68,7 @@ def batch_stats(batch: Batch, compute_s: float, index: int, features: FeatureSto
         num_sampled_edges=int(sb.edge_index.size(1)),
         queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
         compute_s=compute_s, cache_hits=hits, cache_misses=misses, psgs=batch.psgs,
-        predicted_s=batch.predicted_s, received_s=batch.parts[0].mb.received_s,
-        replied_s=time.time()), now
+        predicted_s=batch.predicted_s, received_s=batch.parts[0].mb.received_s), now
 
 
 def _batch_counts(batch: Batch, features: FeatureStore,
