@@ -63,6 +63,7 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
     """One front-end, in this process beside the supervisor (the cheapest path)."""
     import uvicorn
 
+    from quiver_serve.engine.heap import start_gc_watch
     from quiver_serve.http.app import create_app
     from quiver_serve.http.listen import DrainingServer, uvicorn_speedups
 
@@ -78,6 +79,7 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
         server.should_exit = True
 
     state.on_fatal = fatal
+    state.on_started = lambda: start_gc_watch("main", cfg.server.gc_freeze).flush
     server.run()
     return 1 if state.start_error is not None else 0
 

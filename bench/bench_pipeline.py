@@ -63,6 +63,7 @@ from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, sh
     hot_set,
 )
 from quiver_serve.config import ServeConfig  # noqa: E402
+from quiver_serve.engine.heap import freeze_startup_heap  # noqa: E402
 from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
 
 __all__ = ["HOT_SET_SIZE", "IDS_PER_REQUEST", "REQUEST_POOL", "draw_requests", "hot_set"]
@@ -263,6 +264,7 @@ def load_main(index: int, endpoints: Any, hot: np.ndarray, num_nodes: int, cmds:
     """A load process: run each point it is sent until it gets None."""
     torch.set_num_threads(1)
     obs = BatchCounter()
+    freeze_startup_heap(f"load {index}")  # no ~100 ms full collections inside a measurement
     out.put({"ready": index})
     while (cmd := cmds.get()) is not None:
         k = cmd["k"]

@@ -197,6 +197,8 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
     fast_routes: bool = Field(
         True, description="answer POST /v1/embed and /v2/models/{name}/infer in a raw-ASGI layer in front of FastAPI (same answers, less CPU per request); false: FastAPI's routes answer them")
+    gc_freeze: bool = Field(
+        True, description="freeze each daemon process's start-up heap (gc.freeze) so a full garbage collection under load takes microseconds, not ~100 ms; pauses are in quiver_serve_gc_pause_seconds")
     auth_token: str | None = Field(
         None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
     )

@@ -14,6 +14,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -28,6 +29,10 @@ _NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
 _RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _TRANSPORT_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.05, 0.5)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+_GC_PAUSE_BUCKETS_S = (1e-5, 1e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+_value_class_for: tuple[str, int] | None = None
 
 
 def multiprocess_dir() -> str:
@@ -42,13 +47,28 @@ def multiprocess_dir() -> str:
         os.environ[ENV] = path
         atexit.register(shutil.rmtree, path, True)
     os.makedirs(path, exist_ok=True)
-    values.ValueClass = values.get_value_class()
+    global _value_class_for
+    if _value_class_for != (path, os.getpid()):
+        # Once per process and directory: a second value class would open the same .db files
+        # again, and two writers of one file overwrite each other's samples.
+        values.ValueClass = values.get_value_class()
+        _value_class_for = (path, os.getpid())
     return path
 
 
 #: label values that exist from the start (see :class:`Metrics`)
 REJECT_REASONS = ("pending_full", "client_disconnected", "engine_lost", "deadline")
 WORKER_ROLES = ("engine", "sampler", "frontend")
+
+
+def gc_pause_sink(role: str) -> Callable[[int, float], None]:
+    """Where :class:`quiver_serve.engine.heap.GcPauses` puts this process's collection pauses."""
+    multiprocess_dir()
+    hist = Histogram(PREFIX + "gc_pause_seconds", "garbage-collector pauses, by process role and "
+                     "generation (2: full collection)", ["role", "generation"],
+                     buckets=_GC_PAUSE_BUCKETS_S, registry=None)
+    by_generation = [hist.labels(role, str(g)) for g in range(3)]
+    return lambda generation, pause_s: by_generation[min(max(generation, 0), 2)].observe(pause_s)
 
 
 class EngineMetrics:

@@ -99,6 +99,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     alive: bool
     ready: bool
     restarts: int
+    #: objects frozen at the end of start-up (``server.gc_freeze``); None before ready or when off
+    gc_frozen_objects: int | None = None
 
 
 class FrontDoorState(msgspec.Struct, frozen=True):

@@ -237,3 +237,24 @@ def test_sigterm_drains_every_frontend(tmp_path: Path) -> None:
         assert len(pids) >= 5  # main, two front-ends, a sampler, an engine core
     finally:
         srv.stop()
+
+
+def test_front_door_stops_when_its_watch_thread_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch thread supervises every front-end and publishes the engines' state: if it dies
+    of an error the daemon must not hang half-alive (never ready); ``run()`` sees ``watch_failed``
+    and exits 1. Found when a new field of the worker rows broke the state message."""
+    from quiver_serve.config import ServeConfig
+    from quiver_serve.http.frontdoor import FrontDoor
+
+    cfg = ServeConfig()
+    cfg.server.port = free_port()
+    door = FrontDoor(cfg, 1)
+    try:
+        def broken(self: FrontDoor) -> object:
+            raise TypeError("Unexpected keyword argument")
+
+        monkeypatch.setattr(FrontDoor, "_state", broken)
+        door._watch()  # returns instead of raising out of the thread
+        assert door.watch_failed
+    finally:
+        door.stop(timeout_s=1.0)

@@ -126,6 +126,20 @@ def test_metrics_count_requests(server: ServerProcess) -> None:
     assert trips["to_engine"] >= 5 and trips["to_client"] >= 5, trips  # each micro-batch's trip
 
 
+def test_daemon_processes_freeze_their_startup_heap(server: ServerProcess) -> None:
+    """Engine cores and samplers freeze what they hold after start-up (no ~100 ms full
+    collections under load) and time their collections into quiver_serve_gc_pause_seconds."""
+    workers = httpx.get(server.url + "/v1/workers").json()["workers"]
+    frozen = {(w["role"], w["index"]): w.get("gc_frozen_objects") for w in workers
+              if w["role"] in ("engine", "sampler")}
+    assert frozen and all(n is not None and n > 50_000 for n in frozen.values()), frozen
+    for _ in range(5):
+        post(server, "/v1/embed", {"node_ids": [1, 2, 3]})
+    text = httpx.get(server.url + "/metrics").text
+    assert 'quiver_serve_gc_pause_seconds_count{generation="2",role="engine 0"}' in text
+    assert 'role="main"' in text  # the main process (front-end and supervisor) too
+
+
 def test_feature_replacement_while_serving(server: ServerProcess) -> None:
     """POST /admin/features/replace: every engine core rebuilds its placement in the background
     (SIGUSR1) and serves the same rows meanwhile; no process restarts; rows are counted."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core import EngineCore, MicroBatch, Reply, SamplerPool
+from quiver_serve.engine.heap import start_gc_watch
 from quiver_serve.engine.process import parent_alive
 from quiver_serve.engine.router import EngineRouter
 from quiver_serve.graph.csc import GraphData
@@ -222,19 +223,24 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
     import signal
 
     signal.signal(signal.SIGUSR1, lambda *_: core.replacer.request())  # feature re-placement
+    gc_watch = start_gc_watch(f"engine {index}", cfg.server.gc_freeze)
     reporter.send("ready", device=str(core.device), sampler=core.local_sampler.name,
                   gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
-                  features_on=str(core.features.device), **core.features.describe())
-    EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3).run()
+                  features_on=str(core.features.device), gc_frozen_objects=gc_watch.frozen_objects,
+                  **core.features.describe())
+    EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3,
+               gc_watch.flush).run()
 
 
 class EngineLoop:
     """The engine core's busy loop: take input, ``step()``, send replies, beat."""
 
     def __init__(self, core: EngineCore, front: zmq.Socket, pool: ZmqSamplerPool | None,
-                 poller: zmq.Poller, reporter: Reporter, spin_s: float = 0.0) -> None:
+                 poller: zmq.Poller, reporter: Reporter, spin_s: float = 0.0,
+                 flush_gc: Callable[[], int] | None = None) -> None:
         self.core, self.front, self.pool, self.poller = core, front, pool, poller
         self.reporter, self.spin_s = reporter, spin_s
+        self.flush_gc = flush_gc or (lambda: 0)
 
     def run(self) -> None:
         core = self.core
@@ -246,6 +252,7 @@ class EngineLoop:
                 if not parent_alive():
                     return
                 next_check_s = now_s + PARENT_CHECK_S
+                self.flush_gc()
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
             # and for ``spin_s`` after the last answer (the next request is likely near)
             if core.in_flight or core.sampled or (core.waiting and not core.fill.holding) \
@@ -399,9 +406,11 @@ def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: to
     except Exception as exc:
         reporter.send("failed", message=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc
-    reporter.send("ready", impl=sampler.name)
+    gc_watch = start_gc_watch(f"sampler {index}", cfg.server.gc_freeze)
+    reporter.send("ready", impl=sampler.name, gc_frozen_objects=gc_watch.frozen_objects)
     while parent_alive():
         reporter.heartbeat()
+        gc_watch.flush()
         if not sock.poll(IDLE_POLL_MS):
             continue
         ident, head, seeds = sock.recv_multipart(copy=False)

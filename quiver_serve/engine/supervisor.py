@@ -185,7 +185,8 @@ class Supervisor:
 
     def workers(self) -> list[dict[str, Any]]:
         return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
-                 "ready": c.ready, "restarts": c.restarts} for c in self.children]
+                 "ready": c.ready, "restarts": c.restarts,
+                 "gc_frozen_objects": c.info.get("gc_frozen_objects")} for c in self.children]
 
     def engines_ready(self) -> bool:
         """At least one engine core is alive and has reported ready since its last (re)start."""

@@ -66,10 +66,16 @@ class ServerState:
         self.metrics = metrics
         self.start_error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
+        #: run once the pipeline has started (the daemon's main process freezes its heap there)
+        self.on_started: Callable[[], Callable[[], int] | None] | None = None
+        #: this process's GC-pause flush, called on each /metrics scrape
+        self.flush_gc: Callable[[], int] = lambda: 0
 
     def start_pipeline(self) -> None:
         try:
             self.pipeline.start()
+            if self.on_started is not None:
+                self.flush_gc = self.on_started() or self.flush_gc
         except BaseException as exc:  # noqa: BLE001 - surfaced through on_fatal and readiness
             log.exception("start-up failed")
             self.start_error = exc
@@ -228,6 +234,7 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
+        state.flush_gc()
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -96,6 +96,8 @@ class FrontDoor:
         self.pipeline: Any = None
         self.draining = False
         self._stop = threading.Event()
+        #: set when the watch thread died of an error: ``run()`` then stops the daemon (exit 1)
+        self.watch_failed = False
         self._thread = threading.Thread(target=self._watch, name="quiver-frontdoor", daemon=True)
 
     def start(self) -> None:
@@ -137,18 +139,23 @@ class FrontDoor:
 
     def workers(self) -> list[dict[str, Any]]:
         return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
-                 "ready": c.ready, "restarts": c.restarts} for c in self.children]
+                 "ready": c.ready, "restarts": c.restarts,
+                 "gc_frozen_objects": c.info.get("gc_frozen_objects")} for c in self.children]
 
     # ---- the watch thread (owns both sockets) --------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._read_control(int(PUBLISH_S * 1000))
-            for child in self.children:
-                self._check(child)
-            try:
-                self._pub.send(encode(self._state()), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+        try:
+            while not self._stop.is_set():
+                self._read_control(int(PUBLISH_S * 1000))
+                for child in self.children:
+                    self._check(child)
+                try:
+                    self._pub.send(encode(self._state()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        except Exception:  # noqa: BLE001 - without this thread nothing is supervised: stop
+            log.exception("front door: the watch thread failed; stopping the daemon")
+            self.watch_failed = True
 
     def _read_control(self, timeout_ms: int) -> None:
         for msg in control_messages(self._control, timeout_ms):
@@ -160,6 +167,7 @@ class FrontDoor:
             child.last_beat_s = time.monotonic()
             if msg.kind == "ready" and not child.ready:
                 child.ready = True
+                child.info["gc_frozen_objects"] = msg.info.get("gc_frozen_objects")
                 log.info("front-end %d listening (pid %s)", child.index, child.pid)
 
     def _check(self, child: Child) -> None:
@@ -247,7 +255,9 @@ def run(cfg: ServeConfig, count: int, log_level: str) -> int:
         _stop_all(door, pipeline)
         return 1
     while not got_signal.wait(0.5):
-        pass
+        if door.watch_failed:
+            _stop_all(door, pipeline)
+            return 1
     return _drain_and_stop(door, pipeline, signals)
 
 

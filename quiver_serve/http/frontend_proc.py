@@ -24,6 +24,7 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.core_proc import Reporter
 from quiver_serve.engine.facade import ClientFacade
+from quiver_serve.engine.heap import GcWatch, start_gc_watch
 from quiver_serve.engine.observer import PipelineObserver
 from quiver_serve.engine.process import parent_alive
 from quiver_serve.wire import Decoders, FrontDoorState
@@ -78,9 +79,11 @@ class RemotePipeline(ClientFacade):
 class Watch:
     """The front-end's line to the main process (one thread owns both ZeroMQ sockets)."""
 
-    def __init__(self, index: int, run_dir: str, pipeline: RemotePipeline, server: Any) -> None:
+    def __init__(self, index: int, run_dir: str, pipeline: RemotePipeline, server: Any,
+                 gc_watch: GcWatch | None = None) -> None:
         from quiver_serve.http.frontdoor import FrontDoorAddresses
 
+        self.gc_watch = gc_watch
         addrs = FrontDoorAddresses(run_dir)
         self.pipeline, self.server, self.index = pipeline, server, index
         self.ctx = zmq.Context()
@@ -109,6 +112,8 @@ class Watch:
                     if state.draining:
                         self.server.drain("the main process is draining")
                 self._report()
+                if self.gc_watch is not None:
+                    self.gc_watch.flush()
         except Exception:  # noqa: BLE001 - without this thread the front-end is blind: restart it
             log.exception("front-end %d: watch thread failed; exiting", self.index)
             os._exit(1)
@@ -119,7 +124,8 @@ class Watch:
             return
         if not self._reported_ready:
             self._reported_ready = True
-            self.reporter.send("ready", pid=os.getpid())
+            self.reporter.send("ready", pid=os.getpid(), gc_frozen_objects=getattr(
+                self.gc_watch, "frozen_objects", None))
         try:
             loop.call_soon_threadsafe(self._beat)
         except RuntimeError:  # the loop closed: shutting down
@@ -146,6 +152,7 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     server = DrainingServer(uvicorn.Config(
         app, log_level=log_level, access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
         **uvicorn_speedups()), pipeline, s.drain_timeout_s)
-    watch = Watch(index, run_dir, pipeline, server)
+    watch = Watch(index, run_dir, pipeline, server,
+                  start_gc_watch(f"frontend {index}", cfg.server.gc_freeze))
     watch.thread.start()
     server.run(sockets=[sock])
