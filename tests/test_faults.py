@@ -133,3 +133,36 @@ def test_kill_9_engine_under_asyncio_load(cora: GraphData) -> None:
         assert p.pending_count == 0
     finally:
         p.stop()
+
+
+def test_supervisor_outlives_a_failed_restart(cora: GraphData, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart that fails outright (the OS refuses the spawn: no memory, no descriptors) must
+    not kill the supervisor's thread: it logs, backs off and restarts the worker on a later turn."""
+    from quiver_serve.engine import supervisor as sup_mod
+
+    monkeypatch.setattr(sup_mod, "RESTART_BACKOFF_S", 0.2)
+    p = Pipeline(small_config(model__weights=None), graph=cora).start()
+    try:
+        assert p.supervisor is not None
+        handle = p.supervisor.samplers[0]
+        real_start = sup_mod.Child.start
+        refused: list[int] = []
+
+        def start_once_refused(self: sup_mod.Child) -> None:
+            if not refused:
+                refused.append(1)
+                raise OSError(24, "Too many open files")
+            real_start(self)
+
+        monkeypatch.setattr(sup_mod.Child, "start", start_once_refused)
+        victim = handle.pid
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while (handle.pid == victim or not handle.ready) and time.monotonic() - killed_at < 15:
+            time.sleep(0.05)
+        assert refused, "the refused spawn was never tried"
+        assert handle.pid != victim and handle.alive() and handle.ready, "worker not restarted"
+        assert p.supervisor._thread is not None and p.supervisor._thread.is_alive()
+        assert p.embed([1, 2, 3]).shape[0] == 3
+    finally:
+        p.stop()

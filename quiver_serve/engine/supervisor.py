@@ -159,13 +159,22 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._stop.is_set():
             try:
-                self._read_control(timeout_ms=int(CHECK_S * 1000))
-            except RuntimeError as exc:  # a restarted child failed its start-up: retried below
-                log.error("%s", exc)
-            if self._stop.is_set():
-                return
-            for child in self.children:
-                self._check(child)
+                self._watch_once()
+            except Exception:  # noqa: BLE001 - restarts must outlive any one failure (a spawn
+                # refused for lack of memory or file descriptors, say): log, back off, go on
+                log.exception("supervisor: a watch step failed; retrying in %.0f s",
+                              RESTART_BACKOFF_S)
+                self._stop.wait(RESTART_BACKOFF_S)
+
+    def _watch_once(self) -> None:
+        try:
+            self._read_control(timeout_ms=int(CHECK_S * 1000))
+        except RuntimeError as exc:  # a restarted child failed its start-up: retried below
+            log.error("%s", exc)
+        if self._stop.is_set():
+            return
+        for child in self.children:
+            self._check(child)
 
     def _check(self, child: Child) -> None:
         now = time.monotonic()
