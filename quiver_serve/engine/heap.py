@@ -4,8 +4,9 @@ CPython's oldest-generation collection walks every tracked container object of t
 ``import torch, torch_geometric`` and a model build that is ~330 k objects, and one full collection
 takes ~60-160 ms (157 ms measured on the 2-core dev box). Such a collection runs on its own
 whenever enough new objects have survived, so under load an engine core, a CPU sampler or a
-front-end stops for ~100 ms every so often: every request in flight then misses a 10 ms p99 bound
-(the H200 runs showed p99.9 of 100-190 ms at 128-384 callers while p99 was 6-9 ms).
+front-end can stop for ~100 ms, and every request in flight then misses a 10 ms bound. (Whether
+such collections are behind the 100-190 ms p99.9 outliers the H200 runs showed at 64-384 callers
+is not established; the pause histogram below is there to tell.)
 
 :func:`freeze_startup_heap` moves everything alive after start-up into the permanent generation
 (``gc.freeze()``, as vLLM's engine core does after its start-up): later collections walk only
