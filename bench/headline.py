@@ -25,6 +25,7 @@ The same load processes (loadtest/, spawned once) drive every server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,20 @@ class Run:
     def left_s(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.t0)
 
+    @contextlib.contextmanager
+    def serving(self, srv: Server, name: str, what: str) -> Iterator[None]:
+        """Start ``srv`` (start-up time kept as ``starts[name]``) for the body, then stop it; a
+        failed start or run is recorded as ``what`` skipped, and the run goes on."""
+        try:
+            self.starts[name] = srv.wait_ready(self.args.start_timeout_s)
+            print(f"\n{name} ready in {self.starts[name]:.1f} s", flush=True)
+            yield
+        except (RuntimeError, TimeoutError) as exc:
+            self.skipped.append(f"{what}: {str(exc).splitlines()[0]}")
+            print(f"FAILED {what}:\n{exc}", flush=True)
+        finally:
+            srv.stop()
+
     def afford(self, what: str, cost_s: float) -> bool:
         if self.left_s() >= cost_s:
             return True
@@ -188,10 +204,7 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
     url = f"http://127.0.0.1:{port}"
     srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level", "warning"],
                  url, folder / f"server_{route}.log", f"quiver-serve ({route})")
-    try:
-        run.starts[f"quiver-serve {route}"] = srv.wait_ready(run.args.start_timeout_s)
-        print(f"\nquiver-serve route={route} ready in {run.starts[f'quiver-serve {route}']:.1f} s",
-              flush=True)
+    with run.serving(srv, f"quiver-serve {route}", f"route {route}"):
         for protocol in run.args.paths:
             if protocol == "queue":
                 continue
@@ -201,11 +214,6 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
             for protocol in ("http-json", "http-npy"):
                 run.single_id(f"{route}/{protocol}", target_of(protocol, url, grpc_port,
                                                                cfg.model.name, run.args))
-    except (RuntimeError, TimeoutError) as exc:
-        run.skipped.append(f"route {route}: {str(exc).splitlines()[0]}")
-        print(f"FAILED route {route}:\n{exc}", flush=True)
-    finally:
-        srv.stop()
 
 
 SINGLE_PATHS = ("http-json", "http-npy", "kserve-binary")
@@ -224,18 +232,10 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
         tag = f"{route}{'' if fast else ' (fast_routes off)'}"
         srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level",
                       "warning"], url, folder / f"server_{route}_{fast}.log", f"quiver-serve {tag}")
-        try:
-            run.starts[f"quiver-serve {tag}"] = srv.wait_ready(run.args.start_timeout_s)
-            print(f"\nquiver-serve {tag} ready in {run.starts[f'quiver-serve {tag}']:.1f} s",
-                  flush=True)
+        with run.serving(srv, f"quiver-serve {tag}", f"single-id {tag}"):
             for protocol in SINGLE_PATHS:
                 run.single_id(f"{tag}/{protocol}", target_of(protocol, url, None, cfg.model.name,
                                                              run.args))
-        except (RuntimeError, TimeoutError) as exc:
-            run.skipped.append(f"single-id {tag}: {str(exc).splitlines()[0]}")
-            print(f"FAILED {tag}:\n{exc}", flush=True)
-        finally:
-            srv.stop()
 
 
 def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
@@ -265,21 +265,15 @@ def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     srv = Server(["bench/baseline_server.py", "--config", str(conf), "--port", str(port)], url,
                  folder / "baseline.log", "baseline")
-    try:
-        run.starts["baseline"] = srv.wait_ready(run.args.start_timeout_s)
+    with run.serving(srv, "baseline", "baseline"):
         with urllib.request.urlopen(url + "/v1/baseline", timeout=5) as r:  # noqa: S310
             run.baseline_info = json.loads(r.read())
-        print(f"\nbaseline ready in {run.starts['baseline']:.1f} s: {run.baseline_info}", flush=True)
+        print(f"baseline: {run.baseline_info}", flush=True)
         for protocol in ("http-json", "http-npy"):
             run.sweep(f"baseline/{protocol}", target_of(protocol, url, None, cfg.model.name,
                                                         run.args), None)
         run.single_id("baseline/http-json", target_of("http-json", url, None, cfg.model.name,
                                                       run.args))
-    except (RuntimeError, TimeoutError) as exc:
-        run.skipped.append(f"baseline: {str(exc).splitlines()[0]}")
-        print(f"FAILED baseline:\n{exc}", flush=True)
-    finally:
-        srv.stop()
 
 
 def table(run: Run) -> tuple[list[dict], str]:

@@ -64,7 +64,8 @@ class ServerProcess:
             cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
+    def wait_ready(self, timeout_s: float = 180.0, headers: dict[str, str] | None = None) -> None:
+        """Until /v2/health/ready answers 200 (``headers``: e.g. the bearer token it needs)."""
         import httpx
 
         end = time.monotonic() + timeout_s
@@ -72,7 +73,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
             try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/v2/health/ready", headers=headers,
+                             timeout=1.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

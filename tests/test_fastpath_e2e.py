@@ -78,26 +78,11 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Ser
                 server__fast_routes=fast, server__max_request_nodes=32,
                 server__max_body_bytes=2048)
         for srv in servers.values():
-            _wait_ready(srv)
+            srv.wait_ready(240.0, headers=AUTH)
         yield servers
     finally:
         for srv in servers.values():
             srv.stop()
-
-
-def _wait_ready(srv: ServerProcess, timeout_s: float = 240.0) -> None:
-    import time
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        assert srv.proc.poll() is None, srv.log()
-        try:
-            if httpx.get(srv.url + "/v2/health/ready", headers=AUTH).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(srv.log())
 
 
 def _durations(srv: ServerProcess) -> dict[tuple[str, str], float]:

@@ -35,25 +35,12 @@ def start(tmp: Path, env: dict[str, str] | None = None, **overrides: object) -> 
     return srv
 
 
-def wait_ready(srv: ServerProcess, headers: dict[str, str], timeout_s: float = 180) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        assert srv.proc.poll() is None, srv.log()
-        try:
-            if httpx.get(srv.url + "/v2/health/ready", headers=headers).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(srv.log())
-
-
 @pytest.fixture(scope="module")
 def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start(tmp_path_factory.mktemp("door"), env={"QUIVER_SERVE_TOKEN": TOKEN},
                 server__grpc_port=free_port(), server__max_body_bytes=4096)
     try:
-        wait_ready(srv, AUTH)
+        srv.wait_ready(headers=AUTH)
         yield srv
     finally:
         srv.stop()
@@ -214,7 +201,7 @@ def test_sigterm_drains_every_frontend(tmp_path: Path) -> None:
     srv = start(tmp_path, batching__adaptive=False, batching__max_delay_ms=1500.0,
                 server__drain_timeout_s=10.0)
     try:
-        wait_ready(srv, {})
+        srv.wait_ready()
         pids = srv.group_pids()
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(on_fresh_connection, srv, "/v1/embed", {"node_ids": [i]})

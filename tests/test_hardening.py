@@ -21,7 +21,6 @@ TOKEN = "s3cret-token"
 
 def start(tmp: Path, env: dict[str, str] | None = None, **overrides: object) -> ServerProcess:
     srv, _ = start_server(tmp, env, **overrides)
-    srv.wait_ready_headers = {"Authorization": f"Bearer {TOKEN}"} if env else {}
     return srv
 
 
@@ -31,24 +30,10 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
                 server__max_body_bytes=2048, server__max_pending_requests=4,
                 server__overload_status=429)
     try:
-        _wait_ready_with_token(srv)
+        srv.wait_ready(headers=AUTH)
         yield srv
     finally:
         srv.stop()
-
-
-def _wait_ready_with_token(srv: ServerProcess, timeout_s: float = 180) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        assert srv.proc.poll() is None, srv.log()
-        try:
-            r = httpx.get(srv.url + "/v2/health/ready", headers={"Authorization": f"Bearer {TOKEN}"})
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(srv.log())
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
