@@ -55,6 +55,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench.cli import add_set_option, load_config  # noqa: E402
+from bench.tail_trace import (  # noqa: E402
+    TripLog,
+    daemon_gc_diff,
+    daemon_gc_snapshot,
+    loop_lag,
+    merge_reports,
+    print_tail,
+    process_report,
+)
 from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, shared with loadtest/
     HOT_SET_SIZE,
     IDS_PER_REQUEST,
@@ -181,8 +190,17 @@ class BatchCounter(PipelineObserver):
         self.batches = self.seeds = self.sampled = 0
         self.compute_s = self.sample_s = 0.0
         self.routes: Counter = Counter()
+        self.log = TripLog()  # the tail trace (bench/tail_trace.py)
+
+    def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
+                     received_s: float) -> None:
+        self.log.add_trip(sent_s, engine_received_s, engine_replied_s, received_s)
+
+    def on_round_trip(self, sent_s: float, received_s: float) -> None:
+        self.log.add_round_trip(sent_s, received_s)
 
     def on_batch(self, stats: Any) -> None:
+        self.log.add_batch(stats)
         self.batches += 1
         self.seeds += stats.num_seeds
         self.sampled += stats.num_sampled_nodes
@@ -227,6 +245,8 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
     lat: list[float] = []
     status: Counter = Counter()
     snaps: list[tuple[np.ndarray, Counter]] = []
+    lags_ms: list[float] = []
+    pauses: list[tuple[int, float]] = []
 
     async def call(ids: np.ndarray) -> int:
         res = await client.submit_async(ids)
@@ -235,13 +255,18 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
     async def window() -> None:
         await asyncio.sleep(max(0.0, win0 - time.time()))
         snaps.append(obs.snapshot())
+        obs.log.start()
+        await loop_lag(win1, lags_ms)
         await asyncio.sleep(max(0.0, win1 - time.time()))
+        pauses.extend(obs.log.stop())
         snaps.append(obs.snapshot())
 
     await asyncio.sleep(max(0.0, cmd["t_start"] - time.time()))
     await asyncio.gather(window(), closed_loop(call, reqs, cmd["callers"], win0, win1, lat, status))
     d = snaps[1][0] - snaps[0][0]
-    return {"lat": np.asarray(lat), "status": dict(status), "cpu_frac": float(d[0]) / cmd["seconds"],
+    lat_s = np.asarray(lat)
+    return {"lat": lat_s, "status": dict(status), "cpu_frac": float(d[0]) / cmd["seconds"],
+            "tail": process_report(obs.log, lat_s, lags_ms, pauses, cmd["tail_ms"]),
             "batches": int(d[1]), "seeds": int(d[2]), "sampled": int(d[3]),
             "compute_s": float(d[4]), "sample_s": float(d[5]), "routes": snaps[1][1] - snaps[0][1],
             "sent_per_engine": list(client.sent), "answered_per_engine": list(client.answered),
@@ -290,14 +315,23 @@ class LoadPool:
             self.out.get(timeout=300)
 
     def run(self, workload: str, k: int, callers: int, warm_s: float, seconds: float,
-            timeout_s: float) -> list[dict]:
+            timeout_s: float, tail_ms: float = 20.0) -> list[dict]:
+        """One point; each part carries its tail trace, and ``daemon_gc``: the daemon processes'
+        collections during the point (bench/tail_trace.py)."""
         n = max(1, min(len(self.procs), callers))
         share = [callers // n + (1 if i < callers % n else 0) for i in range(n)]
+        gc_before = daemon_gc_snapshot()
         t_start = time.time() + 0.3  # every process starts its callers at this instant
         for i, c in enumerate(share):
             self.cmds[i].put({"workload": workload, "k": k, "callers": c, "seed": 1000 * callers + i,
-                              "t_start": t_start, "warm_s": warm_s, "seconds": seconds})
-        return [self.out.get(timeout=warm_s + seconds + timeout_s + 60) for _ in range(n)]
+                              "t_start": t_start, "warm_s": warm_s, "seconds": seconds,
+                              "tail_ms": tail_ms})
+        parts = [self.out.get(timeout=warm_s + seconds + timeout_s + 60) for _ in range(n)]
+        time.sleep(0.1)  # the engine cores flush their pauses every 50 ms
+        gc_diff = daemon_gc_diff(gc_before, daemon_gc_snapshot(), tail_ms)
+        for part in parts:
+            part["daemon_gc"] = gc_diff
+        return parts
 
     def close(self) -> None:
         for q in self.cmds:
@@ -319,6 +353,8 @@ def merge_point(parts: list[dict], workload: str, k: int, callers: int, seconds:
         routes.update(p["routes"])
     ok = status.pop(200, 0)
     batches = sum(p["batches"] for p in parts)
+    tail = merge_reports([p["tail"] for p in parts], lat, parts[0]["tail"]["tail_ms"],
+                         parts[0].get("daemon_gc")) if parts else None
     per_batch = max(batches, 1)
     return {"workload": workload, "ids_per_request": k, "callers": callers,
             "load_procs": len(parts), "ok": ok, "errors": {str(s): n for s, n in status.items()},
@@ -334,7 +370,8 @@ def merge_point(parts: list[dict], workload: str, k: int, callers: int, seconds:
             "mean_sample_ms": 1e3 * sum(p["sample_s"] for p in parts) / per_batch,
             "mean_compute_ms": 1e3 * sum(p["compute_s"] for p in parts) / per_batch,
             # sanity check: model time per second per engine core (about 1.0 at most)
-            "engine_busy": sum(p["compute_s"] for p in parts) / seconds / engines}
+            "engine_busy": sum(p["compute_s"] for p in parts) / seconds / engines,
+            "tail": tail}
 
 
 # ---- 3. the daemon through the queue API ------------------------------------------------------
@@ -359,9 +396,11 @@ def daemon_sweep(pool: LoadPool, args: argparse.Namespace, timeout_s: float, eng
     for w in args.workloads:
         k = IDS_PER_REQUEST[w]
         for callers in caller_list(args, w):
-            parts = pool.run(w, k, callers, args.warmup, args.seconds, timeout_s)
+            parts = pool.run(w, k, callers, args.warmup, args.seconds, timeout_s, args.tail_ms)
             rows.append(merge_point(parts, w, k, callers, args.seconds, engines))
             print_daemon_row(rows[-1])
+            if rows[-1]["tail"]:
+                print_tail(rows[-1]["tail"])
     return rows
 
 
@@ -579,6 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-packed", action="store_true",
                     help="feed the engine one micro-batch per batch instead of one per request")
     ap.add_argument("--p99-ms", type=float, default=10.0, help="latency bound of the headline figure")
+    ap.add_argument("--tail-ms", type=float, default=20.0,
+                    help="requests slower than this are traced to a stage (bench/tail_trace.py)")
     ap.add_argument("--cpu-efficiency", action="store_true",
                     help="the CPU-box target (64x48 vs 2x4096 ids, single-id p50) instead of the sweep")
     ap.add_argument("--out", help="JSON file (default bench/results/pipeline_<device>_<graph>.json)")

@@ -51,3 +51,47 @@ def test_routing_mixes_draw_the_low_and_high_degree_halves_of_the_hot_set() -> N
     assert set(light.ravel().tolist()) <= low and set(heavy.ravel().tolist()) <= high
     # a caller walks consecutive rows: light and heavy alternate
     assert all(set(row.tolist()) <= (low if i % 2 == 0 else high) for i, row in enumerate(mixed))
+
+
+def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
+    """``bench/tail_trace.py``: only trips inside the window count; a slow trip goes to the part
+    that took longest; slow requests beyond the slow round trips are the client's own."""
+    from bench.tail_trace import TripLog, merge_reports, process_report
+    from quiver_serve.messages import BatchStats
+
+    log = TripLog()
+    log.add_trip(0.0, 0.001, 0.2, 0.201)  # before the window: ignored
+    log.start()
+    log.add_trip(10.0, 10.001, 10.002, 10.003)  # 3 ms: fast
+    log.add_trip(20.0, 20.001, 20.100, 20.101)  # 101 ms, engine
+    log.add_trip(30.0, 30.050, 30.051, 30.052)  # 52 ms, to_engine
+    for sent_s, received_s in ((10.0, 10.003), (20.0, 20.101), (30.0, 30.052), (40.0, 40.002)):
+        log.add_round_trip(sent_s, received_s)
+    log.add_batch(BatchStats(1, "gpu", 0, 2, 96, compute_s=0.004, sample_s=0.001, queue_s=0.002))
+    log.stop()
+    lat_s = np.array([0.003, 0.101, 0.052, 0.090, 0.002])  # one slow request had a fast trip
+    part = process_report(log, lat_s, [1.0, 30.0], [(2, 0.025), (0, 0.0001)], tail_ms=20.0)
+    assert (part["trips"], part["slow_trips"]) == (3, 2)
+    assert part["slow_trips_by_part"] == {"engine": 1, "to_engine": 1}
+    assert (part["round_trips"], part["slow_round_trips"]) == (4, 2)
+    assert part["worst_trips"][0]["engine"] == pytest.approx(99.0, abs=0.01)
+    assert (part["loop_lag_over_tail"], part["gc_full"]) == (1, 1)
+    assert part["batch_max_ms"]["compute_s"] == pytest.approx(4.0)
+    point = merge_reports([part, part], np.concatenate([lat_s, lat_s]), 20.0, None)
+    assert (point["slow_requests"], point["slow_trips"]) == (6, 4)
+    assert point["slow_trips_by_part"] == {"engine": 2, "to_engine": 2}
+
+
+def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:
+    from bench.tail_trace import daemon_gc_diff
+    from quiver_serve.metrics import _GC_PAUSE_BUCKETS_S
+
+    n = len(_GC_PAUSE_BUCKETS_S) + 1  # cumulative buckets, +Inf last
+    before = {("engine 0", "2"): np.zeros(n)}
+    after_cum = np.zeros(n)
+    # 3 pauses under 1 ms, 2 over 50 ms
+    after_cum[[i for i, le in enumerate(_GC_PAUSE_BUCKETS_S) if le >= 0.001]] = 3
+    after_cum[[i for i, le in enumerate(_GC_PAUSE_BUCKETS_S) if le >= 0.1]] = 5
+    after_cum[-1] = 5
+    diff = daemon_gc_diff(before, {("engine 0", "2"): after_cum}, tail_ms=20.0)
+    assert diff == {"engine 0 gen2": {"pauses": 5, "over_tail": 2}}

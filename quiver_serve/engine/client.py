@@ -385,6 +385,7 @@ class EngineClient:
         if flight is None:
             self.observer.on_late_result()  # answered already (a retried copy came back first)
             return
+        self.observer.on_round_trip(flight.sent_wall_s, time.time())
         self._load[flight.engine] -= flight.num_ids
         self.answered[flight.engine] += 1
         self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),

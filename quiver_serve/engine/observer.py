@@ -22,3 +22,7 @@ class PipelineObserver:
                      received_s: float) -> None:
         """One micro-batch's trip, ``time.time()`` instants: the client sent it, the engine core
         took it in, the engine core built its reply, the client read the reply."""
+
+    def on_round_trip(self, sent_s: float, received_s: float) -> None:
+        """Every micro-batch's round trip as the client saw it (``time.time()`` instants), with
+        or without batch stats (only a batch's first micro-batch carries them)."""
