@@ -10,7 +10,7 @@ import torch
 
 from quiver_serve.engine.core import EngineCore, MicroBatch, Reply
 from quiver_serve.engine.core_proc import build_core
-from quiver_serve.engine.cost import LatencyModel
+from quiver_serve.engine.cost import CostModel, LatencyModel
 from quiver_serve.engine.fill import ExpectedFill
 from quiver_serve.engine.router import EngineRouter, EngineRouteState
 from quiver_serve.graph.csc import GraphData
@@ -233,6 +233,31 @@ def test_latency_model_fits_a_line_and_sizes_batches() -> None:
     for _ in range(3):
         flat.observe(64, 2e-3)  # one size seen: the fixed term takes it all
     assert flat.predict_s(64) == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_batches_of_one_size_cannot_tilt_a_calibrated_line() -> None:
+    """The H200 case (2026-11-23, workload c): one-seed GPU batches (1.3 ms each, staging for
+    CUDA graphs included) filled the GPU path's window; the refit line predicted 306 ms for a
+    384-seed batch that takes 0.3 ms, and route auto sent every later batch to the C++ sampler
+    in the engine (5 ms) without ever trying the GPU again. With the calibrated line as an anchor
+    the GPU keeps its slope and wins the large batch."""
+    rng = np.random.default_rng(0)
+    cost = CostModel({"gpu": (1.665e-4, 0.856e-9), "local": (0.0, 67.979e-9)},
+                     x_range=(276.0, 221_354.0))
+    for x in rng.uniform(12_000, 147_000, 300):  # workload a: large batches on the GPU
+        cost.observe_sample("gpu", int(x), 2.5e-4 + 1e-9 * x)
+    for x in rng.integers(40, 600, 132):  # then single seeds, staged for a CUDA graph
+        cost.observe_sample("gpu", int(x), 1.29e-3 + 2e-6 * (x - 276) + rng.normal(0, 1e-4))
+    for x in rng.integers(3_000, 5_000, 200):  # and 16-seed batches on the engine's C++ sampler
+        cost.observe_sample("local", int(x), 2.9e-4 + rng.normal(0, 2e-5))
+    assert cost.sample_s("gpu", 65_638) < 3e-3  # 306 ms before the anchor
+    assert cost.sample_s("local", 65_638) > 2e-3  # not flat: 0.29 ms for any size before
+    assert cost.sample_s("gpu", 276) > 5e-4  # the measured one-seed cost is still learnt
+    state = EngineRouteState(384, 0, [], on_gpu=True, psgs=65_638.0)
+    router = EngineRouter("auto", cost)
+    assert router.decide(state).route == "gpu"
+    one = EngineRouteState(1, 0, [], on_gpu=True, psgs=276.0)
+    assert router.decide(one).route == "local"  # and a single seed stays on the CPU
 
 
 def route(forced: str = "auto", **state: object) -> str:

@@ -27,35 +27,47 @@ import numpy as np
 
 
 class LatencyModel:
-    """Least-squares line ``latency_s = fixed_s + per_seed_s * seeds`` over a sliding window
-    (running sums: O(1) per batch on the serving path)."""
+    """Least-squares line ``latency_s = fixed_s + per_seed_s * seeds`` over a sliding window of
+    measured batches (running sums: O(1) per batch on the serving path), anchored by a prior.
+
+    A calibrated line (:meth:`set_line`) is kept as ``weight`` fixed points spread over the
+    calibrated range, beside the window and never evicted. Measured batches move the line where
+    they are (128 of them outweigh the 32 prior points), but batches of one size cannot turn it:
+    without the anchor, a window holding only one-seed GPU batches (1.3 ms each, their staging
+    for CUDA graphs included) fitted 4.7 us per sampled node, predicted 306 ms for a 384-seed
+    batch that takes 0.3 ms, and the router never sent the GPU another batch to learn otherwise
+    (H200, workload c, 2026-11-23)."""
 
     def __init__(self, window: int = 128, prior_fixed_s: float = 1e-3,
                  prior_per_seed_s: float = 1e-6) -> None:
         self._points: deque[tuple[float, float]] = deque()
         self._window = window
-        self._sums = [0.0, 0.0, 0.0, 0.0]  # x, y, xx, xy
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # x, y, xx, xy of the window
+        self._prior = [0.0, 0.0, 0.0, 0.0]  # x, y, xx, xy of the anchor points
+        self._prior_n = 0
         self.fixed_s = prior_fixed_s
         self.per_seed_s = prior_per_seed_s
 
     def observe(self, seeds: int, seconds: float) -> None:
         x, y = float(seeds), float(seconds)
         self._points.append((x, y))
-        self._add(x, y, 1.0)
+        self._add(self._sums, x, y, 1.0)
         if len(self._points) > self._window:
-            self._add(*self._points.popleft(), -1.0)
+            self._add(self._sums, *self._points.popleft(), -1.0)
         self._fit()
 
-    def _add(self, x: float, y: float, sign: float) -> None:
-        s = self._sums
-        s[0] += sign * x
-        s[1] += sign * y
-        s[2] += sign * x * x
-        s[3] += sign * x * y
+    @staticmethod
+    def _add(sums: list[float], x: float, y: float, sign: float) -> None:
+        sums[0] += sign * x
+        sums[1] += sign * y
+        sums[2] += sign * x * x
+        sums[3] += sign * x * y
 
     def _fit(self) -> None:
-        n = len(self._points)
-        sx, sy, sxx, sxy = self._sums
+        n = len(self._points) + self._prior_n
+        if n <= 0:
+            return
+        sx, sy, sxx, sxy = (a + b for a, b in zip(self._sums, self._prior, strict=True))
         mean_x, mean_y = sx / n, sy / n
         var_x = sxx / n - mean_x * mean_x
         if n < 2 or var_x <= 1e-9 * max(mean_x * mean_x, 1.0):
@@ -84,16 +96,21 @@ class LatencyModel:
 
     def set_line(self, fixed_s: float, per_x_s: float,
                  x_range: tuple[float, float] | None = None, weight: int = 32) -> None:
-        """Start from a calibrated line: the window is refilled with ``weight`` points on it over
-        ``x_range`` (log-spaced), so measured batches move the line gradually, and one outlier
-        (a busy host) cannot replace it."""
+        """Start from a calibrated line: the window is emptied and the line becomes the anchor,
+        ``weight`` points on it over ``x_range`` (log-spaced), so measured batches move the line
+        gradually, one outlier (a busy host) cannot replace it, and batches of one size cannot
+        tilt it far from the calibrated slope."""
         self._points.clear()
         self._sums = [0.0, 0.0, 0.0, 0.0]
+        self._prior = [0.0, 0.0, 0.0, 0.0]
+        self._prior_n = 0
         self.fixed_s, self.per_seed_s = max(fixed_s, 0.0), max(per_x_s, 0.0)
         if x_range is not None and weight > 0:
             lo, hi = max(x_range[0], 1.0), max(x_range[1], x_range[0] + 1.0, 2.0)
             for x in np.geomspace(lo, hi, weight):
-                self.observe(float(x), self.fixed_s + self.per_seed_s * float(x))
+                x = float(x)
+                self._add(self._prior, x, self.fixed_s + self.per_seed_s * x, 1.0)
+            self._prior_n = weight
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
