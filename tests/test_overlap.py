@@ -106,11 +106,12 @@ def test_engine_splits_work_off_to_real_samplers_and_answers_every_request(cora)
         core.set_cost_model(CostModel({"gpu": (1e-3, 1e-6), "cpu": (2e-4, 1e-7),
                                        "local": (2e-5, 1e-7)}, compute=(1e-4, 1e-9)))
         core.learn_costs = False  # keep the hand-written lines (Cora's real GPU path is fast)
-        # Pin the timing: a Cora batch computes on an H200 in less time than the engine's next
-        # step takes to start, so whether the planner ever saw a GPU batch in flight was up to
-        # chance (it did on one gate run and not on the next two). Here the GPU counts as busy
-        # while a batch is in flight, and the first batch stays in flight (not polled) until the
-        # planner has sent the pool its share; a blocking finish (nothing waiting) still waits.
+        # Pin the timing. A Cora batch computes on an H200 in less time than the engine's next
+        # step takes to start, and with a free sampler the router sends whole batches to the
+        # pool, so whether the planner ever saw a GPU batch in flight was up to chance (it did on
+        # one gate run and not on the next two). Here the first batch is sampled on the GPU
+        # (route gpu for one step) and stays in flight, not polled, until the planner has sent the
+        # pool its share; a blocking finish (nothing waiting) still waits.
         core._may_form = lambda: not core.in_flight
         real_finish = core._finish
         core._finish = lambda block: real_finish(block) \
@@ -121,6 +122,10 @@ def test_engine_splits_work_off_to_real_samplers_and_answers_every_request(cora)
             ids = rng.integers(0, cora.num_nodes, 48)
             core.add(MicroBatch(b"c", seq, False, NO_SEED, ids, np.array([48]),
                                 np.array([time.time() + 30.0])))
+        core.router.forced = "gpu"
+        answered += len(core.step())
+        assert len(core.in_flight) == 1 and core.waiting
+        core.router.forced = "auto"
         end = time.monotonic() + 60
         while answered < n and time.monotonic() < end:
             replies = core.step() + pool.drain(core, dict(poller.poll(1)))
