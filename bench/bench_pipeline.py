@@ -72,7 +72,7 @@ from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, sh
     hot_set,
 )
 from quiver_serve.config import ServeConfig  # noqa: E402
-from quiver_serve.engine.heap import freeze_startup_heap  # noqa: E402
+from quiver_serve.engine.heap import collections_paused, freeze_startup_heap  # noqa: E402
 from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
 
 __all__ = ["HOT_SET_SIZE", "IDS_PER_REQUEST", "REQUEST_POOL", "draw_requests", "hot_set"]
@@ -261,8 +261,11 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
         pauses.extend(obs.log.stop())
         snaps.append(obs.snapshot())
 
+    gc.collect()  # what the last point left behind, before this one starts
     await asyncio.sleep(max(0.0, cmd["t_start"] - time.time()))
-    await asyncio.gather(window(), closed_loop(call, reqs, cmd["callers"], win0, win1, lat, status))
+    with collections_paused():  # this process's own collections are not the daemon's latency
+        await asyncio.gather(window(), closed_loop(call, reqs, cmd["callers"], win0, win1, lat,
+                                                   status))
     d = snaps[1][0] - snaps[0][0]
     lat_s = np.asarray(lat)
     return {"lat": lat_s, "status": dict(status), "cpu_frac": float(d[0]) / cmd["seconds"],

@@ -46,11 +46,14 @@ class TripLog:
         self.n_round = 0
         self.on = False
         self.batch_max_s: Counter = Counter()  # largest queue / sample / compute of a batch seen
+        #: per route, the batch that sampled longest: (sample s, predicted s, seeds, psgs)
+        self.slowest_by_route: dict[str, tuple[float, float, int, float]] = {}
         self.gc = GcPauses()
 
     def start(self) -> None:
         self.n = self.n_round = 0
         self.batch_max_s = Counter()
+        self.slowest_by_route = {}
         self.gc.install()
         self.gc.flush(lambda g, s: None)  # drop what came before the window
         self.on = True
@@ -76,6 +79,11 @@ class TripLog:
 
     def add_batch(self, stats: Any) -> None:
         if self.on:
+            worst = self.slowest_by_route.get(stats.route)
+            if worst is None or stats.sample_s > worst[0]:
+                self.slowest_by_route[stats.route] = (float(stats.sample_s),
+                                                      float(stats.predicted_s),
+                                                      int(stats.num_seeds), float(stats.psgs))
             for part in ("queue_s", "sample_s", "compute_s"):
                 v = float(getattr(stats, part))
                 if v > self.batch_max_s[part]:
@@ -116,6 +124,9 @@ def process_report(log: TripLog, lat_s: np.ndarray, lags_ms: list[float],
         "gc_pauses": len(pauses), "gc_max_ms": 1e3 * max((s for _, s in pauses), default=0.0),
         "gc_full": sum(1 for g, _ in pauses if g == 2),
         "batch_max_ms": {k: 1e3 * v for k, v in log.batch_max_s.items()},
+        "slowest_sample_by_route": {
+            r: {"sample_ms": 1e3 * v[0], "predicted_ms": 1e3 * v[1], "seeds": v[2], "psgs": v[3]}
+            for r, v in log.slowest_by_route.items()},
     }
 
 
@@ -151,8 +162,19 @@ def merge_reports(parts: list[dict], lat_s: np.ndarray, tail_ms: float,
         "batch_max_ms": {k: max(p["batch_max_ms"].get(k, 0.0) for p in parts)
                          for k in ("queue_s", "sample_s", "compute_s")},
         "daemon_gc": daemon_gc or {},
+        "slowest_sample_by_route": _slowest(parts),
         "worst_trips": worst,
     }
+
+
+def _slowest(parts: list[dict]) -> dict:
+    """Per route, the batch that sampled longest in any load process's view."""
+    out: dict = {}
+    for p in parts:
+        for route, b in p["slowest_sample_by_route"].items():
+            if route not in out or b["sample_ms"] > out[route]["sample_ms"]:
+                out[route] = b
+    return out
 
 
 def daemon_gc_snapshot() -> dict[tuple[str, str], np.ndarray]:
@@ -209,6 +231,11 @@ def print_tail(t: dict) -> None:
           f"{t['load_gc_pauses']} ({t['load_gc_full']} full, max {t['load_gc_max_ms']:.1f} ms); "
           f"daemon GC over tail {gc_slow or 0}; batch max ms "
           f"{ {k: round(v, 1) for k, v in t['batch_max_ms'].items()} }", flush=True)
+    for route, b in t["slowest_sample_by_route"].items():
+        if b["sample_ms"] > t["tail_ms"] / 2:
+            print(f"     slowest {route} sample {b['sample_ms']:.1f} ms (predicted batch "
+                  f"{b['predicted_ms']:.1f} ms; {b['seeds']} seeds, PSGS {b['psgs']:,.0f})",
+                  flush=True)
     for w in t["worst_trips"][:3]:
         print(f"     worst trip {w['total_ms']:.1f} ms: to_engine {w['to_engine']:.1f} engine "
               f"{w['engine']:.1f} back {w['back']:.1f}", flush=True)

@@ -13,6 +13,7 @@ closed loop, those answered in it. Every process reports its own CPU use over th
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import multiprocessing as mp
 import time
@@ -134,6 +135,7 @@ async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> d
     "prepared", wait for the parent's start time, drive, report."""
     from loadtest.protocols import make_caller
     from loadtest.workloads import process_requests
+    from quiver_serve.engine.heap import collections_paused
 
     reqs = process_requests(cmd["spec"], index, procs)
     sizes = np.array([r.size for r in reqs], np.int64)
@@ -153,15 +155,17 @@ async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> d
             await asyncio.sleep(max(0.0, win1 - time.time()))
             cpu.append(time.process_time())
 
+        gc.collect()  # what the last point left behind, before this one starts
         await asyncio.sleep(max(0.0, t_start - time.time()))
         watch = asyncio.ensure_future(cpu_window())
-        if cmd["mode"] == "open":
-            times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
-            res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
-                                  cmd["max_inflight"], cmd["target"]["timeout_s"])
-        else:
-            res = await closed_loop(caller.call, sizes, cmd["callers"], win0, win1)
-        await watch
+        with collections_paused():  # this process's own collections are not the server's latency
+            if cmd["mode"] == "open":
+                times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
+                res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
+                                      cmd["max_inflight"], cmd["target"]["timeout_s"])
+            else:
+                res = await closed_loop(caller.call, sizes, cmd["callers"], win0, win1)
+            await watch
     return {"index": index, **res, "cpu_frac": (cpu[1] - cpu[0]) / cmd["seconds"]}
 
 

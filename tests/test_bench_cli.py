@@ -68,6 +68,8 @@ def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
     for sent_s, received_s in ((10.0, 10.003), (20.0, 20.101), (30.0, 30.052), (40.0, 40.002)):
         log.add_round_trip(sent_s, received_s)
     log.add_batch(BatchStats(1, "gpu", 0, 2, 96, compute_s=0.004, sample_s=0.001, queue_s=0.002))
+    log.add_batch(BatchStats(2, "cpu", 0, 90, 4320, sample_s=0.036, predicted_s=0.009, psgs=9e4))
+    log.add_batch(BatchStats(3, "cpu", 0, 2, 96, sample_s=0.002, predicted_s=0.002, psgs=2e3))
     log.stop()
     lat_s = np.array([0.003, 0.101, 0.052, 0.090, 0.002])  # one slow request had a fast trip
     part = process_report(log, lat_s, [1.0, 30.0], [(2, 0.025), (0, 0.0001)], tail_ms=20.0)
@@ -77,9 +79,12 @@ def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
     assert part["worst_trips"][0]["engine"] == pytest.approx(99.0, abs=0.01)
     assert (part["loop_lag_over_tail"], part["gc_full"]) == (1, 1)
     assert part["batch_max_ms"]["compute_s"] == pytest.approx(4.0)
+    slow_cpu = part["slowest_sample_by_route"]["cpu"]
+    assert (slow_cpu["seeds"], slow_cpu["sample_ms"]) == (4320, pytest.approx(36.0))
     point = merge_reports([part, part], np.concatenate([lat_s, lat_s]), 20.0, None)
     assert (point["slow_requests"], point["slow_trips"]) == (6, 4)
     assert point["slow_trips_by_part"] == {"engine": 2, "to_engine": 2}
+    assert point["slowest_sample_by_route"]["cpu"]["predicted_ms"] == pytest.approx(9.0)
 
 
 def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:

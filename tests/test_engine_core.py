@@ -280,3 +280,25 @@ def test_engine_router_decisions() -> None:
     assert route("cpu", on_gpu=True, psgs=50_000) in ("cpu", "local")  # never the GPU
     with pytest.raises(ValueError):
         route("fastest")
+
+
+def test_route_auto_measures_an_unchosen_path_again_when_it_is_close() -> None:
+    """A path the router never chooses is never measured; once in EXPLORE_EVERY decisions it gets
+    a batch, but only when predicted at most EXPLORE_MAX_EXTRA_S slower than the best."""
+    from quiver_serve.engine.router import EXPLORE_EVERY, EXPLORE_MAX_EXTRA_S
+
+    cost = CostModel({"gpu": (1.1e-3, 0.0), "local": (0.0, 70e-9)}, x_range=(276.0, 221_354.0))
+    router = EngineRouter("auto", cost)
+    close = EngineRouteState(16, 0, [], on_gpu=True, psgs=4_000.0)  # local 0.28 ms, gpu 1.1 ms
+    routes = [router.decide(close).route for _ in range(3 * EXPLORE_EVERY + 3)]
+    assert routes.count("gpu") == 3 and router.explored == 3
+    assert [i for i, r in enumerate(routes) if r == "gpu"] == \
+        [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1, 3 * EXPLORE_EVERY + 2]
+    far = EngineRouteState(1, 0, [], on_gpu=True, psgs=276.0)  # the gap is the limit or more
+    assert cost.sample_s("gpu", 276.0) - cost.sample_s("local", 276.0) > 0.9 * EXPLORE_MAX_EXTRA_S
+    slow = CostModel({"gpu": (5e-3, 0.0), "local": (0.0, 70e-9)}, x_range=(276.0, 221_354.0))
+    never = EngineRouter("auto", slow)
+    assert {never.decide(far).route for _ in range(2 * EXPLORE_EVERY)} == {"local"}
+    assert never.explored == 0
+    fixed = EngineRouter("local", cost)  # a fixed mode never explores
+    assert {fixed.decide(close).route for _ in range(2 * EXPLORE_EVERY)} == {"local"}

@@ -72,3 +72,33 @@ def test_pending_pauses_are_bounded() -> None:
     finally:
         pauses.close()
     assert pauses.flush(lambda g, s: None) == heap.MAX_PENDING_PAUSES
+
+
+def test_collections_paused_defers_collections_to_the_end_of_the_window() -> None:
+    """Load generators' windows: no automatic collection inside, one after, setting restored."""
+    import gc
+
+    from quiver_serve.engine.heap import GcPauses, collections_paused
+
+    pauses = GcPauses().install()
+    try:
+        with collections_paused():
+            assert not gc.isenabled()
+            for _ in range(50_000):  # cycles enough to trigger several generation-0 runs
+                a: list = []
+                a.append(a)
+            inside: list = []
+            pauses.flush(lambda g, s: inside.append(g))
+        after: list = []
+        pauses.flush(lambda g, s: after.append(g))
+    finally:
+        pauses.close()
+    assert inside == [] and 2 in after  # the one full collection at the end
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had them off keeps them off
+    finally:
+        gc.enable()

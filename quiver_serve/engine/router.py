@@ -86,6 +86,12 @@ ENGINE_ROUTES = ("gpu", "cpu", "local")
 #: (pool and engine) by the cost model; ``gpu`` / ``local`` = one path; ``quiver`` = torch-quiver's
 #: rule (one draw's size per seed, summed, against ``quiver_threshold``: GPU above, CPU below)
 ROUTE_MODES = ("auto", "cpu", "gpu", "local", "quiver")
+#: route auto (and cpu) re-measure a path they have not chosen for this many decisions: a path
+#: that is never chosen is never measured, so a line pushed up by one kind of batch (one-seed
+#: GPU batches, a busy moment) would never come back down ...
+EXPLORE_EVERY = 256
+#: ... when that path is predicted at most this much slower than the best for the batch
+EXPLORE_MAX_EXTRA_S = 1e-3
 
 
 @dataclass
@@ -117,7 +123,9 @@ class EngineRouter:
     time; a pool sampler does not (the thread only sends). So a path scores
     ``queued + sample(psgs) + waiting_batches x engine_time(psgs)``, and the lowest score wins:
     with nothing waiting it is plain "finishes first"; under load, work moves to the pool while
-    its queue is shorter than what it saves the engine thread.
+    its queue is shorter than what it saves the engine thread. A path left unchosen for
+    ``EXPLORE_EVERY`` decisions gets one batch when it is predicted at most
+    ``EXPLORE_MAX_EXTRA_S`` slower, so its line is measured again.
     """
 
     def __init__(self, mode: str = "auto", cost: CostModel | None = None, pool_depth: int = 2,
@@ -132,6 +140,10 @@ class EngineRouter:
         #: the next decision goes to a free CPU sampler (set by ``overlap.PoolOverlap``: a batch
         #: split off for the pool while the GPU is busy); reset by every decision
         self.pool_next = False
+        #: decisions since each path was last chosen, and how many batches were sent to a path
+        #: only to measure it again (``EXPLORE_EVERY``)
+        self._since = dict.fromkeys(ENGINE_ROUTES, 0)
+        self.explored = 0
 
     def decide(self, state: EngineRouteState) -> EngineRouteDecision:
         free = _least_free(state.pool_outstanding, self.pool_depth)
@@ -159,11 +171,29 @@ class EngineRouter:
             if free is not None:
                 paths.append("cpu")
             route = min(paths, key=lambda p: self._score(p, state, free))
+            route = self._explore(paths, route, state.psgs)
+        for p in self._since:
+            self._since[p] += 1
+        self._since[route] = 0
         if route == "cpu" and any_pool is None:
             raise RuntimeError("route 'cpu' needs sampling.num_cpu_workers >= 1")
         sampler = free if free is not None else (any_pool or 0)
         return EngineRouteDecision(route=route, sampler=sampler, worker=0, reason=mode,
                                    predicted_s=self.cost.sample_s(route, state.psgs))
+
+    def _explore(self, paths: list[str], best: str, psgs: float) -> str:
+        """``best``, or a path not chosen for ``EXPLORE_EVERY`` decisions whose predicted
+        sampling time is within ``EXPLORE_MAX_EXTRA_S`` of the best's: one batch in 256 at most
+        pays that much, and the path's line learns from it (see ``cost.LatencyModel``)."""
+        if psgs <= 0:
+            return best
+        best_s = self.cost.sample_s(best, psgs)
+        for p in paths:
+            if p != best and self._since[p] >= EXPLORE_EVERY \
+                    and self.cost.sample_s(p, psgs) - best_s <= EXPLORE_MAX_EXTRA_S:
+                self.explored += 1
+                return p
+        return best
 
     def paths(self, on_gpu: bool, has_pool: bool) -> tuple[str, ...]:
         """The paths this router may send a batch to (the batch former sizes for the best)."""
