@@ -14,7 +14,7 @@ import pytest
 from quiver_serve import Pipeline
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import EmbedResult
-from tests.conftest import small_config
+from tests.conftest import restart_bound_s, small_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -82,7 +82,8 @@ def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
             time.sleep(0.5)
         print(role, dict(load.outcomes), f"resumed after {resumed_s:.2f} s")
         assert load.outcomes["200"] > before, f"no success after restart: {load.outcomes}"
-        assert resumed_s < 5.0, f"service resumed after {resumed_s:.1f} s"
+        bound_s = restart_bound_s()
+        assert resumed_s < bound_s, f"service resumed after {resumed_s:.1f} s (bound {bound_s:.1f})"
         assert handle.restarts == 1
         assert set(load.outcomes) <= {"200", "503"}, load.outcomes  # retried, or refused; none lost
         assert p.pending_count == 0
@@ -128,7 +129,8 @@ def test_kill_9_engine_under_asyncio_load(cora: GraphData) -> None:
         asyncio.run(drill())
         print(dict(outcomes), f"resumed after {marks.get('resumed', 0) - marks['killed']:.2f} s")
         assert "resumed" in marks, f"no success after the kill: {outcomes}"
-        assert marks["resumed"] - marks["killed"] < 5.0
+        bound_s = restart_bound_s()
+        assert marks["resumed"] - marks["killed"] < bound_s, (marks, bound_s)
         assert set(outcomes) <= {"200", "503"}, outcomes  # retried, or refused; none lost or hung
         assert p.pending_count == 0
     finally:

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, free_port, start_server
+from tests.conftest import ServerProcess, free_port, restart_bound_s, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TOKEN = "front-door-token"
@@ -182,7 +182,9 @@ def test_kill9_frontend_under_load(door: ServerProcess) -> None:
     for t in threads:
         t.join(timeout=30)
     results = [r for t in threads for r in t.results]
-    assert served_s is not None and served_s <= 5.0, (restarted_s, served_s, door.log())
+    bound_s = restart_bound_s()
+    assert served_s is not None and served_s <= bound_s, \
+        (restarted_s, served_s, bound_s, door.log())
     on_survivor = [status for pid, status in results if pid == survivor]
     assert on_survivor and set(on_survivor) == {"200"}, Counter(on_survivor)
     failed = [(pid, status) for pid, status in results if status != "200"]
