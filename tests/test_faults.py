@@ -14,7 +14,7 @@ import pytest
 from quiver_serve import Pipeline
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import EmbedResult
-from tests.conftest import restart_bound_s, small_config
+from tests.conftest import small_config, wait_standby_warm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -65,6 +65,7 @@ def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
     cfg = small_config(model__weights=None, server__request_timeout_s=20.0)
     p = Pipeline(cfg, graph=cora).start()
     try:
+        wait_standby_warm(p)  # a restart takes it: no fresh interpreter's imports (2-6 s)
         with Load(p) as load:
             time.sleep(1.0)
             assert p.supervisor is not None
@@ -82,8 +83,7 @@ def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
             time.sleep(0.5)
         print(role, dict(load.outcomes), f"resumed after {resumed_s:.2f} s")
         assert load.outcomes["200"] > before, f"no success after restart: {load.outcomes}"
-        bound_s = restart_bound_s()
-        assert resumed_s < bound_s, f"service resumed after {resumed_s:.1f} s (bound {bound_s:.1f})"
+        assert resumed_s < 5.0, f"service resumed after {resumed_s:.1f} s"
         assert handle.restarts == 1
         assert set(load.outcomes) <= {"200", "503"}, load.outcomes  # retried, or refused; none lost
         assert p.pending_count == 0
@@ -116,6 +116,7 @@ def test_kill_9_engine_under_asyncio_load(cora: GraphData) -> None:
             outcomes[key] += 1
 
     async def drill() -> None:
+        wait_standby_warm(p)
         until_s = time.monotonic() + 8.0  # the restart takes 1-5 s; callers keep going past it
         callers = [asyncio.ensure_future(caller(s, until_s)) for s in range(16)]
         await asyncio.sleep(1.0)
@@ -129,8 +130,7 @@ def test_kill_9_engine_under_asyncio_load(cora: GraphData) -> None:
         asyncio.run(drill())
         print(dict(outcomes), f"resumed after {marks.get('resumed', 0) - marks['killed']:.2f} s")
         assert "resumed" in marks, f"no success after the kill: {outcomes}"
-        bound_s = restart_bound_s()
-        assert marks["resumed"] - marks["killed"] < bound_s, (marks, bound_s)
+        assert marks["resumed"] - marks["killed"] < 5.0
         assert set(outcomes) <= {"200", "503"}, outcomes  # retried, or refused; none lost or hung
         assert p.pending_count == 0
     finally:

@@ -32,6 +32,7 @@ from quiver_serve.engine.core_proc import (
 )
 from quiver_serve.engine.devices import num_inference_workers
 from quiver_serve.engine.process import spawn_context
+from quiver_serve.engine.standby import DAEMON_PRELOAD, StandbyPool
 from quiver_serve.graph.csc import GraphData
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,15 @@ class Child:
     last_beat_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
-    def start(self) -> None:
-        self.process = spawn_context().Process(
-            target=self.target, args=self.args, name=f"quiver-{self.role}-{self.index}", daemon=True)
-        self.process.start()
+    def start(self, standby: StandbyPool | None = None) -> None:
+        """Spawn the process, or hand the work to a warm ``standby`` when one is there."""
+        name = f"quiver-{self.role}-{self.index}"
+        proc = standby.take(self.target, self.args, name) if standby is not None else None
+        if proc is None:
+            proc = spawn_context().Process(target=self.target, args=self.args, name=name,
+                                           daemon=True)
+            proc.start()
+        self.process = proc
         self.started_s = self.last_beat_s = time.monotonic()
         self.ready = False
 
@@ -99,6 +105,9 @@ class Supervisor:
                          for j in range(cfg.sampling.num_cpu_workers)]
         self.engines = [Child("engine", i, engine_core_main, (i, cfg, graph, self.addrs))
                         for i in range(num_inference_workers(cfg))]
+        #: warm processes a restart hands its child's work to (``engine/standby.py``)
+        self.standby = StandbyPool(DAEMON_PRELOAD, cfg.server.standby_processes,
+                                   "quiver-standby")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,6 +124,7 @@ class Supervisor:
             for child in group:
                 child.start()
             self._wait_ready(group, what)
+        self.standby.refill()  # after start-up: they would only compete with it for the CPUs
         self._thread = threading.Thread(target=self._watch, name="quiver-supervisor", daemon=True)
         self._thread.start()
 
@@ -175,6 +185,7 @@ class Supervisor:
             return
         for child in self.children:
             self._check(child)
+        self.standby.refill()
 
     def _check(self, child: Child) -> None:
         now = time.monotonic()
@@ -189,7 +200,7 @@ class Supervisor:
         log.error("%s %d (pid %s) died with code %s; restarting", child.role, child.index,
                   child.pid, child.process.exitcode)
         child.restarts += 1
-        child.start()
+        child.start(self.standby)
         self.on_restart(child.role)
 
     def workers(self) -> list[dict[str, Any]]:
@@ -218,6 +229,7 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        self.standby.stop()
         for child in self.engines + self.samplers:
             child.stop(timeout_s)
         self._control.close(linger=0)

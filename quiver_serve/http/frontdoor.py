@@ -33,6 +33,7 @@ import zmq
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core_proc import control_messages
 from quiver_serve.engine.observer import PipelineObserver
+from quiver_serve.engine.standby import FRONTEND_PRELOAD, StandbyPool
 from quiver_serve.engine.supervisor import RESTART_BACKOFF_S, Child
 from quiver_serve.http.listen import check_port_free, reuseport_socket
 from quiver_serve.wire import FrontDoorState, WorkerInfo, encode
@@ -93,6 +94,10 @@ class FrontDoor:
         self._pub.bind(self.addrs.state)
         self.children = [Child("frontend", i, frontend_main,
                                (i, self.cfg, self.addrs.run_dir, log_level)) for i in range(count)]
+        #: warm processes a restarted front-end takes (``engine/standby.py``); spawned once
+        #: every front-end is listening
+        self.standby = StandbyPool(FRONTEND_PRELOAD, self.cfg.server.standby_processes,
+                                   "quiver-frontend-standby")
         self.pipeline: Any = None
         self.draining = False
         self._stop = threading.Event()
@@ -128,6 +133,7 @@ class FrontDoor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        self.standby.stop()
         for child in self.children:
             child.stop(timeout_s)
         self._control.close(linger=0)
@@ -149,6 +155,8 @@ class FrontDoor:
                 self._read_control(int(PUBLISH_S * 1000))
                 for child in self.children:
                     self._check(child)
+                if not self.draining and all(c.ready for c in self.children):
+                    self.standby.refill()
                 try:
                     self._pub.send(encode(self._state()), zmq.NOBLOCK)
                 except zmq.Again:
@@ -187,7 +195,7 @@ class FrontDoor:
         log.error("front-end %d (pid %s) died with code %s; restarting", child.index, child.pid,
                   child.process.exitcode)
         child.restarts += 1
-        child.start()
+        child.start(self.standby)
         self.observer.on_restart("frontend")
 
     def _state(self) -> FrontDoorState:
