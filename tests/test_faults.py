@@ -150,11 +150,11 @@ def test_supervisor_outlives_a_failed_restart(cora: GraphData, monkeypatch: pyte
         real_start = sup_mod.Child.start
         refused: list[int] = []
 
-        def start_once_refused(self: sup_mod.Child) -> None:
+        def start_once_refused(self: sup_mod.Child, standby: object = None) -> None:
             if not refused:
                 refused.append(1)
                 raise OSError(24, "Too many open files")
-            real_start(self)
+            real_start(self, standby)
 
         monkeypatch.setattr(sup_mod.Child, "start", start_once_refused)
         victim = handle.pid
