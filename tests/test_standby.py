@@ -38,8 +38,8 @@ def test_a_standby_runs_the_target_it_is_handed_and_is_replaced(tmp_path: Path) 
         proc.join(timeout=10)
         assert proc.exitcode == 0 and pool.promoted == 1
         assert pool.take(write_pid, (str(out), "x"), "x") is None  # none left until refilled
-        pool.refill()
-        assert len(pool.pids()) == 1 and pool.pids()[0] != standby_pid
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 1)[1], timeout_s=10)
+        assert pool.pids()[0] != standby_pid
     finally:
         pool.stop()
     assert pool.pids() == []
@@ -48,16 +48,15 @@ def test_a_standby_runs_the_target_it_is_handed_and_is_replaced(tmp_path: Path) 
 def test_a_dead_standby_is_skipped_and_stop_ends_the_waiting_ones(tmp_path: Path) -> None:
     pool = StandbyPool((), size=2, name="test-standby")
     try:
-        pool.refill()
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 2)[1], timeout_s=10)
         first, second = pool.pids()
         os.kill(first, 9)
         assert wait_for(lambda: first not in pool.pids())
         proc = pool.take(write_pid, (str(tmp_path / "out"), "sampler-1"), "quiver-sampler-1")
         assert proc is not None and proc.pid == second  # the live one, not the killed one
         proc.join(timeout=10)
-        pool.refill()
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 2)[1], timeout_s=10)
         waiting = pool.pids()
-        assert len(waiting) == 2
     finally:
         pool.stop()
     assert pool.pids() == []

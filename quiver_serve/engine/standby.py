@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing as mp
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ DAEMON_PRELOAD = ("torch", "torch_geometric", "quiver_serve.engine.core_proc")
 FRONTEND_PRELOAD = ("torch", "fastapi", "uvicorn", "quiver_serve.http.frontend_proc")
 #: how often a waiting standby checks that its parent is alive
 POLL_S = 0.5
+#: at most one standby spawned per this many seconds
+SPAWN_GAP_S = 1.0
 
 
 def standby_main(conn: Any, preload: Sequence[str]) -> None:
@@ -69,12 +72,17 @@ class StandbyPool:
         self.preload, self.size, self.name = tuple(preload), max(0, int(size)), name
         self._waiting: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
         self._warm: set[int] = set()  # pids that said their imports are done
+        self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
         self.promoted = 0
 
     def refill(self) -> None:
-        """Spawn standbys until ``size`` are alive (dead ones are dropped)."""
+        """Spawn a standby if fewer than ``size`` are alive (dead ones are dropped), at most one
+        per ``SPAWN_GAP_S``; the supervisors call it at every watch step."""
         self._waiting = [(p, c) for p, c in self._waiting if p.is_alive() or _close(p, c)]
         while len(self._waiting) < self.size:
+            if time.monotonic() - self._spawned_s < SPAWN_GAP_S:
+                return  # one spawn per gap: standbys that keep dying cannot cause a spawn storm
+            self._spawned_s = time.monotonic()
             ctx = spawn_context()
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=standby_main, args=(theirs, self.preload),
