@@ -185,7 +185,8 @@ class Supervisor:
             return
         for child in self.children:
             self._check(child)
-        self.standby.refill()
+        if all(c.ready for c in self.children):  # not while a restarted child starts: it
+            self.standby.refill()  # would compete with it for the CPUs
 
     def _check(self, child: Child) -> None:
         now = time.monotonic()
