@@ -7,7 +7,9 @@
 #     (bench/bench_routing_daemon.py): modes cpu, gpu, auto (pool overlap "hidden"), quiver, and
 #     in uva also auto with pool overlap "serial" and "off" (A/B); 10 daemons, ~6-7 min on one
 #     H200, cut at 470 s; daemons that would end after 400 s are skipped (the table is still
-#     printed). JSON: $OUT/routing_daemon.json.
+#     printed). JSON: $OUT/routing_daemon.json. The table reads seeds/s where p99 crosses 10 ms,
+#     interpolated between sweep points; for a decision on one mix add e.g. `--memory uva
+#     --mixes mixed --modes gpu auto quiver --repeat 3` (median of three sweeps per daemon).
 #   bash bench/routing_gpu.sh [extra bench/bench_routing.py options]
 #     the engine core driven directly, one 48-id batch per caller (bench/bench_routing.py);
 #     ~3-6 min. JSON: $OUT/routing.json.

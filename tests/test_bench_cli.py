@@ -100,3 +100,27 @@ def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:
     after_cum[-1] = 5
     diff = daemon_gc_diff(before, {("engine 0", "2"): after_cum}, tail_ms=20.0)
     assert diff == {"engine 0 gen2": {"pauses": 5, "over_tail": 2}}
+
+
+def test_routing_bench_reads_throughput_where_p99_crosses_the_bound() -> None:
+    """``bench_routing_daemon.at_bound``: linear between the last point under the bound and the
+    next over it; never below the best point under; 0 with no point under; and the median over
+    repeated sweeps."""
+    from bench.bench_routing_daemon import at_bound, summarise_rounds
+
+    def row(callers: int, seeds_per_s: float, p99_ms: float | None, errors: dict | None = None) -> dict:
+        return {"callers": callers, "seeds_per_s": seeds_per_s, "p99_ms": p99_ms,
+                "errors": errors or {}}
+
+    rows = [row(64, 1.0e6, 5.0), row(128, 1.4e6, 8.0), row(256, 2.4e6, 13.0)]
+    assert at_bound(rows, 10.0) == pytest.approx(1.4e6 + 0.4 * 1.0e6)  # 2 of the 5 ms gap
+    assert at_bound(rows, 20.0) == pytest.approx(2.4e6)  # every point under: the best
+    assert at_bound([row(64, 1.0e6, 12.0)], 10.0) == 0.0
+    falling = [row(64, 1.5e6, 9.0), row(128, 1.2e6, 11.0)]  # more callers, less throughput
+    assert at_bound(falling, 10.0) == pytest.approx(1.5e6)
+    errored = [row(64, 1.0e6, 5.0), row(128, 2.0e6, 12.0, {"503": 3})]
+    assert at_bound(errored, 10.0) == pytest.approx(1.0e6)  # no line towards a refused point
+    out = summarise_rounds([rows, [row(64, 0.9e6, 11.0)], falling], 10.0)
+    assert out["at_bound"] == [pytest.approx(1.8e6), 0.0, pytest.approx(1.5e6)]
+    assert out["at_bound_median"] == pytest.approx(1.5e6)
+    assert out["best"]["seeds_per_s"] == pytest.approx(1.5e6)  # the median round's best point
