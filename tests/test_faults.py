@@ -71,11 +71,13 @@ def test_kill_9_worker_under_load(cora: GraphData, role: str) -> None:
             assert p.supervisor is not None
             handle = (p.supervisor.samplers if role == "sampler" else p.supervisor.engines)[0]
             victim = handle.pid
+            standbys = p.supervisor.standby.pids()
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
             while handle.pid == victim and time.monotonic() - killed_at < 10:
                 time.sleep(0.05)
             assert handle.pid != victim, "worker not restarted"
+            assert handle.pid in standbys, "the restart did not take the warm standby"
             before = load.outcomes["200"]
             while load.outcomes["200"] == before and time.monotonic() - killed_at < 10:
                 time.sleep(0.05)
