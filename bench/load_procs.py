@@ -29,6 +29,7 @@ from bench.tail_trace import (
     merge_reports,
     process_report,
 )
+from loadtest.driver import close_processes
 from loadtest.workloads import REQUEST_POOL, draw_requests
 from quiver_serve.engine.heap import collections_paused, freeze_startup_heap
 from quiver_serve.engine.observer import PipelineObserver
@@ -196,12 +197,7 @@ class LoadPool:
         return parts
 
     def close(self) -> None:
-        for q in self.cmds:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+        close_processes(self.cmds, self.procs)
 
 
 def merge_point(parts: list[dict], workload: str, k: int, callers: int, seconds: float,

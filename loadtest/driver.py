@@ -251,13 +251,18 @@ class LoadPool:
         return parts
 
     def close(self) -> None:
-        for q in self.cmds:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        close_processes(self.cmds, self.procs)
+
+
+def close_processes(cmds: Sequence[Any], procs: Sequence[Any]) -> None:
+    """Ask each load process to end (None on its queue), join it, terminate one that lingers."""
+    for q in cmds:
+        q.put(None)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
 
 
 def split_evenly(total: int, parts: int) -> Sequence[int]:
