@@ -74,3 +74,26 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+def test_standbys_wait_until_every_child_has_been_ready_a_while(monkeypatch) -> None:  # noqa: ANN001
+    """``tick``: nothing while a child is not ready (start-up, a restart), then a refill once all
+    have been ready for SETTLE_S; a child going unready starts the wait again."""
+    from quiver_serve.engine import standby as standby_mod
+
+    monkeypatch.setattr(standby_mod, "SETTLE_S", 0.3)
+    pool = StandbyPool((), size=1, name="test-standby")
+    try:
+        pool.tick(False)
+        pool.tick(True)  # settled clock starts now
+        assert pool.pids() == []
+        pool.tick(False)  # a child restarting: the clock starts over
+        pool.tick(True)
+        time.sleep(0.2)
+        pool.tick(True)
+        assert pool.pids() == []
+        time.sleep(0.2)
+        pool.tick(True)
+        assert len(pool.pids()) == 1
+    finally:
+        pool.stop()

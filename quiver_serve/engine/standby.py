@@ -35,6 +35,9 @@ FRONTEND_PRELOAD = ("torch", "fastapi", "uvicorn", "quiver_serve.http.frontend_p
 POLL_S = 0.5
 #: at most one standby spawned per this many seconds
 SPAWN_GAP_S = 1.0
+#: standbys are spawned once every child has been ready this long (their imports take a core for
+#: 2-6 s: not while the daemon starts, a child restarts, or the first requests arrive)
+SETTLE_S = 5.0
 
 
 def standby_main(conn: Any, preload: Sequence[str]) -> None:
@@ -73,6 +76,7 @@ class StandbyPool:
         self._waiting: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
         self._warm: set[int] = set()  # pids that said their imports are done
         self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
+        self._settled_since: float | None = None  # since when every child has been ready
         self.promoted = 0
 
     def refill(self) -> None:
@@ -91,6 +95,17 @@ class StandbyPool:
             proc.start()
             theirs.close()
             self._waiting.append((proc, ours))
+
+    def tick(self, all_ready: bool) -> None:
+        """A supervisor's watch step: refill once every child has been ready for ``SETTLE_S``."""
+        now = time.monotonic()
+        if not all_ready:
+            self._settled_since = None
+            return
+        if self._settled_since is None:
+            self._settled_since = now
+        if now - self._settled_since >= SETTLE_S:
+            self.refill()
 
     def warm(self) -> int:
         """How many waiting standbys have finished their imports."""

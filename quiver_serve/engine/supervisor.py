@@ -124,7 +124,6 @@ class Supervisor:
             for child in group:
                 child.start()
             self._wait_ready(group, what)
-        self.standby.refill()  # after start-up: they would only compete with it for the CPUs
         self._thread = threading.Thread(target=self._watch, name="quiver-supervisor", daemon=True)
         self._thread.start()
 
@@ -185,8 +184,7 @@ class Supervisor:
             return
         for child in self.children:
             self._check(child)
-        if all(c.ready for c in self.children):  # not while a restarted child starts: it
-            self.standby.refill()  # would compete with it for the CPUs
+        self.standby.tick(all(c.ready for c in self.children))
 
     def _check(self, child: Child) -> None:
         now = time.monotonic()

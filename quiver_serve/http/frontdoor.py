@@ -95,7 +95,7 @@ class FrontDoor:
         self.children = [Child("frontend", i, frontend_main,
                                (i, self.cfg, self.addrs.run_dir, log_level)) for i in range(count)]
         #: warm processes a restarted front-end takes (``engine/standby.py``); spawned once
-        #: every front-end is listening
+        #: every front-end has been listening for ``standby.SETTLE_S``
         self.standby = StandbyPool(FRONTEND_PRELOAD, self.cfg.server.standby_processes,
                                    "quiver-frontend-standby")
         self.pipeline: Any = None
@@ -155,8 +155,7 @@ class FrontDoor:
                 self._read_control(int(PUBLISH_S * 1000))
                 for child in self.children:
                     self._check(child)
-                if not self.draining and all(c.ready for c in self.children):
-                    self.standby.refill()
+                self.standby.tick(not self.draining and all(c.ready for c in self.children))
                 try:
                     self._pub.send(encode(self._state()), zmq.NOBLOCK)
                 except zmq.Again:
