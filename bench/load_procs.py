@@ -12,7 +12,6 @@ pauses are the harness's, not the daemon's.
 from __future__ import annotations
 
 import asyncio
-import gc
 import multiprocessing as mp
 import time
 from collections import Counter
@@ -121,7 +120,6 @@ async def drive(client: Any, obs: BatchCounter, reqs: np.ndarray, cmd: dict) -> 
         pauses.extend(obs.log.stop())
         snaps.append(obs.snapshot())
 
-    gc.collect()  # what the last point left behind, before this one starts
     await asyncio.sleep(max(0.0, cmd["t_start"] - time.time()))
     with collections_paused():  # this process's own collections are not the daemon's latency
         await asyncio.gather(window(), closed_loop(call, reqs, cmd["callers"], win0, win1, lat,

@@ -13,7 +13,6 @@ closed loop, those answered in it. Every process reports its own CPU use over th
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import multiprocessing as mp
 import time
@@ -155,7 +154,6 @@ async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> d
             await asyncio.sleep(max(0.0, win1 - time.time()))
             cpu.append(time.process_time())
 
-        gc.collect()  # what the last point left behind, before this one starts
         await asyncio.sleep(max(0.0, t_start - time.time()))
         watch = asyncio.ensure_future(cpu_window())
         with collections_paused():  # this process's own collections are not the server's latency

@@ -75,6 +75,12 @@ class Child:
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
+    def row(self) -> dict[str, Any]:
+        """This child as a ``/v1/workers`` row (``wire.WorkerInfo``)."""
+        return {"role": self.role, "index": self.index, "pid": self.pid, "alive": self.alive(),
+                "ready": self.ready, "restarts": self.restarts,
+                "gc_frozen_objects": self.info.get("gc_frozen_objects")}
+
     def stop(self, timeout_s: float) -> None:
         if self.process is None:
             return
@@ -203,9 +209,7 @@ class Supervisor:
         self.on_restart(child.role)
 
     def workers(self) -> list[dict[str, Any]]:
-        return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
-                 "ready": c.ready, "restarts": c.restarts,
-                 "gc_frozen_objects": c.info.get("gc_frozen_objects")} for c in self.children]
+        return [c.row() for c in self.children]
 
     def engines_ready(self) -> bool:
         """At least one engine core is alive and has reported ready since its last (re)start."""

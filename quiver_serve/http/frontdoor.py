@@ -144,9 +144,7 @@ class FrontDoor:
         shutil.rmtree(self.addrs.run_dir, ignore_errors=True)
 
     def workers(self) -> list[dict[str, Any]]:
-        return [{"role": c.role, "index": c.index, "pid": c.pid, "alive": c.alive(),
-                 "ready": c.ready, "restarts": c.restarts,
-                 "gc_frozen_objects": c.info.get("gc_frozen_objects")} for c in self.children]
+        return [c.row() for c in self.children]
 
     # ---- the watch thread (owns both sockets) --------------------------------------------------
     def _watch(self) -> None:
