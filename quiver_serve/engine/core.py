@@ -94,7 +94,7 @@ class EngineCore:
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
-        #: gathers on a stream of their own while host rows cross the bus (``prefetch.py``)
+        #: gathers on the sampling stream while host rows cross the bus (``prefetch.py``)
         self.prefetch = FeaturePrefetch(features, self._sample_stream, prefetch)
         #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
         self.graphed: GraphedForward | None = None
@@ -226,12 +226,15 @@ class EngineCore:
         now_s = time.time()
         if self.in_flight:
             last = self.in_flight[-1]
-            lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
-            # prefetched: the bus is what the next batch waits for (``prefetch.py``)
-            done_s = last.expected_done_s if last.prefetched is None \
-                else self.prefetch.ready_s(last)
-            if now_s < done_s - lead_s:
-                return False
+            if last.prefetched is not None:
+                # bus-bound: the next batch samples and gathers once the last one's rows are in,
+                # while its model runs
+                if self.prefetch.reading(last):
+                    return False
+            else:
+                lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
+                if now_s < last.expected_done_s - lead_s:
+                    return False
         return self._filled(now_s)
 
     def _filled(self, now_s: float) -> bool:
@@ -337,6 +340,7 @@ class EngineCore:
                 with torch.cuda.stream(self._sample_stream):
                     batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
                     self._stage(batch)  # its copy to the host waits for sampling only
+                    self.prefetch.start(batch)
             else:
                 batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -387,7 +391,7 @@ class EngineCore:
             if self._compute_stream is None:
                 return self._run_sync(batch)
             self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
-            self.prefetch.start(batch, time.time())
+            self.prefetch.start(batch)
             self._run_async(batch)
             return []
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -450,7 +454,6 @@ class EngineCore:
                     break
                 batch.done_event.synchronize()  # the batch's one host sync: its copy-out
             self.in_flight.popleft()
-            self.prefetch.learn(batch)
             compute_s = batch.start_event.elapsed_time(batch.done_event) / 1e3
             self.latency.observe(int(batch.seeds.numel()), compute_s)
             self._observe_compute(batch, compute_s)

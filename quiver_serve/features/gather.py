@@ -45,20 +45,15 @@ class GatherKernel:
             self._functions = {w: module.get_function(f"gather_w{w}").kernel for w in WORD_BYTES}
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_blocks = sm_count * 16
-        #: a gather beside the model (``engine/prefetch.py``): two blocks per SM (16 of its 64
-        #: warps) keep thousands of row reads in flight, far more than the bus needs, and leave
-        #: the SMs room for the model's kernels
-        self.side_blocks = sm_count * 2
 
     def launch(self, n_id: Tensor, table: Tensor, out: Tensor, counts: Tensor,
-               word: int, max_blocks: int | None = None) -> None:
-        """``out[i] = row of n_id[i]`` (``out`` contiguous, rows of ``word``-byte words);
-        ``max_blocks`` caps the grid (the rows are strided over it)."""
+               word: int) -> None:
+        """``out[i] = row of n_id[i]`` (``out`` contiguous, rows of ``word``-byte words)."""
         n = int(n_id.numel())
         if n == 0:
             return
         words = out.size(1) * out.element_size() // word
-        blocks = min(max_blocks or self.max_blocks, -(-n // WARPS_PER_BLOCK))
+        blocks = min(self.max_blocks, -(-n // WARPS_PER_BLOCK))
         stream = self._handle(torch.cuda.current_stream(self.device).cuda_stream)
         args = (n_id.data_ptr(), n, table.data_ptr(), words, out.data_ptr(), counts.data_ptr())
         self._functions[word]((blocks,), (THREADS,), args, 0, stream)

@@ -61,15 +61,14 @@ class Replacer:
         if layout is None:
             return
         stream = getattr(core, "_compute_stream", None)
-        # prefetched gathers run on a stream of their own (``engine/prefetch.py``)
-        side = getattr(getattr(core, "prefetch", None), "stream", None)
+        sample_stream = getattr(core, "_sample_stream", None)
         if stream is not None:
-            if side is not None:
-                stream.wait_stream(side)
+            if sample_stream is not None:  # prefetched gathers run there (``engine/prefetch.py``)
+                stream.wait_stream(sample_stream)
             with torch.cuda.stream(stream):
                 self.store.commit(layout)
-            if side is not None:
-                side.wait_stream(stream)
+            if sample_stream is not None:
+                sample_stream.wait_stream(stream)
         else:
             self.store.commit(layout)
         self.done += 1

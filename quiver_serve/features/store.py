@@ -195,16 +195,16 @@ class FeatureStore:
         """Some rows are read from host memory (the bus) rather than a GPU."""
         return self.layout is not None and self.layout.placement.num_host_rows > 0
 
-    def gather(self, n_id: Tensor, counts: Tensor | None = None, beside: bool = False) -> Tensor:
+    def gather(self, n_id: Tensor, counts: Tensor | None = None) -> Tensor:
         """Rows of ``n_id`` (int64, any device) on the compute device, stored precision; hits
         and misses are added to ``counts`` (int64 [2] on the compute device; default: the
-        store's own counters). ``beside``: the kernel runs beside other work (a smaller grid)."""
+        store's own counters)."""
         if self.kernel is None:
             return self.gather_torch(n_id, counts)
         n_id = n_id.to(self.device, torch.int64, non_blocking=True).reshape(-1)
         out = torch.empty((n_id.numel(), self.dim), dtype=self.dtype, device=self.device)
         self.kernel.launch(n_id, self._table, out, self.counts if counts is None else counts,
-                           self.word, self.kernel.side_blocks if beside else None)
+                           self.word)
         return out
 
     def gather_torch(self, n_id: Tensor, counts: Tensor | None = None) -> Tensor:
