@@ -172,8 +172,6 @@ class FeaturesConfig(_Section):
         1_000_000, ge=0, description="requested ids remembered per engine core (ring buffer): the seed distribution of a re-placement")
     numa_shards: bool = Field(
         True, description="host rows in one shard per NUMA node when the system has several (else the shared matrix in place)")
-    prefetch: Literal["auto", "on", "off"] = Field(
-        "auto", description="gather a sampled batch's rows on the sampling stream at once, so its host reads overlap the model of the batch before (auto: while some rows live in host memory; GPU only; batches replayed from a CUDA graph keep the gather in their graph)")
 
 
 class ServerConfig(_Section):

@@ -302,32 +302,3 @@ def test_route_auto_measures_an_unchosen_path_again_when_it_is_close() -> None:
     assert never.explored == 0
     fixed = EngineRouter("local", cost)  # a fixed mode never explores
     assert {fixed.decide(close).route for _ in range(2 * EXPLORE_EVERY)} == {"local"}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_prefetched_gathers_give_the_same_rows_and_counts(cora: GraphData,
-                                                         full_output: torch.Tensor) -> None:
-    """With most rows in host memory, batches gathered on the sampling stream (prefetch) answer
-    exactly what the compute-stream gather answers, and count every row once."""
-    budget = cora.num_nodes * 8 + 300 * cora.x.size(1) * 4  # ~300 rows on the GPU, rest on host
-    rng = np.random.default_rng(0)
-    requests = [rng.integers(0, cora.num_nodes, 200).tolist() for _ in range(6)]
-    got: dict[str, tuple[list[np.ndarray], list[tuple[int, int, int]]]] = {}
-    for mode in ("auto", "off"):
-        core = make_core(cora, "cuda", inference__gpu_cache_bytes=budget, features__prefetch=mode)
-        assert core.features.has_host_rows
-        replies = run(core, *[mb(i, [r], seed=1000 + i) for i, r in enumerate(requests)],
-                      mb(99, [requests[0][:150]], exact=True))
-        stats = [r.done.stats for r in replies.values() if r.done.stats is not None]
-        assert len(stats) == 7
-        for s in stats:  # every sampled row is a hit or a miss, once
-            assert s.cache_hits + s.cache_misses == s.num_sampled_nodes and s.cache_misses > 0
-        np.testing.assert_allclose(replies[99].rows, full_output[requests[0][:150]].numpy(),
-                                   atol=1e-4, rtol=1e-4)
-        got[mode] = ([replies[i].rows for i in range(6)],
-                     sorted((s.num_sampled_nodes, s.cache_hits, s.cache_misses) for s in stats))
-        assert core.prefetch.count == (7 if mode == "auto" else 0)
-    for a, b in zip(got["auto"][0], got["off"][0], strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    assert got["auto"][1] == got["off"][1]

@@ -15,7 +15,6 @@ import torch
 from scipy.stats import spearmanr
 
 from quiver_serve.config import GraphConfig
-from quiver_serve.engine.prefetch import FeaturePrefetch
 from quiver_serve.features.fap import (
     RequestLog,
     degree_scores,
@@ -90,37 +89,6 @@ def test_gather_returns_exactly_the_rows(policy: str, budget: int, gpus: int, nu
     covered = torch.cat([*p.gpu_nodes, *p.host_nodes]) if not p.host_in_place else None
     if covered is not None:  # every row is somewhere exactly once
         assert torch.equal(covered.sort().values, torch.arange(NUM_NODES))
-
-
-def test_gather_counts_into_a_given_counter_and_knows_where_rows_live() -> None:
-    x = torch.randn(NUM_NODES, DIM)
-    scores = torch.rand(NUM_NODES)
-    store = store_for(x, scores, NUM_NODES * LOC_BYTES_PER_NODE + 10 * ROW_BYTES, 1, "replicate")
-    hot = torch.zeros(NUM_NODES, dtype=torch.bool)
-    hot[store.placement.gpu_nodes[0]] = True
-    ids = id_sets()[0]
-    own = torch.zeros(2, dtype=torch.int64)
-    assert torch.equal(store.gather(ids, own), x[ids])
-    assert own.tolist() == [int(hot[ids].sum()), int((~hot[ids]).sum())]
-    assert store.read_counts() == (0, 0)  # the store's own counters are left alone
-    assert store.has_host_rows and store.placement.num_host_rows == NUM_NODES - 10
-    assert not store_for(x, scores, 1 << 40, 1, "replicate").has_host_rows
-    assert not store_for(x, scores, 1 << 40, 2, "partition").has_host_rows
-    assert store_for(x, scores, 0, 0, "replicate").has_host_rows
-
-
-def test_feature_prefetch_modes() -> None:
-    x = torch.randn(NUM_NODES, DIM)
-    host = store_for(x, torch.rand(NUM_NODES), 0, 1, "replicate")
-    on_gpu = store_for(x, torch.rand(NUM_NODES), 1 << 40, 1, "replicate")
-    stream = object()  # only whether there is a sampling stream matters for the decision
-    assert FeaturePrefetch(host, stream, "auto").active()
-    assert not FeaturePrefetch(on_gpu, stream, "auto").active()
-    assert FeaturePrefetch(on_gpu, stream, "on").active()
-    assert not FeaturePrefetch(host, stream, "off").active()
-    assert not FeaturePrefetch(host, None, "on").active()  # a CPU engine has no streams
-    with pytest.raises(ValueError, match="features.prefetch"):
-        FeaturePrefetch(host, stream, "sometimes")
 
 
 def test_hottest_rows_go_to_the_gpus_first() -> None:

@@ -32,7 +32,6 @@ class Batch:
     # set once launched
     rows: Tensor | None = None
     counts: Tensor | None = None  # the feature store's hit/miss counters after this batch
-    prefetched: Any = None  # ``prefetch.Prefetched``: rows gathered on the sampling stream
     done_event: Any = None
     start_event: Any = None
     launched_s: float = 0.0
@@ -78,9 +77,6 @@ def _batch_counts(batch: Batch, features: FeatureStore,
     device counters (copied out with the batch's rows; on a CPU read directly) minus their
     value at the previous batch. A CUDA graph also reads node 0's row for every padding
     slot: those reads are taken off again."""
-    if batch.prefetched is not None:  # its gather counted on a counter of its own
-        own = batch.prefetched.counts
-        return int(own[0]), int(own[1]), seen
     counts = batch.counts if batch.counts is not None else features.counts
     now = (int(counts[0]), int(counts[1]))
     hits, misses = now[0] - seen[0], now[1] - seen[1]

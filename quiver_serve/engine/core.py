@@ -37,7 +37,6 @@ from quiver_serve.engine.micro_batch import (
     check_ids,
     prune,
 )
-from quiver_serve.engine.prefetch import FeaturePrefetch
 from quiver_serve.engine.router import EngineRouter, EngineRouteState, PoolClock
 from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore
@@ -65,8 +64,7 @@ class EngineCore:
                  local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
                  max_batch_nodes: int, router: EngineRouter, index: int = 0,
                  pool: SamplerPool | None = None, max_waiting: int = 4096,
-                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0,
-                 prefetch: str = "auto") -> None:
+                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0) -> None:
         self.model, self.features, self.device = model, features, device
         #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
         self.request_log = RequestLog(request_log_size)
@@ -94,8 +92,6 @@ class EngineCore:
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
-        #: gathers on the sampling stream while host rows cross the bus (``prefetch.py``)
-        self.prefetch = FeaturePrefetch(features, self._sample_stream, prefetch)
         #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
         self.graphed: GraphedForward | None = None
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
@@ -225,16 +221,9 @@ class EngineCore:
             return False
         now_s = time.time()
         if self.in_flight:
-            last = self.in_flight[-1]
-            if last.prefetched is not None:
-                # bus-bound: the next batch samples and gathers once the last one's rows are in,
-                # while its model runs
-                if self.prefetch.reading(last):
-                    return False
-            else:
-                lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
-                if now_s < last.expected_done_s - lead_s:
-                    return False
+            lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
+            if now_s < self.in_flight[-1].expected_done_s - lead_s:
+                return False
         return self._filled(now_s)
 
     def _filled(self, now_s: float) -> bool:
@@ -340,7 +329,6 @@ class EngineCore:
                 with torch.cuda.stream(self._sample_stream):
                     batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
                     self._stage(batch)  # its copy to the host waits for sampling only
-                    self.prefetch.start(batch)
             else:
                 batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -391,7 +379,6 @@ class EngineCore:
             if self._compute_stream is None:
                 return self._run_sync(batch)
             self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
-            self.prefetch.start(batch)
             self._run_async(batch)
             return []
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -403,9 +390,7 @@ class EngineCore:
         if batch.staged is not None:
             return GraphedForward.launch(batch.staged)  # one launch instead of dozens
         n_id = sb.n_id
-        x = self.prefetch.hand_over(batch, self._compute_stream)  # None: not prefetched
-        if x is None:
-            x = self.features.gather(n_id)  # GPU hits, zero-copy host misses, counted on the GPU
+        x = self.features.gather(n_id)  # GPU hits, zero-copy host misses, counted on the device
         edge_index = sb.edge_index.to(self.device, torch.int64, non_blocking=True)
         out = self.model(x, n_id.to(self.device, non_blocking=True), edge_index,
                          sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
@@ -425,13 +410,10 @@ class EngineCore:
         for t in (batch.sampled.n_id, batch.sampled.edge_index, batch.sampled.seed_index):
             if t.is_cuda:
                 t.record_stream(stream)  # made on the sampling stream, read on this one
+        batch.start_event = torch.cuda.Event(enable_timing=True)
         batch.done_event = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
-            if batch.prefetched is not None:
-                batch.start_event = batch.prefetched.start  # compute time includes the gather
-            else:
-                batch.start_event = torch.cuda.Event(enable_timing=True)
-                batch.start_event.record(stream)
+            batch.start_event.record(stream)
             rows = self._forward(batch).float()
             host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(rows, non_blocking=True)

@@ -347,7 +347,7 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
-        request_log_size=cfg.features.request_log_size, prefetch=cfg.features.prefetch)
+        request_log_size=cfg.features.request_log_size)
     from quiver_serve.features.replace import Replacer
 
     core.replacer = Replacer(cfg, graph, core.features)

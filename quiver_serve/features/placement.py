@@ -66,13 +66,6 @@ class Placement:
             and self.policy == "replicate"
 
     @property
-    def num_host_rows(self) -> int:
-        """Rows no GPU holds (replicate: each GPU shard holds the same rows)."""
-        on_gpu = self.num_gpu_rows if self.policy == "partition" else max(
-            (int(t.numel()) for t in self.gpu_nodes), default=0)
-        return max(self.num_nodes - on_gpu, 0)
-
-    @property
     def needs_map(self) -> bool:
         return self.num_gpu_rows > 0 and not self.all_on_gpu
 

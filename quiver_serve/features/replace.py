@@ -61,14 +61,9 @@ class Replacer:
         if layout is None:
             return
         stream = getattr(core, "_compute_stream", None)
-        sample_stream = getattr(core, "_sample_stream", None)
         if stream is not None:
-            if sample_stream is not None:  # prefetched gathers run there (``engine/prefetch.py``)
-                stream.wait_stream(sample_stream)
             with torch.cuda.stream(stream):
                 self.store.commit(layout)
-            if sample_stream is not None:
-                sample_stream.wait_stream(stream)
         else:
             self.store.commit(layout)
         self.done += 1

@@ -190,26 +190,17 @@ class FeatureStore:
         self._retired = [(e, lay) for e, lay in self._retired if not e.query()]
 
     # ---- gathering -------------------------------------------------------------------------------
-    @property
-    def has_host_rows(self) -> bool:
-        """Some rows are read from host memory (the bus) rather than a GPU."""
-        return self.layout is not None and self.layout.placement.num_host_rows > 0
-
-    def gather(self, n_id: Tensor, counts: Tensor | None = None) -> Tensor:
-        """Rows of ``n_id`` (int64, any device) on the compute device, stored precision; hits
-        and misses are added to ``counts`` (int64 [2] on the compute device; default: the
-        store's own counters)."""
+    def gather(self, n_id: Tensor) -> Tensor:
+        """Rows of ``n_id`` (int64, any device) on the compute device, stored precision."""
         if self.kernel is None:
-            return self.gather_torch(n_id, counts)
+            return self.gather_torch(n_id)
         n_id = n_id.to(self.device, torch.int64, non_blocking=True).reshape(-1)
         out = torch.empty((n_id.numel(), self.dim), dtype=self.dtype, device=self.device)
-        self.kernel.launch(n_id, self._table, out, self.counts if counts is None else counts,
-                           self.word)
+        self.kernel.launch(n_id, self._table, out, self.counts, self.word)
         return out
 
-    def gather_torch(self, n_id: Tensor, counts: Tensor | None = None) -> Tensor:
+    def gather_torch(self, n_id: Tensor) -> Tensor:
         """The pure-torch twin of the kernel: same rows, same counts."""
-        counts = self.counts if counts is None else counts
         layout = self.layout
         if layout is None:
             raise RuntimeError("feature store used before a placement was made")
@@ -218,8 +209,7 @@ class FeatureStore:
             src = layout.tiers[layout.plain_tier]
             rows = src.index_select(0, ids.to(src.device)).to(self.device, non_blocking=True)
             hit = int(layout.plain_tier < layout.num_gpu_tiers) * ids.numel()
-            counts[0] += hit
-            counts[1] += ids.numel() - hit
+            self._count(hit, ids.numel() - hit)
             return rows
         tier, row = unpack(layout.loc.index_select(0, ids.to(layout.loc.device)))
         out = torch.empty((ids.numel(), self.dim), dtype=self.dtype, device=self.device)
@@ -229,8 +219,8 @@ class FeatureStore:
                 got = src.index_select(0, row.index_select(0, pos).to(src.device))
                 out.index_copy_(0, pos.to(self.device), got.to(self.device))
         hits = (tier < layout.num_gpu_tiers).sum()
-        counts[0] += hits.to(self.device)
-        counts[1] += (ids.numel() - hits).to(self.device)
+        self.counts[0] += hits.to(self.device)
+        self.counts[1] += (ids.numel() - hits).to(self.device)
         return out
 
     def is_hit(self, node: int) -> bool:
@@ -238,6 +228,10 @@ class FeatureStore:
         if node != 0:
             raise ValueError("only node 0's placement is kept on the host")
         return self._zero_hit
+
+    def _count(self, hits: int, misses: int) -> None:
+        self.counts[0] += hits
+        self.counts[1] += misses
 
     def read_counts(self) -> tuple[int, int]:
         """(hits, misses) so far (a host sync on a GPU: off the hot path)."""
