@@ -11,6 +11,10 @@
     trace), read at the all-host gather's measured GB/s, against the all-GPU daemon's time per
     batch: ``serial = t / (t + t_bus)`` (misses read on the batch's critical path, as now) and
     ``overlapped = min(1, t / t_bus)`` (if the bus read overlapped all other work).
+    Variants (``--variants``, ``label=budget:dtype``): by default all-GPU and 20% in fp32 and
+    in fp16 feature storage (``features.storage_dtype``; the fp16 pair is compared with each
+    other). Each variant's seeds/s is also read where p99 crosses the bound (interpolated between
+    sweep points, as in bench_routing_daemon.py), beside the best point under it.
 
 JSON: --out (default $OUT/features_e2e.json, else bench/results/features_e2e_<device>.json);
 a short table last. ``--smoke``: tiny graph and short windows (CPU too).
@@ -34,17 +38,32 @@ import numpy as np
 import torch
 import yaml
 from bench_adjacency import adjacency_section, print_table
+from bench_routing_daemon import at_bound
 from features_common import ROOT, make_graph, sampler_for, scores_by, seed_batches, store_point
 
 BASE_CONFIG = ROOT / "configs" / "bench_reddit.yaml"
 ALL_GPU_BYTES = 1 << 62
 
 
-def write_config(path: Path, scale: float, cache_bytes: int) -> None:
-    """A copy of the bench config with the feature budget and graph scale set."""
+DEFAULT_VARIANTS = ["all-gpu=all:fp32", "20%=0.2:fp32", "20%-fp16=0.2:fp16",
+                    "all-gpu-fp16=all:fp16"]
+
+
+def parse_variant(text: str) -> tuple[str, float | None, str]:
+    """``label=budget:dtype`` -> (label, share of the feature bytes or None = all, dtype)."""
+    label, _, spec = text.partition("=")
+    budget, _, dtype = spec.partition(":")
+    if not label or dtype not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"bad variant {text!r} (label=budget:dtype, dtype fp32/fp16/bf16)")
+    return label, None if budget == "all" else float(budget), dtype
+
+
+def write_config(path: Path, scale: float, cache_bytes: int, dtype: str = "fp32") -> None:
+    """A copy of the bench config with the feature budget, storage dtype and graph scale set."""
     cfg = yaml.safe_load(BASE_CONFIG.read_text())
     cfg["graph"]["synthetic_scale"] = scale
     cfg["inference"]["gpu_cache_bytes"] = int(cache_bytes)
+    cfg.setdefault("features", {})["storage_dtype"] = dtype
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -73,21 +92,30 @@ def run_daemon(label: str, cfg_path: Path, out: Path, args: argparse.Namespace) 
     return json.loads(out.read_text())
 
 
-def daemon_rows(runs: dict[str, dict | None]) -> list[dict]:
-    """Per workload: the best point under the p99 bound of each variant and the ratio."""
+def daemon_rows(runs: dict[str, dict | None], p99_ms: float = 10.0) -> list[dict]:
+    """Per workload: each variant's best point under the p99 bound, its seeds/s where p99
+    crosses the bound, and the ratios to all-GPU (and to all-GPU of the same storage dtype)."""
     rows = []
     for w in ("a", "b"):
         row: dict[str, Any] = {"workload": w}
         for label, res in runs.items():
             s = next((x for x in (res or {}).get("summary", []) if x["workload"] == w), None)
             d = s["daemon"] if s else None
+            points = [p for p in (res or {}).get("daemon", []) if p["workload"] == w]
             row[label] = None if d is None else {
                 "seeds_per_s": d["seeds_per_s"], "p99_ms": d["p99_ms"], "callers": d["callers"],
-                "mean_batch_seeds": d["mean_batch_seeds"], "within_bound": s["within_bound"]}
-        a, b = row.get("all-gpu"), row.get("20%")
-        row["ratio"] = b["seeds_per_s"] / a["seeds_per_s"] if a and b else None
+                "mean_batch_seeds": d["mean_batch_seeds"], "within_bound": s["within_bound"],
+                "at_bound": at_bound(points, p99_ms) if points else 0.0}
+        row["ratio"] = _ratio(row.get("20%"), row.get("all-gpu"), "seeds_per_s")
+        row["ratios_at_bound"] = {label: _ratio(row.get(label), row.get(
+            "all-gpu-fp16" if label.endswith("fp16") and "all-gpu-fp16" in row else "all-gpu"),
+            "at_bound") for label in runs if not label.startswith("all-gpu")}
         rows.append(row)
     return rows
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    return a[key] / b[key] if a and b and b[key] else None
 
 
 def engine_ratios(runs: dict[str, dict | None]) -> list[dict]:
@@ -134,11 +162,12 @@ def e2e_section(graph: Any, dev: torch.device, args: argparse.Namespace, tmp: Pa
     budget = int(args.budget * feat_bytes)
     partial.update(feature_bytes=feat_bytes, budget_bytes=budget, runs={})
     runs = {}
-    for label, cache_bytes in (("all-gpu", ALL_GPU_BYTES), ("20%", budget)):
-        cfg_path = tmp / f"bench_reddit_{label.strip('%')}.yaml"
-        write_config(cfg_path, args.scale, cache_bytes)
-        runs[label] = v = run_daemon(label, cfg_path, tmp / f"pipeline_{label.strip('%')}.json",
-                                     args)
+    for label, share, dtype in map(parse_variant, args.variants):
+        cache_bytes = ALL_GPU_BYTES if share is None else int(share * feat_bytes)
+        name = label.replace("%", "pct")
+        cfg_path = tmp / f"bench_reddit_{name}.yaml"
+        write_config(cfg_path, args.scale, cache_bytes, dtype)
+        runs[label] = v = run_daemon(label, cfg_path, tmp / f"pipeline_{name}.json", args)
         partial["runs"][label] = v and {"summary": v.get("summary"), "meta": v.get("meta"),
                                         "engine": v.get("engine"), "daemon": v.get("daemon")}
     partial["rows"] = rows = daemon_rows(runs)
@@ -172,6 +201,26 @@ def print_e2e(section: dict) -> None:
     ratios = ", ".join(f"{r['workload']} {r['batch_seeds']}: {r['ratio']:.2f}"
                        for r in section.get("engine_ratio", []))
     print(f"engine core driven directly, 20% / all-GPU: {ratios or '-'}")
+    print_variants(section)
+
+
+def print_variants(section: dict) -> None:
+    """Every variant: seeds/s where p99 crosses the bound, and the best point under it."""
+    rows = section.get("rows", [])
+    labels = [k for k in (rows[0] if rows else {}) if k not in
+              ("workload", "ratio", "ratios_at_bound", "bus")]
+    print("\n| workload | variant | seeds/s at p99 = 10 ms | best point (p99 ms, callers) | "
+          "vs all-GPU (same dtype) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        for label in labels:
+            d = r.get(label)
+            ratio = r["ratios_at_bound"].get(label)
+            best = (f"{d['seeds_per_s']:,.0f} ({d['p99_ms']:.1f}, {d['callers']})"
+                    if d else "failed")
+            print(f"| {r['workload']} | {label} | {d['at_bound']:,.0f} | {best} | "
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} |" if d else
+                  f"| {r['workload']} | {label} | failed | - | - |")
 
 
 def parse_args() -> argparse.Namespace:
@@ -193,6 +242,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model-batches", type=int, default=1,
                     help="read-model batches of 1,024 seeds (CPU; the dev box's full-scale "
                          "figures used 3)")
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                    help="daemons to run: label=budget:dtype (budget: share of the feature "
+                         "bytes, or all); all-gpu and 20%% are the first table's pair")
     ap.add_argument("--sections", nargs="+", default=["adjacency", "e2e"],
                     choices=["adjacency", "e2e"])
     ap.add_argument("--out", type=Path)

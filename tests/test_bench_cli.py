@@ -124,3 +124,36 @@ def test_routing_bench_reads_throughput_where_p99_crosses_the_bound() -> None:
     assert out["at_bound"] == [pytest.approx(1.8e6), 0.0, pytest.approx(1.5e6)]
     assert out["at_bound_median"] == pytest.approx(1.5e6)
     assert out["best"]["seeds_per_s"] == pytest.approx(1.5e6)  # the median round's best point
+
+
+def test_feature_bench_variants_and_their_ratios() -> None:
+    """``bench/features_e2e.py``: variants parse (budget share or all, storage dtype), and each
+    20% variant is compared at the bound with the all-GPU daemon of its own storage dtype."""
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    import features_e2e as fe
+
+    assert fe.parse_variant("20%-fp16=0.2:fp16") == ("20%-fp16", 0.2, "fp16")
+    assert fe.parse_variant("all-gpu=all:fp32") == ("all-gpu", None, "fp32")
+    with pytest.raises(ValueError, match="label=budget:dtype"):
+        fe.parse_variant("x=0.2:int8")
+
+    def run(rate: float) -> dict:
+        points = [{"workload": w, "callers": c, "seeds_per_s": rate * c, "p99_ms": p99,
+                   "errors": {}} for w in ("a", "b") for c, p99 in ((10, 5.0), (20, 15.0))]
+        summary = [{"workload": w, "within_bound": True, "daemon": {
+            "seeds_per_s": rate * 10, "p99_ms": 5.0, "callers": 10, "mean_batch_seeds": 480}}
+            for w in ("a", "b")]
+        return {"summary": summary, "daemon": points}
+
+    runs = {"all-gpu": run(1000.0), "20%": run(400.0), "20%-fp16": run(600.0),
+            "all-gpu-fp16": run(800.0)}
+    rows = fe.daemon_rows(runs)
+    assert rows[0]["all-gpu"]["at_bound"] == pytest.approx(15000.0)  # halfway to 20 callers
+    assert rows[0]["ratio"] == pytest.approx(0.4)
+    assert rows[0]["ratios_at_bound"] == {"20%": pytest.approx(0.4),
+                                          "20%-fp16": pytest.approx(0.75)}  # 600 / 800
