@@ -29,7 +29,8 @@ from quiver_serve.features.adjacency import build_adjacency_cache, expansion_sco
 from quiver_serve.features.adjacency_reads import served_shares
 
 #: name: (index_bits, score cost); None = the fewest bits that hold the node ids
-LAYOUTS = {"int64": (64, "reads_any_hop"), "int32": (32, "sectors"), "packed": (None, "sectors")}
+LAYOUTS = {"int64": (64, "reads_any_hop"), "int32": (32, "sectors"), "packed": (None, "sectors"),
+           "ef": (0, "sectors")}  # ef: Elias-Fano (features/elias_fano.py)
 #: more (layout, score) pairs for the read model alone (``--layouts``): which change does what
 EXTRA_LAYOUTS = {"int64-sectors": (64, "sectors"), "packed-reads_any_hop": (None, "reads_any_hop"),
                  "packed-reads": (None, "reads")}

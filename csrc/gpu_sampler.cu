@@ -27,6 +27,12 @@
 typedef long long i64;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+// Elias-Fano adjacency cache offsets (features/elias_fano.py): block word | l << EF_L_SHIFT
+#define EF_L_SHIFT 58
+#define EF_OFFSET_MASK ((1LL << EF_L_SHIFT) - 1)
+// ... and lists of fewer than 2^27 entries (the host caches no longer one in this layout)
+#define EF_DEG_BITS 27
+#define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
 
 #ifndef SAMPLER_THREADS
 #define SAMPLER_THREADS 1024
@@ -207,17 +213,43 @@ __device__ void grid_carry(const i64* block_sums, i64 mine, i64* carry, i64* tot
 // same way) rather than a template per layout: two copies of expand_node spilled more.
 struct ListReader {
     const void* base;
-    u32 bits;
+    u32 bits;  // 64, 1-32, or 0: one Elias-Fano list (base: its block; see ef_entry)
+    u32 ef;    // Elias-Fano: the list's length | l << EF_DEG_BITS
     __device__ __forceinline__ i64 operator[](i64 q) const {
         if (bits == 64) {
             const i64* __restrict__ entries = (const i64*)base;
             return entries[q];
         }
+        if (bits == 0) return ef_entry((const u32*)base, ef >> EF_DEG_BITS, ef & EF_DEG_MASK, (u32)q);
         const u32* __restrict__ words = (const u32*)base;
         const u64 bit = (u64)q * bits;
         const u64 j = bit >> 5;
         const u64 window = ((u64)words[j + 1] << 32) | (u64)words[j];
         return (i64)((window >> (bit & 31)) & ((1ull << bits) - 1ull));
+    }
+    // Entry q of an Elias-Fano list (features/elias_fano.py): block = [ceil(deg/64) samples |
+    // ceil(deg*l/32) low-bit words | upper bits]. The high part is the position of set bit q of
+    // the upper bits minus q, found from the sample of q's group of 64 (the position of its
+    // first set bit) by a short scan; the low l bits are packed as in the layout above.
+    static __device__ __forceinline__ i64 ef_entry(const u32* __restrict__ w, u32 l, u32 d, u32 q) {
+        const u32 num_samples = (d + 63) >> 6;
+        const u32 num_low = (u32)(((u64)d * l + 31) >> 5);
+        const u32* __restrict__ upper = w + num_samples + num_low;
+        const u32 pos = w[q >> 6];
+        u32 need = q & 63;  // set bits to pass after the sample's own
+        u32 wi = pos >> 5;
+        u32 word = upper[wi] & (~0u << (pos & 31));
+        for (u32 c = __popc(word); need >= c; c = __popc(word)) {
+            need -= c;
+            word = upper[++wi];
+        }
+        for (; need; --need) word &= word - 1;
+        const u64 high = (u64)((wi << 5) + (u32)(__ffs(word) - 1) - q);
+        if (l == 0) return (i64)high;
+        const u64 bit = (u64)q * l;
+        const u32* __restrict__ low = w + num_samples;
+        const u64 window = ((u64)low[(bit >> 5) + 1] << 32) | (u64)low[bit >> 5];
+        return (i64)((high << l) | ((window >> (bit & 31)) & ((1ull << l) - 1ull)));
     }
 };
 
@@ -461,10 +493,17 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
             const i64* front_csc = P_FRONT_CSC;
             const i64 start = LOAD(front_csc + 2 * i);  // < 0: in the adjacency cache
             const bool cached = start < 0;
-            const ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
-                                  cached ? (u32)P_CACHE_BITS : 64u};
-            expand_node(list, LOAD(frontier + i), cached ? -start - 1 : start,
-                        LOAD(front_csc + 2 * i + 1), k, hop, (u32)P_BASE, (int)(front_lo + i),
+            const i64 deg = LOAD(front_csc + 2 * i + 1);
+            const u32 cache_bits = (u32)P_CACHE_BITS;
+            i64 first = cached ? -start - 1 : start;
+            ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
+                            cached ? cache_bits : 64u, 0u};
+            if (cached && cache_bits == 0) {  // Elias-Fano: the offset is the block, l above it
+                list.base = (const u32*)P_CACHE_INDICES + (first & EF_OFFSET_MASK);
+                list.ef = (u32)deg | ((u32)(first >> EF_L_SHIFT) << EF_DEG_BITS);
+                first = 0;
+            }
+            expand_node(list, LOAD(frontier + i), first, deg, k, hop, (u32)P_BASE, (int)(front_lo + i),
                         carry + LOAD(P_FRONT_OFF + i), P_EDGES + edges_before,
                         P_COL_BUF + edges_before, P_STATE, lane);
         }

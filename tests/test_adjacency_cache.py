@@ -13,13 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from quiver_serve.config import GraphConfig
+from quiver_serve.features import elias_fano
 from quiver_serve.features.adjacency import (
+    EF_BITS,
     EXTRA_BYTES,
     FIXED_BYTES_PER_NODE,
     AdjacencyCache,
     build_adjacency_cache,
+    cached_neighbours,
     expansion_scores,
     expansion_sectors,
     id_bits,
@@ -84,7 +88,7 @@ def test_budget_holds_and_narrower_entries_cache_more_lists(graph, index_bits) -
 
 def test_bad_index_bits_are_refused(graph) -> None:
     scores = torch.ones(graph.num_nodes)
-    for bits in (0, id_bits(graph.num_nodes) - 1, 33, 48):
+    for bits in (-1, id_bits(graph.num_nodes) - 1, 33, 48):  # 0: Elias-Fano
         with pytest.raises(ValueError, match="index_bits"):
             build_adjacency_cache(graph.indptr, graph.indices, scores, 1 << 30, CPU, bits)
     with pytest.raises(ValueError, match="cost"):
@@ -155,6 +159,10 @@ typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __popc __builtin_popcount
+#define __ffs __builtin_ffs
+#define EF_DEG_BITS 27
+#define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
 %s
 int main() {  // stdin: bits, #words, #entries, the words, the expected entries
     unsigned bits; long nw, ne;
@@ -162,7 +170,7 @@ int main() {  // stdin: bits, #words, #entries, the words, the expected entries
     std::vector<int> w(nw); std::vector<i64> want(ne);
     for (auto& x : w) if (scanf("%%d", &x) != 1) return 2;
     for (auto& x : want) if (scanf("%%lld", &x) != 1) return 2;
-    const ListReader r{(const void*)w.data(), bits};
+    const ListReader r{(const void*)w.data(), bits, 0u};
     long bad = 0;
     for (long q = 0; q < ne; ++q) bad += r[q] != want[q];
     printf("%%ld\n", bad);
@@ -196,3 +204,115 @@ def test_the_kernels_list_reader_decodes_packed_lists(tmp_path) -> None:
         run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, timeout=60,
                              check=True)
         assert run.stdout.strip() == "0", f"{bits} bits: {run.stdout.strip()} entries differ"
+
+
+_EF_READER_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __popc __builtin_popcount
+#define __ffs __builtin_ffs
+#define EF_DEG_BITS 27
+#define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
+%s
+int main() {  // stdin: #words, the words, #lists, then per list: word offset, l, deg, entries
+    long nw, nl;
+    if (scanf("%%ld", &nw) != 1) return 2;
+    std::vector<int> w(nw);
+    for (auto& x : w) if (scanf("%%d", &x) != 1) return 2;
+    if (scanf("%%ld", &nl) != 1) return 2;
+    long bad = 0;
+    for (long i = 0; i < nl; ++i) {
+        long off; unsigned l, d;
+        if (scanf("%%ld %%u %%u", &off, &l, &d) != 3) return 2;
+        const ListReader r{(const void*)(w.data() + off), 0u, d | (l << EF_DEG_BITS)};
+        for (unsigned q = 0; q < d; ++q) {
+            i64 want;
+            if (scanf("%%lld", &want) != 1) return 2;
+            bad += r[q] != want;
+        }
+    }
+    printf("%%ld\n", bad);
+    return 0;
+}
+"""
+
+
+def sorted_csc(num_lists: int, num_nodes: int, max_deg: int, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    deg = torch.randint(0, max_deg + 1, (num_lists,), generator=g)
+    deg[:3] = torch.tensor([0, 1, min(2 * num_nodes, 3 * max_deg)])  # empty, one, > U entries
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(deg, 0)])
+    indices = torch.randint(0, num_nodes, (int(deg.sum()),), generator=g)
+    indices[:3] = num_nodes - 1
+    for v in range(num_lists):  # sorted by id within each list, as graph/csc.py keeps them
+        a, b = int(indptr[v]), int(indptr[v + 1])
+        indices[a:b] = indices[a:b].sort().values
+    return indptr, indices
+
+
+@pytest.mark.parametrize("num_nodes", [300, 1000, 232_965, 3_000_000])
+def test_elias_fano_lists_decode_to_the_host_entries(num_nodes: int) -> None:
+    """Elias-Fano blocks (``index_bits=0``) decode to every list exactly: empty lists, one
+    entry, lists longer than the id range (l = 0), and every width of low bits."""
+    indptr, indices = sorted_csc(300, num_nodes, 300, num_nodes)
+    nodes = torch.arange(0, 300)
+    full = torch.cat([indptr, indptr[-1].repeat(num_nodes - 300)])  # ids up to num_nodes
+    offsets, words = elias_fano.pack(full, indices, nodes, num_nodes)
+    assert elias_fano.is_sorted(full, indices, nodes)
+    for v in range(300):
+        want = indices[int(indptr[v]):int(indptr[v + 1])]
+        got = elias_fano.decode_list(words, int(offsets[v]), want.numel(), num_nodes)
+        assert torch.equal(got, want), v
+    deg = indptr[1:] - indptr[:-1]
+    assert int(words.numel()) * 32 <= int(elias_fano.list_bits(deg, num_nodes).sum()) + 32
+
+
+def test_elias_fano_needs_sorted_lists_and_saves_bits(graph) -> None:
+    """A cache asked for Elias-Fano on unsorted lists falls back to packed entries; on sorted
+    ones it holds more lists than the packed layout in the same budget."""
+    scores = expansion_scores(graph.indptr, graph.indices, [5, 3], 64)
+    budget = FIXED_BYTES_PER_NODE * graph.num_nodes + EXTRA_BYTES + graph.num_edges
+    ef = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, CPU, EF_BITS)
+    packed = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, CPU)
+    assert ef.index_bits == EF_BITS and ef.num_cached > packed.num_cached
+    assert ef.nbytes <= budget
+    for v in torch.nonzero(ef.offsets >= 0).view(-1)[:200].tolist():
+        want = graph.indices[int(graph.indptr[v]):int(graph.indptr[v + 1])]
+        assert torch.equal(cached_neighbours(ef, graph.indices, v), want)
+    shuffled = graph.indices.clone()
+    a, b = int(graph.indptr[int(ef.offsets.argmax())]), int(graph.indptr[int(ef.offsets.argmax()) + 1])
+    shuffled[a:b] = shuffled[a:b].flip(0)
+    if b - a > 1 and not torch.equal(shuffled[a:b], graph.indices[a:b]):
+        fallback = build_adjacency_cache(graph.indptr, shuffled, scores, budget, CPU, EF_BITS)
+        assert fallback.index_bits == id_bits(graph.num_nodes)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_kernels_list_reader_decodes_elias_fano_lists(tmp_path) -> None:
+    """The kernel's ``ListReader`` (compiled for the CPU) selects every entry of every
+    Elias-Fano list ``elias_fano.pack`` writes: the device half of the bit-identity."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu").read_text()
+    reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
+    assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
+    (tmp_path / "reader.cpp").write_text(_EF_READER_HARNESS % reader.group(0))
+    exe = tmp_path / "reader"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(tmp_path / "reader.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    for num_nodes in (300, 5000, 232_965, 3_000_000):
+        indptr, indices = sorted_csc(300, num_nodes, 400, num_nodes + 1)
+        full = torch.cat([indptr, indptr[-1].repeat(num_nodes - 300)])
+        nodes = torch.arange(0, 300, 2)
+        offsets, words = elias_fano.pack(full, indices, nodes, num_nodes)
+        lines = [f"{words.numel()}", " ".join(map(str, words.tolist())), f"{nodes.numel()}"]
+        for v in nodes.tolist():
+            code = int(offsets[v])
+            want = indices[int(indptr[v]):int(indptr[v + 1])]
+            lines.append(f"{code & elias_fano.OFFSET_MASK} {code >> elias_fano.L_SHIFT} "
+                         f"{want.numel()} {' '.join(map(str, want.tolist()))}")
+        run = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
+                             text=True, timeout=60, check=True)
+        assert run.stdout.strip() == "0", f"{num_nodes} nodes: {run.stdout.strip()} differ"

@@ -280,7 +280,7 @@ def test_engine_replaces_from_its_request_log_and_keeps_serving(cora: GraphData)
 
 
 # ---- adjacency cache (CPU twin of what the sampler kernel reads) ----------------------------
-@pytest.mark.parametrize("index_bits", [None, 32, 64])
+@pytest.mark.parametrize("index_bits", [None, 32, 64, 0])  # 0: Elias-Fano
 @pytest.mark.parametrize("share", [0.0, 0.1, 1.0])
 def test_adjacency_cache_maps_every_node_to_its_own_list(cora: GraphData, share: float,
                                                          index_bits: int | None) -> None:

@@ -113,7 +113,8 @@ def test_partition_over_two_gpus_reads_the_peer() -> None:
 
 
 # ---- adjacency cache ------------------------------------------------------------------------
-@pytest.mark.parametrize("index_bits", [None, 32, 64])  # packed at the fewest bits, int32, int64
+# packed at the fewest bits, int32, int64, Elias-Fano
+@pytest.mark.parametrize("index_bits", [None, 32, 64, 0])
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.3, 1.0])
 def test_sampling_with_the_adjacency_cache_is_bit_identical(share: float,
                                                             index_bits: int | None) -> None:
@@ -127,6 +128,7 @@ def test_sampling_with_the_adjacency_cache_is_bit_identical(share: float,
                                   index_bits)
     assert cache is not None and cache.nbytes <= budget
     assert (cache.num_cached == 0) == (share == 0.0)
+    assert cache.index_bits == (index_bits if index_bits is not None else cache.index_bits)
     plain = UvaSampler(indptr, indices, device=0)
     cached = UvaSampler(indptr, indices, device=0, adjacency_cache=cache)
     device = CudaSampler(indptr, indices, device=0)

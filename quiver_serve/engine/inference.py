@@ -67,17 +67,19 @@ def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -
     budget = cfg.sampling.gpu_graph_cache_bytes
     if budget <= 0:
         return None
-    from quiver_serve.features.adjacency import build_adjacency_cache, expansion_scores
+    from quiver_serve.features.adjacency import EF_BITS, build_adjacency_cache, expansion_scores
 
     scores = expansion_scores(graph.indptr, graph.indices, cfg.sampling.fanouts,
                               cfg.features.fap_batch_size)
-    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device)
+    layout = EF_BITS if cfg.sampling.graph_cache_layout == "elias_fano" else None
+    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device, layout)
     if cache is None:
         log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
                     "per node): no adjacency cache", budget)
     else:
-        log.info("adjacency cache: %d of %d neighbour lists (%d bits per entry), %d bytes on %s",
-                 cache.num_cached, graph.num_nodes, cache.index_bits, cache.nbytes, device)
+        log.info("adjacency cache: %d of %d neighbour lists (%s), %d bytes on %s",
+                 cache.num_cached, graph.num_nodes, "Elias-Fano" if cache.index_bits == EF_BITS
+                 else f"{cache.index_bits} bits per entry", cache.nbytes, device)
     return cache
 
 

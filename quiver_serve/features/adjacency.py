@@ -9,7 +9,8 @@ probability per hop times the sectors one expansion reads; :func:`expansion_scor
 
 The lists are bit-packed: ``index_bits`` bits per entry, by default the fewest that hold every
 node id (18 on a Reddit-sized graph), in little-endian 32-bit words; the kernel reads an entry
-as a 64-bit window of two neighbouring words. On a graph whose expansions touch a small share of
+as a 64-bit window of two neighbouring words. ``index_bits=0`` stores them as Elias-Fano
+(``elias_fano.py``: about ``log2(U / deg) + 2.5`` bits per entry, ~10.5 on Reddit). On a graph whose expansions touch a small share of
 long lists (Reddit: 10 of ~500 entries per hop-2 expansion), the bus requests a budget absorbs
 grow with the number of entries it holds, so 18-bit entries cache 3.6x the lists of the int64
 CSC (``index_bits=64``, the first layout, kept for comparisons). The entries are the host's
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quiver_serve.features import elias_fano
 from quiver_serve.graph.access import access_probability
 
 #: bytes per node of the cache's fixed part: indptr and the offset
@@ -34,6 +36,8 @@ FIXED_BYTES_PER_NODE = 16
 #: word the kernel's two-word read of the last packed entry may touch
 EXTRA_BYTES = 24
 ENTRIES_PER_CHUNK = 1 << 24
+#: ``index_bits`` of the Elias-Fano layout
+EF_BITS = 0
 _WORD_MASK = 0xFFFFFFFF
 
 
@@ -116,7 +120,11 @@ def plan_adjacency_cache(indptr: Tensor, scores: Tensor, budget_bytes: int,
     deg = indptr[1:] - indptr[:-1]
     order = torch.sort(scores, descending=True, stable=True).indices
     order = order[deg[order] > 0]
-    fits = torch.cumsum(deg[order], 0) * index_bits <= room_bits
+    if index_bits == EF_BITS:
+        order = order[deg[order] < elias_fano.MAX_DEG]
+    cost = elias_fano.list_bits(deg[order], num_nodes) if index_bits == EF_BITS \
+        else deg[order] * index_bits
+    fits = torch.cumsum(cost, 0) <= room_bits
     return order[:int(fits.sum())]
 
 
@@ -125,6 +133,8 @@ def pack_lists(indptr: Tensor, indices: Tensor, nodes: Tensor,
     """(offsets per node, the lists of ``nodes`` packed), host tensors: int64 entries when
     ``index_bits`` is 64, else ``index_bits``-bit entries in int32 words plus one padding word."""
     num_nodes = indptr.numel() - 1
+    if index_bits == EF_BITS:
+        return elias_fano.pack(indptr, indices, nodes, num_nodes)
     deg = indptr[1:] - indptr[:-1]
     sizes = deg[nodes]
     starts = torch.cumsum(sizes, 0) - sizes
@@ -158,6 +168,8 @@ def _as_int32_words(words: Tensor) -> Tensor:
 
 def unpack_entries(cache: AdjacencyCache, first: int, count: int) -> Tensor:
     """Entries ``[first, first + count)`` of the packed lists, int64 (the kernel's read)."""
+    if cache.index_bits == EF_BITS:
+        raise ValueError("Elias-Fano lists are read per list (cached_neighbours)")
     if cache.index_bits == 64:
         return cache.indices[first:first + count].to(torch.int64)
     pos = torch.arange(first, first + count, device=cache.indices.device)
@@ -173,6 +185,9 @@ def cached_neighbours(cache: AdjacencyCache, host_indices: Tensor, v: int) -> Te
     twin of ``plan_frontier``/``expand_node``'s choice)."""
     start, end = int(cache.indptr[v]), int(cache.indptr[v + 1])
     off = int(cache.offsets[v])
+    if off >= 0 and cache.index_bits == EF_BITS:
+        return elias_fano.decode_list(cache.indices.cpu(), off, end - start,
+                                      cache.offsets.numel())
     if off >= 0:
         return unpack_entries(cache, off, end - start)
     return host_indices[start:end]
@@ -182,16 +197,20 @@ def build_adjacency_cache(indptr: Tensor, indices: Tensor, scores: Tensor, budge
                           device: torch.device, index_bits: int | None = None
                           ) -> AdjacencyCache | None:
     """The cache on ``device`` within ``budget_bytes`` (None: not even the fixed part fits).
-    ``index_bits``: bits per cached entry, 1-32 or 64 (None: :func:`id_bits`, the fewest)."""
+    ``index_bits``: bits per cached entry, 1-32 or 64, or 0 (``EF_BITS``): Elias-Fano, which
+    needs sorted lists (else the fewest bits are used); None: :func:`id_bits`, the fewest."""
     num_nodes = indptr.numel() - 1
     need = id_bits(num_nodes)
     bits = need if index_bits is None else int(index_bits)
-    if bits != 64 and not need <= bits <= 32:
-        raise ValueError(f"index_bits must be 64 or in [{need}, 32] (node ids of {num_nodes} "
-                         f"nodes need {need} bits), got {index_bits}")
+    if bits not in (64, EF_BITS) and not need <= bits <= 32:
+        raise ValueError(f"index_bits must be 64, 0 (Elias-Fano) or in [{need}, 32] (node ids of "
+                         f"{num_nodes} nodes need {need} bits), got {index_bits}")
     if budget_bytes < FIXED_BYTES_PER_NODE * num_nodes + EXTRA_BYTES:
         return None
     nodes = plan_adjacency_cache(indptr, scores, budget_bytes, bits)
+    if bits == EF_BITS and not elias_fano.is_sorted(indptr, indices, nodes):
+        bits = need  # a list not sorted by id: the packed layout
+        nodes = plan_adjacency_cache(indptr, scores, budget_bytes, bits)
     offsets, packed = pack_lists(indptr, indices, nodes, bits)
     if packed.numel() == 0:
         packed = torch.zeros(1, dtype=packed.dtype)  # a valid pointer
