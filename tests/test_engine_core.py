@@ -302,3 +302,23 @@ def test_route_auto_measures_an_unchosen_path_again_when_it_is_close() -> None:
     assert never.explored == 0
     fixed = EngineRouter("local", cost)  # a fixed mode never explores
     assert {fixed.decide(close).route for _ in range(2 * EXPLORE_EVERY)} == {"local"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uva_engine_with_an_elias_fano_adjacency_cache_answers_as_device_sampling(
+        cora: GraphData) -> None:
+    """``sampling.gpu_mode: uva`` with the default adjacency cache layout (Elias-Fano) within
+    ``gpu_graph_cache_bytes``: seeded batches give the rows device-resident sampling gives."""
+    budget = 16 * cora.num_nodes + 24 + cora.indices.numel() * 2  # about a quarter of int64
+    uva = make_core(cora, "cuda", sampling__gpu_mode="uva", sampling__gpu_graph_cache_bytes=budget,
+                    sampling__route="gpu")
+    cache = uva.gpu_sampler.adjacency_cache
+    assert cache is not None and cache.index_bits == 0 and cache.num_cached > 0
+    device = make_core(cora, "cuda", sampling__gpu_mode="device", sampling__route="gpu")
+    rng = np.random.default_rng(1)
+    requests = [rng.integers(0, cora.num_nodes, 300).tolist() for _ in range(4)]
+    got = [run(core, *[mb(i, [r], seed=77 + i) for i, r in enumerate(requests)])
+           for core in (uva, device)]
+    for i in range(len(requests)):
+        np.testing.assert_allclose(got[0][i].rows, got[1][i].rows, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,8 @@ for the CPU against it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -76,9 +78,11 @@ def is_sorted(indptr: Tensor, indices: Tensor, nodes: Tensor) -> bool:
     return True
 
 
-def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
+def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int,
+         progress: bool = True) -> tuple[Tensor, Tensor]:
     """(offsets per node with ``l`` in the high bits, the blocks of ``nodes`` as int32 words plus
-    one padding word); the lists must be sorted (:func:`is_sorted`)."""
+    one padding word); the lists must be sorted (:func:`is_sorted`). A progress bar when the
+    lists hold more than one chunk of entries (~10 s for Reddit's 115 M on one core)."""
     deg = (indptr[1:] - indptr[:-1])[nodes]
     samples, low, upper = block_words(deg, num_nodes)
     ell = low_bits(deg, num_nodes)
@@ -90,6 +94,7 @@ def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int) -> tupl
     words = torch.zeros(total_words + 1, dtype=torch.int64)
     first_entry = torch.cumsum(deg, 0) - deg
     total = int(deg.sum())
+    bar = _bar(total, progress and total > ENTRIES_PER_CHUNK)
     for lo in range(0, total, ENTRIES_PER_CHUNK):
         e = torch.arange(lo, min(total, lo + ENTRIES_PER_CHUNK))
         li = torch.searchsorted(first_entry, e, right=True) - 1  # the entry's list
@@ -104,7 +109,21 @@ def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int) -> tupl
                   v & ((torch.ones_like(l_e) << l_e) - 1), l_e)
         bit = (block[li] + samples[li] + low[li]) * 32 + high_pos
         words.index_add_(0, bit >> 5, torch.ones_like(bit) << (bit & 31))
+        if bar is not None:
+            bar.update(int(e.numel()))
+    if bar is not None:
+        bar.close()
     return offsets, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _bar(total: int, show: bool) -> Any:
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="entry", unit_scale=True, desc="adjacency cache (Elias-Fano)")
 
 
 def _add_bits(words: Tensor, bit: Tensor, value: Tensor, width: Tensor) -> None:
