@@ -9,12 +9,14 @@ probability per hop times the sectors one expansion reads; :func:`expansion_scor
 
 The lists are bit-packed: ``index_bits`` bits per entry, by default the fewest that hold every
 node id (18 on a Reddit-sized graph), in little-endian 32-bit words; the kernel reads an entry
-as a 64-bit window of two neighbouring words. ``index_bits=0`` stores them as Elias-Fano
-(``elias_fano.py``: about ``log2(U / deg) + 2.5`` bits per entry, ~10.5 on Reddit). On a graph whose expansions touch a small share of
+as a 64-bit window of two neighbouring words. On a graph whose expansions touch a small share of
 long lists (Reddit: 10 of ~500 entries per hop-2 expansion), the bus requests a budget absorbs
 grow with the number of entries it holds, so 18-bit entries cache 3.6x the lists of the int64
-CSC (``index_bits=64``, the first layout, kept for comparisons). The entries are the host's
-values, so sampling with the cache is bit-identical to sampling without it.
+CSC (``index_bits=64``, the first layout, kept for comparisons). ``index_bits=0`` (``EF_BITS``;
+the daemon's default through ``sampling.graph_cache_layout``) stores them as Elias-Fano
+(``elias_fano.py``: about ``log2(U / deg) + 2.5`` bits per entry, ~10.7 on Reddit: every list in
+17% of the int64 CSC). The entries are the host's values, so sampling with the cache is
+bit-identical to sampling without it.
 
 :func:`plan_adjacency_cache`, :func:`pack_lists` and :func:`cached_neighbours` are pure torch
 (the CPU twin of what the kernel reads); :func:`build_adjacency_cache` copies the plan to a GPU.

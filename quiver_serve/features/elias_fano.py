@@ -4,7 +4,7 @@ A node's neighbour list is sorted by id (``graph/csc.py``), so it can be stored 
 for a list of ``d`` ids below ``U`` (the node count), each id keeps its ``l = floor(log2(U / d))``
 low bits in a packed array and its high part ``v >> l`` as one set bit at position
 ``(v >> l) + i`` of an upper bit array of ``d + (U >> l)`` bits: about ``l + 2`` bits per entry
-instead of the packed layout's ``ceil(log2 U)`` (Reddit: ~10.5 vs 18 bits at its mean degree of
+instead of the packed layout's ``ceil(log2 U)`` (Reddit: ~10.7 vs 18 bits at its mean degree of
 ~490), so one budget holds ~1.7x the lists.
 
 The sampler draws entries at random positions, so each read is a select: entry ``i``'s high part
