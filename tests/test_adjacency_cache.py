@@ -316,3 +316,18 @@ def test_the_kernels_list_reader_decodes_elias_fano_lists(tmp_path) -> None:
         run = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
                              text=True, timeout=60, check=True)
         assert run.stdout.strip() == "0", f"{num_nodes} nodes: {run.stdout.strip()} differ"
+
+
+def test_elias_fano_sortedness_check_reads_in_chunks(monkeypatch) -> None:
+    """``is_sorted`` looks only at the lists it is given, chunk boundaries included."""
+    monkeypatch.setattr(elias_fano, "ENTRIES_PER_CHUNK", 7)
+    indptr, indices = sorted_csc(200, 1000, 20, 3)
+    nodes = torch.randperm(200, generator=torch.Generator().manual_seed(3))
+    assert elias_fano.is_sorted(indptr, indices, nodes)
+    deg = indptr[1:] - indptr[:-1]
+    v = int(torch.nonzero(deg > 3)[5])
+    a, b = int(indptr[v]), int(indptr[v + 1])
+    bad = indices.clone()
+    bad[a:b] = torch.arange(b - a, 0, -1)  # strictly decreasing
+    assert not elias_fano.is_sorted(indptr, bad, nodes)
+    assert elias_fano.is_sorted(indptr, bad, nodes[nodes != v])

@@ -58,23 +58,28 @@ def list_bits(deg: Tensor, num_nodes: int) -> Tensor:
 
 
 def is_sorted(indptr: Tensor, indices: Tensor, nodes: Tensor) -> bool:
-    """Whether every list of ``nodes`` is non-decreasing (what Elias-Fano needs)."""
+    """Whether every list of ``nodes`` is non-decreasing (what Elias-Fano needs); reads the
+    lists in chunks of about ``ENTRIES_PER_CHUNK`` entries."""
     deg = indptr[1:] - indptr[:-1]
-    for lo in range(0, int(nodes.numel()), 1 << 16):
-        part = nodes[lo:lo + (1 << 16)]
-        sizes = deg[part]
-        total = int(sizes.sum())
-        if total == 0:
-            continue
-        first = torch.cumsum(sizes, 0) - sizes
-        pos = torch.repeat_interleave(indptr[part] - first, sizes, output_size=total) \
-            + torch.arange(total)
-        values = indices[pos]
-        steps = values[1:] - values[:-1]
-        starts = torch.zeros(total, dtype=torch.bool)
-        starts[first[sizes > 0]] = True
-        if bool(((steps < 0) & ~starts[1:]).any()):
-            return False
+    sizes = deg[nodes]
+    ends = torch.cumsum(sizes, 0)
+    lo = 0
+    while lo < int(nodes.numel()):
+        # the lists up to the chunk's entry budget (at least one)
+        hi = max(lo + 1, int(torch.searchsorted(ends, int(ends[lo] - sizes[lo])
+                                                + ENTRIES_PER_CHUNK, right=True)))
+        part, part_sizes = nodes[lo:hi], sizes[lo:hi]
+        total = int(part_sizes.sum())
+        if total > 1:
+            first = torch.cumsum(part_sizes, 0) - part_sizes
+            pos = torch.repeat_interleave(indptr[part] - first, part_sizes, output_size=total) \
+                + torch.arange(total)
+            values = indices[pos]
+            starts = torch.zeros(total, dtype=torch.bool)
+            starts[first[part_sizes > 0]] = True
+            if bool(((values[1:] < values[:-1]) & ~starts[1:]).any()):
+                return False
+        lo = hi
     return True
 
 
