@@ -30,7 +30,7 @@ typedef unsigned long long u64;
 // Elias-Fano adjacency cache offsets (features/elias_fano.py): block word | l << EF_L_SHIFT
 #define EF_L_SHIFT 58
 #define EF_OFFSET_MASK ((1LL << EF_L_SHIFT) - 1)
-// ... and lists of fewer than 2^27 entries (the host caches no longer one in this layout)
+// ... and the list's length in 27 bits (the host leaves longer lists out of this layout)
 #define EF_DEG_BITS 27
 #define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
 
@@ -209,8 +209,9 @@ __device__ void grid_carry(const i64* block_sums, i64 mine, i64* carry, i64* tot
 // lists (features/adjacency.py): entry q is `bits` (1-32) bits at bit q * bits of little-endian
 // 32-bit words, read as the 64-bit window of its word and the next (the host pads the array by
 // one word). Holding only the bits node ids need (18 on a Reddit-sized graph) puts 3.6x the
-// lists of int64 in the same GPU memory. One type for both (a branch the whole warp takes the
-// same way) rather than a template per layout: two copies of expand_node spilled more.
+// lists of int64 in the same GPU memory. One type for every layout (a branch the whole warp takes the
+// same way) rather than a template per layout: two copies of expand_node spilled more. bits == 0:
+// an Elias-Fano list (ef_entry).
 struct ListReader {
     const void* base;
     u32 bits;  // 64, 1-32, or 0: one Elias-Fano list (base: its block; see ef_entry)
