@@ -152,7 +152,9 @@ def test_packed_cache_serves_more_of_the_reads(graph) -> None:
     assert empty is not None and empty.num_cached == 0
 
 
-_LIST_READER_HARNESS = r"""
+# The kernel's ``ListReader`` (csrc/gpu_sampler.cu) compiled for the CPU: the CUDA keywords and
+# intrinsics it uses, as host C++.
+_HARNESS_HEAD = r"""
 #include <cstdio>
 #include <vector>
 typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
@@ -164,6 +166,22 @@ typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
 #define EF_DEG_BITS 27
 #define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
 %s
+"""
+
+
+def compile_list_reader(tmp_path: Path, harness: str) -> Path:
+    """``harness`` (with ``%s`` for the struct) around the kernel's ``ListReader``, built with g++."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu").read_text()
+    reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
+    assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
+    (tmp_path / "reader.cpp").write_text(harness % reader.group(0))
+    exe = tmp_path / "reader"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(tmp_path / "reader.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    return exe
+
+
+_LIST_READER_HARNESS = _HARNESS_HEAD + r"""
 int main() {  // stdin: bits, #words, #entries, the words, the expected entries
     unsigned bits; long nw, ne;
     if (scanf("%%u %%ld %%ld", &bits, &nw, &ne) != 3) return 2;
@@ -183,13 +201,7 @@ int main() {  // stdin: bits, #words, #entries, the words, the expected entries
 def test_the_kernels_list_reader_decodes_packed_lists(tmp_path) -> None:
     """The kernel's own ``ListReader`` (csrc/gpu_sampler.cu, compiled for the CPU) reads every
     entry of ``pack_lists``' output at every width: the device half of the bit-identity."""
-    source = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu").read_text()
-    reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
-    assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
-    (tmp_path / "reader.cpp").write_text(_LIST_READER_HARNESS % reader.group(0))
-    exe = tmp_path / "reader"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(tmp_path / "reader.cpp")],
-                   check=True, capture_output=True, timeout=120)
+    exe = compile_list_reader(tmp_path, _LIST_READER_HARNESS)
     for num_nodes, bits in ((2, 1), (7, 3), (5000, 13), (232_965, 18), (3_000_000, 22),
                             (70_000, 32), (70_000, 64)):
         indptr, indices = random_csc(min(num_nodes, 2000), 40)
@@ -206,18 +218,7 @@ def test_the_kernels_list_reader_decodes_packed_lists(tmp_path) -> None:
         assert run.stdout.strip() == "0", f"{bits} bits: {run.stdout.strip()} entries differ"
 
 
-_EF_READER_HARNESS = r"""
-#include <cstdio>
-#include <vector>
-typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __popc __builtin_popcount
-#define __ffs __builtin_ffs
-#define EF_DEG_BITS 27
-#define EF_DEG_MASK ((1u << EF_DEG_BITS) - 1u)
-%s
+_EF_READER_HARNESS = _HARNESS_HEAD + r"""
 int main() {  // stdin: #words, the words, #lists, then per list: word offset, l, deg, entries
     long nw, nl;
     if (scanf("%%ld", &nw) != 1) return 2;
@@ -295,13 +296,7 @@ def test_elias_fano_needs_sorted_lists_and_saves_bits(graph) -> None:
 def test_the_kernels_list_reader_decodes_elias_fano_lists(tmp_path) -> None:
     """The kernel's ``ListReader`` (compiled for the CPU) selects every entry of every
     Elias-Fano list ``elias_fano.pack`` writes: the device half of the bit-identity."""
-    source = (Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu").read_text()
-    reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
-    assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
-    (tmp_path / "reader.cpp").write_text(_EF_READER_HARNESS % reader.group(0))
-    exe = tmp_path / "reader"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(tmp_path / "reader.cpp")],
-                   check=True, capture_output=True, timeout=120)
+    exe = compile_list_reader(tmp_path, _EF_READER_HARNESS)
     for num_nodes in (300, 5000, 232_965, 3_000_000):
         indptr, indices = sorted_csc(300, num_nodes, 400, num_nodes + 1)
         full = torch.cat([indptr, indptr[-1].repeat(num_nodes - 300)])

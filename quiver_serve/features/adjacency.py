@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve.features import elias_fano
+from quiver_serve.features.packing import add_bits, as_int32_words, entry_positions, read_bits
 from quiver_serve.graph.access import access_probability
 
 #: bytes per node of the cache's fixed part: indptr and the offset
@@ -40,7 +41,6 @@ EXTRA_BYTES = 24
 ENTRIES_PER_CHUNK = 1 << 24
 #: ``index_bits`` of the Elias-Fano layout
 EF_BITS = 0
-_WORD_MASK = 0xFFFFFFFF
 
 
 @dataclass
@@ -143,29 +143,18 @@ def pack_lists(indptr: Tensor, indices: Tensor, nodes: Tensor,
     offsets = torch.full((num_nodes,), -1, dtype=torch.int64)
     offsets[nodes] = starts
     total = int(sizes.sum())
-    values = torch.repeat_interleave(indptr[nodes] - starts, sizes, output_size=total)
+    src = entry_positions(indptr, nodes, sizes)
     if index_bits == 64:
         packed = torch.empty(total, dtype=torch.int64)
         for lo in range(0, total, ENTRIES_PER_CHUNK):
             pos = torch.arange(lo, min(total, lo + ENTRIES_PER_CHUNK))
-            packed[pos] = indices[values[pos] + pos]
+            packed[pos] = indices[src[pos]]
         return offsets, packed
     words = torch.zeros((total * index_bits + 31) // 32 + 1, dtype=torch.int64)
     for lo in range(0, total, ENTRIES_PER_CHUNK):
         pos = torch.arange(lo, min(total, lo + ENTRIES_PER_CHUNK))
-        v = indices[values[pos] + pos]
-        bit = pos * index_bits
-        word, shift = bit >> 5, bit & 31
-        # the entry's low part in its word, the rest (if any) in the next: disjoint bits, so
-        # adding is OR-ing
-        words.index_add_(0, word, (v << shift) & _WORD_MASK)
-        words.index_add_(0, word + 1, v >> (32 - shift))
-    return offsets, _as_int32_words(words)
-
-
-def _as_int32_words(words: Tensor) -> Tensor:
-    """int64 values in [0, 2^32) as the int32 with the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        add_bits(words, pos * index_bits, indices[src[pos]])
+    return offsets, as_int32_words(words)
 
 
 def unpack_entries(cache: AdjacencyCache, first: int, count: int) -> Tensor:
@@ -175,11 +164,7 @@ def unpack_entries(cache: AdjacencyCache, first: int, count: int) -> Tensor:
     if cache.index_bits == 64:
         return cache.indices[first:first + count].to(torch.int64)
     pos = torch.arange(first, first + count, device=cache.indices.device)
-    bit = pos * cache.index_bits
-    word, shift = bit >> 5, bit & 31
-    words = cache.indices.to(torch.int64) & _WORD_MASK
-    window = words[word] | (words[word + 1] << 32)
-    return (window >> shift) & ((1 << cache.index_bits) - 1)
+    return read_bits(cache.indices, pos * cache.index_bits, cache.index_bits)
 
 
 def cached_neighbours(cache: AdjacencyCache, host_indices: Tensor, v: int) -> Tensor:
@@ -188,8 +173,7 @@ def cached_neighbours(cache: AdjacencyCache, host_indices: Tensor, v: int) -> Te
     start, end = int(cache.indptr[v]), int(cache.indptr[v + 1])
     off = int(cache.offsets[v])
     if off >= 0 and cache.index_bits == EF_BITS:
-        return elias_fano.decode_list(cache.indices.cpu(), off, end - start,
-                                      cache.offsets.numel())
+        return elias_fano.decode_list(cache.indices, off, end - start, cache.offsets.numel())
     if off >= 0:
         return unpack_entries(cache, off, end - start)
     return host_indices[start:end]

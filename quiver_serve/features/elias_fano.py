@@ -25,6 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from quiver_serve.features.packing import (
+    WORD_MASK,
+    add_bits,
+    as_int32_words,
+    entry_positions,
+    read_bits,
+)
+
 #: the per-node offset's bits for the list's low-bit width
 L_SHIFT = 58
 OFFSET_MASK = (1 << L_SHIFT) - 1
@@ -32,7 +40,6 @@ SAMPLE_EVERY = 64
 #: the kernel holds a list's length in 27 bits: longer lists stay out of this layout
 MAX_DEG = 1 << 27
 ENTRIES_PER_CHUNK = 1 << 23
-_WORD_MASK = 0xFFFFFFFF
 
 
 def low_bits(deg: Tensor, num_nodes: int) -> Tensor:
@@ -41,20 +48,21 @@ def low_bits(deg: Tensor, num_nodes: int) -> Tensor:
     return torch.floor(torch.log2(ratio.to(torch.float64))).to(torch.int64)
 
 
-def block_words(deg: Tensor, num_nodes: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per list: (sample words, low-bit words, upper words) of its block (int64)."""
+def block_words(deg: Tensor, num_nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per list: ``l``, and the sample, low-bit and upper words of its block (int64; an empty
+    list's block is empty)."""
     deg = deg.to(torch.int64)
     ell = low_bits(deg, num_nodes)
     samples = (deg + SAMPLE_EVERY - 1) // SAMPLE_EVERY
     low = (deg * ell + 31) // 32
-    upper = (deg + (num_nodes >> ell) + 31) // 32
-    return samples, low, upper
+    upper = torch.where(deg > 0, (deg + (num_nodes >> ell) + 31) // 32, torch.zeros_like(deg))
+    return ell, samples, low, upper
 
 
 def list_bits(deg: Tensor, num_nodes: int) -> Tensor:
     """Bits one list's block takes (0 for an empty list)."""
-    samples, low, upper = block_words(deg, num_nodes)
-    return torch.where(deg > 0, 32 * (samples + low + upper), torch.zeros_like(deg))
+    _, samples, low, upper = block_words(deg, num_nodes)
+    return 32 * (samples + low + upper)
 
 
 def is_sorted(indptr: Tensor, indices: Tensor, nodes: Tensor) -> bool:
@@ -72,9 +80,7 @@ def is_sorted(indptr: Tensor, indices: Tensor, nodes: Tensor) -> bool:
         total = int(part_sizes.sum())
         if total > 1:
             first = torch.cumsum(part_sizes, 0) - part_sizes
-            pos = torch.repeat_interleave(indptr[part] - first, part_sizes, output_size=total) \
-                + torch.arange(total)
-            values = indices[pos]
+            values = indices[entry_positions(indptr, part, part_sizes)]
             starts = torch.zeros(total, dtype=torch.bool)
             starts[first[part_sizes > 0]] = True
             if bool(((values[1:] < values[:-1]) & ~starts[1:]).any()):
@@ -89,9 +95,8 @@ def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int,
     one padding word); the lists must be sorted (:func:`is_sorted`). A progress bar when the
     lists hold more than one chunk of entries (~10 s for Reddit's 115 M on one core)."""
     deg = (indptr[1:] - indptr[:-1])[nodes]
-    samples, low, upper = block_words(deg, num_nodes)
-    ell = low_bits(deg, num_nodes)
-    size = torch.where(deg > 0, samples + low + upper, torch.zeros_like(deg))
+    ell, samples, low, upper = block_words(deg, num_nodes)
+    size = samples + low + upper
     block = torch.cumsum(size, 0) - size
     total_words = int(size.sum())
     offsets = torch.full((num_nodes,), -1, dtype=torch.int64)
@@ -110,15 +115,16 @@ def pack(indptr: Tensor, indices: Tensor, nodes: Tensor, num_nodes: int,
         sample_at = i % SAMPLE_EVERY == 0
         words.index_add_(0, block[li][sample_at] + i[sample_at] // SAMPLE_EVERY,
                          high_pos[sample_at])
-        _add_bits(words, (block[li] + samples[li]) * 32 + i * l_e,
-                  v & ((torch.ones_like(l_e) << l_e) - 1), l_e)
+        has_low = l_e > 0
+        add_bits(words, ((block[li] + samples[li]) * 32 + i * l_e)[has_low],
+                 (v & ((torch.ones_like(l_e) << l_e) - 1))[has_low])
         bit = (block[li] + samples[li] + low[li]) * 32 + high_pos
         words.index_add_(0, bit >> 5, torch.ones_like(bit) << (bit & 31))
         if bar is not None:
             bar.update(int(e.numel()))
     if bar is not None:
         bar.close()
-    return offsets, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return offsets, as_int32_words(words)
 
 
 def _bar(total: int, show: bool) -> Any:
@@ -131,30 +137,18 @@ def _bar(total: int, show: bool) -> Any:
     return tqdm(total=total, unit="entry", unit_scale=True, desc="adjacency cache (Elias-Fano)")
 
 
-def _add_bits(words: Tensor, bit: Tensor, value: Tensor, width: Tensor) -> None:
-    """OR ``value`` (``width`` bits, < 32) in at bit ``bit`` of the little-endian words."""
-    keep = width > 0
-    bit, value = bit[keep], value[keep]
-    word, shift = bit >> 5, bit & 31
-    words.index_add_(0, word, (value << shift) & _WORD_MASK)
-    words.index_add_(0, word + 1, value >> (32 - shift))
-
-
 def decode_list(words: Tensor, code: int, deg: int, num_nodes: int) -> Tensor:
-    """The list stored at ``code`` (a per-node offset) of ``deg`` entries, int64: the twin of
-    the kernel's reader."""
+    """The list stored at ``code`` (a per-node offset) of ``deg`` entries, int64 on the host:
+    the twin of the kernel's reader (reads only the list's block)."""
     if deg == 0:
         return torch.empty(0, dtype=torch.int64)
     start, ell = code & OFFSET_MASK, code >> L_SHIFT
-    samples, low, upper = (int(t) for t in block_words(torch.tensor([deg]), num_nodes))
-    w = words.to(torch.int64) & _WORD_MASK
-    up = w[start + samples + low:start + samples + low + upper]
+    _, samples, low, upper = (int(t) for t in block_words(torch.tensor([deg]), num_nodes))
+    # the block and the word after it (the last low-bit window may reach into it)
+    w = words[start:start + samples + low + upper + 1].cpu().to(torch.int64) & WORD_MASK
+    up = w[samples + low:samples + low + upper]
     bits = (up.unsqueeze(1) >> torch.arange(32)) & 1
-    ones = torch.nonzero(bits.reshape(-1)).view(-1)[:deg]
-    high = ones - torch.arange(deg)
+    high = torch.nonzero(bits.reshape(-1)).view(-1)[:deg] - torch.arange(deg)
     if ell == 0:
         return high
-    pos = torch.arange(deg) * ell
-    lw = w[start + samples:start + samples + low + 1]
-    window = lw[pos >> 5] | (lw[(pos >> 5) + 1] << 32)
-    return (high << ell) | ((window >> (pos & 31)) & ((1 << ell) - 1))
+    return (high << ell) | read_bits(w[samples:], torch.arange(deg) * ell, ell)
