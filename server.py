@@ -4,7 +4,7 @@
 ``--config configs/X.yaml`` serves anything else; ``--host`` / ``--port`` override the config.
 SIGINT/SIGTERM: stop admitting, finish in-flight work (``server.drain_timeout_s``), stop every process.
 ``server.http_workers`` > 1 runs that many HTTP front-end processes on the port (SO_REUSEPORT),
-supervised by this process (``quiver_serve/http/frontdoor.py``).
+supervised by this process (``quiver_serve/frontend/frontdoor.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from quiver_serve.config import DEFAULT_CONFIG_PATH, ConfigError, ServeConfig
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workers = resolve_http_workers(cfg.server.http_workers)
     if workers > 1:
-        from quiver_serve.http import frontdoor
+        from quiver_serve.frontend import frontdoor
 
         return frontdoor.run(cfg, workers, args.log_level)
     return serve_in_process(cfg, args.log_level)
@@ -63,9 +64,10 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
     """One front-end, in this process beside the supervisor (the cheapest path)."""
     import uvicorn
 
-    from quiver_serve.engine.heap import start_gc_watch
-    from quiver_serve.http.app import create_app
-    from quiver_serve.http.listen import DrainingServer, uvicorn_speedups
+    from quiver_serve.engine.procs.heap import start_gc_watch
+    from quiver_serve.engine.procs.supervisor import StartFailed
+    from quiver_serve.frontend.app import create_app
+    from quiver_serve.frontend.listen import DrainingServer, uvicorn_speedups
 
     app = create_app(cfg)
     state = app.state.qs
@@ -74,13 +76,29 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
         timeout_graceful_shutdown=max(int(cfg.server.drain_timeout_s), 1), access_log=False,
         **uvicorn_speedups()), state.pipeline, cfg.server.drain_timeout_s)
 
+    gave_up: list[str] = []  # the line of a child that kept dying before it became ready
+
     def fatal(exc: BaseException) -> None:
-        logging.getLogger("quiver_serve").error("start-up failed, exiting: %s", exc)
+        if isinstance(exc, StartFailed):
+            gave_up.append(str(exc))
+        else:
+            logging.getLogger("quiver_serve").error("start-up failed, exiting: %s", exc)
         server.should_exit = True
 
+    def child_gave_up(line: str) -> None:  # from the supervisor's watch thread, after start-up
+        gave_up.append(line)
+        server.should_exit = True
+
+    def started() -> Any:
+        state.pipeline.supervisor.on_fatal = child_gave_up
+        return start_gc_watch("main", cfg.server.gc_freeze).flush
+
     state.on_fatal = fatal
-    state.on_started = lambda: start_gc_watch("main", cfg.server.gc_freeze).flush
+    state.on_started = started
     server.run()
+    if gave_up:
+        print(gave_up[0], file=sys.stderr, flush=True)  # the daemon's last word: one line
+        return 1
     return 1 if state.start_error is not None else 0
 
 

@@ -27,7 +27,7 @@
 typedef long long i64;
 typedef unsigned int u32;
 typedef unsigned long long u64;
-// Elias-Fano adjacency cache offsets (features/elias_fano.py): block word | l << EF_L_SHIFT
+// Elias-Fano adjacency cache offsets (sampling/graph_cache/elias_fano.py): block word | l << EF_L_SHIFT
 #define EF_L_SHIFT 58
 #define EF_OFFSET_MASK ((1LL << EF_L_SHIFT) - 1)
 // ... and the list's length in 27 bits (the host leaves longer lists out of this layout)
@@ -206,7 +206,7 @@ __device__ void grid_carry(const i64* block_sums, i64 mine, i64* carry, i64* tot
 
 // A neighbour list's entries, read by expand_node: int64 (bits == 64: the CSC, in GPU or pinned
 // host memory, or an adjacency cache of index_bits = 64), or the adjacency cache's bit-packed
-// lists (features/adjacency.py): entry q is `bits` (1-32) bits at bit q * bits of little-endian
+// lists (sampling/graph_cache/adjacency.py): entry q is `bits` (1-32) bits at bit q * bits of little-endian
 // 32-bit words, read as the 64-bit window of its word and the next (the host pads the array by
 // one word). Holding only the bits node ids need (18 on a Reddit-sized graph) puts 3.6x the
 // lists of int64 in the same GPU memory. One type for every layout (a branch the whole warp takes the
@@ -228,7 +228,7 @@ struct ListReader {
         const u64 window = ((u64)words[j + 1] << 32) | (u64)words[j];
         return (i64)((window >> (bit & 31)) & ((1ull << bits) - 1ull));
     }
-    // Entry q of an Elias-Fano list (features/elias_fano.py): block = [ceil(deg/64) samples |
+    // Entry q of an Elias-Fano list (sampling/graph_cache/elias_fano.py): block = [ceil(deg/64) samples |
     // ceil(deg*l/32) low-bit words | upper bits]. The high part is the position of set bit q of
     // the upper bits minus q, found from the sample of q's group of 64 (the position of its
     // first set bit) by a short scan; the low l bits are packed as in the layout above.

@@ -7,7 +7,8 @@ Queue API (names follow torch-quiver's serving example)::
     server = InferenceServer(cfg, graph, sampler.sampled_request_queue_list()); server.start()
     results = server.result_queue_list()
 
-or the facade: ``Pipeline(cfg).start()`` with ``embed()``, ``request_queue()``, ``result_queue()``.
+(a thin layer over the one engine: ``engine/client/seed_api.py``), or the facade:
+``Pipeline(cfg).start()`` with ``embed()``, ``request_queue()``, ``result_queue()``.
 
 Exports load lazily, so ``quiver_serve.sampling`` and ``quiver_serve.graph.csc`` import without the
 server stack (pydantic, fastapi), e.g. on a GPU box that only runs the samplers.
@@ -20,10 +21,10 @@ from typing import Any
 
 _EXPORTS = {
     "ServeConfig": "quiver_serve.config",
-    "RequestBatcher": "quiver_serve.engine.batcher",
-    "HybridSampler": "quiver_serve.engine.hybrid_sampler",
-    "InferenceServer": "quiver_serve.engine.inference",
-    "Pipeline": "quiver_serve.engine.pipeline",
+    "RequestBatcher": "quiver_serve.engine.client.seed_api",
+    "HybridSampler": "quiver_serve.engine.client.seed_api",
+    "InferenceServer": "quiver_serve.engine.client.seed_api",
+    "Pipeline": "quiver_serve.engine.client.pipeline",
     "ServeError": "quiver_serve.errors",
     "GraphData": "quiver_serve.graph.csc",
     "load_graph": "quiver_serve.graph.datasets",

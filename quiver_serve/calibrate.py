@@ -1,7 +1,7 @@
 """``python -m quiver_serve.calibrate --config X.yaml``: compute the PSGS table and time every
 sampling path now, save both where the daemon's engine cores look for them, print the lines.
 
-The calibration is keyed by graph, fanouts and hardware (``engine/cost.py``); the daemon reuses it
+The calibration is keyed by graph, fanouts and hardware (``routing/cost.py``); the daemon reuses it
 while the key matches (``sampling.calibration: auto``). Engine core 0's device is calibrated.
 """
 
@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from quiver_serve.engine.core_proc import build_core
-    from quiver_serve.engine.cost import cost_path
+    from quiver_serve.engine.core.build import build_core
     from quiver_serve.graph.datasets import load_graph
+    from quiver_serve.routing.cost import cost_path
 
     graph = load_graph(cfg.graph)
     core = build_core(cfg, graph, 0, None, calibration="startup")

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from quiver_serve import envs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
 
@@ -98,7 +100,7 @@ class SamplingConfig(_Section):
         20.0, gt=0, description="longest time the start-up calibration of the sampling paths may take"
     )
     pool_overlap: Literal["hidden", "serial", "off"] = Field(
-        "hidden", description="route auto: while the GPU is busy, idle CPU samplers sample part of the waiting work; hidden: only when GPU sampling is slower than the model (it runs beside it), serial: whenever it saves GPU time (GPU sampling takes GPU time from the model, e.g. uva), off (engine/overlap.py)"
+        "hidden", description="route auto: while the GPU is busy, idle CPU samplers sample part of the waiting work; hidden: only when GPU sampling is slower than the model (it runs beside it), serial: whenever it saves GPU time (GPU sampling takes GPU time from the model, e.g. uva), off (engine/core/overlap.py)"
     )
     gpu_graph_cache_bytes: int = Field(
         0, ge=0, description="uva GPU sampling: GPU memory for the hottest nodes' neighbour lists (by access probability) and indptr; 0: all adjacency read over the bus")
@@ -191,6 +193,8 @@ class ServerConfig(_Section):
     max_pending_requests: int = Field(2048, ge=1, description="admitted requests not yet answered (else 503)")
     request_timeout_s: float = Field(10.0, gt=0, description="deadline of a request (else 504)")
     start_timeout_s: float = Field(300.0, gt=0, description="longest wait for workers to become ready")
+    start_failure_limit: int = Field(
+        5, ge=1, description="a child process (engine core, CPU sampler, HTTP front-end) that dies this many times in a row before it becomes ready stops the daemon (exit 1, one line naming it and its error); restarts in between wait 1, 2, 4, ... s (at most 30 s)")
     drain_timeout_s: float = Field(10.0, ge=0, description="time in-flight work gets on shutdown")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503/429")
     overload_status: Literal[503, 429] = Field(
@@ -273,10 +277,9 @@ class ServeConfig(_Section):
         ``QUIVER_SERVE__<SECTION>__<KEY>=<YAML value>`` variable applied on top (containers and
         Kubernetes set single fields this way). Unknown sections or keys and invalid values raise
         :class:`ConfigError` naming the variable."""
-        env = os.environ if environ is None else environ
-        path = path or env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+        path = path or envs.read(CONFIG_ENV, environ) or DEFAULT_CONFIG_PATH
         cfg = cls.from_yaml(path)
-        overrides = {k: v for k, v in env.items() if k.startswith(OVERRIDE_PREFIX)}
+        overrides = envs.config_overrides(environ)
         if not overrides:
             return cfg
         raw = cfg.model_dump()
@@ -324,9 +327,9 @@ class ServeConfig(_Section):
         return cls.from_yaml(DEFAULT_CONFIG_PATH)
 
 
-#: environment: the YAML file to load, and the prefix of single-field overrides
+#: environment (``envs.py``): the YAML file to load, and the prefix of single-field overrides
 CONFIG_ENV = "QUIVER_SERVE_CONFIG"
-OVERRIDE_PREFIX = "QUIVER_SERVE__"
+OVERRIDE_PREFIX = envs.OVERRIDE_PREFIX
 
 
 class ConfigError(ValueError):

@@ -1,9 +1,10 @@
-"""Every message that crosses a thread or process boundary, as a typed class (never a bare tuple).
+"""The queue API's messages (EmbedRequest in, EmbedResult out, ErrorInfo) and per-batch stats,
+as typed classes; every socket message is in ``wire.py``.
 
-Tensors travel two ways. Small ones (under ``INLINE_TENSOR_BYTES``) are pickled inline as NumPy
-bytes: a round trip through a ``multiprocessing`` queue then costs ~0.1 ms, where torch's
-shared-memory reduction costs ~0.7 ms whatever the size (measured on the 2-core dev box). Large
-ones keep torch's shared-memory path, which copies nothing.
+Their tensors travel through ``multiprocessing`` queues two ways. Small ones (under
+``INLINE_TENSOR_BYTES``) are pickled inline as NumPy bytes: a round trip through a queue then
+costs ~0.1 ms, where torch's shared-memory reduction costs ~0.7 ms whatever the size (measured on
+the 2-core dev box). Large ones keep torch's shared-memory path, which copies nothing.
 """
 
 from __future__ import annotations
@@ -97,142 +98,12 @@ class BatchStats:
 
 @dataclass
 class EmbedResult(_InlineSmallTensors):
-    """The answer to one :class:`EmbedRequest`: ``embeddings`` [n, dim] float32, or ``error``.
-
-    ``stats`` is set on exactly one result of each batch, so per-batch metrics count once.
-    """
+    """The answer to one :class:`EmbedRequest`: ``embeddings`` [n, dim] float32, or ``error``."""
 
     request_id: str
     embeddings: Tensor | None = None
     error: ErrorInfo | None = None
-    stats: BatchStats | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-@dataclass
-class ResultBatch(_InlineSmallTensors):
-    """Every result of one batch in one message: one queue operation per batch instead of one per
-    request (the Pipeline's path). ``rows`` holds the embeddings of the answered requests, one
-    after another; ``spans[i]`` is (request_id, start, end) into it."""
-
-    rows: Tensor | None
-    spans: list[tuple[str, int, int]]
-    errors: list[EmbedResult]
-    stats: BatchStats | None
-
-    @classmethod
-    def pack(cls, results: list[EmbedResult]) -> ResultBatch:
-        ok = [r for r in results if r.embeddings is not None]
-        spans, start = [], 0
-        for r in ok:
-            assert r.embeddings is not None
-            spans.append((r.request_id, start, start + int(r.embeddings.size(0))))
-            start = spans[-1][2]
-        rows = torch.cat([r.embeddings for r in ok]) if ok else None  # type: ignore[misc]
-        stats = next((r.stats for r in results if r.stats is not None), None)
-        return cls(rows=rows, spans=spans, errors=[r for r in results if r.embeddings is None],
-                   stats=stats)
-
-    def unpack(self) -> list[EmbedResult]:
-        """The per-request results; the first carries the batch stats, as in the unpacked form."""
-        out = [EmbedResult(rid, embeddings=self.rows[a:b]) for rid, a, b in self.spans
-               if self.rows is not None]
-        out += self.errors
-        if out and self.stats is not None:
-            out[0].stats = self.stats
-        return out
-
-
-@dataclass
-class BatchedRequest(_InlineSmallTensors):
-    """Requests merged into one batch: ``node_ids`` is their concatenation.
-
-    Request ``i`` owns ``node_ids[offsets[i]:offsets[i+1]]``. ``route`` and ``worker`` are filled
-    in by the router.
-    """
-
-    batch_id: int
-    request_ids: list[str]
-    offsets: list[int]
-    node_ids: Tensor
-    exact: bool
-    seed: int
-    deadlines_s: list[float]
-    created_s: float = field(default_factory=time.time)
-    route: str = ""
-    worker: int = 0
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
-
-    def subset(self, keep: list[int]) -> BatchedRequest:
-        """The same batch with only requests ``keep`` (indices into ``request_ids``)."""
-        slices = self.slices()
-        parts = [self.node_ids[slices[i][1]:slices[i][2]] for i in keep]
-        offsets = [0]
-        for p in parts:
-            offsets.append(offsets[-1] + int(p.numel()))
-        return BatchedRequest(
-            batch_id=self.batch_id, request_ids=[self.request_ids[i] for i in keep], offsets=offsets,
-            node_ids=torch.cat(parts) if parts else self.node_ids[:0], exact=self.exact,
-            seed=self.seed, deadlines_s=[self.deadlines_s[i] for i in keep], created_s=self.created_s,
-            route=self.route, worker=self.worker,
-        )
-
-    def slices(self) -> list[tuple[str, int, int]]:
-        """(request_id, start, end) of every request in the batch."""
-        return [
-            (rid, self.offsets[i], self.offsets[i + 1]) for i, rid in enumerate(self.request_ids)
-        ]
-
-
-@dataclass
-class SampledBatch(_InlineSmallTensors):
-    """A batch with its sampled subgraph (PyG-shaped, see ``sampling.base.SamplerOutput``)."""
-
-    batch: BatchedRequest
-    n_id: Tensor
-    edge_index: Tensor
-    seed_index: Tensor  # row of n_id for each entry of batch.node_ids
-    num_sampled_nodes: list[int]
-    num_sampled_edges: list[int]
-    sample_s: float
-
-
-@dataclass
-class SamplerReply:
-    """What a CPU sampler sends back for one batch: the sample (if any request was left) and the
-    requests it answered itself (invalid or expired)."""
-
-    batch_id: int
-    worker: int  # inference worker the batch was routed to
-    sampled: SampledBatch | None
-    failed: list[EmbedResult]
-
-
-@dataclass
-class WorkerReady:
-    """A worker process finished start-up (graph mapped, model loaded)."""
-
-    role: str
-    index: int
-    pid: int
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class WorkerFailed:
-    """A worker process could not start; ``message`` says why."""
-
-    role: str
-    index: int
-    message: str
-
-
-@dataclass
-class Shutdown:
-    """Sentinel: the receiving loop finishes what it holds and exits."""

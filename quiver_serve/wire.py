@@ -14,12 +14,47 @@ the micro-batch; request ids never leave the front-end.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from quiver_serve.messages import BatchStats
+
+
+# ---- addresses: every socket of one daemon, in a private run directory ----------------------------
+@dataclass(frozen=True)
+class RunAddresses:
+    """Where every socket of one daemon lives (a private directory; picklable)."""
+
+    run_dir: str
+
+    def engine(self, i: int) -> str:
+        return f"ipc://{self.run_dir}/engine-{i}.sock"
+
+    def sampler(self, j: int) -> str:
+        return f"ipc://{self.run_dir}/sampler-{j}.sock"
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.run_dir}/control.sock"
+
+
+@dataclass(frozen=True)
+class FrontDoorAddresses:
+    """The main process's two sockets for its front-ends (a private directory; picklable)."""
+
+    run_dir: str
+
+    @property
+    def state(self) -> str:
+        return f"ipc://{self.run_dir}/frontdoor-state.sock"
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.run_dir}/frontdoor-control.sock"
+
 
 #: ``seed`` value of a micro-batch whose requests asked for no seed
 NO_SEED = -1

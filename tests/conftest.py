@@ -1,9 +1,10 @@
-"""Shared fixtures: Cora, small configs, and a real server process on a free port."""
+"""Shared fixtures: Cora, small configs, and a real server process on a free port.
+
+The daemon harness is ``loadtest/harness.py`` (shared with the benches and drills):
+``ServerProcess`` is its ``Daemon``, ``free_port`` its own."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quiver_serve.config import REPO_ROOT, ServeConfig, resolve_path
-from quiver_serve.engine.process import stop_process_group
+from loadtest.harness import Daemon, config_yaml, free_port
+from quiver_serve.config import ServeConfig, resolve_path
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_planetoid_raw
 
@@ -63,7 +64,7 @@ def restart_bound_s(base_s: float = 5.0, assumed_import_s: float = 2.0) -> float
 
 
 def wait_standby_warm(pipeline: object, timeout_s: float = 90.0) -> None:
-    """Until the daemon's warm standby (``engine/standby.py``) has done its imports: a kill
+    """Until the daemon's warm standby (``engine/procs/standby.py``) has done its imports: a kill
     before that is served by a process still importing, as slow as a fresh spawn."""
     standby = pipeline.supervisor.standby  # type: ignore[attr-defined]
     end = time.monotonic() + timeout_s
@@ -72,54 +73,8 @@ def wait_standby_warm(pipeline: object, timeout_s: float = 90.0) -> None:
         time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """``python server.py`` in its own process group, killed whole at the end."""
-
-    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "server.py"), "--config", str(config_path),
-             "--port", str(port)],
-            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_s: float = 180.0, headers: dict[str, str] | None = None) -> None:
-        """Until /v2/health/ready answers 200 (``headers``: e.g. the bearer token it needs)."""
-        import httpx
-
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/v2/health/ready", headers=headers,
-                             timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def group_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace_s=15)
-        self._log.close()
+#: ``python server.py`` in its own process group, killed whole at the end (the shared harness)
+ServerProcess = Daemon
 
 
 @pytest.fixture(scope="module")
@@ -139,23 +94,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def _to_yaml(cfg: ServeConfig) -> str:
-    import yaml
-
-    return yaml.safe_dump(cfg.model_dump(mode="json"))
+    return config_yaml(cfg)
 
 
 def start_server(tmp: Path, env: dict[str, str] | None = None,
                  **overrides: object) -> tuple[ServerProcess, ServeConfig]:
-    """The real daemon on a free port with ``small_config(**overrides)``; ``env`` is set only
-    while it is spawned (the server inherits it, this process keeps its own)."""
+    """The real daemon on a free port with ``small_config(**overrides)`` (not yet ready);
+    ``env``: extra environment of the daemon only (this process keeps its own)."""
     cfg = small_config(**overrides)
     path = tmp / "config.yaml"
     path.write_text(_to_yaml(cfg))
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        srv = ServerProcess(path, free_port(), tmp / "server.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return srv, cfg
+    return ServerProcess(path, free_port(), tmp / "server.log", env=env), cfg

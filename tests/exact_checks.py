@@ -7,9 +7,9 @@ import asyncio
 
 import torch
 
-from quiver_serve.engine.pipeline import Pipeline
+from quiver_serve.engine.client.pipeline import Pipeline
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.models import build_model
+from quiver_serve.models.served import build_model
 
 
 def check_concurrent_exact(pipeline: Pipeline, graph: GraphData, count: int, max_ids: int) -> None:

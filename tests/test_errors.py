@@ -10,7 +10,7 @@ import pytest
 
 from quiver_serve.config import ModelConfig
 from quiver_serve.errors import internal_error
-from quiver_serve.models import model_metadata
+from quiver_serve.models.served import model_metadata
 
 log = logging.getLogger("quiver_serve.tests.errors")
 
@@ -56,7 +56,7 @@ def test_http_500_body_has_the_id_and_no_exception_text(caplog: pytest.LogCaptur
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from quiver_serve.http.app import _install_error_handlers
+    from quiver_serve.frontend.app import _install_error_handlers
 
     app = FastAPI()
     _install_error_handlers(app)
@@ -65,7 +65,7 @@ def test_http_500_body_has_the_id_and_no_exception_text(caplog: pytest.LogCaptur
     async def broken() -> None:
         raise ValueError("secret detail from /srv/data")
 
-    with caplog.at_level(logging.ERROR, logger="quiver_serve.http.app"):
+    with caplog.at_level(logging.ERROR, logger="quiver_serve.frontend.app"):
         response = TestClient(app, raise_server_exceptions=False).get("/broken")
     assert response.status_code == 500
     error = response.json()["error"]

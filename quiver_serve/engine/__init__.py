@@ -1,1 +1,1 @@
-"""Pipeline stages: batcher, router, hybrid sampler, inference server, and the facade."""
+"""The serving engine: stage logic (``core/``), its processes (``procs/``) and the caller side (``client/``)."""

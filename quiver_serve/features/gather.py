@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from quiver_serve.ops.cuda import StreamHandle
+from quiver_serve.ops.nvrtc import compile_module
+
 KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "feature_gather.cu"
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
@@ -34,13 +37,11 @@ class GatherKernel:
     def __init__(self, device: torch.device) -> None:
         import cupy
 
-        from quiver_serve.sampling.gpu import _StreamHandle
-
-        self._handle = _StreamHandle
+        self._handle = StreamHandle
         self.device = device
         major, minor = torch.cuda.get_device_capability(device)
         with cupy.cuda.Device(device.index):
-            module = _compile(cupy, major * 10 + minor)
+            module, _ = compile_module(cupy, KERNEL_SOURCE.read_text(), major * 10 + minor)
             # the loaded cupy.cuda.function.Function (takes shared memory and a stream handle)
             self._functions = {w: module.get_function(f"gather_w{w}").kernel for w in WORD_BYTES}
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -57,20 +58,6 @@ class GatherKernel:
         stream = self._handle(torch.cuda.current_stream(self.device).cuda_stream)
         args = (n_id.data_ptr(), n, table.data_ptr(), words, out.data_ptr(), counts.data_ptr())
         self._functions[word]((blocks,), (THREADS,), args, 0, stream)
-
-
-def _compile(cupy, arch: int):
-    code = KERNEL_SOURCE.read_text()
-    error: Exception | None = None
-    for options in (("--std=c++17", f"-arch=sm_{arch}"), ("--std=c++17",)):
-        try:
-            module = cupy.RawModule(code=code, options=options)
-            module.compile()
-            return module
-        except Exception as exc:  # NVRTC may refuse a second -arch: take CuPy's own
-            error = exc
-    assert error is not None
-    raise error
 
 
 @functools.cache

@@ -306,6 +306,6 @@ def _cupy_ok() -> bool:
 
 def _pin(t: Tensor, device: torch.device) -> Any:
     """``t``'s memory page-locked in place and mapped for ``device`` (the UVA sampler's way)."""
-    from quiver_serve.sampling.gpu import _PinnedRegion
+    from quiver_serve.ops.cuda import PinnedRegion
 
-    return _PinnedRegion(t.contiguous(), device)
+    return PinnedRegion(t.contiguous(), device)

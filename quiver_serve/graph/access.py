@@ -73,12 +73,3 @@ def access_probability(indptr: Tensor, indices: Tensor, seed_prob: Tensor, fanou
         probs.append(propagate_hop(indptr, indices, probs[-1], fanout, edges_per_chunk))
     return probs
 
-
-def expected_unique_nodes(indptr: Tensor, indices: Tensor, seeds: Tensor,
-                          fanouts: list[int]) -> float:
-    """The union-aware sampled-graph size of one batch: ``sum_v P_L(v)`` with ``P_0`` = 1 on the
-    seeds. Exact recursion over the whole graph: the reference a cheaper per-batch estimate is
-    checked against, not for the hot path."""
-    p0 = torch.zeros(indptr.numel() - 1, dtype=torch.float32, device=indices.device)
-    p0[seeds.to(indices.device)] = 1.0
-    return float(access_probability(indptr, indices, p0, fanouts)[-1].sum())

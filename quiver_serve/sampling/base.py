@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quiver_serve import errors
+
 MASK32 = 0xFFFFFFFF
 _MIX_MUL = 0x45D9F3B
 _GOLDEN = 0x9E3779B9
 _HOP_MUL = 0x632BE5AB
 _DRAW_MUL = 0x85EBCA6B
-MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -110,8 +111,11 @@ def draw32(node_h: Tensor, draw: int) -> Tensor:
 
 
 def validate_seed(seed: int) -> int:
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
+    """``seed``, or a ValueError (a sampler's argument; requests were refused 400 before)."""
+    try:
+        errors.check_seed(seed)
+    except errors.ServeError as exc:
+        raise ValueError(str(exc)) from None
     return seed
 
 

@@ -29,10 +29,12 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from quiver_serve import envs
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, validate_seed
 
 log = logging.getLogger(__name__)
 
+#: names of the variables this module reads (``envs.py``), for messages and tests
 DISABLE_ENV = "QUIVER_SERVE_DISABLE_CPP"
 CACHE_ENV = "QUIVER_SERVE_CACHE"
 SOURCE_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu_sampler.cpp"
@@ -54,15 +56,15 @@ _build_guard = threading.Lock()
 
 def cpp_sampler_available() -> bool:
     """Whether the C++ sampler can serve; builds (or loads the cached build) on the first call."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if envs.QUIVER_SERVE_DISABLE_CPP:
         return False
     return _load_extension() is not None
 
 
 def cpu_sampler_status() -> str:
     """Which CPU sampler ``make_cpu_sampler('auto')`` serves, and why (for logs and /v2/models)."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"reference ({DISABLE_ENV}={os.environ[DISABLE_ENV]})"
+    if envs.QUIVER_SERVE_DISABLE_CPP:
+        return f"reference ({DISABLE_ENV} is set)"
     if WITH_CPP_SAMPLER is None:
         return "unknown (C++ build not attempted yet; call cpp_sampler_available())"
     if WITH_CPP_SAMPLER:
@@ -78,7 +80,7 @@ def extension_build_dir() -> Path:
     clones of the repository) sharing a directory would each see changed build commands and
     rebuild the other's library every time, each waiting on the other's build lock.
     """
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "quiver_serve")
+    root = envs.QUIVER_SERVE_CACHE
     where = f"{Path(torch.__file__).resolve().parent}|{SOURCE_PATH.resolve()}"
     torch_dir = hashlib.sha1(where.encode()).hexdigest()[:8]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{torch_dir}"
@@ -101,7 +103,7 @@ def _load_extension() -> ModuleType | None:
 
 
 def _build() -> tuple[ModuleType, str]:
-    compiler = os.environ.get("CXX", "c++")
+    compiler = envs.CXX
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not on PATH)")
     if not SOURCE_PATH.exists():

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.ops.cuda import PinnedRegion, StreamHandle
+from quiver_serve.ops.nvrtc import compile_module
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, seed_base, validate_seed
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,6 @@ _STATUS_NOT_RUN = -1  # written by the host before each launch
 _COUNTS_HEADER = 4  # status, need_n, need_e_hop, need_e_total; then per-hop counts
 _STATE_EMPTY = 2**31 - 1
 _MAX_INT32_POSITIONS = 2**31 - 1  # hop-local positions and local ids are int32 in the kernel
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
-_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 _NUM_PARAMS, _MAX_HOPS = 23, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
 
@@ -97,7 +97,7 @@ class CupyLauncher:
         self.cooperative = True
 
     def __call__(self, blocks: int, params_ptr: int, stream_ptr: int) -> None:
-        stream = _StreamHandle(stream_ptr)
+        stream = StreamHandle(stream_ptr)
         args = (params_ptr,)
         if self._cupy.cuda.runtime.getDevice() != self.device.index:
             with self._cupy.cuda.Device(self.device.index):
@@ -106,32 +106,11 @@ class CupyLauncher:
             self._function((blocks,), (self.threads,), args, 0, stream, self.cooperative)
 
 
-class _StreamHandle:
-    """A torch stream for CuPy's launch, which reads only the handle (``.ptr``) of its stream;
-    cheaper per batch than ``cupy.cuda.ExternalStream`` (deprecated in CuPy 14)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 def _compile_kernel(cupy, device: torch.device):
-    """The compiled kernel; asks NVRTC for the device's own architecture (sm_90 on Hopper)."""
-    code = KERNEL_SOURCE.read_text()
+    """The compiled kernel and the NVRTC options it took (``ops/nvrtc.py``)."""
     major, minor = torch.cuda.get_device_capability(device)
-    error: Exception | None = None
-    # CuPy adds its own -arch for the current device; some NVRTC versions refuse a second one,
-    # so fall back to CuPy's choice (the same architecture) when ours is rejected.
-    for options in (("--std=c++17", f"-arch=sm_{major}{minor}"), ("--std=c++17",)):
-        try:
-            kernel = cupy.RawModule(code=code, options=options).get_function(KERNEL_NAME)
-            return kernel, options
-        except Exception as exc:  # CompileException, or NVRTCError for the option itself
-            log.debug("NVRTC options %s rejected: %s", options, exc)
-            error = exc
-    assert error is not None
-    raise error
+    module, options = compile_module(cupy, KERNEL_SOURCE.read_text(), major * 10 + minor)
+    return module.get_function(KERNEL_NAME), options
 
 
 @functools.cache
@@ -399,57 +378,6 @@ class CudaSampler(_GpuSampler):
         super().__init__(indptr, indices, target, pointers, launcher)
 
 
-# Host ranges this process pinned, by address: [number of regions using it, whether we registered
-# it]. Several samplers may share one shared-memory CSC; only the last one to go unpins it.
-_pinned_ranges: dict[int, list] = {}
-_pinned_lock = threading.Lock()
-
-
-class _PinnedRegion:
-    """A CPU tensor's memory, page-locked in place and mapped into the GPU's address space."""
-
-    def __init__(self, tensor: Tensor, device: torch.device) -> None:
-        import cupy
-
-        self._runtime = runtime = cupy.cuda.runtime
-        self.tensor = tensor  # keeps the memory alive while the GPU may read it
-        self._ptr = ptr = tensor.data_ptr()
-        with _pinned_lock, cupy.cuda.Device(device.index):
-            entry = _pinned_ranges.get(ptr)
-            if entry is None:
-                registered = False
-                if not tensor.is_pinned():  # torch-pinned memory is mapped already
-                    try:
-                        nbytes = tensor.numel() * tensor.element_size()
-                        runtime.hostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-                        registered = True
-                    except runtime.CUDARuntimeError as exc:
-                        # Someone else in this process pinned it: use it, never unpin it.
-                        if (
-                            getattr(exc, "status", None)
-                            != _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
-                        ):
-                            raise
-                entry = _pinned_ranges[ptr] = [0, registered]
-            entry[0] += 1
-            # With unified addressing the device pointer of mapped host memory is usually the
-            # host pointer itself; ask rather than assume.
-            self.device_ptr = int(runtime.pointerGetAttributes(ptr).devicePointer) or ptr
-        self._held = True
-
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
-        with _pinned_lock:
-            entry = _pinned_ranges[self._ptr]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del _pinned_ranges[self._ptr]
-                if entry[1]:
-                    self._runtime.hostUnregister(self._ptr)
-
-
 class UvaSampler(_GpuSampler):
     """GPU sampler over a CSC left in host memory (pinned in place, read over the bus by the kernel).
 
@@ -457,7 +385,7 @@ class UvaSampler(_GpuSampler):
     so CPU sampler workers and this GPU sampler read the same single copy. Call :meth:`close`
     (or drop the sampler) to unpin.
 
-    ``adjacency_cache`` (``features/adjacency.py``): indptr and the hottest nodes' neighbour
+    ``adjacency_cache`` (``sampling/graph_cache/adjacency.py``): indptr and the hottest nodes' neighbour
     lists (bit-packed, or int64) in GPU memory; the kernel reads a cached list there and the
     rest over the bus, and samples exactly what it samples without the cache.
     """
@@ -472,12 +400,12 @@ class UvaSampler(_GpuSampler):
         if indptr.device.type != "cpu" or indices.device.type != "cpu":
             raise ValueError("UvaSampler needs the CSC in CPU memory")
         target = _as_device(device)
-        self._regions: list[_PinnedRegion] = []
+        self._regions: list[PinnedRegion] = []
         host = [t.to(torch.int64).contiguous() for t in (indptr, indices)]  # no copy if already so
         if host[1].numel() == 0:  # keep a valid pointer for an edgeless graph
             host[1] = torch.zeros(1, dtype=torch.int64)
         if target.type == "cuda":
-            self._regions = [_PinnedRegion(t, target) for t in host]
+            self._regions = [PinnedRegion(t, target) for t in host]
             pointers = (self._regions[0].device_ptr, self._regions[1].device_ptr)
         else:  # emulated launches read host memory directly
             pointers = (host[0].data_ptr(), host[1].data_ptr())

@@ -61,7 +61,7 @@ def hop_edge_positions(
 ) -> tuple[Tensor, Tensor]:
     """The CSC positions (into ``indices``) one hop reads, in frontier order, and how many per
     frontier node: exactly the neighbour reads of every sampler (the adjacency cache's read
-    model counts them, ``features/adjacency_reads.py``)."""
+    model counts them, ``sampling/graph_cache/reads.py``)."""
     dev = frontier.device
     start = indptr[frontier]
     degree = indptr[frontier + 1] - start

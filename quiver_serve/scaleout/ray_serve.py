@@ -22,10 +22,11 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import time
 from typing import Any
 
 import numpy as np
-import orjson
 import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -34,11 +35,23 @@ from ray import serve
 
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
+from quiver_serve.frontend.bodies import validation_message
+from quiver_serve.frontend.responses import embed_answer, error_response, serve_error_response
+from quiver_serve.frontend.schemas import EmbedBody
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.http.schemas import EmbedBody
+from quiver_serve.scaleout.ray_start import (
+    Reservations,
+    StartError,
+    first_answer,
+    size_replicas,
+    wait_running,
+)
 
 log = logging.getLogger(__name__)
 
+APP_NAME = "quiver-serve"
+#: how long a readiness probe waits for an engine replica
+READY_PROBE_S = 2.0
 #: exceptions that mean "the replica is gone": retried once on another replica
 RETRIES = 1
 
@@ -71,7 +84,7 @@ class EngineReplica:
     def __init__(self, cfg_dict: dict[str, Any], graph_ref: dict[str, Any]) -> None:
         import ray
 
-        from quiver_serve.scaleout.local_engine import LocalEngine
+        from quiver_serve.engine.client.local import LocalEngine
 
         cfg = ServeConfig.model_validate(cfg_dict)
         arrays = ray.get(graph_ref["ref"])  # zero-copy views of this node's shared copy
@@ -95,9 +108,9 @@ class EngineReplica:
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
-                        headers=headers)
+    """A refusal of the request itself (4xx: no Retry-After), in the daemon's error body; a
+    replica's refusals go through ``Ingress._refuse`` (503s carry ``server.retry_after_s``)."""
+    return error_response(status, code, message)
 
 
 APP = FastAPI(title="quiver-serve on Ray Serve",
@@ -105,10 +118,10 @@ APP = FastAPI(title="quiver-serve on Ray Serve",
 
 
 @APP.exception_handler(RequestValidationError)
-async def _malformed(_: Any, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "malformed body"}
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    return _error(422, "malformed_request", f"{where}: {first.get('msg')}")
+async def _malformed(request: Any, exc: RequestValidationError) -> JSONResponse:
+    """A body the schema refuses: 422 ``invalid_request``, worded as the daemon words it."""
+    return error_response(422, "invalid_request", validation_message(list(exc.errors())),
+                          path=request.url.path)
 
 
 @serve.ingress(APP)
@@ -129,25 +142,34 @@ class Ingress:
         timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
         out = await self._call(ids, body.exact, body.seed, timeout_s)
         if isinstance(out, dict):
-            return _error(out["status"], out["code"], out["message"])
-        payload = {"model": self.cfg.model.name, "dim": int(out.shape[1]), "embeddings": out}
-        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
-                        media_type="application/json")
+            return self._refuse(errors.ServeError(out["code"], out["message"], out["status"]))
+        content, media_type = embed_answer(self.cfg.model.name, out, None)
+        return Response(content, media_type=media_type)
+
+    def _refuse(self, exc: errors.ServeError) -> JSONResponse:
+        """A replica's refusal (503 overloaded or lost, 504 deadline) as the daemon answers it."""
+        return serve_error_response(exc, self.cfg.server.retry_after_s)
 
     @APP.get("/v2/health/live", summary="Liveness")
     async def live(self) -> dict[str, bool]:
         return {"live": True}
 
+    @APP.get("/v2/health/ready", summary="Readiness: an engine replica answers")
+    async def ready(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.pid.remote(), READY_PROBE_S)
+        except Exception as exc:  # noqa: BLE001 - no replica: not ready, whatever the cause
+            return self._refuse(errors.unavailable("not_ready", f"no engine replica answers "
+                                                                f"({type(exc).__name__})"))
+        return JSONResponse({"ready": True})
+
     def _check(self, body: EmbedBody) -> JSONResponse | None:
-        limit = self.cfg.server.max_request_nodes
-        if len(body.node_ids) > limit:
-            e = errors.too_large(len(body.node_ids), limit).info
-            return _error(e.status, e.code, e.message)
-        lo, hi = min(body.node_ids), max(body.node_ids)
-        if lo < 0 or hi >= self.num_nodes:
-            bad = lo if lo < 0 else hi
-            return _error(400, "invalid_node_ids", f"node id {bad} is out of range: valid ids "
-                          f"are 0..{self.num_nodes - 1}")
+        """The daemon's checks of the ids (``errors.check_node_ids``), answered as it answers."""
+        try:
+            errors.check_node_ids(np.asarray(body.node_ids, dtype=np.int64), self.num_nodes,
+                                  self.cfg.server.max_request_nodes)
+        except errors.ServeError as exc:
+            return _error(exc.info.status, exc.info.code, exc.info.message)
         return None
 
     async def _call(self, ids: np.ndarray, exact: bool, seed: int | None,
@@ -167,12 +189,15 @@ class Ingress:
 
 
 def build_app(cfg: ServeConfig, graph: GraphData, num_replicas: int = 2,
-              gpus_per_replica: float | None = None, autoscale: bool = False) -> Any:
-    """The Ray Serve application (call after ``ray.init``): graph into the object store once."""
+              gpus_per_replica: float | None = None, autoscale: bool = False,
+              reservations: Reservations | None = None) -> Any:
+    """The Ray Serve application (call after ``ray.init``): graph into the object store once.
+    ``reservations``: what each replica and the ingress reserve (default: sized to the cluster,
+    ``ray_start.size_replicas``)."""
     import ray
 
-    if gpus_per_replica is None:
-        gpus_per_replica = 1.0 if torch.cuda.is_available() else 0.0
+    if reservations is None:
+        reservations = size_replicas(ray.cluster_resources(), num_replicas, gpus_per_replica)
     graph_ref = {"ref": ray.put(graph_arrays(graph))}  # nested: replicas ray.get it themselves
     cfg_dict = cfg.model_dump(mode="json")
     scaling: dict[str, Any] = {"num_replicas": num_replicas}
@@ -180,42 +205,86 @@ def build_app(cfg: ServeConfig, graph: GraphData, num_replicas: int = 2,
         scaling = {"autoscaling_config": {"min_replicas": 1, "max_replicas": num_replicas,
                                           "target_ongoing_requests": 32}}
     engine = serve.deployment(EngineReplica, name="engine").options(
-        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1},
+        ray_actor_options={"num_gpus": reservations.engine_gpus,
+                           "num_cpus": reservations.engine_cpus},
         max_ongoing_requests=cfg.batching.queue_capacity, **scaling)
     ingress = serve.deployment(Ingress, name="ingress").options(
-        ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=cfg.server.max_pending_requests)
+        ray_actor_options={"num_cpus": reservations.ingress_cpus},
+        max_ongoing_requests=cfg.server.max_pending_requests)
     return ingress.bind(engine.bind(cfg_dict, graph_ref), cfg_dict, graph.num_nodes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import ray
-
-    from quiver_serve.graph.datasets import load_graph
-
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="YAML config (default: $QUIVER_SERVE_CONFIG "
                                                    "or the embedded default)")
-    ap.add_argument("--replicas", type=int, default=2, help="engine replicas (one GPU each)")
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="engine replicas (one GPU each where the cluster has GPUs, else a "
+                         "share of its CPUs)")
     ap.add_argument("--autoscale", action="store_true", help="1..--replicas on ongoing requests")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     ap.add_argument("--host", default=None, help="HTTP bind address (default: server.host)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port (default: server.port)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--start-timeout-s", type=float, default=300.0,
+                    help="the replicas must be placed and answering within this many seconds")
+    return ap.parse_args(argv)
+
+
+def start(args: argparse.Namespace, cfg: ServeConfig) -> str:
+    """Ray, the application and a first answer; returns the URL it serves on (StartError, with
+    what is missing, when it cannot)."""
+    import ray
+
+    from quiver_serve.frontend.listen import check_port_free
+    from quiver_serve.graph.datasets import load_graph
+
+    host, port = args.host or cfg.server.host, args.port or cfg.server.port
+    try:
+        check_port_free(host, port)
+    except OSError as exc:
+        raise StartError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
+    end = time.monotonic() + args.start_timeout_s
+    ray.init(address=args.address, include_dashboard=False)
+    reservations = size_replicas(ray.cluster_resources(), args.replicas)
+    log.info("each engine replica reserves %g CPU and %g GPU; the ingress %g CPU",
+             reservations.engine_cpus, reservations.engine_gpus, reservations.ingress_cpus)
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(cfg, load_graph(cfg.graph), args.replicas, autoscale=args.autoscale,
+                    reservations=reservations)
+    serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
+    wait_running(lambda: serve.status().applications.get(APP_NAME),
+                 max(1.0, end - time.monotonic()))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    first_answer(url, max(1.0, end - time.monotonic()))
+    return url
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     logging.basicConfig(level=logging.INFO)
     cfg = ServeConfig.load(args.config)
-    ray.init(address=args.address, include_dashboard=False)
-    serve.start(http_options={"host": args.host or cfg.server.host,
-                              "port": args.port or cfg.server.port})
-    serve.run(build_app(cfg, load_graph(cfg.graph), args.replicas, autoscale=args.autoscale),
-              name="quiver-serve", route_prefix="/")
+    try:
+        url = start(args, cfg)
+    except StartError as exc:
+        print(f"quiver-serve: {exc}", file=sys.stderr, flush=True)
+        _shutdown()
+        return 2
+    print(f"serving on {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.run_until_complete(stop.wait())
-    serve.shutdown()
-    ray.shutdown()
+    _shutdown()
     return 0
+
+
+def _shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
 
 
 if __name__ == "__main__":

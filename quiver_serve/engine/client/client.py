@@ -1,0 +1,503 @@
+"""EngineClient: the front-end side of the serving path, usable in any process.
+
+Requests cost O(1) small Python work here (validation, a future, an append); everything past this
+module is per micro-batch. One IO thread owns the ZeroMQ sockets (sockets are not thread-safe):
+each loop tick it takes every request submitted since the last tick, groups them into micro-batches
+(sampled / exact; a seeded request travels alone so its sample is reproducible), sends each to the
+engine core with the least outstanding work, resolves the futures of every reply that arrived, and
+answers expired requests with 504. A sync caller gets a ``concurrent.futures.Future``; an asyncio
+caller an ``asyncio.Future`` resolved on its own loop, one ``call_soon_threadsafe`` per reply.
+
+When an engine core's connection drops (kill -9, a sticky CUDA error), the micro-batches it held
+are sent again once (embedding is idempotent; ZeroMQ delivers them when the supervisor has
+restarted it, or to another engine core) and answered 503 if that copy is lost too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from quiver_serve import errors
+from quiver_serve.messages import EmbedResult, ErrorInfo
+from quiver_serve.metrics.observer import PipelineObserver
+from quiver_serve.wire import (
+    NO_SEED,
+    Decoders,
+    MicroBatchDone,
+    MicroBatchHeader,
+    RunAddresses,
+    encode,
+    view,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_SLEEP_S = 0.05
+_RETRIES = 1
+#: how long an engine core's report of other clients' ids counts (about a batch or two)
+_OTHERS_TTL_S = 0.02
+
+
+@dataclass(frozen=True)
+class EngineEndpoints:
+    """How a client in any process reaches one daemon's engine cores (picklable)."""
+
+    addrs: RunAddresses
+    num_engines: int
+    num_nodes: int
+    dim: int
+    max_request_nodes: int
+    max_batch_nodes: int
+    max_pending_requests: int
+    request_timeout_s: float
+    overload_status: int = 503
+    #: 0: a micro-batch leaves every loop tick (adaptive); else requests are held until the oldest
+    #: waited this long or ``max_batch_nodes`` ids are held (``batching.adaptive: false``)
+    hold_s: float = 0.0
+
+
+class _Request:
+    """One admitted request, alive only in this process."""
+
+    __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
+                 "arrived_s")
+
+    def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
+                 deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id, self.ids, self.exact, self.seed = request_id, ids, exact, seed
+        self.deadline_s, self.future, self.loop = deadline_s, future, loop
+        self.done = False
+        self.arrived_s = time.monotonic()
+
+
+@dataclass
+class _Flight:
+    """A micro-batch sent to an engine core and not yet answered."""
+
+    engine: int
+    requests: list[_Request]
+    frames: list[Any]
+    num_ids: int
+    attempts: int = 1
+    sent_s: float = field(default_factory=time.monotonic)
+    sent_wall_s: float = field(default_factory=time.time)  # the same, comparable across processes
+
+
+class EngineClient:
+    """Submit requests, get futures; see the module docstring. Thread-safe ``submit``."""
+
+    def __init__(self, endpoints: EngineEndpoints, observer: PipelineObserver | None = None,
+                 name: str = "client") -> None:
+        self.endpoints = endpoints
+        self.observer = observer or PipelineObserver()
+        self._inbox: deque[_Request] = deque()
+        self._held: list[_Request] = []
+        self._held_ids = 0
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._pending_ids = 0  # ids of admitted, unanswered requests (told to the engines)
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._flights: dict[int, _Flight] = {}
+        self._by_id: dict[str, _Request] = {}
+        self._load = [0] * endpoints.num_engines
+        #: per engine core: micro-batches sent to it and answered by it (observability)
+        self.sent = [0] * endpoints.num_engines
+        self.answered = [0] * endpoints.num_engines
+        #: per engine core: (ids other clients have there, when it said so)
+        self._others = [(0, 0.0)] * endpoints.num_engines
+        self._next_engine = os.getpid() % endpoints.num_engines  # clients start apart
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._tie = itertools.count()
+        self._stopping = threading.Event()
+        self._sleeping = False
+        #: the event loop that drives this client (``LoopClient``); None: the IO thread does
+        self._home_loop: asyncio.AbstractEventLoop | None = None
+        self._socks: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []
+        self._start_io(name)
+
+    def _start_io(self, name: str) -> None:
+        """Start what drives the sockets: here an IO thread (``LoopClient``: an event loop)."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name=f"quiver-{name}-io", daemon=True)
+        self._thread.start()
+
+    # ---- submitting (any thread) ---------------------------------------------------------------
+    @property
+    def pending_count(self) -> int:
+        return self._pending
+
+    def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+               deadline_s: float | None = None, request_id: str | None = None) -> Future[EmbedResult]:
+        """Admit one request (ids already validated by the caller, or checked by the engine)."""
+        fut: Future[EmbedResult] = Future()
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None)
+        return fut
+
+    def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+                     deadline_s: float | None = None,
+                     request_id: str | None = None) -> asyncio.Future[EmbedResult]:
+        """The same from a coroutine: the returned future resolves on the running loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[EmbedResult] = loop.create_future()
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop)
+        return fut
+
+    def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
+               request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        if self._stopping.is_set():
+            raise errors.unavailable("shutting_down", "the server is shutting down")
+        ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
+        ep = self.endpoints
+        with self._lock:
+            if self._pending >= ep.max_pending_requests:
+                self.observer.on_rejected("pending_full")
+                raise errors.overloaded("too many requests in flight; retry later", ep.overload_status)
+            self._pending += 1
+        if deadline_s is None:
+            deadline_s = time.time() + ep.request_timeout_s
+        rid = request_id if request_id is not None else f"c{next(self._ids)}"
+        if rid in self._by_id:
+            with self._lock:
+                self._pending -= 1
+            raise errors.ServeError("duplicate_request_id",
+                                    f"request_id {rid!r} is already in flight", 409)
+        with self._lock:
+            self._pending_ids += ids.size
+        req = _Request(rid, ids, exact, seed, deadline_s, fut, loop)
+        self._by_id[rid] = req
+        self._inbox.append(req)
+        self._wake()
+
+    def _wake(self) -> None:
+        """New requests wait in the inbox: wake the IO thread if it sleeps in its poll."""
+        if self._sleeping:
+            self._sleeping = False
+            os.write(self._wake_w, b"x")
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget a request nobody waits for (it is not computed unless already sent)."""
+        req = self._by_id.get(request_id)
+        if req is None or req.done:
+            return False
+        self.observer.on_rejected("client_disconnected")
+        self._resolve([(req, EmbedResult(req.request_id, error=ErrorInfo(
+            "cancelled", "request cancelled", 499)))])
+        return True
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the IO; requests still pending are answered 503."""
+        self._stopping.set()
+        self._stop_io(timeout_s)
+        left = [r for f in self._flights.values() for r in f.requests] + list(self._inbox) \
+            + self._held
+        self._flights.clear()
+        self._inbox.clear()
+        err = errors.unavailable("shutting_down", "the server is shutting down").info
+        self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in left if not r.done])
+
+    def _stop_io(self, timeout_s: float) -> None:
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=timeout_s)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- the IO thread ---------------------------------------------------------------------------
+    def _open_sockets(self) -> None:
+        """One DEALER per engine core, and a monitor that says when its connection drops."""
+        ctx = zmq.Context.instance()
+        for e in range(self.endpoints.num_engines):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(self.endpoints.addrs.engine(e))
+            self._socks.append(sock)
+            self._monitors.append(mon)
+
+    def _run(self) -> None:
+        self._open_sockets()
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for sock, mon in zip(self._socks, self._monitors, strict=True):
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+        try:
+            self._loop(poller)
+        except Exception:  # noqa: BLE001 - logged; stop() answers what is left
+            log.exception("client IO thread failed")
+        finally:
+            for s in self._socks + self._monitors:
+                s.close(linger=0)
+
+    def _loop(self, poller: zmq.Poller) -> None:
+        last_gauge = 0.0
+        while not self._stopping.is_set():
+            self._sleeping = True
+            timeout_ms = 0 if self._inbox else self._sleep_ms()
+            events = dict(poller.poll(timeout_ms))
+            self._sleeping = False
+            if events.get(self._wake_r):
+                _drain_pipe(self._wake_r)
+            self._send_new()
+            for e, sock in enumerate(self._socks):
+                if events.get(sock):
+                    self._receive(e, sock)
+                if events.get(self._monitors[e]):
+                    self._on_monitor(e)
+            self._sweep(time.time())
+            now = time.monotonic()
+            if now - last_gauge > 0.5:
+                last_gauge = now
+                self.observer.on_pending(self._pending)
+
+    def _sleep_ms(self) -> int:
+        wait_s = _MAX_SLEEP_S
+        if self._deadlines:
+            wait_s = min(wait_s, self._deadlines[0][0] - time.time())
+        if self._held:
+            wait_s = min(wait_s, self._held[0].arrived_s + self.endpoints.hold_s - time.monotonic())
+        return max(0, int(wait_s * 1000) + 1)
+
+    def _take_inbox(self) -> list[_Request]:
+        """Requests to send now: every new one (adaptive), or the held ones once due."""
+        while self._inbox:
+            req = self._inbox.popleft()
+            if not req.done:
+                heapq.heappush(self._deadlines, (req.deadline_s, next(self._tie), req))
+                self._held.append(req)
+                self._held_ids += req.ids.size
+        if not self._held:
+            return []
+        hold_s = self.endpoints.hold_s
+        due = hold_s <= 0 or self._held_ids >= self.endpoints.max_batch_nodes \
+            or time.monotonic() - self._held[0].arrived_s >= hold_s
+        if not due:
+            return []
+        taken, self._held, self._held_ids = self._held, [], 0
+        return taken
+
+    def _send_new(self) -> None:
+        """Requests due to leave, as micro-batches to the engines: each request joins the engine
+        with the least estimated work, counting what this tick already gave it (so callers that
+        return together are spread over every engine core, not sent to one); one micro-batch per
+        engine and kind, split at ``max_batch_nodes``; a seeded request travels alone."""
+        cap = self.endpoints.max_batch_nodes
+        planned = self._estimated_load()
+        groups: dict[tuple[int, bool], list[_Request]] = {}
+        sizes: dict[tuple[int, bool], int] = {}
+        for req in self._take_inbox():
+            if req.done:
+                continue
+            engine = self._pick(planned)
+            planned[engine] += req.ids.size
+            if req.seed is not None:
+                self._send([req], req.exact, req.seed, engine)
+                continue
+            key = (engine, req.exact)
+            group = groups.setdefault(key, [])
+            if group and sizes[key] + req.ids.size > cap:
+                self._send(group, req.exact, NO_SEED, engine)
+                group = groups[key] = []
+                sizes[key] = 0
+            group.append(req)
+            sizes[key] = sizes.get(key, 0) + req.ids.size
+        for (engine, exact), group in groups.items():
+            if group:
+                self._send(group, exact, NO_SEED, engine)
+
+    def _estimated_load(self) -> list[int]:
+        """Per engine core: the ids this client has there plus, for a short while after the
+        engine said so, the ids other clients have there."""
+        now_s = time.monotonic()
+        return [mine + (others if now_s - at_s < _OTHERS_TTL_S else 0)
+                for mine, (others, at_s) in zip(self._load, self._others, strict=True)]
+
+    def _pick(self, load: list[int]) -> int:
+        """The engine with the least load; ties go round-robin (never always to engine 0: with
+        callers in lock-step every engine is idle at once, and index order would starve the
+        rest)."""
+        n = len(load)
+        if n == 1:
+            return 0
+        best, start = -1, self._next_engine
+        for k in range(n):
+            e = (start + k) % n
+            if best < 0 or load[e] < load[best]:
+                best = e
+        self._next_engine = (best + 1) % n
+        return best
+
+    def _send(self, reqs: list[_Request], exact: bool, seed: int, engine: int) -> None:
+        seq = next(self._seq)
+        ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
+        lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
+        deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
+        self._load[engine] += int(ids.size)
+        self.sent[engine] += 1
+        head = MicroBatchHeader(seq, exact, seed, self._share(engine))
+        frames = [encode(head), ids, lengths, deadlines]
+        self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
+        self._socks[engine].send_multipart(frames, copy=False)
+
+    def _share(self, engine: int) -> int:
+        """Ids this client expects ``engine`` to see from it soon: those it has there now (a
+        caller that gets its answer sends its next request to the least loaded engine, which
+        is then usually the one that answered) plus an even share of those not sent yet. With
+        one engine this is every pending id."""
+        unsent = max(self._pending_ids - sum(self._load), 0)
+        return self._load[engine] + -(-unsent // len(self._load))
+
+    def _receive(self, engine: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                done = Decoders.done.decode(frames[0].buffer)
+            except Exception as exc:  # noqa: BLE001 - cannot tell whose: logged loudly
+                log.error("engine %d sent an unreadable reply (%s); its requests time out", engine, exc)
+                continue
+            self._on_done(done, frames)
+
+    def _on_done(self, done: MicroBatchDone, frames: list[Any]) -> None:
+        flight = self._flights.pop(done.seq, None)
+        if done.stats is not None:
+            self.observer.on_batch(done.stats)
+            if flight is not None and done.stats.replied_s:
+                self.observer.on_transport(flight.sent_wall_s, done.stats.received_s,
+                                           done.stats.replied_s, time.time())
+        if flight is None:
+            self.observer.on_late_result()  # answered already (a retried copy came back first)
+            return
+        self.observer.on_round_trip(flight.sent_wall_s, time.time())
+        self._load[flight.engine] -= flight.num_ids
+        self.answered[flight.engine] += 1
+        self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),
+                                       time.monotonic())
+        rows = None
+        if done.dim and len(frames) > 1:
+            rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
+        failed = {e.index: e for e in done.errors}
+        out, start = [], 0
+        for i, req in enumerate(flight.requests):
+            end = start + req.ids.size
+            err = failed.get(i)
+            if err is not None or rows is None:
+                info = ErrorInfo(err.code, err.message, err.status) if err else ErrorInfo(
+                    "internal", "engine reply carried no rows", 500)
+                out.append((req, EmbedResult(req.request_id, error=info)))
+            else:
+                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end])))
+            start = end
+        self._resolve(out)
+
+    def _on_monitor(self, engine: int) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitors[engine], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._recover(engine)
+
+    def _recover(self, engine: int) -> None:
+        """The engine core went away: send its micro-batches again once, else answer 503."""
+        lost = [(seq, f) for seq, f in self._flights.items() if f.engine == engine]
+        if not lost:
+            return
+        log.warning("engine %d went away holding %d micro-batch(es); resending", engine, len(lost))
+        self.observer.on_rejected("engine_lost")
+        failed = []
+        for seq, flight in lost:
+            self._load[engine] -= flight.num_ids
+            if flight.attempts > _RETRIES:
+                del self._flights[seq]
+                failed += flight.requests
+                continue
+            flight.attempts += 1
+            target = self._pick(self._estimated_load())
+            flight.engine = target
+            self._load[target] += flight.num_ids
+            self._socks[target].send_multipart(flight.frames, copy=False)
+        err = ErrorInfo("worker_died", "the engine core died twice while serving it", 503)
+        self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in failed])
+
+    def _sweep(self, now_s: float) -> None:
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            req = heapq.heappop(self._deadlines)[2]
+            if not req.done:
+                expired.append(req)
+        if expired:
+            err = errors.deadline().info
+            for _ in expired:
+                self.observer.on_rejected("deadline")
+            self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in expired])
+
+    def _resolve(self, results: list[tuple[_Request, EmbedResult]]) -> None:
+        """Hand results to their futures: sync ones here, asyncio ones on their loop (batched)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, EmbedResult]]] = {}
+        mine = []
+        with self._lock:  # cancel() resolves from other threads
+            for req, result in results:
+                if not req.done:
+                    req.done = True
+                    mine.append((req, result))
+                    self._pending_ids -= req.ids.size
+            self._pending -= len(mine)
+        for req, result in mine:
+            self._by_id.pop(req.request_id, None)
+            if req.loop is None:
+                if not req.future.done():
+                    req.future.set_result(result)
+            else:
+                by_loop.setdefault(req.loop, []).append((req.future, result))
+        for loop, items in by_loop.items():
+            if loop is self._home_loop and self._on_home_thread():
+                _set_all(items)  # this loop drives the client: no hand-off
+                continue
+            try:
+                loop.call_soon_threadsafe(_set_all, items)
+            except RuntimeError:  # that loop is closed: nobody waits
+                pass
+
+
+    def _on_home_thread(self) -> bool:
+        return False
+
+
+def _set_all(items: list[tuple[asyncio.Future[EmbedResult], EmbedResult]]) -> None:
+    for fut, result in items:
+        if not fut.done():
+            fut.set_result(result)
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,163 @@
+"""The engine core's factory: device, model (weights-only), samplers (the GPU sampler with its
+adjacency cache, the C++ sampler), feature placement, CUDA graphs, a warm-up through every path,
+then the PSGS table and the cost model (``routing/calibrate.py``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.batch import SamplerPool
+from quiver_serve.engine.core.core import EngineCore
+from quiver_serve.engine.core.devices import worker_device
+from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.features.build import build_feature_store
+from quiver_serve.features.store import FeatureStore
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.models.served import ServedModel, build_model
+from quiver_serve.routing.router import EngineRouter
+from quiver_serve.sampling import BaseSampler, make_cpu_sampler
+from quiver_serve.wire import NO_SEED
+
+log = logging.getLogger(__name__)
+
+
+def build_core(cfg: ServeConfig, graph: GraphData, index: int,
+               pool: SamplerPool | None, calibration: str | None = None,
+               progress: bool = True) -> EngineCore:
+    """Device, model (weights-only), samplers, feature placement, a warm-up batch, then the
+    PSGS table and the cost model (``engine/core/calibrate.py``; ``calibration`` overrides
+    ``sampling.calibration``)."""
+    from quiver_serve.engine.core.calibrate import prepare_routing
+
+    device, model, features = place_model_and_features(cfg, graph, index)
+    core = EngineCore(
+        model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
+                                                  cfg.sampling.implementation),
+        cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
+        router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
+        index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
+        gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
+        request_log_size=cfg.features.request_log_size)
+    from quiver_serve.features.replace import Replacer
+
+    core.replacer = Replacer(cfg, graph, core.features)
+    if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
+        from quiver_serve.engine.core.overlap import PoolOverlap
+
+        core.overlap = PoolOverlap(serial=cfg.sampling.pool_overlap == "serial")
+    core.check_fast_model()
+    core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
+    warm_up(core)
+    prepare_routing(core, cfg, graph, calibration, progress)
+    return core
+
+
+def warm_up(core: EngineCore) -> None:
+    """Tiny batches through every path in this process (GPU and CPU sampling, sampled and exact),
+    so the first request pays no lazy initialisation; the pool is not used here."""
+    mode = core.router.forced
+    core.learn_costs = False
+    try:
+        for route in ("gpu", "local") if core.gpu_sampler is not None else ("local",):
+            core.router.forced = route
+            _warm_batches(core)
+    finally:
+        core.router.forced = mode
+        core.learn_costs = True
+    core.reset_cost_models()  # warm-up timings include one-off costs: forget them
+    core.reset_feature_counts()  # and their rows are no requests' hits or misses
+
+
+def _warm_batches(core: EngineCore) -> None:
+    for exact in (False, True):
+        mb = MicroBatch(b"", -1, exact, NO_SEED, np.zeros(1, np.int64), np.ones(1, np.int64),
+                        np.array([time.time() + 60.0]))
+        core.add(mb)
+        deadline = time.monotonic() + 60
+        replies: list[Reply] = []
+        while not replies and time.monotonic() < deadline:
+            replies = core.step()
+        if not replies or replies[0].done.errors:
+            raise RuntimeError(f"warm-up batch failed: {replies[0].done.errors if replies else 'no reply'}")
+
+
+def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
+    """The sampler an inference worker uses for batches routed to it unsampled."""
+    gpu = gpu_sampler_or_none(cfg, graph, device)
+    return gpu if gpu is not None else make_cpu_sampler(graph.indptr, graph.indices,
+                                                        cfg.sampling.implementation)
+
+
+def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
+    from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
+
+    if not gpu_sampler_available():
+        raise RuntimeError("CuPy is not importable or CUDA is not available")
+    mode = cfg.sampling.gpu_mode
+    if mode == "auto":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
+        mode = "device" if csc_bytes < free_bytes // 2 else "uva"
+    if mode == "device":
+        sampler: BaseSampler = CudaSampler(graph.indptr, graph.indices, device=device)
+    else:
+        sampler = UvaSampler(graph.indptr, graph.indices, device=device,
+                             adjacency_cache=_adjacency_cache(cfg, graph, device))
+    sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
+    return sampler
+
+
+def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Any:
+    """The UVA sampler's GPU copy of the hottest neighbour lists (None: no budget for it)."""
+    budget = cfg.sampling.gpu_graph_cache_bytes
+    if budget <= 0:
+        return None
+    from quiver_serve.sampling.graph_cache.adjacency import (
+        EF_BITS,
+        build_adjacency_cache,
+        expansion_scores,
+    )
+
+    scores = expansion_scores(graph.indptr, graph.indices, cfg.sampling.fanouts,
+                              cfg.features.fap_batch_size)
+    layout = EF_BITS if cfg.sampling.graph_cache_layout == "elias_fano" else None
+    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device, layout)
+    if cache is None:
+        log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
+                    "per node): no adjacency cache", budget)
+    else:
+        log.info("adjacency cache: %d of %d neighbour lists (%s), %d bytes on %s",
+                 cache.num_cached, graph.num_nodes, "Elias-Fano" if cache.index_bits == EF_BITS
+                 else f"{cache.index_bits} bits per entry", cache.nbytes, device)
+    return cache
+
+
+def place_model_and_features(cfg: ServeConfig, graph: GraphData,
+                             index: int) -> tuple[torch.device, ServedModel, FeatureStore]:
+    """Worker ``index``'s device, its model there (weights-only), and its feature store: the
+    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory."""
+    device = worker_device(cfg, index)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
+    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
+                        self_loops, precision=cfg.inference.precision,
+                        fast=cfg.inference.fast_model).to(device)
+    return device, model, build_feature_store(cfg, graph, device)
+
+
+def gpu_sampler_or_none(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler | None:
+    """The GPU sampler of an engine core on ``device``, or None (CPU device, no CuPy, no build)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return _gpu_sampler(cfg, graph, device)
+    except Exception as exc:  # noqa: BLE001 - the engine samples on the CPU instead
+        log.warning("GPU sampler unavailable (%s: %s); sampling on the CPU", type(exc).__name__, exc)
+        return None

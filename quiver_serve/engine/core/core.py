@@ -1,0 +1,500 @@
+"""EngineCore: the serving path's stage logic, one instance per GPU (or one on a CPU-only box).
+
+A plain class driven by ``step()`` (tests drive it directly; ``core_proc.py`` owns the process, its
+sockets and its loop). Work arrives as micro-batches (one per front-end loop tick) and leaves as
+one reply per micro-batch. Each ``step()``:
+
+1. finishes batches whose GPU work is done (one host sync per batch: the copy-out), and computes
+   batches whose sample came back from the CPU sampler pool;
+2. forms the next batch from whatever micro-batches wait (continuous batching), as large as the
+   cost model says still finishes inside the oldest request's deadline budget, dropping expired
+   requests before any work;
+3. routes it (GPU sampling here, the CPU pool, or CPU sampling here), samples, gathers features
+   and launches the model. On a GPU the model runs on its own stream, so batch k+1 is formed and
+   sampled while batch k computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.engine.core.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
+from quiver_serve.engine.core.fill import ExpectedFill
+from quiver_serve.engine.core.micro_batch import (
+    MicroBatch,
+    Part,
+    Reply,
+    check_ids,
+    prune,
+)
+from quiver_serve.features.fap import RequestLog
+from quiver_serve.features.store import FeatureStore
+from quiver_serve.messages import BatchStats
+from quiver_serve.models.graphed import GraphedForward
+from quiver_serve.models.served import ServedModel
+from quiver_serve.routing.cost import CostModel, LatencyModel
+from quiver_serve.routing.psgs import PsgsTable
+from quiver_serve.routing.router import EngineRouter, EngineRouteState, PoolClock
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
+from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
+
+log = logging.getLogger(__name__)
+
+#: finished GPU batches are noticed by polling their event; at most this many are launched at once
+MAX_IN_FLIGHT = 2
+#: a client's report of its outstanding ids counts this long after its last micro-batch
+CLIENT_REPORT_S = 1.0
+#: this many waiting ids or fewer form one batch whatever the deadline (no cost-model sizing)
+SMALL_BATCH_IDS = 16
+
+
+class EngineCore:
+    """Stage logic of one engine core; see the module docstring."""
+
+    def __init__(self, model: ServedModel, features: FeatureStore, device: torch.device,
+                 local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
+                 max_batch_nodes: int, router: EngineRouter, index: int = 0,
+                 pool: SamplerPool | None = None, max_waiting: int = 4096,
+                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0) -> None:
+        self.model, self.features, self.device = model, features, device
+        #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
+        self.request_log = RequestLog(request_log_size)
+        self.replacer: Any = None  # a ``features.replace.Replacer`` when re-placement is wired
+        self.local_sampler, self.gpu_sampler = local_sampler, gpu_sampler
+        self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
+        self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
+        self.router, self.pool = router, pool
+        self.waiting: deque[MicroBatch] = deque()
+        self._waiting_ids = 0
+        #: per client: ids it had outstanding at its last micro-batch, and when that arrived
+        self._client_ids: dict[bytes, tuple[int, float]] = {}
+        self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
+        self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
+        self.in_flight: deque[Batch] = deque()  # launched on the GPU
+        self.reset_cost_models()
+        #: PSGS table (``engine/core/calibrate.py`` sets it); None: route and size by seed count
+        self.psgs: PsgsTable | None = None
+        self._waiting_draws = 0.0
+        self._pool_clock = PoolClock()  # when each CPU sampler's queue is predicted done
+        #: learn from measured batches (off during the warm-up: one-off costs)
+        self.learn_costs = True
+        self._ids = itertools.count()
+        self.on_gpu = device.type == "cuda"
+        self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
+        #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
+        self.graphed: GraphedForward | None = None
+        #: called with each finished batch's stats (the process wrapper turns them into metrics)
+        self.on_stats: Callable[[BatchStats], None] | None = None
+        #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
+        self.defer_stats = False
+        self._stats_held: list[BatchStats] = []
+        #: route auto: batches for idle CPU samplers while the GPU is busy (``overlap.py``)
+        self.overlap: Any = None
+
+    def capture_graphs(self, max_seeds: int) -> None:
+        """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
+        features on the device); each is checked against the eager forward on a real sample."""
+        if not (self.on_gpu and self.features.capturable and max_seeds > 0):
+            return
+        sampler = self.gpu_sampler or self.local_sampler
+
+        def sample(num_seeds: int) -> SamplerOutput:
+            seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
+            return sampler.sample(seeds, self.fanouts, new_batch_seed())
+
+        def model(x: Tensor, n_id: Tensor, edges: Tensor, nodes: list[int],
+                  edge_counts: list[int]) -> Tensor:
+            return self.model(x, n_id, edges, nodes, edge_counts, False)
+
+        with torch.cuda.stream(self._compute_stream):
+            graphed = GraphedForward.capture(model, self.features.gather, self.device,
+                                             self.fanouts, max_seeds, sample)
+        torch.cuda.synchronize(self.device)
+        self.graphed = graphed if graphed.graphs else None
+        if self.graphed is not None:
+            log.info("engine %d: CUDA graphs for sampled batches of 1..%d seeds", self.index,
+                     self.graphed.max_seeds)
+
+    def check_fast_model(self, num_seeds: int = 64) -> float | None:
+        """Check the fast model path against PyG's layers on one real sampled batch (start-up)."""
+        seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
+        sb = self.local_sampler.sample(seeds, self.fanouts, new_batch_seed())
+        n_id = sb.n_id.to(self.device)
+        x = self.features.gather(n_id)
+        return self.model.check_fast(x, n_id, sb.edge_index.to(self.device),
+                                     sb.num_sampled_nodes, sb.num_sampled_edges)
+
+    def reset_feature_counts(self) -> None:
+        self.features.reset_counts()
+        self._counts_seen = (0, 0)
+
+    def reset_cost_models(self) -> None:
+        self.fill = ExpectedFill()
+        self.latency = LatencyModel()
+        self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
+
+    @property
+    def cost(self) -> CostModel:
+        """The per-path cost model (the router's)."""
+        return self.router.cost
+
+    def set_cost_model(self, model: CostModel) -> None:
+        self.router.cost = model
+
+    # ---- intake --------------------------------------------------------------------------------
+    def add(self, mb: MicroBatch) -> Reply | None:
+        """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded)."""
+        n_req = mb.num_requests
+        total = int(mb.lengths[0]) if n_req == 1 else int(mb.lengths.sum())
+        if n_req == 0 or total != mb.num_ids or mb.deadlines_s.size != n_req:
+            err = RequestError(0, "invalid_request", "malformed micro-batch: ids, lengths and "
+                               "deadlines do not agree", 400)
+            return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
+        mb.valid, mb.errors = check_ids(mb, self.num_nodes)
+        mb.min_deadline_s = float(mb.deadlines_s[0] if n_req == 1 else mb.deadlines_s.min())
+        if len(self.waiting) >= self.max_waiting:
+            errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
+                    for i in range(mb.num_requests)]
+            return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+        if self.psgs is not None:
+            ids = mb.ids if mb.valid is None else mb.ids[(mb.ids >= 0) & (mb.ids < self.num_nodes)]
+            mb.draws = self.psgs.draws(ids)
+            self._waiting_draws += mb.draws
+        self.waiting.append(mb)
+        self._waiting_ids += mb.num_ids
+        if mb.outstanding_ids:
+            self._client_ids[mb.client] = (mb.outstanding_ids, mb.received_s)
+        return None
+
+    def ids_in_hand(self) -> int:
+        """Ids waiting, at the CPU pool, sampled or on the GPU (not the batch being answered)."""
+        return self._waiting_ids + sum(
+            int(b.seeds.numel()) for group in (self.sampling.values(), self.sampled,
+                                               self.in_flight) for b in group)
+
+    def _clients_outstanding(self, now_s: float) -> int:
+        """Ids the clients heard from in the last second say they have outstanding: callers
+        between two requests count too, which the engine cannot see itself."""
+        stale = [c for c, (_, at) in self._client_ids.items() if now_s - at > CLIENT_REPORT_S]
+        for c in stale:
+            del self._client_ids[c]
+        return sum(ids for ids, _ in self._client_ids.values())
+
+    def has_ready_work(self) -> bool:
+        return bool(self.waiting or self.sampled)
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.sampled or self.in_flight or self.sampling)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[Reply]:
+        if self.replacer is not None:
+            self.replacer.poll(self)  # a finished re-placement switches here, between batches
+        replies = self._finish(block=False)
+        while self.sampled:
+            replies += self._launch(self.sampled.popleft())
+        if self.waiting and self._may_form():
+            batch, refused = self._form(time.time())
+            replies += refused
+            if batch is not None:
+                replies += self._route_and_run(batch)
+        elif self.waiting and self.overlap is not None:  # GPU busy: idle CPU samplers' share
+            replies += self.overlap.step(self)
+        if not replies and not self.has_ready_work() and self.in_flight:
+            replies += self._finish(block=not self.waiting)
+        return replies
+
+    def _may_form(self) -> bool:
+        """Form the next batch now, or wait so it gathers more requests while the GPU is busy."""
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
+            return False
+        now_s = time.time()
+        if self.in_flight:
+            lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
+            if now_s < self.in_flight[-1].expected_done_s - lead_s:
+                return False
+        return self._filled(now_s)
+
+    def _filled(self, now_s: float) -> bool:
+        """Enough ids wait for a batch of the expected size, or the wait for them is over
+        (``fill.py``)."""
+        first = self.waiting[0]
+        if first.seed != NO_SEED:
+            self.fill.release()
+            return True  # a seeded request forms a batch alone: nothing to wait for
+        target = int(self.fill.target_ids(self.max_batch_nodes))
+        batch_s = self.latency.predict_s(target)
+        return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s,
+                               self.latency.fixed_s, first.min_deadline_s - now_s - batch_s,
+                               bool(self.in_flight), self.waiting[-1].received_s)
+
+    # ---- forming ---------------------------------------------------------------------------------
+    def _form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]:
+        """Merge waiting micro-batches of one kind into a batch sized to the deadline budget
+        (or to ``cap`` seeds)."""
+        first = self.waiting[0]
+        cap = self._seed_cap(first.min_deadline_s - now_s) if cap is None else cap
+        parts: list[Part] = []
+        refused: list[Reply] = []
+        taken = 0
+        while self.waiting:
+            mb = self.waiting[0]
+            if parts and (mb.exact != first.exact or mb.seed != NO_SEED or first.seed != NO_SEED
+                          or taken + mb.num_ids > cap):
+                break
+            self.waiting.popleft()
+            self._waiting_ids -= mb.num_ids
+            self._waiting_draws -= mb.draws
+            part = prune(mb, now_s)
+            if part.alive is not None and not part.alive.any():
+                refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
+                continue
+            parts.append(part)
+            taken += mb.num_ids
+        self.fill.on_formed(taken)
+        if not parts:
+            return None, refused
+        seeds = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
+            [p.alive_ids() for p in parts])
+        seed = first.seed if first.seed != NO_SEED else new_batch_seed()
+        batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
+                      formed_s=now_s)
+        self.request_log.record(seeds)
+        return batch, refused
+
+    def _seed_cap(self, budget_s: float) -> int:
+        """Most seeds a batch may take and finish inside ``budget_s``: the cost model's largest
+        PSGS over the paths the router may use, turned into seeds at the waiting work's mean
+        PSGS per seed (the union grows slower than the seeds, so this errs small)."""
+        if self._waiting_ids <= SMALL_BATCH_IDS:
+            return self.max_batch_nodes  # splitting a handful of ids finishes none sooner
+        if self.psgs is None:
+            return self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
+        paths = self.router.paths(self.gpu_sampler is not None, self.pool is not None)
+        psgs_cap = self.cost.max_psgs_within(budget_s, paths)
+        per_seed = self.psgs.union_of(max(self._waiting_draws, 0.0), self._waiting_ids) \
+            / self._waiting_ids
+        if psgs_cap == float("inf") or per_seed <= 0:
+            return self.max_batch_nodes
+        return max(1, min(self.max_batch_nodes, int(psgs_cap / per_seed)))
+
+    # ---- routing, sampling, launching ------------------------------------------------------------
+    def _route_state(self, batch: Batch) -> EngineRouteState:
+        n = int(batch.seeds.numel())
+        outstanding = self.pool.outstanding() if self.pool is not None else []
+        state = EngineRouteState(n, len(self.waiting), outstanding, self.gpu_sampler is not None,
+                                 len(self.in_flight), waiting_batches=self._waiting_ids / max(n, 1))
+        if self.psgs is not None and not batch.exact:
+            ids = batch.seeds.numpy()
+            state.psgs = batch.psgs = float(self.psgs.estimate(ids))
+            if self.router.forced == "quiver":
+                state.quiver_size = self.psgs.quiver_sum(ids)
+        if outstanding:
+            state.pool_queued_s = self._pool_clock.queued_s(outstanding, time.time())
+        return state
+
+    def _route_and_run(self, batch: Batch) -> list[Reply]:
+        state = self._route_state(batch)
+        decision = self.router.decide(state)
+        batch.route = decision.route
+        if batch.psgs > 0:
+            batch.predicted_s = float(decision.predicted_s
+                                      + self.cost.compute.predict_s(batch.psgs))
+        if decision.route == "cpu":
+            assert self.pool is not None
+            self.sampling[batch.batch_id] = batch
+            now = time.time()
+            batch.sampler, batch.sent_s = decision.sampler, now
+            batch.sent_idle = not state.pool_outstanding[decision.sampler]
+            self._pool_clock.on_send(decision.sampler, decision.predicted_s, now)
+            self.pool.send(decision.sampler, batch.batch_id, batch.seeds, self._fanouts(batch),
+                           batch.seed)
+            return []
+        sampler = self.gpu_sampler if decision.route == "gpu" else self.local_sampler
+        assert sampler is not None
+        t0 = time.perf_counter()
+        try:
+            if self._sample_stream is not None:
+                with torch.cuda.stream(self._sample_stream):
+                    batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
+                    self._stage(batch)  # its copy to the host waits for sampling only
+            else:
+                batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
+        except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
+            return self._fail(batch, exc)
+        batch.sample_s = time.perf_counter() - t0
+        self.sample_latency.observe(int(batch.seeds.numel()), batch.sample_s)
+        if self.learn_costs and not batch.exact:
+            self.cost.observe_sample(decision.route, batch.sampled.num_nodes, batch.sample_s)
+        return self._launch(batch)
+
+    def on_sampled(self, task_id: int, out: SamplerOutput | None, sample_s: float,
+                   error: str | None = None) -> list[Reply]:
+        """A CPU sampler's answer; the batch is computed at the next step."""
+        batch = self.sampling.pop(task_id, None)
+        if batch is None:
+            return []  # answered already (retried elsewhere after its sampler died)
+        if out is None:
+            return self._fail(batch, RuntimeError(f"CPU sampler failed: {error}"))
+        batch.sampled, batch.sample_s = out, sample_s
+        if self.learn_costs and batch.sent_idle and not batch.exact:
+            # sent to an idle sampler: the round trip is the path's own time (no queue in it)
+            self.cost.observe_sample("cpu", out.num_nodes, time.time() - batch.sent_s)
+        self.sampled.append(batch)
+        return []
+
+    def pool_lost(self, task_ids: list[int]) -> None:
+        """A sampler died holding these batches: sample them here instead."""
+        for task_id in task_ids:
+            batch = self.sampling.pop(task_id, None)
+            if batch is not None:
+                for part in reversed(batch.parts):
+                    self.waiting.appendleft(part.mb)
+                    self._waiting_ids += part.mb.num_ids
+
+    def _stage(self, batch: Batch) -> None:
+        """Pack a small sampled batch for its CUDA graph; always right before ``_launch``, so a
+        host buffer is never packed twice before its copy is queued."""
+        if self.graphed is not None and not batch.exact and batch.sampled is not None \
+                and batch.staged is None:
+            batch.staged = self.graphed.stage(batch.sampled)
+
+    def _fanouts(self, batch: Batch) -> list[int]:
+        return [-1] * len(self.fanouts) if batch.exact else self.fanouts
+
+    def _launch(self, batch: Batch) -> list[Reply]:
+        """Gather and run the model; on a GPU asynchronously (finished by ``_finish``)."""
+        try:
+            if self._compute_stream is None:
+                return self._run_sync(batch)
+            self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
+            self._run_async(batch)
+            return []
+        except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
+            return self._fail(batch, exc)
+
+    def _forward(self, batch: Batch) -> Tensor:
+        sb = batch.sampled
+        assert sb is not None
+        if batch.staged is not None:
+            return GraphedForward.launch(batch.staged)  # one launch instead of dozens
+        n_id = sb.n_id
+        x = self.features.gather(n_id)  # GPU hits, zero-copy host misses, counted on the device
+        edge_index = sb.edge_index.to(self.device, torch.int64, non_blocking=True)
+        out = self.model(x, n_id.to(self.device, non_blocking=True), edge_index,
+                         sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
+        return out.index_select(0, sb.seed_index.to(self.device, non_blocking=True))
+
+    def _run_sync(self, batch: Batch) -> list[Reply]:
+        t0 = time.perf_counter()
+        rows = self._forward(batch).float()
+        compute_s = time.perf_counter() - t0
+        self.latency.observe(int(batch.seeds.numel()), compute_s + batch.sample_s)
+        self._observe_compute(batch, compute_s)
+        return self._replies(batch, rows.numpy(), compute_s)
+
+    def _run_async(self, batch: Batch) -> None:
+        stream = self._compute_stream
+        assert stream is not None and batch.sampled is not None
+        for t in (batch.sampled.n_id, batch.sampled.edge_index, batch.sampled.seed_index):
+            if t.is_cuda:
+                t.record_stream(stream)  # made on the sampling stream, read on this one
+        batch.start_event = torch.cuda.Event(enable_timing=True)
+        batch.done_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            batch.start_event.record(stream)
+            rows = self._forward(batch).float()
+            host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            batch.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            batch.counts.copy_(self.features.counts, non_blocking=True)  # read with the rows
+            batch.done_event.record(stream)
+        batch.rows = host
+        now = time.time()
+        start = max(now, self.in_flight[-1].expected_done_s) if self.in_flight else now
+        batch.launched_s = now
+        batch.expected_done_s = start + self.latency.predict_s(int(batch.seeds.numel()))
+        self.in_flight.append(batch)
+
+    def _finish(self, block: bool) -> list[Reply]:
+        replies: list[Reply] = []
+        while self.in_flight:
+            batch = self.in_flight[0]
+            if not batch.done_event.query():
+                if not block:
+                    break
+                batch.done_event.synchronize()  # the batch's one host sync: its copy-out
+            self.in_flight.popleft()
+            compute_s = batch.start_event.elapsed_time(batch.done_event) / 1e3
+            self.latency.observe(int(batch.seeds.numel()), compute_s)
+            self._observe_compute(batch, compute_s)
+            assert batch.rows is not None
+            replies += self._replies(batch, batch.rows.numpy(), compute_s)
+            block = False
+        return replies
+
+    def _observe_compute(self, batch: Batch, compute_s: float) -> None:
+        if self.learn_costs and not batch.exact and batch.sampled is not None:
+            self.cost.observe_compute(batch.sampled.num_nodes, compute_s)
+
+    # ---- replies ---------------------------------------------------------------------------------
+    def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
+        stats = self._stats(batch, compute_s)
+        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
+                              self._clients_outstanding(time.time()))
+        replies, start, dim = [], 0, int(rows.shape[1])
+        for i, part in enumerate(batch.parts):
+            if part.alive is None:
+                chunk = rows[start:start + part.mb.num_ids]
+                start += part.mb.num_ids
+            else:  # some requests expired or were refused: zero rows in their places
+                alive_pos = np.repeat(part.alive, part.mb.lengths)
+                n_alive = int(alive_pos.sum())
+                chunk = np.zeros((part.mb.num_ids, dim), np.float32)
+                chunk[alive_pos] = rows[start:start + n_alive]
+                start += n_alive
+            done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
+            replies.append(Reply(part.mb.client, done, chunk))
+        if self.on_stats is not None:
+            self._stats_held.append(stats)
+            if not self.defer_stats:
+                self.flush_stats()
+        return replies
+
+    def flush_stats(self) -> None:
+        """Hand held batch stats to ``on_stats`` (metrics: off the replies' path)."""
+        held, self._stats_held = self._stats_held, []
+        if self.on_stats is not None:
+            for stats in held:
+                self.on_stats(stats)
+
+    def _stats(self, batch: Batch, compute_s: float) -> BatchStats:
+        stats, self._counts_seen = batch_stats(batch, compute_s, self.index, self.features,
+                                               self._counts_seen)
+        return stats
+
+    def _fail(self, batch: Batch, exc: BaseException) -> list[Reply]:
+        if is_cuda_fatal(exc):
+            raise exc  # a sticky CUDA error: the process restarts; clients retry its batches
+        from quiver_serve.errors import internal_error
+
+        err = internal_error(exc, f"engine {self.index} batch {batch.batch_id}", log).info
+        replies = []
+        for part in batch.parts:
+            alive = range(part.mb.num_requests) if part.alive is None \
+                else np.flatnonzero(part.alive).tolist()
+            errs = part.errors + [RequestError(i, err.code, err.message, err.status)
+                                  for i in alive]
+            replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
+        return replies

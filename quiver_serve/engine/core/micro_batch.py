@@ -1,0 +1,108 @@
+"""A micro-batch as the engine core takes it in, its reply, and the intake checks.
+
+A micro-batch is one front-end tick's requests of one kind, as raw buffers (ids, lengths,
+deadlines). The checks here are vectorised and cost nothing per request in the usual case (every
+id in range, nothing expired): per-request masks are made only when something is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from quiver_serve import errors
+from quiver_serve.wire import MicroBatchDone, RequestError
+
+
+@dataclass
+class MicroBatch:
+    """One front-end tick's requests of one kind, as they arrived (buffers are NumPy views)."""
+
+    client: bytes
+    seq: int
+    exact: bool
+    seed: int  # NO_SEED unless it is a single seeded request
+    ids: np.ndarray  # int64 [n_ids]
+    lengths: np.ndarray  # int64 [n_requests]
+    deadlines_s: np.ndarray  # float64 [n_requests], time.time() instants
+    received_s: float = field(default_factory=time.time)
+    #: ids the sending client had outstanding when it sent this (``MicroBatchHeader``)
+    outstanding_ids: int = 0
+    #: requests refused at intake (ids out of range), None when none was; set by ``EngineCore.add``
+    valid: np.ndarray | None = None
+    errors: list[RequestError] = field(default_factory=list)
+    min_deadline_s: float = 0.0
+    #: PSGS draws of its ids (``PsgsTable.draws``), summed for the batch former's sizing
+    draws: float = 0.0
+
+    @property
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.lengths.size)
+
+
+@dataclass
+class Reply:
+    """What goes back to one client for one micro-batch."""
+
+    client: bytes
+    done: MicroBatchDone
+    rows: np.ndarray | None  # float32 [n_ids, dim], or None when every request failed
+
+
+@dataclass
+class Part:
+    mb: MicroBatch
+    alive: np.ndarray | None  # bool per request; None when every request is alive (the usual case)
+    errors: list[RequestError]
+
+    @property
+    def num_alive(self) -> int:
+        return self.mb.num_requests if self.alive is None else int(self.alive.sum())
+
+    def alive_ids(self) -> np.ndarray:
+        if self.alive is None:
+            return self.mb.ids
+        return self.mb.ids[np.repeat(self.alive, self.mb.lengths)]
+
+
+def expired_error(index: int) -> RequestError:
+    return RequestError(index, *errors.DEADLINE)
+
+
+def check_ids(mb: MicroBatch, num_nodes: int) -> tuple[np.ndarray | None, list[RequestError]]:
+    """Which requests have every id in range (None: all; front-ends validate, this guards every
+    other client), and a 400 naming the first bad id of each that does not."""
+    ids = mb.ids
+    if ids.size == 0:
+        return None, []  # no id to be out of range
+    if ids.size == 1:
+        if 0 <= int(ids[0]) < num_nodes:
+            return None, []
+    elif int(ids.min()) >= 0 and int(ids.max()) < num_nodes:
+        return None, []
+    bad = (mb.ids < 0) | (mb.ids >= num_nodes)
+    starts = np.concatenate([[0], np.cumsum(mb.lengths)[:-1]]).astype(np.int64)
+    per_request = np.add.reduceat(bad.astype(np.int64), starts) > 0
+    errs = []
+    for i in np.flatnonzero(per_request).tolist():
+        chunk = mb.ids[starts[i]:starts[i] + mb.lengths[i]]
+        first_bad = int(chunk[(chunk < 0) | (chunk >= num_nodes)][0])
+        info = errors.out_of_range(first_bad, num_nodes).info
+        errs.append(RequestError(i, info.code, info.message, info.status))
+    return ~per_request, errs
+
+
+def prune(mb: MicroBatch, now_s: float) -> Part:
+    """Drop expired requests (and those refused at intake) before any work."""
+    if mb.valid is None and mb.min_deadline_s > now_s:
+        return Part(mb, None, [])
+    valid = mb.valid if mb.valid is not None else np.ones(mb.num_requests, dtype=bool)
+    alive = valid & (mb.deadlines_s > now_s)
+    errors = list(mb.errors) + [expired_error(i) for i in np.flatnonzero(valid & ~alive).tolist()]
+    return Part(mb, alive, errors)

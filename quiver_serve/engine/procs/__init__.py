@@ -1,0 +1,1 @@
+"""Process code: the engine core and CPU sampler processes, the supervisor that starts and restarts every child (front-ends included), warm standbys, the control line, process helpers and the heap policy."""

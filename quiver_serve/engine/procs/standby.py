@@ -1,0 +1,166 @@
+"""Warm standby processes: a restart without a fresh interpreter's imports.
+
+A killed engine core, CPU sampler or HTTP front-end is replaced by a new process. Spawned fresh
+(CUDA needs spawn, not fork), that process first imports torch and PyG: ~2 s on the H200 box and
+5.9-6.2 s on a 2-core dev box (``-X importtime``: torch 2.3 s, PyG's import of
+``torch._dynamo`` 2.1 s), all before it builds anything, while its requests wait. A kill -9 must
+not stop the service for more than 5 s (issue 8), whatever the machine's import time.
+
+So a supervisor keeps ``server.standby_processes`` spawned processes that have done those imports
+and wait on a pipe. A restart hands one of them the dead child's target and arguments (sent
+through the pipe with torch's multiprocessing reductions: the graph's shared memory goes by
+handle, as when spawning) and a replacement standby is spawned in the background. A standby
+that is not warm yet is still used: it runs the target once its imports are done, which is no
+later than a fresh spawn would. A standby exits with its parent, or when its pipe closes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from quiver_serve.engine.procs.process import parent_alive, spawn_context
+
+log = logging.getLogger(__name__)
+
+#: what an engine core or a CPU sampler imports before it can start
+DAEMON_PRELOAD = ("torch", "torch_geometric", "quiver_serve.engine.procs.engine_proc")
+#: what an HTTP front-end process imports before it can start
+FRONTEND_PRELOAD = ("torch", "fastapi", "uvicorn", "quiver_serve.frontend.frontend_proc")
+#: how often a waiting standby checks that its parent is alive
+POLL_S = 0.5
+#: at most one standby spawned per this many seconds
+SPAWN_GAP_S = 1.0
+#: standbys are spawned once every child has been ready this long (their imports take a core for
+#: 2-6 s: not while the daemon starts, a child restarts, or the first requests arrive)
+SETTLE_S = 5.0
+
+
+def standby_main(conn: Any, preload: Sequence[str]) -> None:
+    """The standby process: import ``preload``, then wait for (target, args, name) and run it."""
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the target fails the same way and reports it
+            # on its control line; a standby that died here would only be respawned
+            log.warning("standby: cannot preload %s (%s)", name, exc)
+    try:
+        conn.send("warm")
+    except (OSError, ValueError):
+        return
+    while parent_alive():
+        try:
+            if not conn.poll(POLL_S):
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the supervisor is gone or closed the pipe
+        if msg is None:
+            return
+        target, args, name = msg
+        conn.close()
+        mp.current_process().name = name
+        target(*args)
+        return
+
+
+class StandbyPool:
+    """Up to ``size`` warm processes for one supervisor; ``take`` promotes one to a child.
+    Used from one thread (the supervisor's watch thread, after start-up)."""
+
+    def __init__(self, preload: Sequence[str], size: int, name: str) -> None:
+        self.preload, self.size, self.name = tuple(preload), max(0, int(size)), name
+        self._waiting: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
+        self._warm: set[int] = set()  # pids that said their imports are done
+        self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
+        self._settled_since: float | None = None  # since when every child has been ready
+        self.promoted = 0
+
+    def refill(self) -> None:
+        """Spawn a standby if fewer than ``size`` are alive (dead ones are dropped), at most one
+        per ``SPAWN_GAP_S``; the supervisors call it at every watch step."""
+        self._waiting = [(p, c) for p, c in self._waiting if p.is_alive() or _close(p, c)]
+        while len(self._waiting) < self.size:
+            if time.monotonic() - self._spawned_s < SPAWN_GAP_S:
+                return  # one spawn per gap: standbys that keep dying cannot cause a spawn storm
+            self._spawned_s = time.monotonic()
+            ctx = spawn_context()
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=standby_main, args=(theirs, self.preload),
+                               name=f"{self.name}-{self.promoted + len(self._waiting)}",
+                               daemon=True)
+            proc.start()
+            theirs.close()
+            self._waiting.append((proc, ours))
+
+    def tick(self, all_ready: bool) -> None:
+        """A supervisor's watch step: refill once every child has been ready for ``SETTLE_S``."""
+        now = time.monotonic()
+        if not all_ready:
+            self._settled_since = None
+            return
+        if self._settled_since is None:
+            self._settled_since = now
+        if now - self._settled_since >= SETTLE_S:
+            self.refill()
+
+    def warm(self) -> int:
+        """How many waiting standbys have finished their imports."""
+        for proc, conn in self._waiting:
+            try:
+                if proc.pid not in self._warm and conn.poll(0) and conn.recv() == "warm":
+                    self._warm.add(proc.pid)
+            except (EOFError, OSError):
+                continue
+        return sum(1 for p, _ in self._waiting if p.pid in self._warm and p.is_alive())
+
+    def take(self, target: Callable[..., None], args: tuple, name: str) -> Any | None:
+        """A live standby now running ``target(*args)``, or None (none left, or the hand-over
+        failed: the caller spawns a fresh process)."""
+        while self._waiting:
+            proc, conn = self._waiting.pop(0)
+            if not proc.is_alive():
+                _close(proc, conn)
+                continue
+            try:
+                conn.send((target, args, name))
+            except (OSError, ValueError) as exc:  # broken pipe, or args that cannot be sent
+                log.warning("standby %s refused its hand-over (%s); spawning fresh", proc.pid, exc)
+                proc.kill()
+                _close(proc, conn)
+                continue
+            conn.close()
+            self.promoted += 1
+            return proc
+        return None
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        for _, conn in self._waiting:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+            conn.close()
+        for proc, _ in self._waiting:
+            proc.join(timeout=timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        self._waiting = []
+
+    def pids(self) -> list[int]:
+        return [p.pid for p, _ in self._waiting if p.is_alive()]
+
+
+def _close(proc: Any, conn: Any) -> bool:
+    """Release a dead standby's pipe and process handle; False (for filters)."""
+    try:
+        conn.close()
+    except OSError:
+        pass
+    proc.join(timeout=0)
+    return False

@@ -1,0 +1,289 @@
+"""FastAPI front-end: /v1/embed, KServe v2, /metrics. It owns the Prometheus registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.client.pipeline import Pipeline
+from quiver_serve.frontend import kserve
+from quiver_serve.frontend.bodies import parse_embed, validation_message
+from quiver_serve.frontend.fastpath import (
+    EMBED_PATH,
+    INFER_TEMPLATE,
+    HotRoutes,
+    model_or_404,
+    serve_ids,
+)
+from quiver_serve.frontend.guards import Guards, resolve_token
+from quiver_serve.frontend.responses import (
+    NPY_MEDIA_TYPE,
+    embed_answer,
+    error_response,
+    serve_error_response,
+)
+from quiver_serve.frontend.schemas import (
+    EmbedBody,
+    EmbedResponse,
+    ErrorBody,
+    InferBody,
+    InferResponse,
+)
+from quiver_serve.metrics.prometheus import Metrics
+from quiver_serve.models.served import model_metadata
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503, 504)
+}
+
+
+class ServerState:
+    """What the routes share: config, pipeline, metrics, and the start-up outcome.
+
+    ``pipeline`` is a :class:`Pipeline` (one front-end, in the main process) or a
+    ``frontend_proc.RemotePipeline`` (one front-end process of several); both are
+    :class:`~quiver_serve.engine.facade.ClientFacade`."""
+
+    def __init__(self, cfg: ServeConfig, pipeline: Any, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.start_error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        #: run once the pipeline has started (the daemon's main process freezes its heap there)
+        self.on_started: Callable[[], Callable[[], int] | None] | None = None
+        #: this process's GC-pause flush, called on each /metrics scrape
+        self.flush_gc: Callable[[], int] = lambda: 0
+
+    def start_pipeline(self) -> None:
+        try:
+            self.pipeline.start()
+            if self.on_started is not None:
+                self.flush_gc = self.on_started() or self.flush_gc
+        except BaseException as exc:  # noqa: BLE001 - surfaced through on_fatal and readiness
+            log.exception("start-up failed")
+            self.start_error = exc
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def error(self, exc: errors.ServeError, path: str = "") -> JSONResponse:
+        return serve_error_response(exc, self.cfg.server.retry_after_s, path)
+
+
+def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
+    """The app; the pipeline starts in a background thread so liveness answers during start-up."""
+    metrics = Metrics()
+    pipeline = pipeline or Pipeline(cfg, observer=metrics)
+    pipeline.observer = metrics
+    state = ServerState(cfg, pipeline, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=state.start_pipeline, name="quiver-start", daemon=True).start()
+        grpc = await _start_grpc(state)
+        yield
+        if grpc is not None:
+            await grpc.stop(grace=cfg.server.drain_timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, pipeline.stop)
+
+    app = FastAPI(title="quiver-serve", version="0.1.0", lifespan=lifespan,
+                  description="Node embeddings from a PyG model over a sampled graph.")
+    app.state.qs = state
+    _install_error_handlers(app)
+    _install_timing(app, state, resolve_token(cfg.server.auth_token), cfg.server.max_body_bytes)
+    _add_embed_routes(app, state)
+    _add_kserve_routes(app, state)
+    return app
+
+
+async def _start_grpc(state: ServerState) -> Any:
+    """The KServe v2 gRPC endpoint on this loop when ``server.grpc_port`` is set, else None."""
+    s = state.cfg.server
+    if s.grpc_port is None:
+        return None
+    from quiver_serve.frontend import grpc_server
+
+    async def serve(ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_ms: float | None) -> torch.Tensor:
+        return await serve_ids(state, None, ids, exact, seed, timeout_ms)
+
+    return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_request", validation_message(list(exc.errors())),
+                              path=request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "http_error", str(exc.detail), path=request.url.path)
+
+    @app.exception_handler(errors.ServeError)
+    async def _serve(request: Request, exc: errors.ServeError) -> JSONResponse:
+        return request.app.state.qs.error(exc, request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        info = errors.internal_error(exc, f"{request.method} {request.url.path}", log).info
+        return error_response(info.status, info.code, info.message, path=request.url.path)
+
+
+def _install_timing(app: FastAPI, state: ServerState, token: str | None,
+                   max_body_bytes: int) -> None:
+    """Request latency by route template and status, as plain ASGI (no per-request task hop);
+    the guards (token, body size) sit inside it so refusals are timed and counted too, and the
+    hot routes' raw-ASGI layer (``frontend/fastpath.py``) inside them, in front of FastAPI."""
+    inner = app.build_middleware_stack
+    duration = state.metrics.request_duration
+    children: dict[tuple[str, int], Any] = {}  # bound (endpoint, status) children, looked up once
+
+    def observe(endpoint: str, status: int, seconds: float) -> None:
+        child = children.get((endpoint, status))
+        if child is None:
+            child = children.setdefault((endpoint, status), duration.labels(endpoint, str(status)))
+        child.observe(seconds)
+
+    def build() -> Any:
+        asgi = inner()
+        if state.cfg.server.fast_routes:
+            routes = {r.path: r for r in app.routes
+                      if isinstance(r, APIRoute) and r.path in (EMBED_PATH, INFER_TEMPLATE)}
+            asgi = app.state.hot_routes = HotRoutes(asgi, state, routes)
+        asgi = Guards(asgi, token, max_body_bytes)
+
+        async def timed(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await asgi(scope, receive, send)
+                return
+            t0 = time.perf_counter()
+            status = [500]
+
+            async def send_status(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            try:
+                await asgi(scope, receive, send_status)
+            finally:
+                observe(getattr(scope.get("route"), "path", "unmatched"), status[0],
+                        time.perf_counter() - t0)
+
+        return timed
+
+    app.build_middleware_stack = build  # type: ignore[method-assign]
+
+
+def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
+    embed_body = {"required": True, "content": {"application/json": {
+        "schema": EmbedBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}
+
+    @app.post(EMBED_PATH, response_model=EmbedResponse,
+              responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
+              openapi_extra={"requestBody": embed_body},
+              summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
+    async def embed(request: Request) -> Response:
+        # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
+        # (frontend/bodies.py); EmbedBody stays the documented schema and words the 422s.
+        body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
+        emb = (await serve_ids(state, request.receive, body.node_ids, body.exact, body.seed,
+                               body.timeout_ms)).numpy()
+        content, media_type = embed_answer(state.cfg.model.name, emb, request.headers.get("accept"))
+        return Response(content, media_type=media_type)
+
+    @app.get("/v1/workers", summary="Worker processes (front-ends included): role, index, pid, "
+                                    "alive, ready, restarts; and the front-end that answered")
+    async def workers() -> dict[str, Any]:
+        rows = state.pipeline.workers()
+        me = {"index": getattr(state.pipeline, "index", 0), "pid": os.getpid()}
+        if not any(w["role"] == "frontend" for w in rows):  # the one front-end, in this process
+            rows = [{"role": "frontend", **me, "alive": True, "ready": state.pipeline.ready,
+                     "restarts": 0}, *rows]
+        return {"workers": rows, "frontend": me, "pending_requests": state.pipeline.pending_count}
+
+    @app.post("/admin/features/replace", status_code=202,
+              summary="Re-place feature rows from the requests served so far (engines keep serving)")
+    async def replace_features() -> dict[str, Any]:
+        supervisor = getattr(state.pipeline, "supervisor", None)
+        if supervisor is None:
+            raise errors.ServeError("not_ready", "no engine cores to re-place", 503)
+        return {"engines_asked": supervisor.replace_features()}
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        state.flush_gc()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v2/health/live", summary="Liveness")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/v2/health/ready", summary="Readiness: 503 until graph and model are loaded, and when draining",
+             responses={503: {"model": ErrorBody}})
+    async def ready() -> Response:
+        if state.pipeline.ready and state.pipeline.engines_ready:
+            return JSONResponse({"ready": True})
+        refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
+            "engines_not_ready", "no engine core is ready (restarting after a failure)")
+        message = "start-up failed" if state.start_error else refusal.info.message
+        return error_response(503, refusal.info.code, message,
+                              {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
+
+    @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",
+             responses={404: {"model": ErrorBody}})
+    async def metadata(name: str) -> dict[str, Any]:
+        model_or_404(state, name)
+        in_ch = state.pipeline.num_features or state.cfg.model.kwargs.get("in_channels", -1)
+        dim = state.pipeline.out_dim or state.cfg.model.kwargs.get("out_channels", -1)
+        return {
+            "name": name, "versions": ["1"], "platform": "pytorch_geometric",
+            "inputs": [{"name": "node_ids", "datatype": "INT64", "shape": [-1]}],
+            "outputs": [{"name": "embeddings", "datatype": "FP32", "shape": [-1, dim]}],
+            "parameters": model_metadata(state.cfg.model, in_ch),
+        }
+
+    @app.get("/v2/models/{name}/ready", summary="Model readiness", responses={404: {"model": ErrorBody}})
+    async def model_ready(name: str) -> Response:
+        model_or_404(state, name)
+        return await ready()
+
+    @app.post(INFER_TEMPLATE, response_model=InferResponse, responses=_ERRORS,
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": InferBody.model_json_schema()},
+                  kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
+              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
+                      "[n, dim]; JSON or the binary tensor extension")
+    async def infer(name: str, request: Request) -> Response:
+        model_or_404(state, name)
+        req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
+        emb = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
+                              req.timeout_ms)
+        body, headers = kserve.infer_response(name, req, emb.numpy())
+        return Response(body, headers=headers)
+
+    @app.get("/v2", summary="KServe v2 server metadata")
+    async def server_metadata() -> dict[str, Any]:
+        return kserve.SERVER_METADATA

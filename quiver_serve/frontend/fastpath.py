@@ -1,0 +1,224 @@
+"""The hot routes in plain ASGI, answered in front of FastAPI.
+
+``POST /v1/embed`` and ``POST /v2/models/{name}/infer`` are answered here: read the body off
+``receive``, parse it with the same code as before (``frontend/bodies.py``, ``frontend/kserve.py``),
+submit to the event loop's engine client, and ``send()`` the answer's bytes. FastAPI's routing,
+its request object, its exception middleware and its response classes are not on this path;
+every other request (docs, OpenAPI, metadata, health, metrics, admin, a hot path with another
+method) goes on to FastAPI, whose route definitions of the hot routes stay as the documented
+schema (and answer when ``server.fast_routes`` is off).
+
+The answers are the routes' answers byte for byte: the same status codes, error bodies (the
+error path builds the very ``JSONResponse`` the FastAPI exception handlers build), headers in
+the same order, and the same route template in ``scope["route"]``, so the request-latency
+metric keeps its ``endpoint`` label. The guards (bearer token, body size) and the timing sit
+outside this layer and see both paths alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from quiver_serve import errors
+from quiver_serve.frontend import kserve
+from quiver_serve.frontend.bodies import parse_embed
+from quiver_serve.frontend.responses import (
+    JSON_MEDIA_TYPE,
+    NPY_MEDIA_TYPE,
+    embed_answer,
+    error_response,
+)
+from quiver_serve.messages import EmbedResult
+
+log = logging.getLogger(__name__)
+
+EMBED_PATH = "/v1/embed"
+INFER_TEMPLATE = "/v2/models/{name}/infer"
+_INFER_HEAD, _INFER_TAIL = "/v2/models/", "/infer"
+_ACCEPT = b"accept"
+_HEADER_LENGTH = kserve.HEADER_LENGTH.encode("latin-1")
+_JSON = JSON_MEDIA_TYPE.encode("latin-1")
+_NPY = NPY_MEDIA_TYPE.encode("latin-1")
+
+
+class ClientGone(Exception):
+    """The client went away while its request body was still coming."""
+
+
+async def read_body(receive: Any) -> bytes:
+    """The whole request body (the guards have bounded its size already)."""
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientGone
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    parts = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    """Returns when the client goes away (the body is already read, so only that can arrive)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _result_or_disconnect(state: Any, receive: Any, request_id: str,
+                                result_f: Any) -> EmbedResult:
+    """The result, or (the client went away first) the request cancelled and a 499. One waiter
+    future woken by either side's done-callback: what ``asyncio.wait(FIRST_COMPLETED)`` does,
+    without its sets and bookkeeping (~4 us a request on the dev box)."""
+    loop = asyncio.get_running_loop()
+    watch = loop.create_task(_wait_disconnect(receive))
+    waiter = loop.create_future()
+
+    def wake(_: Any) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    result_f.add_done_callback(wake)
+    watch.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        result_f.remove_done_callback(wake)
+        watch.remove_done_callback(wake)
+        watch.cancel()
+    if result_f.done():
+        return result_f.result()  # type: ignore[no-any-return]
+    state.pipeline.cancel(request_id)  # nobody listens: do not compute it
+    raise errors.ServeError("client_disconnected", "client went away", 499)
+
+
+async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_ms: float | None) -> torch.Tensor:
+    """Check (NumPy), submit, await: the embeddings, or a ServeError with the right status.
+    ``receive`` is the HTTP request's (a disconnect cancels the request); None for gRPC, whose
+    channel's own cancellation ends the call."""
+    limit = state.cfg.server.max_request_nodes
+    if ids.size > limit:
+        raise errors.too_large(int(ids.size), limit)
+    pipeline = state.pipeline
+    if not pipeline.ready:
+        raise pipeline.refusal()
+    errors.check_id_range(ids, pipeline.num_nodes)
+    timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
+    request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s)
+    if receive is None:
+        result = await future
+    else:
+        result = await _result_or_disconnect(state, receive, request_id, future)
+    if result.error is not None:
+        raise errors.ServeError.from_info(result.error)
+    assert result.embeddings is not None
+    return result.embeddings
+
+
+def header(scope: Any, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case), as Starlette's ``headers.get`` reads it."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def infer_model(path: str) -> str | None:
+    """``name`` when ``path`` is ``/v2/models/{name}/infer`` (Starlette's ``[^/]+``), else None."""
+    if path.startswith(_INFER_HEAD) and path.endswith(_INFER_TAIL):
+        name = path[len(_INFER_HEAD):-len(_INFER_TAIL)]
+        if name and "/" not in name:
+            return name
+    return None
+
+
+def _length(body: bytes) -> tuple[bytes, bytes]:
+    return b"content-length", str(len(body)).encode("latin-1")
+
+
+async def _respond(send: Any, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """A 200: the headers in the order Starlette's ``Response`` lists them (``media_type``
+    alone: length, type; a ``headers`` mapping: its items, then the length)."""
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def model_or_404(state: Any, name: str) -> None:
+    if name != state.cfg.model.name:
+        raise errors.ServeError(
+            "model_not_found",
+            f"no model named {name!r}; this server serves {state.cfg.model.name!r}", 404)
+
+
+class HotRoutes:
+    """ASGI: the hot routes answered here, every other request passed on to ``app``."""
+
+    def __init__(self, app: Any, state: Any, routes: dict[str, Any]) -> None:
+        self.app, self.state = app, state
+        self.embed_route = routes[EMBED_PATH]  # FastAPI's route objects: the metric's label
+        self.infer_route = routes[INFER_TEMPLATE]
+        #: requests this layer answered (tests check that the hot routes bypass FastAPI)
+        self.answered = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            path = scope["path"]
+            if path == EMBED_PATH:
+                scope["route"] = self.embed_route
+                await self._answer(self._embed(scope, receive, send), scope, receive, send)
+                return
+            name = infer_model(path)
+            if name is not None:
+                scope["route"] = self.infer_route
+                scope["path_params"] = {"name": name}
+                await self._answer(self._infer(name, scope, receive, send), scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _answer(self, work: Any, scope: Any, receive: Any, send: Any) -> None:
+        """Run one route's coroutine; a failure is answered as the FastAPI handlers answer it."""
+        self.answered += 1
+        path = scope["path"]
+        try:
+            await work
+        except errors.ServeError as exc:
+            await self.state.error(exc, path)(scope, receive, send)
+        except ClientGone:
+            exc = errors.ServeError("client_disconnected", "client went away", 499)
+            await self.state.error(exc, path)(scope, receive, send)
+        except Exception as exc:
+            # As Starlette's ServerErrorMiddleware: the 500 body, then the exception goes on to
+            # the server (which logs it and closes the connection).
+            info = errors.internal_error(exc, f"POST {path}", log).info
+            await error_response(info.status, info.code, info.message, path=path)(
+                scope, receive, send)
+            raise
+
+    async def _embed(self, scope: Any, receive: Any, send: Any) -> None:
+        state = self.state
+        body = parse_embed(await read_body(receive), state.cfg.server.max_request_nodes)
+        emb = (await serve_ids(state, receive, body.node_ids, body.exact, body.seed,
+                               body.timeout_ms)).numpy()
+        body_bytes, media_type = embed_answer(state.cfg.model.name, emb, header(scope, _ACCEPT))
+        content_type = _NPY if media_type == NPY_MEDIA_TYPE else _JSON
+        await _respond(send, body_bytes, [_length(body_bytes), (b"content-type", content_type)])
+
+    async def _infer(self, name: str, scope: Any, receive: Any, send: Any) -> None:
+        state = self.state
+        model_or_404(state, name)
+        req = kserve.parse_infer(await read_body(receive), header(scope, _HEADER_LENGTH))
+        emb = await serve_ids(state, receive, req.node_ids, req.exact, req.seed, req.timeout_ms)
+        body, headers = kserve.infer_response(name, req, emb.numpy())
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw.append(_length(body))
+        await _respond(send, body, raw)

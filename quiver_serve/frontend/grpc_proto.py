@@ -1,0 +1,125 @@
+"""KServe v2's ``inference.GRPCInferenceService`` messages, built at import from this spec.
+
+The published ``grpc_predict_v2.proto`` (KServe; Triton's ``grpc_service.proto`` uses the same
+package, names and field numbers for these messages) written as data and turned into a
+``FileDescriptorProto``: no protoc step and no generated module pinned to one protobuf version.
+tests/frontend/test_kserve_clients.py checks every field number and type against tritonclient's compiled
+descriptors, so the wire format is the published one.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+PACKAGE = "inference"
+SERVICE = f"{PACKAGE}.GRPCInferenceService"
+_T = descriptor_pb2.FieldDescriptorProto
+_SCALARS = {"bool": _T.TYPE_BOOL, "int32": _T.TYPE_INT32, "int64": _T.TYPE_INT64,
+            "uint32": _T.TYPE_UINT32, "uint64": _T.TYPE_UINT64, "float": _T.TYPE_FLOAT,
+            "double": _T.TYPE_DOUBLE, "string": _T.TYPE_STRING, "bytes": _T.TYPE_BYTES}
+PARAMS = "map<string,InferParameter>"
+CONTENTS_FIELDS = [("bool_contents", "repeated bool", 1), ("int_contents", "repeated int32", 2),
+                   ("int64_contents", "repeated int64", 3), ("uint_contents", "repeated uint32", 4),
+                   ("uint64_contents", "repeated uint64", 5), ("fp32_contents", "repeated float", 6),
+                   ("fp64_contents", "repeated double", 7), ("bytes_contents", "repeated bytes", 8)]
+TENSOR = [("name", "string", 1), ("datatype", "string", 2), ("shape", "repeated int64", 3)]
+
+#: message -> fields (name, type, number); "Outer.Inner" nests; oneofs are named in ONEOFS
+MESSAGES: dict[str, list[tuple[str, str, int]]] = {
+    "ServerLiveRequest": [], "ServerLiveResponse": [("live", "bool", 1)],
+    "ServerReadyRequest": [], "ServerReadyResponse": [("ready", "bool", 1)],
+    "ModelReadyRequest": [("name", "string", 1), ("version", "string", 2)],
+    "ModelReadyResponse": [("ready", "bool", 1)],
+    "ServerMetadataRequest": [],
+    "ServerMetadataResponse": [("name", "string", 1), ("version", "string", 2),
+                               ("extensions", "repeated string", 3)],
+    "ModelMetadataRequest": [("name", "string", 1), ("version", "string", 2)],
+    "ModelMetadataResponse": [("name", "string", 1), ("versions", "repeated string", 2),
+                              ("platform", "string", 3), ("inputs", "repeated TensorMetadata", 4),
+                              ("outputs", "repeated TensorMetadata", 5)],
+    "ModelMetadataResponse.TensorMetadata": TENSOR,
+    "ModelInferRequest": [("model_name", "string", 1), ("model_version", "string", 2),
+                          ("id", "string", 3), ("parameters", PARAMS, 4),
+                          ("inputs", "repeated InferInputTensor", 5),
+                          ("outputs", "repeated InferRequestedOutputTensor", 6),
+                          ("raw_input_contents", "repeated bytes", 7)],
+    "ModelInferRequest.InferInputTensor": [*TENSOR, ("parameters", PARAMS, 4),
+                                           ("contents", "InferTensorContents", 5)],
+    "ModelInferRequest.InferRequestedOutputTensor": [("name", "string", 1),
+                                                     ("parameters", PARAMS, 2)],
+    "ModelInferResponse": [("model_name", "string", 1), ("model_version", "string", 2),
+                           ("id", "string", 3), ("parameters", PARAMS, 4),
+                           ("outputs", "repeated InferOutputTensor", 5),
+                           ("raw_output_contents", "repeated bytes", 6)],
+    "ModelInferResponse.InferOutputTensor": [*TENSOR, ("parameters", PARAMS, 4),
+                                             ("contents", "InferTensorContents", 5)],
+    "InferParameter": [("bool_param", "bool", 1), ("int64_param", "int64", 2),
+                       ("string_param", "string", 3), ("double_param", "double", 4),
+                       ("uint64_param", "uint64", 5)],
+    "InferTensorContents": CONTENTS_FIELDS,
+}
+ONEOFS = {"InferParameter": "parameter_choice"}
+#: rpc name -> (request, response)
+RPCS = {name: (f"{name}Request", f"{name}Response") for name in
+        ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer")}
+
+
+def _field(msg: descriptor_pb2.DescriptorProto, scope: str, name: str, kind: str,
+           number: int) -> None:
+    f = msg.field.add(name=name, number=number, json_name=_camel(name))
+    repeated = kind.startswith("repeated ")
+    kind = kind.removeprefix("repeated ")
+    f.label = _T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL
+    if kind.startswith("map<"):  # a map is a repeated nested XxxEntry {key = 1; value = 2}
+        entry = msg.nested_type.add(name=_camel(name, upper=True) + "Entry")
+        entry.options.map_entry = True
+        entry.field.add(name="key", number=1, type=_T.TYPE_STRING, label=_T.LABEL_OPTIONAL,
+                        json_name="key")
+        entry.field.add(name="value", number=2, type=_T.TYPE_MESSAGE, label=_T.LABEL_OPTIONAL,
+                        type_name=f".{PACKAGE}.InferParameter", json_name="value")
+        f.label, f.type, f.type_name = _T.LABEL_REPEATED, _T.TYPE_MESSAGE, \
+            f".{PACKAGE}.{scope}.{entry.name}"
+    elif kind in _SCALARS:
+        f.type = _SCALARS[kind]
+    else:
+        f.type = _T.TYPE_MESSAGE
+        nested = f"{scope}.{kind}" if f"{scope}.{kind}" in MESSAGES else kind
+        f.type_name = f".{PACKAGE}.{nested}"
+
+
+def _camel(name: str, upper: bool = False) -> str:
+    head, *rest = name.split("_")
+    out = head + "".join(p.title() for p in rest)
+    return out[0].upper() + out[1:] if upper else out
+
+
+def _file() -> descriptor_pb2.FileDescriptorProto:
+    fd = descriptor_pb2.FileDescriptorProto(name="quiver_serve/grpc_predict_v2.proto",
+                                            package=PACKAGE, syntax="proto3")
+    protos: dict[str, descriptor_pb2.DescriptorProto] = {}
+    for full in MESSAGES:  # outer messages are listed before their nested ones
+        outer, _, inner = full.partition(".")
+        parent = fd.message_type if not inner else protos[outer].nested_type
+        protos[full] = parent.add(name=inner or outer)
+    for full, fields in MESSAGES.items():
+        msg = protos[full]
+        if full in ONEOFS:
+            msg.oneof_decl.add(name=ONEOFS[full])
+        for name, kind, number in fields:
+            _field(msg, full, name, kind, number)
+            if full in ONEOFS:
+                msg.field[-1].oneof_index = 0
+    service = fd.service.add(name=SERVICE.split(".")[-1])
+    for rpc, (req, resp) in RPCS.items():
+        service.method.add(name=rpc, input_type=f".{PACKAGE}.{req}",
+                           output_type=f".{PACKAGE}.{resp}")
+    return fd
+
+
+_POOL = descriptor_pool.DescriptorPool()
+FILE = _POOL.Add(_file())
+
+
+def message(name: str) -> type:
+    """The message class of ``name`` (``"ModelInferRequest"``, ``"ModelInferRequest.InferInputTensor"``)."""
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))

@@ -1,0 +1,182 @@
+"""Prometheus metrics from every process, in prometheus_client's multiprocess mode.
+
+Each process of one daemon writes its own samples to memory-mapped files in one directory
+(``PROMETHEUS_MULTIPROC_DIR``, created by the supervisor before any child starts and inherited by
+every child); ``/metrics`` merges them with ``MultiProcessCollector``. Engine cores record the
+per-batch metrics (route, batch size, sample/gather/compute time, cache hits) where the batch runs;
+front-ends record per-request ones (latency, rejections, pending); the supervisor records restarts.
+Counters of a process that died keep counting in the total (their files stay).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from quiver_serve import envs
+from quiver_serve.messages import BatchStats
+from quiver_serve.metrics.observer import PipelineObserver
+
+PREFIX = "quiver_serve_"
+#: the variable (``envs.py``) that tells prometheus_client, and every child, where the files are
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
+_RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_TRANSPORT_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.05, 0.5)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+_GC_PAUSE_BUCKETS_S = (1e-5, 1e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+_value_class_for: tuple[str, int] | None = None
+
+
+def multiprocess_dir() -> str:
+    """The metrics directory of this process tree; created (and removed at exit) on first use.
+
+    prometheus_client picks its value class when it is imported, so it is picked again here once
+    the directory is known; metrics created before this call would stay process-local.
+    """
+    path = envs.PROMETHEUS_MULTIPROC_DIR
+    if not path:
+        path = tempfile.mkdtemp(prefix="quiver-metrics-")
+        os.environ[ENV] = path  # a write: children spawned later inherit the directory
+        atexit.register(shutil.rmtree, path, True)
+    os.makedirs(path, exist_ok=True)
+    global _value_class_for
+    if _value_class_for != (path, os.getpid()):
+        # Once per process and directory: a second value class would open the same .db files
+        # again, and two writers of one file overwrite each other's samples.
+        values.ValueClass = values.get_value_class()
+        _value_class_for = (path, os.getpid())
+    return path
+
+
+#: label values that exist from the start (see :class:`Metrics`)
+REJECT_REASONS = ("pending_full", "client_disconnected", "engine_lost", "deadline")
+WORKER_ROLES = ("engine", "sampler", "frontend")
+
+
+def gc_pause_sink(role: str) -> Callable[[int, float], None]:
+    """Where :class:`quiver_serve.engine.procs.heap.GcPauses` puts this process's collection pauses."""
+    multiprocess_dir()
+    hist = Histogram(PREFIX + "gc_pause_seconds", "garbage-collector pauses, by process role and "
+                     "generation (2: full collection)", ["role", "generation"],
+                     buckets=_GC_PAUSE_BUCKETS_S, registry=None)
+    by_generation = [hist.labels(role, str(g)) for g in range(3)]
+    return lambda generation, pause_s: by_generation[min(max(generation, 0), 2)].observe(pause_s)
+
+
+class EngineMetrics:
+    """Per-batch metrics, recorded in the engine core process that ran the batch."""
+
+    def __init__(self) -> None:
+        multiprocess_dir()
+        self.queue_duration = Histogram(
+            PREFIX + "queue_duration_seconds", "time a batch's oldest request waited before work",
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.batch_nodes = Histogram(
+            PREFIX + "batch_nodes", "seed nodes per batch, by engine core (one per GPU)",
+            ["engine"], buckets=_NODE_BUCKETS, registry=None)
+        self.sampled_nodes = Histogram(
+            PREFIX + "sampled_nodes", "measured unique nodes per sampled batch",
+            buckets=_NODE_BUCKETS, registry=None)
+        self.route_total = Counter(PREFIX + "route", "batches per route", ["route"], registry=None)
+        self.sample_duration = Histogram(
+            PREFIX + "sample_duration_seconds", "sampling time per batch", ["route"],
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.gather_duration = Histogram(
+            PREFIX + "gather_duration_seconds", "feature gather time per batch",
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.compute_duration = Histogram(
+            PREFIX + "compute_duration_seconds", "gather + model time per batch (GPU: device time)",
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.cache_hits = Counter(
+            PREFIX + "feature_cache_hits", "feature rows read from GPU memory", registry=None)
+        self.cache_misses = Counter(
+            PREFIX + "feature_cache_misses", "feature rows read from host memory", registry=None)
+        self.psgs = Histogram(
+            PREFIX + "psgs", "predicted sampled-graph size (unique nodes) per batch",
+            buckets=_NODE_BUCKETS, registry=None)
+        self.psgs_error = Histogram(
+            PREFIX + "psgs_relative_error", "|predicted - measured| / measured sampled nodes",
+            buckets=_RELATIVE_ERROR_BUCKETS, registry=None)
+        self.latency_ratio = Histogram(
+            PREFIX + "batch_latency_ratio", "measured / predicted batch latency (sample + "
+            "gather + model), by route", ["route"], buckets=_RATIO_BUCKETS, registry=None)
+
+    def observe(self, stats: BatchStats) -> None:
+        self.route_total.labels(stats.route).inc()
+        self.batch_nodes.labels(str(stats.worker)).observe(stats.num_seeds)
+        self.sampled_nodes.observe(stats.num_sampled_nodes)
+        self.queue_duration.observe(stats.queue_s)
+        self.sample_duration.labels(stats.route).observe(stats.sample_s)
+        self.gather_duration.observe(stats.gather_s)
+        self.compute_duration.observe(stats.compute_s)
+        if stats.cache_hits:
+            self.cache_hits.inc(stats.cache_hits)
+        if stats.cache_misses:
+            self.cache_misses.inc(stats.cache_misses)
+        if stats.psgs > 0:
+            self.psgs.observe(stats.psgs)
+            if stats.num_sampled_nodes:
+                self.psgs_error.observe(abs(stats.psgs - stats.num_sampled_nodes)
+                                        / stats.num_sampled_nodes)
+        if stats.predicted_s > 0:
+            measured_s = stats.sample_s + stats.compute_s
+            self.latency_ratio.labels(stats.route).observe(measured_s / stats.predicted_s)
+
+
+class Metrics(PipelineObserver):
+    """Front-end and supervisor metrics, and the merged view of every process (``registry``)."""
+
+    def __init__(self) -> None:
+        path = multiprocess_dir()
+        self.registry = CollectorRegistry()
+        MultiProcessCollector(self.registry, path=path)
+        self.request_duration = Histogram(
+            PREFIX + "request_duration_seconds", "HTTP request latency", ["endpoint", "status"],
+            buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.pending = Gauge(PREFIX + "pending_requests", "admitted requests not yet answered",
+                             registry=None, multiprocess_mode="livesum")
+        self.rejected = Counter(
+            PREFIX + "requests_rejected", "requests refused or abandoned", ["reason"], registry=None)
+        self.restarts = Counter(
+            PREFIX + "worker_restarts", "worker processes restarted", ["role"], registry=None)
+        self.late_results = Counter(
+            PREFIX + "late_results", "results that arrived after their request was answered",
+            registry=None)
+        self.transport = Histogram(
+            PREFIX + "transport_seconds", "a micro-batch's trip between a front-end client and "
+            "an engine core, by direction (to_engine: sent to taken in; to_client: reply built "
+            "to read)", ["direction"], buckets=_TRANSPORT_BUCKETS_S, registry=None)
+        self._to_engine = self.transport.labels("to_engine")
+        self._to_client = self.transport.labels("to_client")
+        # Known label values start at 0, so rates and alerts work before the first event.
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for role in WORKER_ROLES:
+            self.restarts.labels(role)
+
+    def on_pending(self, count: int) -> None:
+        self.pending.set(count)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def on_late_result(self) -> None:
+        self.late_results.inc()
+
+    def on_restart(self, role: str) -> None:
+        self.restarts.labels(role).inc()
+
+    def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
+                     received_s: float) -> None:
+        self._to_engine.observe(max(engine_received_s - sent_s, 0.0))
+        self._to_client.observe(max(received_s - engine_replied_s, 0.0))

@@ -1,0 +1,1 @@
+"""Routing (DESIGN §3): which path samples a batch. The router, the per-path cost model, PSGS and the start-up calibration."""

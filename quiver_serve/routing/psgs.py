@@ -1,0 +1,353 @@
+"""PSGS (DESIGN §3): the predicted sampled-graph size of a node and of a batch.
+
+Per node, the expected number of unique nodes in its sampled subgraph for the configured fanouts
+(``mean_size``), measured by sampling EVERY node alone ``rounds`` times with the project's own
+hop sampler (``sampling.reference.sample_hop``, the semantics every sampler shares), vectorised
+over all nodes of a chunk at once, on the GPU when there is one. The recursion of §3
+(``graph.access``) gives a batch's union size but cannot give every node's own size (that is N
+separate recursions); sampling can, exactly under the sampler's semantics (duplicates, self loops,
+Floyd's draws), and the same pass yields ``one_draw`` (torch-quiver's table: one random sample per
+node) and how often each node turns up in other nodes' subgraphs (``reach``).
+
+Per batch (``PsgsTable.estimate``, a few microseconds of NumPy): a union-aware size. A seed ``v``
+brings ``m_v - 1`` nodes besides itself; the model treats them as ``m_v - 1`` draws of the node
+popularity distribution ``q`` (``reach`` normalised: the share of all subgraph memberships that
+fall on each node), independent across seeds. With ``B`` unique seeds and ``D = sum (m_v - 1)``
+draws (``d = D / B`` per seed) a node ``w`` is in the union with probability
+``1 - (1 - min(1, d q_w)) ** B``; summed over all nodes that is ``f(D, B)``, tabulated once on a
+log grid (bilinear lookup per batch). The seeds are in the union for sure, so
+
+    raw(B) = B + f(D, B) - sum_{v in seeds} [1 - (1 - min(1, d q_v)) ** B]
+
+which is exact for one seed (``raw = m_v`` up to ``d q_v``) and accounts for shared neighbours
+as the batch grows (a plain sum of ``m_v`` over-counts them: ~2x on 48 power-law seeds). The
+remaining bias (a batch's subgraphs concentrate on popular nodes more than independent draws
+would) is one exponent, ``q ~ reach ** alpha``, fitted against measured sample sizes of random
+batches at start-up (``calibrate_union``; measured: alpha 1.0-1.1 on Cora and power-law graphs,
+1.2 on Tolokers, where alpha 1 over-predicts 512 seeds by 11%).
+
+Tables are cached on disk (``.npz``, no pickle) keyed by the graph (``graph_key``), the fanouts,
+the number of rounds and ``PSGS_VERSION``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve import envs
+from quiver_serve.sampling.base import seed_base
+from quiver_serve.sampling.reference import sample_hop
+
+log = logging.getLogger(__name__)
+
+#: bump when the table's meaning or layout changes: old cache files are then recomputed
+PSGS_VERSION = 1
+#: candidate (owner, node) pairs held at once while sampling every node alone (~40 bytes each)
+PAIRS_PER_CHUNK = 1 << 24
+#: entries of ``indptr`` and of ``indices`` read by ``graph_key`` (strided over the whole array)
+KEY_SAMPLE = 1 << 20
+#: occupancy grid: seeds per batch (powers of two) and draws per seed (log-spaced)
+GRID_MAX_SEEDS_LOG2 = 16
+GRID_DRAW_POINTS = 48
+#: popularity is compressed into this many log-spaced bins before the grid is tabulated
+Q_BINS = 4096
+
+
+def graph_key(indptr: Tensor, indices: Tensor) -> str:
+    """A cheap content hash of a CSC: its sizes, ``KEY_SAMPLE`` strided entries of each array and
+    their last entries (hashing all of Reddit's 0.9 GB would take ~1 s on every start; a graph
+    edited without changing its size at none of the sampled positions would not be told apart)."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(f"{indptr.numel()}:{indices.numel()}".encode())
+    for t in (indptr, indices):
+        if t.numel():
+            step = max(1, t.numel() // KEY_SAMPLE)
+            h.update(t[::step].contiguous().cpu().numpy().tobytes())
+            h.update(t[-1:].cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """``$QUIVER_SERVE_CACHE/psgs`` (else ``~/.cache/quiver_serve/psgs``)."""
+    return envs.QUIVER_SERVE_CACHE / "psgs"
+
+
+# ---- per-node sizes: every node sampled alone -------------------------------------------------
+def _pairs_bound(indptr: Tensor, fanouts: list[int]) -> int:
+    """Most (owner, node) candidate pairs one node can produce (``-1`` = its largest degree)."""
+    max_degree = int((indptr[1:] - indptr[:-1]).max()) if indptr.numel() > 1 else 0
+    bound, width = 1, 1
+    for k in fanouts:
+        width *= max_degree if k < 0 else min(k, max(max_degree, 1))
+        bound += width
+    return max(bound, 1)
+
+
+def _sample_alone(indptr: Tensor, indices: Tensor, nodes: Tensor, fanouts: list[int],
+                  base: int) -> Tensor:
+    """Keys ``owner * N + node`` (sorted, unique) of the subgraph each of ``nodes`` gets when it
+    is sampled as a batch of its own (every owner's hop draws are those of the shared sampler)."""
+    n = indptr.numel() - 1
+    known = nodes * n + nodes
+    owner, frontier = nodes, nodes
+    for hop, k in enumerate(fanouts, start=1):
+        if frontier.numel() == 0:
+            break
+        nbr, pos = sample_hop(indptr, indices, frontier, k, hop, base)
+        keys = torch.unique(owner[pos] * n + nbr)
+        new = keys[~torch.isin(keys, known)]
+        known = torch.sort(torch.cat([known, new])).values
+        owner, frontier = new // n, new % n
+    return known
+
+
+def node_sample_sizes(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: int = 4,
+                      seed: int = 0, device: torch.device | str | None = None,
+                      progress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean_size, one_draw, reach)`` over ``rounds`` independent samples of every node alone:
+    mean unique nodes per node (float32), the first round's size (torch-quiver's one-draw table,
+    int32), and how often each node appeared in another node's subgraph (float64)."""
+    from tqdm import tqdm
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    n = indptr.numel() - 1
+    ip, ix = indptr.to(dev), indices.to(dev)
+    chunk = max(1, PAIRS_PER_CHUNK // _pairs_bound(indptr, fanouts))
+    total = torch.zeros(n, dtype=torch.float64, device=dev)
+    one_draw = torch.zeros(n, dtype=torch.int32, device=dev)
+    reach = torch.zeros(n, dtype=torch.float64, device=dev)
+    bar = tqdm(total=rounds * n, desc="PSGS per node", unit="node", disable=not progress,
+               mininterval=1.0)
+    for r in range(rounds):
+        base = seed_base(seed * 7919 + r)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            keys = _sample_alone(ip, ix, torch.arange(lo, hi, device=dev), fanouts, base)
+            owners, members = keys // n, keys % n
+            sizes = torch.bincount(owners - lo, minlength=hi - lo)
+            total[lo:hi] += sizes
+            if r == 0:
+                one_draw[lo:hi] = sizes.to(torch.int32)
+            reach += torch.bincount(members[members != owners], minlength=n)
+            bar.update(hi - lo)
+    bar.close()
+    return (total / max(rounds, 1)).float().cpu(), one_draw.cpu(), reach.cpu()
+
+
+# ---- the batch estimate -------------------------------------------------------------------------
+@dataclass
+class PsgsTable:
+    """Per-node tables and the occupancy grid of one graph and fanouts (see module docstring)."""
+
+    key: str
+    fanouts: list[int]
+    mean_size: np.ndarray  # float32 [N]: expected unique nodes of each node sampled alone
+    one_draw: np.ndarray  # int32 [N]: one sample's size per node (torch-quiver's table)
+    reach: np.ndarray  # float64 [N]: memberships in other nodes' subgraphs (all rounds)
+    alpha: float = 1.0  # popularity exponent, fitted by ``calibrate_union``
+    _stamp: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        draws = self.mean_size.astype(np.float64) - 1.0
+        positive = draws[draws > 0]
+        self.draw_lo = max(float(positive.min()) if positive.size else 1.0, 1e-2) * 0.5
+        self.draw_hi = max(float(draws.max()) if draws.size else 1.0, self.draw_lo * 4.0)
+        self._log_lo = math.log(self.draw_lo)
+        self._log_step = (math.log(self.draw_hi) - self._log_lo) / (GRID_DRAW_POINTS - 1)
+        self._draws = draws.astype(np.float32)
+        if self._stamp is None and self.num_nodes <= 1 << 26:
+            self._stamp = np.full(self.num_nodes, -1, dtype=np.int32)
+        self.set_alpha(self.alpha)
+
+    def set_alpha(self, alpha: float) -> None:
+        """Popularity ``q ~ reach ** alpha`` (normalised) and its occupancy grid."""
+        self.alpha = float(alpha)
+        q = np.power(self.reach, self.alpha)
+        total = float(q.sum())
+        self.popularity = (q / total if total > 0 else np.zeros_like(q)).astype(np.float32)
+        #: f(B d, B) / (B d) on the grid (``occupancy_grid``)
+        self.grid = occupancy_grid(self.popularity, self.draw_lo, self.draw_hi)
+        #: [N, 2] float32: draws (m_v - 1) and popularity q_v, gathered together per batch
+        self._per_node = np.stack([self._draws, self.popularity], axis=1)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.mean_size.size)
+
+    def unique(self, seeds: np.ndarray) -> np.ndarray:
+        """The distinct ids of ``seeds`` (a stamp array: O(n), no sort, for graphs to 64 M nodes)."""
+        if self._stamp is None or seeds.size > 1 << 30:
+            return np.unique(seeds)
+        pos = np.arange(seeds.size, dtype=np.int32)
+        self._stamp[seeds] = pos
+        return seeds[self._stamp[seeds] == pos]
+
+    def occupancy(self, draws: float, seeds: int) -> float:
+        """``f(D, B)``: expected distinct non-seed... nodes hit by ``draws`` draws from ``seeds`` seeds
+        (bilinear in log2 seeds and log draws-per-seed on the grid)."""
+        if draws <= 0.0 or seeds <= 0:
+            return 0.0
+        per_seed = draws / seeds
+        lb = min(math.log2(seeds), float(GRID_MAX_SEEDS_LOG2))
+        i = min(int(lb), GRID_MAX_SEEDS_LOG2 - 1)
+        fi = lb - i
+        x = (math.log(max(per_seed, self.draw_lo)) - self._log_lo) / self._log_step
+        j = min(max(int(x), 0), GRID_DRAW_POINTS - 2)
+        fj = min(max(x - j, 0.0), 1.0)
+        g = self.grid
+        lo = g[i, j] + (g[i, j + 1] - g[i, j]) * fj
+        hi = g[i + 1, j] + (g[i + 1, j + 1] - g[i + 1, j]) * fj
+        per_draw = lo + (hi - lo) * fi  # the grid holds f / D (smooth in both axes)
+        if per_seed > self.draw_hi:
+            per_draw *= self.draw_hi / per_seed  # beyond the grid: saturated, f flat
+        return float(per_draw * draws)
+
+    def estimate_parts(self, seeds: np.ndarray) -> tuple[float, float]:
+        """``(S, raw)``: the plain sum of per-node sizes and the union estimate.
+
+        The seeds' own chance of being drawn by the other seeds, ``sum_v 1 - (1 - d q_v) ** B``,
+        is taken at the seeds' mean popularity (``B (1 - exp(-D mean q))``: exact to first order,
+        an upper bound by Jensen), so a batch costs one gather of two columns."""
+        if seeds.size == 1:  # one seed: its own expected size is the answer
+            size = float(self.mean_size[int(seeds[0])])
+            return size, size
+        uniq = self.unique(seeds)
+        b = int(uniq.size)
+        if b == 0:
+            return 0.0, 0.0
+        draws, pop = np.take(self._per_node, uniq, axis=0).sum(axis=0, dtype=np.float64)
+        plain = b + float(draws)
+        if draws <= 0.0:
+            return plain, plain
+        seeds_hit = b * -math.expm1(-float(draws) * float(pop) / b)
+        return plain, float(b + self.occupancy(float(draws), b) - seeds_hit)
+
+    def estimate(self, seeds: np.ndarray) -> float:
+        """Predicted unique nodes of one batch's sampled subgraph (``seeds`` int64, may repeat)."""
+        return self.estimate_parts(seeds)[1]
+
+    def draws(self, ids: np.ndarray) -> float:
+        """Sum of ``m_v - 1`` over ``ids`` (repeats counted): what a micro-batch adds to a batch."""
+        if ids.size == 1:
+            return float(self._draws[int(ids[0])])
+        return float(self._draws[ids].sum(dtype=np.float64))
+
+    def union_of(self, draws: float, seeds: int) -> float:
+        """Union estimate from totals only (no per-seed terms): the batch former's sizing."""
+        return seeds + self.occupancy(draws, seeds)
+
+    def quiver_sum(self, seeds: np.ndarray) -> int:
+        """torch-quiver's batch size: the sum of one draw's size per seed (repeats counted)."""
+        return int(self.one_draw[seeds].sum(dtype=np.int64))
+
+
+# ---- building, caching, calibrating ------------------------------------------------------------
+def occupancy_grid(popularity: np.ndarray, draw_lo: float, draw_hi: float) -> np.ndarray:
+    """``f(B d, B) / (B d)`` for ``B = 2**i`` and ``d`` log-spaced in [draw_lo, draw_hi], with
+    ``f(D, B) = sum_w 1 - (1 - min(1, d q_w)) ** B``; ``q`` is first put into ``Q_BINS``
+    log-spaced bins (count and mean per bin), so the cost does not grow with the graph."""
+    q = popularity[popularity > 0].astype(np.float64)
+    if q.size == 0:
+        return np.ones((GRID_MAX_SEEDS_LOG2 + 1, GRID_DRAW_POINTS))
+    edges = np.geomspace(q.min(), q.max() * (1 + 1e-9), Q_BINS + 1)
+    which = np.clip(np.searchsorted(edges, q, side="right") - 1, 0, Q_BINS - 1)
+    count = np.bincount(which, minlength=Q_BINS).astype(np.float64)
+    q_bin = np.bincount(which, weights=q, minlength=Q_BINS) / np.maximum(count, 1.0)
+    keep = count > 0
+    count, q_bin = count[keep], q_bin[keep]
+    per_seed = np.geomspace(draw_lo, draw_hi, GRID_DRAW_POINTS)
+    grid = np.empty((GRID_MAX_SEEDS_LOG2 + 1, GRID_DRAW_POINTS))
+    for i in range(GRID_MAX_SEEDS_LOG2 + 1):
+        b = float(2**i)
+        x = np.minimum(np.outer(per_seed, q_bin), 1.0)  # [draw points, bins]
+        with np.errstate(divide="ignore"):
+            miss = np.exp(b * np.log1p(-x))
+        grid[i] = ((1.0 - miss) @ count) / (b * per_seed)
+    return grid
+
+
+def table_from_samples(key: str, fanouts: list[int], mean_size: np.ndarray, one_draw: np.ndarray,
+                       reach: np.ndarray) -> PsgsTable:
+    """The table (popularity, grid) from :func:`node_sample_sizes`' three arrays."""
+    return PsgsTable(key, list(fanouts), mean_size.astype(np.float32), one_draw.astype(np.int32),
+                     reach.astype(np.float64))
+
+
+def cache_path(key: str, fanouts: list[int], rounds: int) -> Path:
+    tag = "_".join(str(k) for k in fanouts)
+    return cache_dir() / f"psgs-v{PSGS_VERSION}-{key}-f{tag}-r{rounds}.npz"
+
+
+def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: int = 4,
+                  device: torch.device | str | None = None, progress: bool = True,
+                  use_cache: bool = True) -> PsgsTable:
+    """The PSGS table of a graph and fanouts: from the cache file when its key matches, else
+    computed (progress bar) and saved (atomically; NumPy arrays only, loaded without pickle)."""
+    key = graph_key(indptr, indices)
+    path = cache_path(key, fanouts, rounds)
+    if use_cache and path.exists():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                table = table_from_samples(key, fanouts, z["mean_size"], z["one_draw"], z["reach"])
+            log.info("PSGS table loaded from %s", path)
+            return table
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("PSGS cache %s unreadable (%s); recomputing", path, exc)
+    t0 = time.perf_counter()
+    mean_size, one_draw, reach = node_sample_sizes(indptr, indices, fanouts, rounds,
+                                                   device=device, progress=progress)
+    arrays = {"mean_size": mean_size.numpy(), "one_draw": one_draw.numpy(),
+              "reach": reach.numpy()}
+    log.info("PSGS per node for fanouts %s: %d nodes x %d rounds in %.1f s (mean %.1f nodes)",
+             fanouts, mean_size.numel(), rounds, time.perf_counter() - t0,
+             float(mean_size.mean()) if mean_size.numel() else 0.0)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("PSGS cache not written (%s): recomputed at the next start", exc)
+    return table_from_samples(key, fanouts, **arrays)
+
+
+def calibrate_union(table: PsgsTable, sampler, sizes: tuple[int, ...] = (48, 512, 2048),
+                    batches_per_size: int = 4, seed: int = 0) -> float:
+    """Fit the popularity exponent ``alpha`` on measured sample sizes of random batches: the
+    value (a grid from 0.8 to 1.6, then +-0.05) with the least mean |relative error|, each size
+    weighted alike. Sets it on ``table`` and returns it. ``sampler``: any ``BaseSampler``."""
+    rng = np.random.default_rng(seed)
+    n = table.num_nodes
+    measured: list[tuple[int, np.ndarray, float]] = []
+    for i, size in enumerate(sorted({max(1, min(s, n // 2 or 1)) for s in sizes})):
+        for _ in range(batches_per_size):
+            seeds = rng.integers(0, n, size, dtype=np.int64)
+            out = sampler.sample(torch.from_numpy(seeds), table.fanouts, int(rng.integers(0, 2**62)))
+            measured.append((i, seeds, float(out.n_id.numel())))
+
+    def error(alpha: float) -> float:
+        table.set_alpha(alpha)
+        per_size: dict[int, list[float]] = {}
+        for i, seeds, m in measured:
+            per_size.setdefault(i, []).append(abs(table.estimate(seeds) - m) / m)
+        return float(np.mean([np.mean(v) for v in per_size.values()]))
+
+    errors = {a: error(a) for a in (0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6)}
+    best = min(errors, key=errors.__getitem__)
+    errors.update({a: error(a) for a in (best - 0.05, best + 0.05)})
+    best = min(errors, key=errors.__getitem__)
+    table.set_alpha(best)
+    log.info("PSGS popularity exponent alpha = %.2f (mean |relative error| %.3f on %d measured "
+             "batches)", best, errors[best], len(measured))
+    return best

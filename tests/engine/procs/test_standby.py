@@ -1,0 +1,99 @@
+"""Warm standby processes (``engine/procs/standby.py``): a restart takes a process that has already
+imported torch and PyG instead of spawning a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from quiver_serve.engine.procs.standby import StandbyPool
+
+
+def write_pid(path: str, tag: str) -> None:
+    """A child's target: leaves its pid and tag behind."""
+    Path(path).write_text(f"{os.getpid()} {tag}")
+
+
+def wait_for(cond, timeout_s: float = 60.0) -> bool:  # noqa: ANN001 - a zero-argument callable
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_standby_runs_the_target_it_is_handed_and_is_replaced(tmp_path: Path) -> None:
+    pool = StandbyPool(("json",), size=1, name="test-standby")
+    try:
+        pool.refill()
+        assert wait_for(lambda: pool.warm() == 1), "the standby never finished its imports"
+        (standby_pid,) = pool.pids()
+        out = tmp_path / "out"
+        proc = pool.take(write_pid, (str(out), "engine-0"), "quiver-engine-0")
+        assert proc is not None and proc.pid == standby_pid
+        assert wait_for(out.exists)
+        assert out.read_text() == f"{standby_pid} engine-0"  # ran in the standby itself
+        proc.join(timeout=10)
+        assert proc.exitcode == 0 and pool.promoted == 1
+        assert pool.take(write_pid, (str(out), "x"), "x") is None  # none left until refilled
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 1)[1], timeout_s=10)
+        assert pool.pids()[0] != standby_pid
+    finally:
+        pool.stop()
+    assert pool.pids() == []
+
+
+def test_a_dead_standby_is_skipped_and_stop_ends_the_waiting_ones(tmp_path: Path) -> None:
+    pool = StandbyPool((), size=2, name="test-standby")
+    try:
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 2)[1], timeout_s=10)
+        first, second = pool.pids()
+        os.kill(first, 9)
+        assert wait_for(lambda: first not in pool.pids())
+        proc = pool.take(write_pid, (str(tmp_path / "out"), "sampler-1"), "quiver-sampler-1")
+        assert proc is not None and proc.pid == second  # the live one, not the killed one
+        proc.join(timeout=10)
+        assert wait_for(lambda: (pool.refill(), len(pool.pids()) == 2)[1], timeout_s=10)
+        waiting = pool.pids()
+    finally:
+        pool.stop()
+    assert pool.pids() == []
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in waiting)
+
+
+def test_no_standby_when_disabled() -> None:
+    pool = StandbyPool(("json",), size=0, name="test-standby")
+    pool.refill()
+    assert pool.pids() == [] and pool.take(write_pid, ("/nonexistent", "x"), "x") is None
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_standbys_wait_until_every_child_has_been_ready_a_while(monkeypatch) -> None:  # noqa: ANN001
+    """``tick``: nothing while a child is not ready (start-up, a restart), then a refill once all
+    have been ready for SETTLE_S; a child going unready starts the wait again."""
+    from quiver_serve.engine.procs import standby as standby_mod
+
+    monkeypatch.setattr(standby_mod, "SETTLE_S", 0.3)
+    pool = StandbyPool((), size=1, name="test-standby")
+    try:
+        pool.tick(False)
+        pool.tick(True)  # settled clock starts now
+        assert pool.pids() == []
+        pool.tick(False)  # a child restarting: the clock starts over
+        pool.tick(True)
+        time.sleep(0.2)
+        pool.tick(True)
+        assert pool.pids() == []
+        time.sleep(0.2)
+        pool.tick(True)
+        assert len(pool.pids()) == 1
+    finally:
+        pool.stop()
