@@ -31,8 +31,9 @@ serve: install
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# the CPU-box pipeline target (bench/README.md lists every bench and the GPU suites)
 bench: install-test
-	$(PY) bench/bench_serving.py
+	$(PY) -m bench.engine.pipeline --config configs/default.yaml --cpu-efficiency $(ARGS)
 
 lint: install-test
 	$(PY) -m ruff check quiver_serve server.py tests bench

@@ -1,11 +1,29 @@
-"""Options every bench shares: ``--set section.key=value`` config overrides (validated through the
-pydantic config, like the daemon's ``QUIVER_SERVE__SECTION__KEY`` environment overrides)."""
+"""What every bench shares: ``--set section.key=value`` config overrides (validated through the
+pydantic config, like the daemon's ``QUIVER_SERVE__SECTION__KEY`` environment overrides), and
+where results go and how they are named.
+
+Results: ``<bench>_<machine>_<date>[_<variant>].json`` (date in UTC, ``YYYY-MM-DD``), in the
+folder of ``$OUT`` when set, else ``bench/results/``; ``--out`` names another file. The machine is
+``--machine`` or detected: the GPU's model (``h200``, ``h100``; ``h200x2`` for two of them) or
+``cpu<cores>`` without one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from quiver_serve.config import ServeConfig, resolve_path
+if TYPE_CHECKING:
+    from quiver_serve.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
 
 
 def add_set_option(ap: argparse.ArgumentParser) -> None:
@@ -15,6 +33,94 @@ def add_set_option(ap: argparse.ArgumentParser) -> None:
 
 
 def load_config(path: str, sets: list[str] | None = None) -> ServeConfig:
-    """The YAML at ``path`` (relative: from the repository root) with ``--set`` overrides."""
+    """The YAML at ``path`` (relative: from the repository root) with ``--set`` overrides
+    (pydantic imported here: the GPU runner imports this module before its wheels are in)."""
+    from quiver_serve.config import ServeConfig, resolve_path
+
     cfg = ServeConfig.from_yaml(resolve_path(path))
     return cfg.with_overrides(sets) if sets else cfg
+
+
+def add_result_options(ap: argparse.ArgumentParser) -> None:
+    """``--machine`` and ``--variant``: the parts of a result's default name."""
+    ap.add_argument("--machine", help="machine name in the result's file name (default: "
+                    "detected, e.g. h200, h100, h200x2, cpu2)")
+    ap.add_argument("--variant", help="suffix of the result's file name (e.g. a setting under test)")
+
+
+def gpu_names() -> list[str]:
+    """The CUDA devices' names: from torch when it is already imported, else nvidia-smi."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if not torch.cuda.is_available():
+            return []
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def machine_name(gpus: list[str] | None = None, cores: int | None = None) -> str:
+    """``h200`` / ``h100`` (the GPU model), ``h200x2`` for two, ``cpu<cores>`` without a GPU."""
+    gpus = gpu_names() if gpus is None else gpus
+    if not gpus:
+        return f"cpu{cores or os.cpu_count() or 1}"
+    words = re.sub(r"(?i)\bnvidia\b|\bgeforce\b|\btesla\b", " ", gpus[0]).split()
+    model = re.sub(r"[^a-z0-9]", "", words[0].lower()) if words else "gpu"
+    return model + (f"x{len(gpus)}" if len(gpus) > 1 else "")
+
+
+def result_name(bench: str, machine: str | None = None, variant: str | None = None,
+                date: str | None = None) -> str:
+    """``<bench>_<machine>_<date>[_<variant>].json``."""
+    date = date or time.strftime("%Y-%m-%d", time.gmtime())
+    parts = [bench, machine or machine_name(), date] + ([slug(variant)] if variant else [])
+    return "_".join(parts) + ".json"
+
+
+def slug(text: str) -> str:
+    """A variant as a file-name part: lower case, runs of other characters as one ``-``."""
+    return re.sub(r"[^a-z0-9.%]+", "-", text.lower()).strip("-")
+
+
+def results_dir() -> Path:
+    """``$OUT`` when set, else ``bench/results/``."""
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS_DIR
+
+
+def result_path(bench: str, args: argparse.Namespace | None = None,
+                variant: str | None = None) -> Path:
+    """Where a bench writes its JSON: ``args.out`` when given, else the default name (with
+    ``args.machine`` and ``args.variant``, or ``variant``, when set)."""
+    out = getattr(args, "out", None) or getattr(args, "json", None)
+    if out:
+        return Path(out)
+    machine = getattr(args, "machine", None)
+    variant = getattr(args, "variant", None) or variant
+    return results_dir() / result_name(bench, machine, variant)
+
+
+def portable(path: str | Path | None) -> str | None:
+    """A path as recorded in the JSON: relative to the repository, else only its name."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return p.name
+
+
+def git_head() -> str | None:
+    """HEAD of the checkout this ran from, "+dirty" when tracked files differ from it."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None

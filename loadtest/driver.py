@@ -8,6 +8,13 @@ is answered; latency from the actual send.
 
 Only requests inside the common window [win0, win1) count: open loop, those scheduled in it;
 closed loop, those answered in it. Every process reports its own CPU use over the window.
+
+Probes (``cmd["probe"]``): what a bench measures beside the load, inside the load process. The
+probe is named by ``{"factory": "package.module:Class", ...options}``, made once per process, and
+asked for: ``observer()`` (handed to the queue API's client: the engine's per-batch stats reach
+it), ``await window(win0, win1)`` (runs beside the callers from the start instant) and
+``report(caller, lat_s, options) -> dict`` (after the point; in the part as ``"probe"``). The
+engine-side probe of the daemon benches is ``bench/engine/probe.py``.
 """
 
 from __future__ import annotations
@@ -129,42 +136,79 @@ async def closed_loop(call: Call, sizes: np.ndarray, callers: int, win0: float,
     return tally.result()
 
 
+_PROBES: dict[str, Any] = {}  # this process's probes, by factory name (kept across points)
+
+
+def process_probe(spec: dict | None) -> Any:
+    """The probe ``spec["factory"]`` names (``module:Class``), made on first use; None: none."""
+    if not spec:
+        return None
+    name = spec["factory"]
+    if name not in _PROBES:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        _PROBES[name] = getattr(importlib.import_module(module), attr)()
+    return _PROBES[name]
+
+
 async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> dict[str, Any]:
     """One point in this process: build the caller (connections, encoded bodies), report
     "prepared", wait for the parent's start time, drive, report."""
     from loadtest.protocols import make_caller
     from loadtest.workloads import process_requests
-    from quiver_serve.engine.heap import collections_paused
 
     reqs = process_requests(cmd["spec"], index, procs)
-    sizes = np.array([r.size for r in reqs], np.int64)
-    cpu: list[float] = []
+    probe = process_probe(cmd.get("probe"))
     limit = cmd["max_inflight"] if cmd["mode"] == "open" else max(1, cmd["callers"])
-    async with make_caller(cmd["target"], reqs, limit) as caller:
+    observer = probe.observer() if probe is not None else None
+    async with make_caller(cmd["target"], reqs, limit, observer) as caller:
         out.put({"prepared": index})
         go = await asyncio.get_running_loop().run_in_executor(None, cmds.get, True, PREPARE_TIMEOUT_S)
         if "t_start" not in go:
             return {"index": index, "aborted": True}
-        t_start = go["t_start"]
-        win0, win1 = t_start + cmd["warm_s"], t_start + cmd["warm_s"] + cmd["seconds"]
+        res = await drive(caller, reqs, cmd, go["t_start"], index, procs, probe)
+    if probe is not None:
+        res["probe"] = probe.report(caller, res["lat_s"], cmd["probe"])
+    return res
 
-        async def cpu_window() -> None:
-            await asyncio.sleep(max(0.0, win0 - time.time()))
-            cpu.append(time.process_time())
-            await asyncio.sleep(max(0.0, win1 - time.time()))
-            cpu.append(time.process_time())
 
-        await asyncio.sleep(max(0.0, t_start - time.time()))
-        watch = asyncio.ensure_future(cpu_window())
-        with collections_paused():  # this process's own collections are not the server's latency
-            if cmd["mode"] == "open":
-                times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
-                res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
-                                      cmd["max_inflight"], cmd["target"]["timeout_s"])
-            else:
-                res = await closed_loop(caller.call, sizes, cmd["callers"], win0, win1)
-            await watch
-    return {"index": index, **res, "cpu_frac": (cpu[1] - cpu[0]) / cmd["seconds"]}
+async def drive(caller: Any, reqs: list[np.ndarray], cmd: dict, t_start: float, index: int,
+                procs: int, probe: Any) -> dict[str, Any]:
+    """From ``t_start``: the callers (open or closed loop), this process's CPU over the window,
+    and the probe's own watch."""
+    from quiver_serve.engine.procs.heap import collections_paused
+
+    sizes = np.array([r.size for r in reqs], np.int64)
+    win0, win1 = t_start + cmd["warm_s"], t_start + cmd["warm_s"] + cmd["seconds"]
+    cpu: list[float] = []
+
+    async def cpu_window() -> None:
+        await asyncio.sleep(max(0.0, win0 - time.time()))
+        cpu.append(time.process_time())
+        await asyncio.sleep(max(0.0, win1 - time.time()))
+        cpu.append(time.process_time())
+
+    await asyncio.sleep(max(0.0, t_start - time.time()))
+    watches = [asyncio.ensure_future(cpu_window())]
+    if probe is not None:
+        watches.append(asyncio.ensure_future(probe.window(win0, win1)))
+    with collections_paused():  # this process's own collections are not the server's latency
+        if cmd["mode"] == "open":
+            times = arrival_times(cmd["rate"], t_start, win1, cmd["seed"], cmd["arrivals"])
+            res = await open_loop(caller.call, sizes, times[index::procs], win0, win1,
+                                  cmd["max_inflight"], cmd["target"]["timeout_s"])
+        else:
+            res = await closed_loop(caller.call, sizes, cmd["callers"], win0, win1)
+        await asyncio.gather(*watches)
+    return {"index": index, **res, "cpu_frac": (cpu[1] - cpu[0]) / cmd["seconds"],
+            **caller_counts(caller)}
+
+
+def caller_counts(caller: Any) -> dict[str, int]:
+    """What the caller did beyond the statuses (``retried``: requests sent again after a cut
+    connection, HTTP with ``retry_cut``)."""
+    return {"retried": caller.retried} if getattr(caller, "retried", None) is not None else {}
 
 
 def _run(coro_fn: Callable[[], Any], use_uvloop: bool) -> Any:
@@ -183,16 +227,16 @@ def _run(coro_fn: Callable[[], Any], use_uvloop: bool) -> Any:
 def load_main(index: int, cmds: Any, out: Any) -> None:
     """A load process: run each point it is sent until it gets None."""
     from loadtest.protocols import QueueCaller
-    from quiver_serve.engine.heap import freeze_startup_heap
+    from quiver_serve.engine.procs.heap import freeze_startup_heap
 
     freeze_startup_heap(f"loadgen {index}")  # no ~100 ms full collections inside a measurement
     out.put({"ready": index})
     try:
         while (cmd := cmds.get()) is not None:
             try:
-                # grpc.aio wants asyncio's own loop
+                # grpc.aio wants asyncio's own loop; cmd["uvloop"] False: asyncio's (as measured)
                 res = _run(lambda c=cmd: run_point(index, c["procs"], c, cmds, out),
-                           cmd["target"]["protocol"] != "grpc")
+                           cmd["target"]["protocol"] != "grpc" and cmd.get("uvloop", True))
             except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
                 res = {"index": index, "failed": f"{type(exc).__name__}: {exc}"}
             out.put(res)

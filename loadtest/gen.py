@@ -30,23 +30,20 @@ import argparse
 import json
 import os
 import re
-import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a file: make `loadtest` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtest import promdiff  # noqa: E402
-from loadtest.driver import LoadPool  # noqa: E402
-from loadtest.protocols import HTTP_CLIENTS, PROTOCOLS  # noqa: E402
-from loadtest.stats import POINT_HEADER, merge_point, point_row, served, summary  # noqa: E402
-from loadtest.workloads import hot_set, load_trace  # noqa: E402
+from loadtest import promdiff
+from loadtest.driver import LoadPool
+from loadtest.protocols import HTTP_CLIENTS, PROTOCOLS
+from loadtest.stats import POINT_HEADER, merge_point, point_row, served, summary
+from loadtest.workloads import hot_set, load_trace
 
 
 class Generator:
@@ -62,8 +59,11 @@ class Generator:
         self.pool.close()
 
     def point(self, target: dict, spec: dict, mode: str, level: float,
-              metrics: str | None = None) -> dict[str, Any]:
-        """One measured point; ``metrics``: a base URL to scrape /metrics from, or "local"."""
+              metrics: str | None = None,
+              on_start: Callable[[float], None] | None = None) -> dict[str, Any]:
+        """One measured point; ``metrics``: a base URL to scrape /metrics from, or "local";
+        ``on_start(t_start)``: called with the wall-clock instant every process starts at (a
+        drill schedules its kills from it)."""
         cmd = {"target": target, "spec": spec, "mode": mode, "warm_s": self.warm_s,
                "seconds": self.seconds, "max_inflight": self.max_inflight,
                "arrivals": self.arrivals, "seed": self.seed,
@@ -72,7 +72,9 @@ class Generator:
         texts: list[str | None] = []
         threads: list[threading.Thread] = []
 
-        def on_start(t_start: float) -> None:
+        def started(t_start: float) -> None:
+            if on_start is not None:
+                on_start(t_start)
             if not metrics:
                 return
             win0 = t_start + self.warm_s
@@ -86,7 +88,7 @@ class Generator:
             threads.append(threading.Thread(target=scrape_window, daemon=True))
             threads[0].start()
 
-        parts = self.pool.run(cmd, on_start)
+        parts = self.pool.run(cmd, started)
         point = merge_point(parts, cmd)
         for t in threads:
             t.join(timeout=10)
@@ -252,7 +254,7 @@ def graph_facts(args: argparse.Namespace, pipeline: Any) -> tuple[int | None, np
 
 def start_pipeline(config: str) -> Any:
     from quiver_serve.config import ServeConfig, resolve_path
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     return Pipeline(ServeConfig.from_yaml(resolve_path(config))).start()
 

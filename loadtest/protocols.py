@@ -4,6 +4,9 @@ process's list and reads the whole answer.
 Bodies are encoded once before the run, so the generator's CPU goes to sending and receiving.
 Statuses are strings: HTTP codes (``"200"``, ``"503"``), ``"grpc:UNAVAILABLE"``, ``"timeout"``,
 ``"conn:<Exception>"``; only ``"200"`` (and gRPC ``OK``, reported as ``"200"``) is a success.
+HTTP with ``target["retry_cut"] = N``: a request whose connection was cut (``conn:...``, e.g. its
+front-end process killed) is sent again, up to N times, as a client behind a balancer would;
+``retried`` counts those sends (the fault drill reports them).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class HttpCaller:
         self.timeout_s = target["timeout_s"]
         self.bodies = [encode_http(target["protocol"], r) for r in reqs]
         self.kind, self.limit = target.get("http_client", "aiohttp"), limit
+        self.retry_cut = int(target.get("retry_cut", 0))
+        self.retried = 0 if self.retry_cut else None
         self.session: Any = None
 
     async def __aenter__(self) -> HttpCaller:
@@ -73,6 +78,15 @@ class HttpCaller:
             await self.session.close()
 
     async def call(self, i: int) -> str:
+        status = await self.send(i)
+        for _ in range(self.retry_cut):
+            if not status.startswith("conn:"):
+                break
+            self.retried += 1  # type: ignore[operator]
+            status = await self.send(i)
+        return status
+
+    async def send(self, i: int) -> str:
         body, headers = self.bodies[i]
         try:
             if self.kind == "httpx":
@@ -95,7 +109,7 @@ class GrpcCaller:
     METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
     def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
-        from quiver_serve.http.grpc_proto import message
+        from quiver_serve.frontend.grpc_proto import message
 
         req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
         self.bodies = []
@@ -141,17 +155,18 @@ class QueueCaller:
 
     clients: dict[str, Any] = {}  # the current engine client of this process
 
-    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
+                 observer: Any = None) -> None:
         import asyncio
 
-        from quiver_serve.engine.pipeline import connect_async
+        from quiver_serve.engine.client.pipeline import connect_async
 
-        key = f"{target['endpoints']!r}@{id(asyncio.get_running_loop())}"
+        key = f"{target['endpoints']!r}@{id(asyncio.get_running_loop())}@{id(observer)}"
         if key not in self.clients:
             for old in self.clients.values():
                 old.stop()
             self.clients.clear()
-            self.clients[key] = connect_async(target["endpoints"])
+            self.clients[key] = connect_async(target["endpoints"], observer)
         self.client, self.reqs = self.clients[key], reqs
 
     async def __aenter__(self) -> QueueCaller:
@@ -176,13 +191,14 @@ class QueueCaller:
         cls.clients.clear()
 
 
-def make_caller(target: dict, reqs: list[np.ndarray], limit: int) -> Any:
-    """The caller of ``target['protocol']`` for this process's requests."""
+def make_caller(target: dict, reqs: list[np.ndarray], limit: int, observer: Any = None) -> Any:
+    """The caller of ``target['protocol']`` for this process's requests; ``observer``: a
+    ``PipelineObserver`` for the queue API's client (a probe's, ``loadtest/driver.py``)."""
     protocol = target["protocol"]
     if protocol == "grpc":
         return GrpcCaller(target, reqs, limit)
     if protocol == "queue":
-        return QueueCaller(target, reqs, limit)
+        return QueueCaller(target, reqs, limit, observer)
     if protocol in PROTOCOLS:
         return HttpCaller(target, reqs, limit)
     raise ValueError(f"unknown protocol {protocol!r}; one of {PROTOCOLS}")

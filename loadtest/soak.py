@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Soak: measure capacity, then hold a load at a fraction of it and watch memory.
 
-    python loadtest/soak.py --minutes 10 --fraction 0.8 [--client wrk|python] [--config ...]
+    python -m loadtest.soak --minutes 10 --fraction 0.8 [--client wrk|python] [--config ...]
 
-Starts the real daemon on a free loopback port, measures capacity for 20 s, holds ``fraction`` of
-it for ``minutes``, samples the resident memory of every daemon process every 10 s, and prints
-sent / answered by status / lost / p50 / p99 / RSS growth (from the end of warm-up to the end).
-``--client wrk`` (default) paces wrk's connections to the target rate: a C client leaves the 2
-cores to the server. ``--client python`` is the open-loop sender of loadtest/load.py, which on a
-2-core box competes with the server for CPU and falls behind its schedule.
+Starts the real daemon on a free loopback port (``loadtest/harness.py``), measures capacity for
+20 s, holds ``fraction`` of it for ``minutes``, samples the resident memory of every daemon
+process every 10 s, and prints sent / answered by status / lost / p50 / p99 / RSS growth (from
+the end of warm-up to the end). ``--client wrk`` (default) paces wrk's connections to the target
+rate: a C client leaves the 2 cores to the server. ``--client python`` is the load generator's
+driver (``loadtest/driver.py``: 16 closed-loop callers for capacity, then an open loop at the
+target rate), which on a 2-core box competes with the server for CPU.
 """
 
 from __future__ import annotations
@@ -18,21 +19,16 @@ import json
 import os
 import re
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
-import httpx
+from loadtest.harness import REPO_ROOT as ROOT
+from loadtest.harness import Daemon
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from loadtest.load import run as run_load  # noqa: E402
-from tests.conftest import ServerProcess, free_port  # noqa: E402
+CAPACITY_S = 20.0  # the capacity measurement
+CAPACITY_CALLERS = 16
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -47,22 +43,27 @@ def rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-def capacity_rps(url: str, seconds: float, threads: int, nodes: int) -> float:
-    stop = time.monotonic() + seconds
-    done = [0]
-    lock = threading.Lock()
+def soak_python(url: str, minutes: float, fraction: float, nodes: int) -> dict[str, Any]:
+    """The driver: capacity from closed-loop callers, then an open loop at ``fraction`` of it."""
+    from loadtest.gen import Generator, probe
+    from loadtest.stats import answered_summary
 
-    def worker() -> None:
-        with httpx.Client(base_url=url, timeout=30) as c:
-            while time.monotonic() < stop:
-                if c.post("/v1/embed", json={"node_ids": list(range(nodes))}).status_code == 200:
-                    with lock:
-                        done[0] += 1
-
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(threads):
-            pool.submit(worker)
-    return done[0] / seconds
+    _, num_nodes = probe(url)
+    spec = {"workload": "b", "hot": None, "num_nodes": num_nodes, "seed": 0,
+            "ids_per_request": nodes}
+    target = {"protocol": "http-json", "url": url, "model": "", "timeout_s": 30.0}
+    gen = Generator(procs=1, warm_s=0.0, seconds=CAPACITY_S)
+    try:
+        cap = gen.point(target, spec, "closed", CAPACITY_CALLERS)["req_per_s"]
+        rate = cap * fraction
+        print(f"capacity {cap:.0f} req/s; soaking at {rate:.0f} req/s", flush=True)
+        gen.seconds = minutes * 60
+        point = gen.point(target, spec, "open", rate)
+    finally:
+        gen.close()
+    return answered_summary(point) | {"client": "python", "capacity_rps": round(cap),
+                                      "target_rps": round(rate),
+                                      "achieved_rps": round(point["req_per_s"])}
 
 
 WRK_SCRIPT = ROOT / "loadtest" / "wrk_embed.lua"
@@ -101,7 +102,7 @@ def parse_wrk(text: str) -> dict[str, float]:
     return result
 
 
-def soak_wrk(url: str, minutes: float, fraction: float, nodes: int) -> dict[str, object]:
+def soak_wrk(url: str, minutes: float, fraction: float, nodes: int) -> dict[str, Any]:
     """Capacity with 16 unpaced connections, then paced connections at ``fraction`` of it."""
     connections = 16
     cap = run_wrk(url, 20, connections, nodes, 0.0)
@@ -121,18 +122,17 @@ def soak_wrk(url: str, minutes: float, fraction: float, nodes: int) -> dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--fraction", type=float, default=0.8)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--client", choices=["python", "wrk"], default="wrk",
-                    help="wrk (C, paced; leaves the CPU to the server) or the Python open-loop sender")
+                    help="wrk (C, paced; leaves the CPU to the server) or the load generator (python)")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args()
-    srv = ServerProcess(Path(args.config), free_port(), Path(tempfile.mkdtemp()) / "server.log")
-    try:
-        srv.wait_ready()
+    with Daemon(args.config, name="quiver-serve (soak)") as srv:
         samples: list[tuple[float, float]] = []
         stop = threading.Event()
 
@@ -146,24 +146,17 @@ def main() -> None:
         if args.client == "wrk":
             summary = soak_wrk(srv.url, args.minutes, args.fraction, args.nodes)
         else:
-            cap = capacity_rps(srv.url, 20.0, 16, args.nodes)
-            rate = cap * args.fraction
-            print(f"capacity {cap:.0f} req/s; soaking at {rate:.0f} req/s", flush=True)
-            load = SimpleNamespace(url=srv.url, rate=rate, duration_s=args.minutes * 60,
-                                   nodes=args.nodes, num_nodes=2708, client_timeout_s=30.0, threads=64)
-            summary = run_load(load) | {"client": "python", "capacity_rps": round(cap)}
+            summary = soak_python(srv.url, args.minutes, args.fraction, args.nodes)
         stop.set()
         # growth from the end of warm-up (first 90 s: capacity runs and the first minute) to the end
         warm = next((r for t, r in samples if t >= 90.0), samples[0][1] if samples else 0.0)
         end = samples[-1][1] if samples else 0.0
         summary.update(rss_after_warmup_mib=round(warm, 1), rss_end_mib=round(end, 1),
                        rss_growth_pct=round(100 * (end - warm) / warm, 2) if warm else None,
-                       workers=httpx.get(srv.url + "/v1/workers").json()["workers"])
-        print(json.dumps(summary, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(summary, indent=2))
-    finally:
-        srv.stop()
+                       workers=srv.get_json("/v1/workers")["workers"])
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

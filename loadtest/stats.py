@@ -45,6 +45,7 @@ def merge_point(parts: list[dict], cmd: dict) -> dict[str, Any]:
         "errors": errors, "error_fraction": (total - ok) / total if total else 1.0,
         "send_lag_p99_ms": float(np.percentile(lag, 99) * 1e3) if lag.size else None,
         "load_cpu_cores": [round(p["cpu_frac"], 3) for p in sorted(parts, key=lambda p: p["index"])],
+        "retried": sum(p.get("retried", 0) for p in parts),  # HTTP sends again after a cut
         "latencies_ms": np.sort(lat) * 1e3,  # dropped from the JSON; kept for the CDF plot
     }
     return point
@@ -86,3 +87,21 @@ def point_row(p: dict) -> str:
 
 POINT_HEADER = ("| protocol | load | seed nodes/s | req/s | p50 / p90 / p99 / p99.9 ms | errors "
                 "| load CPU (max process, cores) |\n|---|---|---|---|---|---|---|")
+
+
+LOST_PREFIXES = ("timeout", "conn:")  # no HTTP answer at all (after any retries of a cut)
+
+
+def answered_summary(point: dict) -> dict[str, Any]:
+    """A drill's view of one point: sent, answered by status, lost (no answer: client timeout
+    or a connection error), unsent (the client was over its in-flight limit), p50 / p99."""
+    errors = point["errors"]
+    lost = {k: v for k, v in errors.items() if k.startswith(LOST_PREFIXES)}
+    unsent = errors.get("client_overload", 0)
+    answered = {k: v for k, v in errors.items() if k not in lost and k != "client_overload"}
+    if point["ok"]:
+        answered[OK] = point["ok"]
+    return {"sent": point["requests"] - unsent, "answered": dict(sorted(answered.items())),
+            "lost": sum(lost.values()), "lost_by_kind": lost, "unsent": unsent,
+            "retried_after_cut": point.get("retried", 0),
+            "p50_ms": point["p50_ms"], "p99_ms": point["p99_ms"]}

@@ -10,7 +10,7 @@ and generation). This process is the load generator; its own heap is frozen in b
 collections do not land in the measurement.
 
 Usage (from the repository root):
-    PYTHONPATH=. python bench/bench_gc_pauses.py [--config configs/default.yaml] [--callers 32]
+    python -m bench.engine.gc_pauses [--config configs/default.yaml] [--callers 32]
         [--ids 48] [--seconds 20] [--rounds 1] [--out FILE] [--set section.key=value ...]
 """
 
@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,11 +28,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.cli import add_set_option, load_config  # noqa: E402
-from quiver_serve.engine.heap import freeze_startup_heap  # noqa: E402
+from bench.cli import add_set_option, load_config
+from quiver_serve.engine.procs.heap import freeze_startup_heap
 
 
 async def drive(p: Any, callers: int, ids: int, seconds: float, num_nodes: int) -> list[float]:
@@ -83,7 +79,7 @@ def gc_pauses(metrics_dir: str) -> dict[str, dict[str, float]]:
 
 
 def one_run(cfg: Any, freeze: bool, args: argparse.Namespace) -> dict[str, Any]:
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     metrics_dir = tempfile.mkdtemp(prefix="quiver-gc-bench-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

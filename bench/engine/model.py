@@ -14,7 +14,7 @@ Then the fast path's time by layer at one batch size (CUDA events between layers
 markdown tables; ``--out`` writes JSON.
 
 Usage (repository root):
-    PYTHONPATH=. python bench/bench_model.py [--config configs/bench_reddit.yaml] [--scale 0.02]
+    python -m bench.engine.model [--config configs/bench_reddit.yaml] [--scale 0.02]
         [--batch-sizes 1 48 1536 4096 8192 16384] [--classes GraphSAGE GCN GAT] [--out FILE]
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.bench_pipeline import portable  # noqa: E402
-from bench.cli import add_set_option, load_config  # noqa: E402
-from bench.profile_engine import timed  # noqa: E402
-from quiver_serve.config import ServeConfig  # noqa: E402
+from bench.cli import add_set_option, load_config, portable
+from bench.engine.profile_engine import timed
+from quiver_serve.config import ServeConfig
 
 VARIANTS = ["pyg", "fp32", "tf32", "bf16", "fp16"]
 CLASS_KWARGS = {"GraphSAGE": {}, "GCN": {}, "GAT": {"heads": 4}}
@@ -44,7 +39,7 @@ CLASS_KWARGS = {"GraphSAGE": {}, "GCN": {}, "GAT": {"heads": 4}}
 
 def build_models(cfg: ServeConfig, cls: str, graph: Any, dev: torch.device) -> dict[str, Any]:
     """One ServedModel per variant, all with the same weights."""
-    from quiver_serve.models import ServedModel, build_model
+    from quiver_serve.models.served import ServedModel, build_model
 
     cfg.model.pyg_class = cls
     cfg.model.kwargs = {**cfg.model.kwargs, **CLASS_KWARGS[cls]}
@@ -155,7 +150,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file")
     add_set_option(ap)
     args = ap.parse_args()
-    from quiver_serve.engine.inference import gpu_sampler_or_none, local_sampler
+    from quiver_serve.engine.core.build import gpu_sampler_or_none, local_sampler
     from quiver_serve.graph.datasets import load_graph
 
     cfg = load_config(args.config, args.sets)

@@ -6,13 +6,14 @@ API, on one graph and model, in one run.
    a closed loop that adds the micro-batches of B seed ids (one micro-batch per 48-id request, or
    B of one id for workload c) and calls ``step()`` until every reply is back. Per-batch latency.
    The core is freed before the daemon starts, so GPU memory is not held twice.
-2. Daemon: ``Pipeline(cfg, graph=graph).start()``; the load comes from P other processes (spawned
-   once, kept for every point), each a fast-path client per point (``connect_async(p.endpoints(),
-   observer)``, driven by the point's event loop)
+2. Daemon: ``Pipeline(cfg, graph=graph).start()``; the load comes from P other processes (the
+   load processes of ``loadtest/driver.py``, spawned once, kept for every point), each a fast-path
+   client per point (``connect_async(p.endpoints(), observer)``, driven by the point's event loop)
    running closed-loop asyncio callers (``await client.submit_async(ids)``). Every process starts
    its callers at the same wall-clock instant; after a warm-up, only requests that complete inside
-   the common window count. Each process reports its latencies, statuses, its own CPU use and
-   the batches the engine formed (from the stats-bearing replies, via a PipelineObserver).
+   the common window count. Each process reports its latencies, statuses, its own CPU use and,
+   through the engine probe (``bench/engine/probe.py``), the batches the engine formed (from the
+   stats-bearing replies, via a PipelineObserver).
 3. Workloads: (a) 48 ids from a fixed hot set of 1,500 nodes, half lowest and half highest
    in-degree (ties broken by a seeded permutation); (b) 48 ids uniform; (c) 1 id uniform.
 4. Per workload: the best daemon seeds/s at p99 <= --p99-ms with no errors, the engine-direct
@@ -27,9 +28,9 @@ API, on one graph and model, in one run.
 ids, and single-id p50 with 1 caller), both from load processes and through ``Pipeline.embed``.
 
 Usage (from the repository root):
-    PYTHONPATH=. python bench/bench_pipeline.py [--config configs/bench_reddit.yaml] [--scale 0.02]
+    python -m bench.engine.pipeline [--config configs/bench_reddit.yaml] [--scale 0.02]
         [--workloads a b c] [--callers 1 4 16 64 256] [--seconds 4] [--out FILE]
-    PYTHONPATH=. python bench/bench_pipeline.py --config configs/default.yaml --cpu-efficiency
+    python -m bench.engine.pipeline --config configs/default.yaml --cpu-efficiency
 """
 
 from __future__ import annotations
@@ -40,34 +41,34 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.cli import add_set_option, load_config  # noqa: E402
-from bench.load_procs import BatchCounter, LoadPool, closed_loop, latency_ms, merge_point  # noqa: E402
-from bench.tail_trace import print_tail  # noqa: E402
-from loadtest.workloads import (  # noqa: E402 - the workloads of DESIGN §6, shared with loadtest/
-    HOT_SET_SIZE,
+from bench.cli import (
+    add_result_options,
+    add_set_option,
+    git_head,
+    load_config,
+    machine_name,
+    portable,
+    result_path,
+)
+from bench.engine.probe import DaemonLoad, latency_ms, merge_point
+from bench.engine.tail_trace import print_tail
+from loadtest.driver import closed_loop
+from loadtest.workloads import (  # the workloads of DESIGN §6, shared with loadtest/
     IDS_PER_REQUEST,
     REQUEST_POOL,
     draw_requests,
     hot_set,
 )
-from quiver_serve.config import ServeConfig  # noqa: E402
+from quiver_serve.config import ServeConfig
 
-# re-exported: other benches import them from here
-__all__ = ["HOT_SET_SIZE", "IDS_PER_REQUEST", "REQUEST_POOL", "BatchCounter", "LoadPool",
-           "draw_requests", "hot_set", "latency_ms", "merge_point"]
 MIN_ENGINE_BATCHES = 5
 
 
@@ -95,7 +96,7 @@ def engine_sizes(args: argparse.Namespace, cfg: ServeConfig, workload: str) -> l
 def micro_batches(reqs: np.ndarray, deadline_s: float, seq0: int, packed: bool) -> list:
     """One micro-batch per request (as separate front-end ticks would send them), or all requests
     in one micro-batch (one tick of one client)."""
-    from quiver_serve.engine.core import MicroBatch
+    from quiver_serve.engine.core.core import MicroBatch
     from quiver_serve.wire import NO_SEED
 
     n, k = reqs.shape
@@ -140,7 +141,7 @@ def engine_point(core: Any, reqs: np.ndarray, n_req: int, seconds: float, timeou
 
 def engine_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Namespace) -> list[dict]:
     """Every workload's batch sizes on one engine core built here; the core is freed after."""
-    from quiver_serve.engine.core_proc import build_core
+    from quiver_serve.engine.core.build import build_core
 
     torch.set_num_threads(cfg.inference.torch_threads)  # as the engine core process does
     core = build_core(cfg, graph, 0, None)
@@ -166,8 +167,7 @@ def engine_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.N
     return rows
 
 
-# ---- 2. load processes (spawned; each a fast-path client with asyncio callers) ---------------------
-# (bench/load_procs.py: BatchCounter, LoadPool, merge_point, latency_ms)
+# ---- 2. load processes (loadtest/driver.py with the engine probe: bench/engine/probe.py) ----------
 
 # ---- 3. the daemon through the queue API ------------------------------------------------------
 def caller_list(args: argparse.Namespace, workload: str) -> list[int]:
@@ -186,7 +186,7 @@ def print_daemon_row(r: dict) -> None:
           f"load cpu {r['load_cpu_frac']}", flush=True)
 
 
-def daemon_sweep(pool: LoadPool, args: argparse.Namespace, timeout_s: float, engines: int) -> list[dict]:
+def daemon_sweep(pool: DaemonLoad, args: argparse.Namespace, timeout_s: float, engines: int) -> list[dict]:
     rows = []
     for w in args.workloads:
         k = IDS_PER_REQUEST[w]
@@ -261,17 +261,22 @@ def print_summary(summary: list[dict], p99_ms: float, engines: int) -> None:
 
 # ---- 5. the CPU-box target ----------------------------------------------------------------------------
 async def embed_callers(p: Any, reqs: np.ndarray, callers: int, warm_s: float, seconds: float) -> dict:
-    """Closed-loop callers of ``Pipeline.embed_async`` in this process (one asyncio loop)."""
+    """Closed-loop callers of ``Pipeline.embed_async`` in this process (one asyncio loop; the
+    driver's closed loop)."""
     win0 = time.time() + warm_s
-    lat: list[float] = []
-    status: Counter = Counter()
 
-    async def call(ids: np.ndarray) -> int:
-        await p.embed_async(ids)
-        return 200
+    from quiver_serve.errors import ServeError
 
-    await closed_loop(call, reqs, callers, win0, win0 + seconds, lat, status)
-    return {"lat": np.asarray(lat), "status": dict(status)}
+    async def call(i: int) -> str:
+        try:
+            await p.embed_async(reqs[i])
+        except ServeError as exc:  # refused at admission: counted by status
+            return str(exc.info.status)
+        return "200"
+
+    res = await closed_loop(call, np.full(len(reqs), reqs.shape[1]), callers, win0, win0 + seconds)
+    return {"lat": res["lat_s"], "status": {int(k) if k.isdigit() else k: n
+                                            for k, n in res["status"].items()}}
 
 
 def embed_single(p: Any, reqs: np.ndarray, warm_s: float, seconds: float) -> dict:
@@ -301,7 +306,7 @@ def embed_point(p: Any, k: int, callers: int, args: argparse.Namespace) -> dict:
             "errors": {str(s): n for s, n in status.items()}, **latency_ms(res["lat"])}
 
 
-def cpu_efficiency(p: Any, pool: LoadPool, args: argparse.Namespace, timeout_s: float) -> dict:
+def cpu_efficiency(p: Any, pool: DaemonLoad, args: argparse.Namespace, timeout_s: float) -> dict:
     """(i) 64 callers x 48 ids, (ii) 2 callers x 4,096 ids, (iii) 1 caller x 1 id; from the load
     processes (fast-path clients) and through Pipeline.embed / embed_async in this process."""
     points = [("small", 48, 64), ("large", 4096, 2), ("single", 1, 1)]
@@ -332,29 +337,6 @@ def print_cpu_efficiency(res: dict) -> None:
 
 
 # ---- run metadata, output --------------------------------------------------------------------------
-def portable(path: str | None) -> str | None:
-    """A path as recorded in the JSON: relative to the repository, else only its name."""
-    if path is None:
-        return None
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return p.name
-
-
-def git_head() -> str | None:
-    """HEAD of the checkout this ran from, "+dirty" when tracked files differ from it."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5,
-                              check=True).stdout.strip()
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def run_meta(args: argparse.Namespace, cfg: ServeConfig, graph: Any) -> dict:
     cuda = torch.cuda.is_available()
     argv = dict(vars(args), config=portable(args.config), out=portable(args.out))
@@ -363,18 +345,9 @@ def run_meta(args: argparse.Namespace, cfg: ServeConfig, graph: Any) -> dict:
             "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "gpus": torch.cuda.device_count() if cuda else 0, "git_head": git_head(),
             "graph": graph.describe(), "model": cfg.model.name, "fanouts": cfg.sampling.fanouts,
-            "args": argv, "command": " ".join(["bench/bench_pipeline.py"] + [
+            "machine": args.machine or machine_name(),
+            "args": argv, "command": " ".join(["python -m bench.engine.pipeline"] + [
                 portable(a) if os.path.isabs(a) else a for a in sys.argv[1:]])}
-
-
-def default_out(meta: dict, cfg: ServeConfig, args: argparse.Namespace) -> Path:
-    """bench/results/pipeline_<device>_<graph>[_cpu-efficiency].json (no host name)."""
-    dev = "cpu" if meta["gpus"] == 0 else \
-        meta["device"].lower().replace("nvidia", "").strip().replace(" ", "-") + f"x{meta['gpus']}"
-    graph = cfg.graph.name if cfg.graph.format != "synthetic" else \
-        f"{cfg.graph.synthetic_preset}-s{cfg.graph.synthetic_scale:g}"
-    tail = "_cpu-efficiency" if args.cpu_efficiency else ""
-    return ROOT / "bench" / "results" / f"pipeline_{dev}_{graph}{tail}.json"
 
 
 def jsonable(obj: Any) -> Any:
@@ -414,11 +387,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="feed the engine one micro-batch per batch instead of one per request")
     ap.add_argument("--p99-ms", type=float, default=10.0, help="latency bound of the headline figure")
     ap.add_argument("--tail-ms", type=float, default=20.0,
-                    help="requests slower than this are traced to a stage (bench/tail_trace.py)")
+                    help="requests slower than this are traced to a stage (bench/engine/tail_trace.py)")
     ap.add_argument("--cpu-efficiency", action="store_true",
                     help="the CPU-box target (64x48 vs 2x4096 ids, single-id p50) instead of the sweep")
-    ap.add_argument("--out", help="JSON file (default bench/results/pipeline_<device>_<graph>.json)")
+    ap.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
+                    "pipeline_<machine>_<date>[_<variant>].json)")
     add_set_option(ap)
+    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.engine_seconds is None:
         args.engine_seconds = max(1.0, args.seconds / 2)
@@ -427,7 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Namespace) -> dict:
     """Engine direct first (then freed), then the daemon with the load processes."""
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     engine = engine_sweep(cfg, graph, hot, args)
     p = Pipeline(cfg, graph=graph).start()
@@ -436,7 +411,7 @@ def run_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Name
         engines = len(p.supervisor.engines)
         print(f"daemon: {engines} engine core(s), {len(p.supervisor.samplers)} CPU sampler(s); "
               f"{args.procs} load process(es)", flush=True)
-        pool = LoadPool(p.endpoints(), args.procs, hot, graph.num_nodes)
+        pool = DaemonLoad(p.endpoints(), args.procs, hot, graph.num_nodes)
         daemon = daemon_sweep(pool, args, cfg.server.request_timeout_s, engines)
     finally:
         if pool is not None:
@@ -448,12 +423,12 @@ def run_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Name
 
 
 def run_cpu_efficiency(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Namespace) -> dict:
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     p = Pipeline(cfg, graph=graph).start()
     pool = None
     try:
-        pool = LoadPool(p.endpoints(), args.procs, hot, graph.num_nodes)
+        pool = DaemonLoad(p.endpoints(), args.procs, hot, graph.num_nodes)
         res = cpu_efficiency(p, pool, args, cfg.server.request_timeout_s)
     finally:
         if pool is not None:
@@ -477,7 +452,7 @@ def main() -> None:
           f"{meta['gpus']} GPU(s), {meta['cpus']} CPUs, torch {meta['torch']}", flush=True)
     run = run_cpu_efficiency if args.cpu_efficiency else run_sweep
     result = {"meta": meta, **run(cfg, graph, hot, args)}
-    out = Path(args.out) if args.out else default_out(meta, cfg, args)
+    out = result_path("pipeline", args, "cpu-efficiency" if args.cpu_efficiency else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
     print(f"\nJSON: {portable(str(out))}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where one batch's time goes inside the engine core, per stage and batch size.
 
-For each batch size B (seed ids drawn as in bench_pipeline's workloads), on the engine core's
+For each batch size B (seed ids drawn as in bench.engine.pipeline's workloads), on the engine core's
 device, medians over --iters batches, each stage timed alone with a device sync around it:
 
 * ``sample``: the faster of the engine's own samplers for this batch (GPU kernel or C++), which
@@ -18,7 +18,7 @@ It also times the engine's per-micro-batch host work (forming a batch from M mic
 building their replies, no model), which bounds how many small micro-batches one core can take.
 
 Usage (from the repository root):
-    PYTHONPATH=. python bench/profile_engine.py [--config configs/bench_reddit.yaml] [--scale 0.02]
+    python -m bench.engine.profile_engine [--config configs/bench_reddit.yaml] [--scale 0.02]
         [--batch-sizes 1 8 48 384 1536 6144] [--iters 50] [--out FILE]
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.bench_pipeline import hot_set, portable  # noqa: E402
-from bench.cli import add_set_option, load_config  # noqa: E402
+from bench.cli import add_set_option, load_config, portable
+from loadtest.workloads import hot_set
 
 
 def timed(fn: Any, dev: torch.device, iters: int) -> tuple[float, Any]:
@@ -93,7 +89,7 @@ def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
 
 def core_latency(core: Any, ids: np.ndarray, iters: int) -> float:
     """One micro-batch through add + step() until its reply; median seconds."""
-    from quiver_serve.engine.core import MicroBatch
+    from quiver_serve.engine.core.core import MicroBatch
     from quiver_serve.wire import NO_SEED
 
     times = []
@@ -111,7 +107,7 @@ def core_latency(core: Any, ids: np.ndarray, iters: int) -> float:
 
 def host_overhead(core: Any, total_ids: int, parts: list[int], iters: int) -> list[dict]:
     """Host time to form one batch of ``total_ids`` from M micro-batches and build M replies."""
-    from quiver_serve.engine.core import MicroBatch
+    from quiver_serve.engine.core.core import MicroBatch
     from quiver_serve.sampling.base import SamplerOutput
     from quiver_serve.wire import NO_SEED, encode
 
@@ -149,7 +145,7 @@ def main() -> None:
                     help="also print the host functions that cost most in the core path at SEEDS")
     add_set_option(ap)
     args = ap.parse_args()
-    from quiver_serve.engine.core_proc import build_core
+    from quiver_serve.engine.core.build import build_core
     from quiver_serve.graph.datasets import load_graph
 
     cfg = load_config(args.config, args.sets)

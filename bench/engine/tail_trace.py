@@ -1,4 +1,5 @@
-"""Where the slowest requests of a daemon point spent their time (``bench_pipeline --tail-ms``).
+"""Where the slowest requests of a daemon point spent their time (``bench.engine.pipeline
+--tail-ms``).
 
 The H200 runs showed 100-190 ms p99.9 outliers at 64-384 callers on every path (queue API
 included) while p99 stayed at 6-9 ms. A request's latency seen by a load process is the sum of
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from quiver_serve.engine.heap import GcPauses
+from quiver_serve.engine.procs.heap import GcPauses
 
 #: trips kept per load process and point (a point at 2 M seeds/s logs ~40 k micro-batches/s)
 MAX_TRIPS = 1 << 20
@@ -185,7 +186,7 @@ def daemon_gc_snapshot() -> dict[tuple[str, str], np.ndarray]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from quiver_serve.metrics import ENV, PREFIX
+    from quiver_serve.metrics.prometheus import ENV, PREFIX
 
     path = os.environ.get(ENV)
     if not path or not os.path.isdir(path):
@@ -206,7 +207,7 @@ def daemon_gc_snapshot() -> dict[tuple[str, str], np.ndarray]:
 def daemon_gc_diff(before: dict, after: dict, tail_ms: float) -> dict:
     """Collections in the daemon's processes between two snapshots: per role and generation,
     how many, and how many took longer than the bucket at or above ``tail_ms``."""
-    from quiver_serve.metrics import _GC_PAUSE_BUCKETS_S
+    from quiver_serve.metrics.prometheus import _GC_PAUSE_BUCKETS_S
 
     les = [*_GC_PAUSE_BUCKETS_S, float("inf")]
     over = next(i for i, le in enumerate(les) if le * 1e3 >= tail_ms)

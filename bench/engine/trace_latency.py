@@ -16,7 +16,7 @@ for every process of the machine):
 * ``wake``: reply read to the caller running again (future, thread or event-loop hand-off).
 
 Usage (from the repository root):
-    PYTHONPATH=. python bench/trace_latency.py [--config configs/default.yaml] [--route auto]
+    python -m bench.engine.trace_latency [--config configs/default.yaml] [--route auto]
         [--ids 1] [--requests 3000] [--mode sync|async] [--out FILE]
 """
 
@@ -25,18 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.cli import add_set_option, load_config  # noqa: E402
-from quiver_serve.engine.observer import PipelineObserver  # noqa: E402
+from bench.cli import add_set_option, load_config
+from quiver_serve.metrics.observer import PipelineObserver
 
 STAGES = ("submit", "to_engine", "queue", "sample", "compute", "engine_other", "to_client", "wake")
 
@@ -129,7 +125,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     cfg = load_config(args.config, args.sets)
     if args.scale is not None:

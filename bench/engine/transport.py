@@ -5,7 +5,7 @@ IPC (DEALER/ROUTER) with a msgspec header and raw side buffers (what the engine 
 echo peer is a separate spawned process; the message is a micro-batch of ``--ids`` int64 ids going
 out and a [ids, dim] float32 embedding block coming back, as on the serving path.
 
-    python bench/bench_transport.py --ids 48 --dim 64 --iters 3000
+    python -m bench.engine.transport --ids 48 --dim 64 --iters 3000
 """
 
 from __future__ import annotations

@@ -1,30 +1,24 @@
-"""Shared parts of bench/bench_features.py and bench/bench_features_2gpu.py: graphs, traces of
-sampled batches, hit rates, gather timing."""
+"""Shared parts of bench/features/features.py and features_2gpu.py (and the adjacency and
+end-to-end benches): graphs, traces of sampled batches, hit rates, gather timing."""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from quiver_serve.config import GraphConfig  # noqa: E402
-from quiver_serve.features.fap import (  # noqa: E402
+from quiver_serve.config import GraphConfig
+from quiver_serve.features.fap import (
     degree_scores,
     feature_access_probability,
     logged_seed_probability,
     uniform_seed_probability,
 )
-from quiver_serve.features.placement import plan_placement  # noqa: E402
-from quiver_serve.features.store import FeatureStore  # noqa: E402
-from quiver_serve.graph.synthetic import generate_synthetic  # noqa: E402
+from quiver_serve.features.placement import plan_placement
+from quiver_serve.features.store import FeatureStore
+from quiver_serve.graph.synthetic import generate_synthetic
 
 FANOUTS = [25, 10]
 

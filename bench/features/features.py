@@ -13,9 +13,10 @@
 3. Adjacency (Reddit, GPU only): UVA sampling with a 20% adjacency cache vs plain UVA vs the
    device-resident CSC at 1,024 and 8,192 seeds (samples checked bit-identical).
 
-JSON to --out (default $OUT/features_gpu.json, else bench/results/features_<device>.json); a short
-table last. ``--smoke`` runs everything at a tiny scale (CPU too) to catch errors before a GPU run.
-    PYTHONPATH=. python bench/bench_features.py [--smoke] [--reddit-scale 1] [--products-scale 1]
+JSON to --out (default: $OUT, else bench/results/, features_<machine>_<date>[_<variant>].json); a
+short table last. ``--smoke`` runs everything at a tiny scale (CPU too) to catch errors before a
+GPU run.
+    python -m bench.features.features [--smoke] [--reddit-scale 1] [--products-scale 1]
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from features_common import (
+
+from bench.cli import ROOT, add_result_options, result_path
+from bench.features.common import (
     FANOUTS,
-    ROOT,
     hot_set,
     make_graph,
     sampler_for,
@@ -72,10 +74,9 @@ def gather_rows(preset: str, graph: Any, dev: torch.device, args: argparse.Names
 
 
 def engine_rows(graph: Any, args: argparse.Namespace) -> list[dict]:
-    from bench_pipeline import draw_requests, engine_point
-
+    from bench.engine.pipeline import draw_requests, engine_point
     from quiver_serve.config import ServeConfig
-    from quiver_serve.engine.core_proc import build_core
+    from quiver_serve.engine.core.build import build_core
 
     cfg = ServeConfig.from_yaml(ROOT / "configs" / "bench_reddit.yaml")
     cfg.batching.queue_capacity = 1 << 16
@@ -108,7 +109,7 @@ def engine_rows(graph: Any, args: argparse.Namespace) -> list[dict]:
 
 def seeded_rows(core: Any, graph: Any) -> np.ndarray:
     """Embeddings of 512 ids in seeded batches (the same subgraphs on every variant)."""
-    from quiver_serve.engine.core import MicroBatch
+    from quiver_serve.engine.core.core import MicroBatch
 
     ids = np.random.default_rng(7).integers(0, graph.num_nodes, 512, dtype=np.int64)
     mb = MicroBatch(b"", 1, False, 1234, ids, np.array([512]), np.array([time.time() + 60]))
@@ -121,8 +122,8 @@ def seeded_rows(core: Any, graph: Any) -> np.ndarray:
 
 
 def adjacency_rows(graph: Any, dev: torch.device, args: argparse.Namespace) -> list[dict]:
-    from quiver_serve.features.adjacency import build_adjacency_cache, expansion_scores
     from quiver_serve.sampling.gpu import CudaSampler, UvaSampler
+    from quiver_serve.sampling.graph_cache.adjacency import build_adjacency_cache, expansion_scores
 
     csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
     t0 = time.perf_counter()
@@ -197,6 +198,7 @@ def main() -> None:
     ap.add_argument("--engine-seconds", type=float, default=1.5)
     ap.add_argument("--sections", nargs="+", default=["gather", "engine", "adjacency"])
     ap.add_argument("--out", type=Path)
+    add_result_options(ap)
     args = ap.parse_args()
     if args.smoke:
         args.reddit_scale, args.products_scale = 0.01, 0.005
@@ -209,8 +211,7 @@ def main() -> None:
                                   "out": str(args.out)}, "graphs": {}, "gather": [],
                               "engine": [], "adjacency": []}
     t_start = time.perf_counter()
-    out = args.out or (Path(os.environ["OUT"]) / "features_gpu.json" if os.environ.get("OUT")
-                       else ROOT / "bench" / "results" / f"features_{dev.type}.json")
+    out = result_path("features", args, "smoke" if args.smoke else None)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every section: a run cut by its time limit keeps what it did

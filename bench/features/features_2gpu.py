@@ -7,21 +7,22 @@ GPU 1 would hold the same) vs ``partition`` (GPUs 0 and 1, a peer-access clique 
 time, split a hot set twice as large; GPU 0 reads GPU 1's share over NVLink), plus all-host:
 hit rate (GPU 0 + peer) and gather GB/s from GPU 0 over a trace of sampled batches (workload (b),
 1,024 seeds, [25, 10], FAP order). Full size (111 M nodes, 1.6 B edges, 57 GB of features) takes
-minutes to generate alone: ``--scale`` (default 0.1) sets the size; see docs/design-notes.md.
-    PYTHONPATH=. python bench/bench_features_2gpu.py [--scale 0.1] [--smoke]
+minutes to generate alone: ``--scale`` (default 0.1) sets the size. JSON to --out (default: $OUT,
+else bench/results/, features_2gpu_<machine>_<date>[_<variant>].json).
+    python -m bench.features.features_2gpu [--scale 0.1] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
-from features_common import (
-    ROOT,
+
+from bench.cli import add_result_options, result_path
+from bench.features.common import (
     make_graph,
     sampler_for,
     scores_by,
@@ -29,7 +30,6 @@ from features_common import (
     store_point,
     trace,
 )
-
 from quiver_serve.features.placement import peer_clique
 
 
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", type=Path)
+    add_result_options(ap)
     args = ap.parse_args()
     if args.smoke:
         args.scale, args.batches, args.iters, args.batch = 0.001, 3, 1, 256
@@ -74,8 +75,7 @@ def main() -> None:
                                               "nodes": graph.num_nodes, "edges": graph.num_edges,
                                               "generate_s": gen_s}, "fap_s": scores["fap_s"],
               "rows": rows}
-    out = args.out or (Path(os.environ["OUT"]) / "features_2gpu.json" if os.environ.get("OUT")
-                       else ROOT / "bench" / "results" / "features_2gpu.json")
+    out = result_path("features_2gpu", args, "smoke" if args.smoke else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out}\n\n| budget/GPU | policy | hit rate | gather GB/s |\n|---|---|---|---|")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Issue 11's two single-GPU targets, measured in one run (bench/features_gpu_e2e.sh on an H200).
+"""Issue 11's two single-GPU targets, measured in one run (``python -m bench.gpu features_e2e``).
 
 (A) UVA sampling with a 20% adjacency cache vs device-resident vs plain UVA, at 1,024 and 8,192
-    seeds, every cache layout, with the read model's served shares (bench/bench_adjacency.py).
-(B) The daemon through its queue API (bench/bench_pipeline.py, run as a subprocess on a copy of
+    seeds, every cache layout, with the read model's served shares (bench/sampling/adjacency.py).
+(B) The daemon through its queue API (bench.engine.pipeline, run as a subprocess on a copy of
     configs/bench_reddit.yaml) with ``inference.gpu_cache_bytes`` = 20% of the feature bytes vs
     all features on the GPU, workloads (a) and (b): seed nodes/s of the best point with
     p99 <= 10 ms, and their ratio (target >= 0.7). Then the bus bound of that ratio: per batch
@@ -14,11 +14,11 @@
     Variants (``--variants``, ``label=budget:dtype``): by default all-GPU and 20% in fp32 and
     in fp16 feature storage (``features.storage_dtype``; the fp16 pair is compared with each
     other). Each variant's seeds/s is also read where p99 crosses the bound (interpolated between
-    sweep points, as in bench_routing_daemon.py), beside the best point under it.
+    sweep points, as in bench/routing/routing_daemon.py), beside the best point under it.
 
-JSON: --out (default $OUT/features_e2e.json, else bench/results/features_e2e_<device>.json);
+JSON: --out (default: $OUT, else bench/results/, features_e2e_<machine>_<date>[_<variant>].json);
 a short table last. ``--smoke``: tiny graph and short windows (CPU too).
-    PYTHONPATH=. python bench/features_e2e.py [--smoke]
+    python -m bench.features.features_e2e [--smoke]
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from bench_adjacency import adjacency_section, print_table
-from bench_routing_daemon import at_bound
-from features_common import ROOT, make_graph, sampler_for, scores_by, seed_batches, store_point
+
+from bench.cli import ROOT, add_result_options, result_path
+from bench.features.common import make_graph, sampler_for, scores_by, seed_batches, store_point
+from bench.routing.routing_daemon import at_bound
+from bench.sampling.adjacency import adjacency_section, print_table
 
 BASE_CONFIG = ROOT / "configs" / "bench_reddit.yaml"
 ALL_GPU_BYTES = 1 << 62
@@ -68,8 +70,8 @@ def write_config(path: Path, scale: float, cache_bytes: int, dtype: str = "fp32"
 
 
 def run_daemon(label: str, cfg_path: Path, out: Path, args: argparse.Namespace) -> dict | None:
-    """bench_pipeline.py on one config; its JSON, or None when it failed or ran out of time."""
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--config", str(cfg_path),
+    """bench.engine.pipeline on one config; its JSON, or None when it failed or ran out of time."""
+    cmd = [sys.executable, "-m", "bench.engine.pipeline", "--config", str(cfg_path),
            "--workloads", "a", "b", "--seconds", str(args.seconds), "--warmup",
            str(args.warmup), "--engine-seconds", str(args.engine_seconds), "--callers",
            *map(str, args.callers), "--batch-sizes", *map(str, args.engine_batches),
@@ -77,7 +79,8 @@ def run_daemon(label: str, cfg_path: Path, out: Path, args: argparse.Namespace) 
     print(f"== daemon {label}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=args.daemon_timeout_s, capture_output=True, text=True)
+        proc = subprocess.run(cmd, timeout=args.daemon_timeout_s, capture_output=True, text=True,
+                              cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         print(f"daemon {label}: cut after {args.daemon_timeout_s:.0f} s; its last lines:\n"
@@ -248,6 +251,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sections", nargs="+", default=["adjacency", "e2e"],
                     choices=["adjacency", "e2e"])
     ap.add_argument("--out", type=Path)
+    add_result_options(ap)
     args = ap.parse_args()
     if args.smoke:
         args.scale, args.iters, args.callers, args.engine_batches = 0.01, 2, [4, 16], [96]
@@ -259,8 +263,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(min(8, os.cpu_count() or 1))
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    out = args.out or (Path(os.environ["OUT"]) / "features_e2e.json" if os.environ.get("OUT")
-                       else ROOT / "bench" / "results" / f"features_e2e_{dev.type}.json")
+    out = result_path("features_e2e", args, "smoke" if args.smoke else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     graph, gen_s = make_graph("reddit", args.scale)

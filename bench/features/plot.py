@@ -1,19 +1,19 @@
 #!/usr/bin/env python
-"""Hit rate vs GPU budget from bench/bench_features.py's JSON, as a PNG (needs matplotlib;
+"""Hit rate vs GPU budget from bench.features.features' JSON, as a PNG (needs matplotlib;
 run where it is installed, e.g. locally after the GPU run).
-    python bench/plot_features.py bench/results/features_h200.json docs/features_hit_rate.png
+    python -m bench.features.plot bench/results/features_h200_2026-11-23_placement.json hit_rate.png
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 STYLE = {"fap": ("FAP (uniform seeds)", "-o"), "degree": ("in-degree", "--s"),
          "fap-log": ("FAP (request log)", ":^")}
@@ -44,6 +44,9 @@ def main(src: Path, dst: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: plot_features.py RESULTS.json OUT.png")
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    ap = argparse.ArgumentParser(prog="python -m bench.features.plot",
+                                 description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("results", type=Path, help="a features_* JSON (bench.features.features)")
+    ap.add_argument("png", type=Path, help="the plot to write")
+    args = ap.parse_args()
+    main(args.results, args.png)

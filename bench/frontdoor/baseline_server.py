@@ -13,7 +13,7 @@ clearly labelled, quiver-serve's pure-torch reference sampler (``sampling/refere
 the same semantics (in-neighbours, uniform without replacement). ``GET /v1/baseline`` and the start
 log say which one runs.
 
-    python bench/baseline_server.py --config configs/default.yaml --port 8100 [--sampler auto|pyg|reference]
+    python -m bench.frontdoor.baseline_server --config configs/default.yaml --port 8100 [--sampler auto|pyg|reference]
 """
 
 
@@ -21,18 +21,13 @@ log say which one runs.
 import argparse
 import io
 import logging
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.cli import add_set_option, load_config  # noqa: E402
+from bench.cli import add_set_option, load_config
 
 log = logging.getLogger("baseline")
 
@@ -94,7 +89,7 @@ class Baseline:
 
     def __init__(self, cfg: Any, sampler_kind: str, device: str) -> None:
         from quiver_serve.graph.datasets import load_graph
-        from quiver_serve.models import build_model
+        from quiver_serve.models.served import build_model
 
         t0 = time.perf_counter()
         g = load_graph(cfg.graph)

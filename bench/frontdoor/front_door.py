@@ -8,7 +8,10 @@ reports p50/p99 per route and body format, and (``--pids``, or the front-end pid
 ``json.dumps``, orjson with ``OPT_SERIALIZE_NUMPY``, a ``.npy`` body).
 
     python server.py --port 8711 &
-    python bench/bench_front_door.py --url http://127.0.0.1:8711 --label before
+    python -m bench.frontdoor.front_door --url http://127.0.0.1:8711 --label before
+
+JSON: --out, else $OUT or bench/results/, front_door_<machine>_<date>[_<label>].json. Before and
+after in one run, two checkouts' daemons in turn: ``python -m bench.gpu front_door OTHER``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import argparse
 import io
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +28,7 @@ import httpx
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quiver_serve
-RESULTS = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+from bench.cli import add_result_options, result_path
 
 
 def encode_costs_us(rows: int = 48, dim: int = 64, n: int = 2000) -> dict[str, float]:
@@ -45,7 +46,7 @@ def encode_costs_us(rows: int = 48, dim: int = 64, n: int = 2000) -> dict[str, f
         "np_save": npy,
     }
     try:
-        from quiver_serve.http.bodies import npy_bytes
+        from quiver_serve.frontend.bodies import npy_bytes
 
         ways["npy_bytes"] = lambda: npy_bytes(emb)
     except ImportError:  # before the hot-route change
@@ -120,10 +121,14 @@ def main() -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--requests", type=int, default=1000, help="requests per route")
     p.add_argument("--pids", type=int, nargs="*", help="front-end pids (default: from /v1/workers)")
-    p.add_argument("--label", default="run")
+    p.add_argument("--label", default="run", help="the run's name (in the JSON and, unless "
+                   "'run', the file name)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 48], help="ids per request")
     p.add_argument("--routes", nargs="+", default=None,
                    help="only these rows (embed_json, embed_npy, kserve_json, kserve_binary)")
+    p.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
+                   "front_door_<machine>_<date>[_<label>].json)")
+    add_result_options(p)
     args = p.parse_args()
     out: dict[str, object] = {"label": args.label, "url": args.url, "encode_48x64_us": encode_costs_us()}
     with httpx.Client(base_url=args.url, timeout=30) as client:
@@ -138,8 +143,8 @@ def main() -> None:
                     rows[name] = latency(client, send, args.requests, pids)
         rows["health_live"] = latency(client, lambda: client.get("/v2/health/live"), args.requests, pids)
         out["latency"] = rows
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"front_door_{args.label}.json"
+    path = result_path("front_door", args, None if args.label == "run" else args.label)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print("encode 48x64 float32 (us): " + ", ".join(f"{k} {v:.0f}" for k, v in out["encode_48x64_us"].items()))
     print(f"{'route':24s} {'p50 ms':>8s} {'p99 ms':>8s} {'front-end CPU ms/req':>21s}")

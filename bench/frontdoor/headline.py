@@ -8,18 +8,21 @@
    binary and gRPC, workload (a); on the first route also single-id (c) HTTP p50 with one caller.
 3. The queue API: ``Pipeline`` in this process (first route only, --queue-routes for more), load
    processes connected with ``connect(endpoints)``.
-4. The baseline (bench/baseline_server.py: FastAPI, one process, PyG's sampler, CPU gather, model
+4. The baseline (bench/frontdoor/baseline_server.py: FastAPI, one process, PyG's sampler, CPU gather, model
    on the GPU): HTTP JSON and npy, workload (a), and single-id (c).
 5. One table: max seed nodes/s at p99 <= 10 ms and <= 30 ms for every path and the baseline, and
    the ratio to the baseline's best at the same bound; PNGs: throughput vs p99, latency CDFs.
 
 Everything is timed against --budget-s: a phase that would start past it is skipped and named.
-The same load processes (loadtest/, spawned once) drive every server.
+The same load processes (loadtest/, spawned once) drive every server; every server is started by
+the daemon harness (loadtest/harness.py). In --out (default $OUT, else bench/results/):
+headline_<machine>_<date>[_<variant>].json and its two PNGs (same name, _throughput_vs_p99.png,
+_latency_cdf.png).
 
-    python bench/headline.py [--config configs/bench_reddit.yaml] [--out DIR]
-    python bench/headline.py --smoke          # Cora on a CPU box, about 2 minutes
-    python bench/headline.py --single-only --routes auto --seconds 5
-                                              # single-id HTTP only, server.fast_routes on / off
+    python -m bench.frontdoor.headline [--config configs/bench_reddit.yaml] [--out DIR]
+    python -m bench.frontdoor.headline --smoke     # Cora on a CPU box, about 2 minutes
+    python -m bench.frontdoor.headline --single-only --routes auto --seconds 5
+                                                   # single-id HTTP only, server.fast_routes on / off
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,61 +42,16 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.cli import add_set_option, load_config  # noqa: E402
-from loadtest import plots  # noqa: E402
-from loadtest.gen import Generator, jsonable  # noqa: E402
-from loadtest.stats import best_under, fmt, point_row  # noqa: E402
-from loadtest.workloads import hot_set  # noqa: E402
+from bench.cli import add_result_options, add_set_option, load_config, result_name, results_dir
+from loadtest import plots
+from loadtest.gen import Generator, jsonable
+from loadtest.harness import Daemon, free_port
+from loadtest.stats import best_under, fmt, point_row
+from loadtest.workloads import hot_set
 
 HTTP_PATHS = ["http-json", "http-npy", "kserve-binary", "grpc"]
 BOUNDS_MS = (10.0, 30.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A server subprocess in its own process group (killed whole at the end), log to a file."""
-
-    def __init__(self, argv: list[str], url: str, log_path: Path, name: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        self.url, self.name, self.log_path = url, name, log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds from start to ready; raises with the log's tail when it dies or times out."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1.0) as r:  # noqa: S310
-                    if r.status == 200:
-                        return time.perf_counter() - self.t0
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        from quiver_serve.engine.process import stop_process_group
-
-        stop_process_group(self.proc, grace_s=8)
-        self._log.close()
+SERVER_GRACE_S = 8.0  # SIGTERM to SIGKILL of a server's process group
 
 
 def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
@@ -143,7 +99,7 @@ class Run:
         return self.args.budget_s - (time.perf_counter() - self.t0)
 
     @contextlib.contextmanager
-    def serving(self, srv: Server, name: str, what: str) -> Iterator[None]:
+    def serving(self, srv: Daemon, name: str, what: str) -> Iterator[None]:
         """Start ``srv`` (start-up time kept as ``starts[name]``) for the body, then stop it; a
         failed start or run is recorded as ``what`` skipped, and the run goes on."""
         try:
@@ -202,8 +158,8 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
     port, grpc_port = free_port(), free_port()
     conf = derived_config(cfg, npz, route, folder, grpc_port)
     url = f"http://127.0.0.1:{port}"
-    srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level", "warning"],
-                 url, folder / f"server_{route}.log", f"quiver-serve ({route})")
+    srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
+                 name=f"quiver-serve ({route})", grace_s=SERVER_GRACE_S)
     with run.serving(srv, f"quiver-serve {route}", f"route {route}"):
         for protocol in run.args.paths:
             if protocol == "queue":
@@ -230,8 +186,8 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
         conf = derived_config(cfg, npz, route, folder, None, fast_routes=fast)
         url = f"http://127.0.0.1:{port}"
         tag = f"{route}{'' if fast else ' (fast_routes off)'}"
-        srv = Server(["server.py", "--config", str(conf), "--port", str(port), "--log-level",
-                      "warning"], url, folder / f"server_{route}_{fast}.log", f"quiver-serve {tag}")
+        srv = Daemon(conf, port, folder / f"server_{route}_{fast}.log", args=["--log-level",
+                     "warning"], name=f"quiver-serve {tag}", grace_s=SERVER_GRACE_S)
         with run.serving(srv, f"quiver-serve {tag}", f"single-id {tag}"):
             for protocol in SINGLE_PATHS:
                 run.single_id(f"{tag}/{protocol}", target_of(protocol, url, None, cfg.model.name,
@@ -240,7 +196,7 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
 
 def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
     """The queue API: Pipeline in this process, load processes connect(endpoints)."""
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     if not run.afford(f"queue API ({route})", run.start_cost_s() + run.sweep_cost_s()):
         return
@@ -263,8 +219,8 @@ def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     port = free_port()
     conf = derived_config(cfg, npz, "auto", folder, None)
     url = f"http://127.0.0.1:{port}"
-    srv = Server(["bench/baseline_server.py", "--config", str(conf), "--port", str(port)], url,
-                 folder / "baseline.log", "baseline")
+    srv = Daemon(conf, port, folder / "baseline.log", command=("-m", "bench.frontdoor.baseline_server"),
+                 name="baseline", grace_s=SERVER_GRACE_S)
     with run.serving(srv, "baseline", "baseline"):
         with urllib.request.urlopen(url + "/v1/baseline", timeout=5) as r:  # noqa: S310
             run.baseline_info = json.loads(r.read())
@@ -326,15 +282,17 @@ def stage_lines(run: Run) -> list[str]:
     return out
 
 
-def write_plots(run: Run, out: Path, title: str) -> None:
+def write_plots(run: Run, stem: Path, title: str) -> None:
+    """``<stem>_throughput_vs_p99.png`` and ``<stem>_latency_cdf.png``."""
     plots.throughput_vs_p99({n: s["points"] for n, s in run.series.items()},
-                            out / "headline_throughput_vs_p99.png", title, BOUNDS_MS)
+                            Path(f"{stem}_throughput_vs_p99.png"), title, BOUNDS_MS)
     cdfs = {}
     for n, s in run.series.items():
         p = best_under(s["points"], BOUNDS_MS[-1]) or (s["points"][0] if s["points"] else None)
         if p is not None:
             cdfs[f"{n} @{p['level']:g}"] = p["latencies_ms"]
-    plots.latency_cdf(cdfs, out / "headline_latency_cdf.png", title + " (best point at p99 <= 30 ms)")
+    plots.latency_cdf(cdfs, Path(f"{stem}_latency_cdf.png"),
+                      title + " (best point at p99 <= 30 ms)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -366,8 +324,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="phases that would start past this (from the start) are skipped")
     ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected server start-up")
     ap.add_argument("--start-timeout-s", type=float, default=240.0)
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(results_dir()),
+                    help="folder of the JSON and PNGs (default $OUT, else bench/results/)")
     add_set_option(ap)
+    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         if args.config == "configs/bench_reddit.yaml":
@@ -388,7 +348,7 @@ def meta(args: argparse.Namespace, graph: Any, cfg: Any) -> dict:
             "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "graph": graph.describe(), "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}",
             "fanouts": cfg.sampling.fanouts, "workload": "a (48 ids from the 1,500-node hot set)",
-            "command": "bench/headline.py " + " ".join(sys.argv[1:])}
+            "command": "python -m bench.frontdoor.headline " + " ".join(sys.argv[1:])}
 
 
 def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
@@ -409,15 +369,16 @@ def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
 
 
 def finish(run: Run, info: dict, out: Path) -> None:
-    """headline.json, the two plots, and the table printed last."""
+    """The JSON (``out``), the two plots beside it, and the table printed last."""
     rows, text = table(run)
     result = {"meta": info, "baseline": run.baseline_info, "starts_s": run.starts, "rows": rows,
               "series": run.series, "single_id": run.single, "skipped": run.skipped,
               "wall_s": time.perf_counter() - run.t0}
-    (out / "headline.json").write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
     title = f"{info['graph'].split(':')[0]}, {info['device']}, workload (a), closed loop"
-    write_plots(run, out, title)
-    print(f"\nwrote {out}/headline.json, headline_throughput_vs_p99.png, headline_latency_cdf.png")
+    stem = out.with_suffix("")
+    write_plots(run, stem, title)
+    print(f"\nwrote {out}, {stem.name}_throughput_vs_p99.png, {stem.name}_latency_cdf.png")
     if run.skipped:
         print("skipped: " + "; ".join(run.skipped))
     print(f"baseline sampler: {(run.baseline_info or {}).get('sampler')}; wall "
@@ -429,13 +390,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-
     args = parse_args(argv)
     # SIGTERM (the wrapper's timeout) unwinds like an exception: servers stopped, results written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = load_config(args.config, args.sets)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    variant = args.variant or ("single-id" if args.single_only else "smoke" if args.smoke else None)
+    out = out_dir / result_name("headline", args.machine, variant)
     if "gpu" in args.routes and not torch.cuda.is_available():
         args.routes = [r for r in args.routes if r != "gpu"]
         print("no CUDA device: route gpu left out", flush=True)

@@ -10,7 +10,9 @@ engine client and the answer's encoding, without uvicorn's socket and HTTP parsi
 both) and without the engine's work (other processes). CPU time, not wall time, so a busy shared
 box moves it little.
 
-    python bench/bench_hot_routes.py [--config configs/default.yaml] [--requests 2000]
+    python -m bench.frontdoor.hot_routes [--config configs/default.yaml] [--requests 2000]
+
+JSON: --out, else $OUT or bench/results/, hot_routes_<machine>_<date>[_<label>].json.
 """
 
 from __future__ import annotations
@@ -18,17 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quiver_serve
-RESULTS = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+from bench.cli import add_result_options, result_path
 
 
 def requests(model: str) -> dict[str, tuple[str, bytes, list[tuple[bytes, bytes]]]]:
@@ -107,13 +105,17 @@ def main() -> None:
     p.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     p.add_argument("--requests", type=int, default=2000, help="requests per app and route")
     p.add_argument("--block", type=int, default=100, help="requests per block (apps alternate)")
-    p.add_argument("--label", default="run")
+    p.add_argument("--label", default="run", help="the run's name (in the JSON and, unless "
+                   "'run', the file name)")
+    p.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
+                   "hot_routes_<machine>_<date>[_<label>].json)")
+    add_result_options(p)
     args = p.parse_args()
     import uvloop
 
     from quiver_serve.config import ServeConfig, resolve_path
-    from quiver_serve.engine.pipeline import Pipeline
-    from quiver_serve.http.app import create_app
+    from quiver_serve.engine.client.pipeline import Pipeline
+    from quiver_serve.frontend.app import create_app
 
     cfg = ServeConfig.from_yaml(resolve_path(args.config)) if args.config else ServeConfig.default()
     slow_cfg = cfg.model_copy(deep=True)
@@ -126,8 +128,8 @@ def main() -> None:
     finally:
         pipeline.stop(drain_timeout_s=0.0)
     out = {"label": args.label, "requests": args.requests, "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"hot_routes_{args.label}.json"
+    path = result_path("hot_routes", args, None if args.label == "run" else args.label)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"{'app/route':34s} {'CPU us/req':>10s} {'p50 ms':>8s}")
     for name, r in rows.items():

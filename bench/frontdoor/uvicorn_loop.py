@@ -6,7 +6,7 @@ uvloop + httptools, asyncio + httptools and asyncio + h11 in turn, ``--rounds`` 
 keep-alive ``http.client`` connection sends ``--requests`` small POSTs to it. Prints the server
 process's CPU per request (from /proc) and the client's p50.
 
-    python bench/bench_uvicorn_loop.py [--requests 4000] [--rounds 2]
+    python -m bench.frontdoor.uvicorn_loop [--requests 4000] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from bench.cli import ROOT
 
 COMBOS = (("uvloop", "httptools"), ("asyncio", "httptools"), ("asyncio", "h11"))
 BODY = b'{"node_ids": [1]}'
@@ -64,7 +66,8 @@ def measure(loop: str, http_impl: str, n: int) -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), loop, http_impl])
+    proc = subprocess.Popen([sys.executable, "-m", "bench.frontdoor.uvicorn_loop", "--serve",
+                             str(port), loop, http_impl], cwd=ROOT)
     try:
         conn = connect(port, proc)
         headers = {"content-type": "application/json"}

@@ -15,28 +15,26 @@ Modes: cpu, gpu, auto, quiver (torch-quiver's rule, threshold ``sampling.quiver_
 GPU memory modes: device and uva (``sampling.gpu_mode``). Also timed: the PSGS batch estimate
 against the C++ sampler on a 48-id batch.
 
-    PYTHONPATH=. python bench/bench_routing.py [--smoke] [--out FILE]
+    python -m bench.routing.routing [--smoke] [--out FILE]
+
+JSON: --out, else $OUT or bench/results/, routing_<machine>_<date>[_<variant>].json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.bench_pipeline import hot_set, latency_ms  # noqa: E402
-from bench.cli import add_set_option, load_config  # noqa: E402
-from quiver_serve.config import ServeConfig  # noqa: E402
+from bench.cli import add_result_options, add_set_option, load_config, result_path
+from bench.engine.probe import latency_ms
+from loadtest.workloads import hot_set
+from quiver_serve.config import ServeConfig
 
 MODES = ("cpu", "gpu", "auto", "quiver")
 MIXES = ("light", "heavy", "mixed")
@@ -48,7 +46,9 @@ def start_pool(cfg: ServeConfig, graph, num: int):
 
     import zmq
 
-    from quiver_serve.engine.core_proc import RunAddresses, ZmqSamplerPool, sampler_main
+    from quiver_serve.engine.procs.engine_proc import ZmqSamplerPool
+    from quiver_serve.engine.procs.sampler_proc import sampler_main
+    from quiver_serve.wire import RunAddresses
 
     run_dir = tempfile.mkdtemp(prefix="qs-route-")
     addrs = RunAddresses(run_dir)
@@ -82,7 +82,7 @@ def requests(mix: str, hot: np.ndarray, n: int, rng: np.random.Generator) -> lis
 
 def point(core, pool, poller, reqs: list[np.ndarray], callers: int, seconds: float) -> dict:
     """Closed loop: each caller resubmits when answered; latencies of requests done in window."""
-    from quiver_serve.engine.core import MicroBatch
+    from quiver_serve.engine.core.core import MicroBatch
     from quiver_serve.wire import NO_SEED
 
     one = np.array([48], np.int64)
@@ -155,7 +155,7 @@ def estimate_cost(core, hot: np.ndarray) -> dict:
 
 
 def run_memory_mode(cfg, graph, hot, gpu_mode: str, args, out: dict) -> None:
-    from quiver_serve.engine.core_proc import build_core
+    from quiver_serve.engine.core.build import build_core
 
     cfg.sampling.gpu_mode = gpu_mode
     pool, poller, procs = start_pool(cfg, graph, cfg.sampling.num_cpu_workers)
@@ -209,8 +209,10 @@ def main() -> None:
     ap.add_argument("--samplers", type=int, default=4, help="CPU sampler processes")
     ap.add_argument("--batch-ids", type=int, default=48, help="batching.max_batch_nodes")
     ap.add_argument("--p99-ms", type=float, default=10.0)
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
+                    "routing_<machine>_<date>[_<variant>].json)")
     add_set_option(ap)
+    add_result_options(ap)
     args = ap.parse_args()
     from quiver_serve.graph.datasets import load_graph
 
@@ -231,8 +233,7 @@ def main() -> None:
     for gm in gpu_modes:
         run_memory_mode(cfg, graph, hot, gm, args, out)
     summary(out, args.p99_ms)
-    dest = Path(args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) /
-                "routing.json")
+    dest = result_path("routing", args, "smoke" if args.smoke else None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {dest}")

@@ -2,12 +2,13 @@
 """Routing modes through the real daemon (issue 10): seed nodes/s at p99 <= 10 ms, queue API.
 
 The daemon (``Pipeline``: one engine core per GPU, ``sampling.num_cpu_workers`` CPU sampler
-processes) is driven by ``bench_pipeline``'s load processes (closed-loop asyncio callers of 48-id
+processes) is driven by the daemon benches' load processes (``bench/engine/probe.py``, the driver of
+``loadtest/``: closed-loop asyncio callers of 48-id
 requests, ``submit_async``), so requests merge into batches as they do in service. One daemon per
 (GPU memory mode, route mode): ``sampling.gpu_mode`` device / uva and ``sampling.route`` cpu / gpu /
 auto / quiver are start-up settings. Mixes (``loadtest/workloads.py``): light (48 ids from the
 750 lowest-degree nodes of the hot set), heavy (the 750 highest), mixed (each caller alternates
-light and heavy requests) - the same seeds as the engine-direct ``bench_routing.py``.
+light and heavy requests) - the same seeds as the engine-direct ``bench.routing.routing``.
 
 Per (memory, mode, mix): ``--repeat`` sweeps over caller counts (each stopped once p99 passes
 ``--stop-p99-ms``); the seeds/s where p99 crosses ``--p99-ms`` (interpolated between sweep points,
@@ -15,7 +16,9 @@ Per (memory, mode, mix): ``--repeat`` sweeps over caller counts (each stopped on
 (the calibration its engine core made or reused) is kept in the JSON. ``--budget-s`` skips the
 daemons that would not finish in time, so the table is always printed.
 
-    PYTHONPATH=. python bench/bench_routing_daemon.py [--smoke] [--set section.key=value ...]
+    python -m bench.routing.routing_daemon [--smoke] [--set section.key=value ...]
+
+JSON: --out, else $OUT or bench/results/, routing_daemon_<machine>_<date>[_<variant>].json.
 """
 
 from __future__ import annotations
@@ -23,19 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from bench.bench_pipeline import LoadPool, fmt, git_head, hot_set, jsonable, merge_point  # noqa: E402
-from bench.cli import add_set_option, load_config  # noqa: E402
+from bench.cli import add_result_options, add_set_option, git_head, load_config, result_path
+from bench.engine.pipeline import fmt, jsonable
+from bench.engine.probe import DaemonLoad, merge_point
+from loadtest.workloads import hot_set
 
 MODES = ("cpu", "gpu", "auto", "quiver")
 FIXED = ("cpu", "gpu")
@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "median of their at-bound seeds/s")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="skip daemons predicted to end after this many seconds from the start")
-    ap.add_argument("--out", help="JSON file (default $OUT/routing_daemon.json or bench/results/)")
+    ap.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
+                    "routing_daemon_<machine>_<date>[_<variant>].json)")
+    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.callers, args.seconds, args.warmup = [2, 8], 0.6, 0.3
@@ -90,7 +92,7 @@ def mode_settings(mode: str, gpu_mode: str) -> tuple[str, list[str]] | None:
 
 def latest_cost_model() -> dict | None:
     """The cost model the daemon's engine core saved or reused last (``engine/cost.py``)."""
-    from quiver_serve.graph.psgs import cache_dir
+    from quiver_serve.routing.psgs import cache_dir
 
     files = sorted((cache_dir().parent / "costs").glob("cost-*.json"), key=lambda p: p.stat().st_mtime)
     try:
@@ -99,7 +101,7 @@ def latest_cost_model() -> dict | None:
         return None
 
 
-def sweep(pool: LoadPool, mix: str, args: argparse.Namespace, timeout_s: float,
+def sweep(pool: DaemonLoad, mix: str, args: argparse.Namespace, timeout_s: float,
           label: str) -> list[dict]:
     rows = []
     for callers in args.callers:
@@ -153,13 +155,13 @@ def summarise_rounds(rounds: list[list[dict]], p99_ms: float) -> dict:
 def run_daemon(cfg: Any, graph: Any, hot: np.ndarray, args: argparse.Namespace,
                label: str) -> dict:
     """Start one daemon with ``cfg``, sweep every mix through the load processes, stop it."""
-    from quiver_serve.engine.pipeline import Pipeline
+    from quiver_serve.engine.client.pipeline import Pipeline
 
     t0 = time.perf_counter()
     p = Pipeline(cfg, graph=graph).start()
     pool = None
     try:
-        pool = LoadPool(p.endpoints(), args.procs, hot, graph.num_nodes)
+        pool = DaemonLoad(p.endpoints(), args.procs, hot, graph.num_nodes)
         start_s = time.perf_counter() - t0
         print(f"{label}: daemon and {args.procs} load processes up in {start_s:.1f} s "
               f"({len(p.supervisor.samplers)} CPU samplers)", flush=True)
@@ -247,8 +249,7 @@ def main() -> None:
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cpus": os.cpu_count(),
            "graph": graph.describe(), "args": vars(args), "results": results,
            "wall_s": time.perf_counter() - t_start}
-    dest = Path(args.out) if args.out else \
-        Path(os.environ.get("OUT") or ROOT / "bench" / "results") / "routing_daemon.json"
+    dest = result_path("routing_daemon", args, "smoke" if args.smoke else None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(jsonable(out), indent=1, default=str) + "\n")
     print(f"\nJSON: {dest} (wall {out['wall_s']:.0f} s)\n")

@@ -10,8 +10,8 @@ indptr reads the cache serves (``features/adjacency_reads.py``) and the time the
 requests (sectors plus one indptr read per frontier node) predicts,
 ``device + (1 - requests served) * (uva - device)``.
 
-Used by bench/features_e2e.py; alone (CPU: only the read model):
-    PYTHONPATH=. python bench/bench_adjacency.py [--scale 0.1] [--out FILE]
+Used by bench/features/features_e2e.py; alone (CPU: only the read model):
+    python -m bench.sampling.adjacency [--scale 0.1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from features_common import FANOUTS, make_graph, sync, timed
 
-from quiver_serve.features.adjacency import build_adjacency_cache, expansion_scores
-from quiver_serve.features.adjacency_reads import served_shares
+from bench.features.common import FANOUTS, make_graph, sync, timed
+from quiver_serve.sampling.graph_cache.adjacency import build_adjacency_cache, expansion_scores
+from quiver_serve.sampling.graph_cache.reads import served_shares
 
 #: name: (index_bits, score cost); None = the fewest bits that hold the node ids
 LAYOUTS = {"int64": (64, "reads_any_hop"), "int32": (32, "sectors"), "packed": (None, "sectors"),

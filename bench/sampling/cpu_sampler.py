@@ -9,9 +9,9 @@ wheels; see BENCHMARKS.md) and is skipped with a note when torch_sparse is missi
 
 From the repository root:
 
-    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --graph tolokers
-    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --graph reddit --scale 0.25
-    PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py --memory --scale 1.0
+    .bench_env/bin/python -m bench.sampling.cpu_sampler --graph tolokers
+    .bench_env/bin/python -m bench.sampling.cpu_sampler --graph reddit --scale 0.25
+    .bench_env/bin/python -m bench.sampling.cpu_sampler --memory --scale 1.0
 
 Tolokers is read from ``--tolokers-npz`` (default: the shared data folder beside the checkout,
 ``../shared/data/heterophilous/tolokers.npz``). Paths recorded in ``--json`` are relative to the
@@ -39,7 +39,7 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling.cpu import CppSampler, cpp_sampler_available, cpu_sampler_status
 from quiver_serve.sampling.reference import ReferenceSampler
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOLOKERS_NPZ = REPO_ROOT.parent / "shared" / "data" / "heterophilous" / "tolokers.npz"
 # Sampling calls per cell stop at whichever comes first: --repeats or this much wall time.
 MIN_REPEATS = 5
@@ -132,7 +132,7 @@ def _make_pyg(graph: GraphData, fanouts: list[int]) -> tuple[SampleFn | None, st
         from torch_geometric.sampler import NeighborSampler, NodeSamplerInput
     except ImportError as exc:
         return None, (f"PyG baseline skipped: {exc} (run in the bench venv: "
-                      "PYTHONPATH=. .bench_env/bin/python bench/bench_cpu_sampler.py)")
+                      ".bench_env/bin/python -m bench.sampling.cpu_sampler)")
     import torch_geometric.typing as pyg_typing
 
     backend = "pyg-lib" if pyg_typing.WITH_PYG_LIB else "torch_sparse.neighbor_sample"

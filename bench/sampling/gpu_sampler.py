@@ -13,8 +13,11 @@ Graphs:
 * ``tolokers``: the real Tolokers graph from the heterophilous-graphs ``.npz``, made undirected as
   PyG's ``HeterophilousGraphDataset`` does.
 
-    python3 bench/bench_gpu_sampler.py                  # everything, ~3 min on an H200 box
-    python3 bench/bench_gpu_sampler.py --quick          # fewer repeats, reddit only
+    python -m bench.sampling.gpu_sampler                # everything, ~3 min on an H200 box
+    python -m bench.sampling.gpu_sampler --quick        # fewer repeats, reddit only
+
+JSON with ``--json FILE``, or by default when ``$OUT`` is set:
+``$OUT/gpu_sampler_<machine>_<date>[_<variant>].json`` (``bench/cli.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench.cli import add_result_options, result_path
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where tolokers.npz is looked for unless --tolokers names it: a git-ignored copy in the
 # repository, then the shared data folder beside the checkout.
 TOLOKERS_PATHS = (
@@ -42,11 +49,6 @@ FANOUTS = [25, 10]
 BATCH_SIZES = [1, 16, 128, 1024, 8192]
 CPU_CELL_BUDGET_S = 3.0  # wall time per CPU cell; a 1-thread 8192 batch takes ~0.1-1 s
 
-
-sys.path.insert(0, str(REPO_ROOT))
-
-from quiver_serve.graph.csc import GraphData  # noqa: E402
-from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available  # noqa: E402
 
 # ---- graphs ---------------------------------------------------------------------------------------
 
@@ -304,11 +306,12 @@ def main() -> None:
         help="tolokers.npz (default: .devdata/tolokers.npz in the repository, else "
         "../shared/data/heterophilous/tolokers.npz beside it)",
     )
-    parser.add_argument(
-        "--json",
-        default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_gpu.json"),
-    )
+    parser.add_argument("--json", help="JSON file (default: $OUT/gpu_sampler_<machine>_<date>"
+                        "[_<variant>].json when OUT is set, else none)")
+    add_result_options(parser)
     args = parser.parse_args()
+    if not args.json and os.environ.get("OUT"):
+        args.json = str(result_path("gpu_sampler", args))
     if not gpu_sampler_available():
         sys.exit("no CUDA device or no CuPy: nothing to benchmark")
     torch.set_num_threads(16)

@@ -1,5 +1,6 @@
-"""bench/baseline_server.py: the /v1/embed contract, and with every neighbour taken (fanouts -1)
-the same answer as the served PyG model on the full graph (same class, weights, semantics)."""
+"""bench/frontdoor/baseline_server.py: the /v1/embed contract, and with every neighbour taken
+(fanouts -1) the same answer as the served PyG model on the full graph (same class, weights,
+semantics)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from quiver_serve.config import ServeConfig
 
-baseline_server = pytest.importorskip("bench.baseline_server")
+baseline_server = pytest.importorskip("bench.frontdoor.baseline_server")
 
 
 def can_pyg() -> bool:
@@ -34,7 +35,7 @@ def exact_client(request: pytest.FixtureRequest):  # noqa: ANN201 - a TestClient
 
 def test_exact_answer_equals_the_model_on_the_full_graph(exact_client) -> None:  # noqa: ANN001
     from quiver_serve.graph.datasets import load_graph
-    from quiver_serve.models import build_model
+    from quiver_serve.models.served import build_model
 
     client, base, cfg = exact_client
     g = load_graph(cfg.graph)

@@ -1,5 +1,6 @@
-"""Bench plumbing of issue 10: ``--set section.key=value`` config overrides (``bench/cli.py``,
-``ServeConfig.with_overrides``) and the routing mixes of ``loadtest/workloads.py``."""
+"""Bench plumbing: ``--set section.key=value`` config overrides and result names
+(``bench/cli.py``), the routing mixes of ``loadtest/workloads.py``, the tail trace, the daemon
+benches' point merge (``bench/engine/probe.py``), and the GPU runner (``python -m bench.gpu``)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def test_routing_mixes_draw_the_low_and_high_degree_halves_of_the_hot_set() -> N
 
 
 def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
-    """``bench/tail_trace.py``: only trips inside the window count; a slow trip goes to the part
+    """``bench/engine/tail_trace.py``: only trips inside the window count; a slow trip goes to the part
     that took longest; slow requests beyond the slow round trips are the client's own."""
-    from bench.tail_trace import TripLog, merge_reports, process_report
+    from bench.engine.tail_trace import TripLog, merge_reports, process_report
     from quiver_serve.messages import BatchStats
 
     log = TripLog()
@@ -88,8 +89,8 @@ def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
 
 
 def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:
-    from bench.tail_trace import daemon_gc_diff
-    from quiver_serve.metrics import _GC_PAUSE_BUCKETS_S
+    from bench.engine.tail_trace import daemon_gc_diff
+    from quiver_serve.metrics.prometheus import _GC_PAUSE_BUCKETS_S
 
     n = len(_GC_PAUSE_BUCKETS_S) + 1  # cumulative buckets, +Inf last
     before = {("engine 0", "2"): np.zeros(n)}
@@ -103,10 +104,10 @@ def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:
 
 
 def test_routing_bench_reads_throughput_where_p99_crosses_the_bound() -> None:
-    """``bench_routing_daemon.at_bound``: linear between the last point under the bound and the
+    """``bench.routing.routing_daemon.at_bound``: linear between the last point under the bound and the
     next over it; never below the best point under; 0 with no point under; and the median over
     repeated sweeps."""
-    from bench.bench_routing_daemon import at_bound, summarise_rounds
+    from bench.routing.routing_daemon import at_bound, summarise_rounds
 
     def row(callers: int, seeds_per_s: float, p99_ms: float | None, errors: dict | None = None) -> dict:
         return {"callers": callers, "seeds_per_s": seeds_per_s, "p99_ms": p99_ms,
@@ -127,15 +128,10 @@ def test_routing_bench_reads_throughput_where_p99_crosses_the_bound() -> None:
 
 
 def test_feature_bench_variants_and_their_ratios() -> None:
-    """``bench/features_e2e.py``: variants parse (budget share or all, storage dtype), and each
-    20% variant is compared at the bound with the all-GPU daemon of its own storage dtype."""
-    import sys
-    from pathlib import Path
-
-    bench_dir = str(Path(__file__).resolve().parents[1] / "bench")
-    if bench_dir not in sys.path:
-        sys.path.insert(0, bench_dir)
-    import features_e2e as fe
+    """``bench/features/features_e2e.py``: variants parse (budget share or all, storage dtype),
+    and each 20% variant is compared at the bound with the all-GPU daemon of its own storage
+    dtype."""
+    from bench.features import features_e2e as fe
 
     assert fe.parse_variant("20%-fp16=0.2:fp16") == ("20%-fp16", 0.2, "fp16")
     assert fe.parse_variant("all-gpu=all:fp32") == ("all-gpu", None, "fp32")
@@ -157,3 +153,46 @@ def test_feature_bench_variants_and_their_ratios() -> None:
     assert rows[0]["ratio"] == pytest.approx(0.4)
     assert rows[0]["ratios_at_bound"] == {"20%": pytest.approx(0.4),
                                           "20%-fp16": pytest.approx(0.75)}  # 600 / 800
+
+
+def test_result_names_carry_bench_machine_date_and_variant(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from bench.cli import machine_name, result_name, result_path
+
+    assert machine_name(["NVIDIA H200"]) == "h200"
+    assert machine_name(["NVIDIA H100 80GB HBM3"] * 2) == "h100x2"
+    assert machine_name([], cores=2) == "cpu2"
+    assert result_name("pipeline", "h200", "gate", date="2026-11-23") == \
+        "pipeline_h200_2026-11-23_gate.json"
+    assert result_name("routing", "cpu2", None, date="2026-11-23") == "routing_cpu2_2026-11-23.json"
+    assert result_name("front_door", "cpu2", "Fast On_r1", "2026-11-23") == \
+        "front_door_cpu2_2026-11-23_fast-on-r1.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    args = argparse.Namespace(out=None, machine="h200", variant=None)
+    assert result_path("model", args).parent == tmp_path
+    assert result_path("model", args, "smoke").name.startswith("model_h200_")
+    assert str(result_path("model", argparse.Namespace(out="x.json"))) == "x.json"
+
+
+def test_daemon_point_merges_the_probe_reports_of_the_load_processes() -> None:
+    """``bench/engine/probe.py``: the driver's parts (latencies, statuses, CPU) and the engine
+    probe's reports (batches, routes, per-engine counts) make one daemon row."""
+    from collections import Counter
+
+    from bench.engine.probe import merge_point
+    from bench.engine.tail_trace import TripLog, process_report
+
+    def part(lat_s: list[float], ok: int, errors: dict[str, int]) -> dict:
+        tail = process_report(TripLog(), np.array(lat_s), [], [], 20.0)
+        probe = {"tail": tail, "batches": 4, "seeds": 192, "sampled": 4000, "compute_s": 0.02,
+                 "sample_s": 0.01, "routes": Counter({"cpu": 3, "engine0": 4}),
+                 "sent_per_engine": [5], "answered_per_engine": [5], "load_per_engine": [0]}
+        return {"lat_s": np.array(lat_s), "status": {"200": ok, **errors}, "cpu_frac": 0.5,
+                "probe": probe, "index": 0}
+
+    row = merge_point([part([0.001, 0.002], 2, {}), part([0.003], 1, {"503": 1})], "a", 48, 4,
+                      2.0, 1)
+    assert (row["ok"], row["errors"], row["load_procs"]) == (3, {"503": 1}, 2)
+    assert row["seeds_per_s"] == pytest.approx(3 * 48 / 2.0)
+    assert row["engine_batches"] == 8 and row["mean_batch_seeds"] == pytest.approx(48.0)
+    assert row["routes"] == {"cpu": 6, "engine0": 8} and row["sent_per_engine"] == [10]
+    assert row["p50_ms"] == pytest.approx(2.0)

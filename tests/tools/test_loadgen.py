@@ -219,7 +219,7 @@ def test_metrics_diff_on_prometheus_client_output() -> None:
     daemon's metric names and buckets: differenced counts and means are exact."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from quiver_serve.metrics import _LATENCY_BUCKETS_S
+    from quiver_serve.metrics.prometheus import _LATENCY_BUCKETS_S
 
     reg = CollectorRegistry()
     sample = Histogram("quiver_serve_sample_duration_seconds", "s", ["route"],

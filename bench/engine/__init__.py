@@ -1,0 +1,1 @@
+"""Engine core and daemon: pipeline efficiency, stage profile, model compute, latency traces."""

@@ -1,0 +1,1 @@
+"""Front door: HTTP/gRPC cost per request, the headline run against the PyG-style baseline."""

@@ -1,0 +1,244 @@
+"""The GPU suites: what each runs, with which time limit, log and result name.
+
+Each builder takes the parsed options (``a``: the suite's flags, ``a.extra``: options for the
+suite's main bench, ``a.out_dir``, ``a.machine``) and returns its steps. Results are named
+``<bench>_<machine>_<date>[_<variant>].json`` in the output folder (``bench/cli.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.cli import ROOT, result_name
+from bench.gpu.runner import Step
+
+BENCH_CONFIG = "configs/bench_reddit.yaml"
+#: console filters (the logs keep every line): log records, progress bars, blank lines
+QUIET = r" INFO |WARNING"
+QUIET_PIPELINE = r" INFO |proc/s|^\s*$"
+QUIET_FEATURES = r" INFO |WARNING|^\s*$"
+QUIET_MODEL = r" INFO |WARNING|weights is null|adj = |invariant"
+QUIET_ROUTING = r" INFO |node/s|size/s|proc/s|^\s*$"
+#: the engine core's, CUDA graphs', fast model's and overlap's GPU tests (the shared fixtures)
+CORE_GPU_TESTS = ["tests/engine/core/test_engine_core.py", "tests/models/test_graphed.py",
+                  "tests/models/test_fast_model.py", "tests/engine/core/test_overlap.py"]
+ROUTING_DAEMON_ARGS = [
+    "--memory", "uva", "device", "--callers", "32", "128", "256", "384", "--seconds", "0.8",
+    "--warmup", "0.4", "--procs", "6", "--budget-s", "400", "--set", "sampling.num_cpu_workers=8",
+    "--modes", "cpu", "gpu", "auto", "quiver", "auto:sampling.pool_overlap=serial@uva",
+    "auto:sampling.pool_overlap=off@uva"]
+HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, aiohttp, matplotlib, grpc"
+CPP_BUILD = ("from quiver_serve.sampling.cpu import cpp_sampler_available as a; "
+             "print('C++ sampler', a())")
+
+
+def gpu_test_files() -> list[str]:
+    """Every ``tests/**/test_*gpu*.py`` (they run with --noconftest: dependency-free imports)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*gpu*.py"))
+
+
+def result(a: argparse.Namespace, bench: str, variant: str | None = None) -> Path:
+    parts = [v for v in (variant, a.variant) if v]
+    return a.out_dir / result_name(bench, a.machine, "_".join(parts) or None)
+
+
+def pytest_step(name: str, files: list[str], timeout_s: float, log: str, tail_lines: int,
+                conftest: bool = False, marker: str | None = "gpu", select: str | None = None,
+                kill_after_s: float = 10.0) -> Step:
+    argv = ["{python}", "-m", "pytest", *([] if conftest else ["--noconftest"]),
+            "-p", "no:cacheprovider", *(["-m", marker] if marker else []), "-q", "-rs", *files,
+            *(["-k", select] if select else [])]
+    return Step(name, argv, timeout_s, log, kill_after_s, tail_lines=tail_lines)
+
+
+def bench_step(name: str, module: str, args: list[str], timeout_s: float, log: str,
+               res: Path | None, drop: str | None = None, tail_lines: int = 0,
+               kill_after_s: float = 10.0) -> Step:
+    return Step(name, ["{python}", "-m", module, *args], timeout_s, log, kill_after_s, drop,
+                tail_lines, result=res)
+
+
+def info(argv: list[str], log: str, on_fail: str | None = None) -> Step:
+    """A command whose output is information only (its failure does not fail the suite)."""
+    return Step(" ".join(argv), argv, 60.0, log, counts=False, on_fail=on_fail)
+
+
+def gate(a: argparse.Namespace) -> list[Step]:
+    """GPU tests, GPU sampler bench, engine stage profile, model compute, engine vs daemon."""
+    test_s, bench_s = a.test_timeout_s or 600.0, a.bench_timeout_s or 900.0
+    pipeline = result(a, "pipeline", "gate")
+    return [
+        pytest_step("GPU tests", gpu_test_files(), test_s, "gpu_tests.log", 25),
+        pytest_step("engine core GPU tests", CORE_GPU_TESTS, test_s, "gpu_core_tests.log", 5,
+                    conftest=True),
+        bench_step("GPU sampler bench", "bench.sampling.gpu_sampler",
+                   ["--json", str(result(a, "gpu_sampler")), *a.extra], bench_s, "bench_gpu.log",
+                   result(a, "gpu_sampler")),
+        bench_step("engine core per stage (eager vs CUDA graphs)", "bench.engine.profile_engine",
+                   ["--config", BENCH_CONFIG, "--out", str(result(a, "profile_engine"))], bench_s,
+                   "profile_engine.log", result(a, "profile_engine"), QUIET),
+        bench_step("model compute per batch (PyG vs fast path)", "bench.engine.model",
+                   ["--config", BENCH_CONFIG, "--out", str(result(a, "model"))], bench_s,
+                   "bench_model.log", result(a, "model"), QUIET_MODEL),
+        bench_step("engine core vs daemon (queue API)", "bench.engine.pipeline",
+                   ["--config", BENCH_CONFIG, "--out", str(pipeline), *a.pipeline_args], bench_s,
+                   "pipeline_gpu.log", pipeline, QUIET_PIPELINE),
+    ]
+
+
+def pipeline(a: argparse.Namespace) -> list[Step]:
+    """Engine core vs daemon, workloads a b c, one engine core per GPU."""
+    res = result(a, "pipeline")
+    args = ["--config", BENCH_CONFIG, "--workloads", "a", "b", "c", "--seconds", "4", "--warmup",
+            "1", "--engine-seconds", "2", "--callers", "16", "64", "256", "1024", "--callers-c",
+            "1", "16", "64", "--out", str(res), *a.extra]
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log"),
+            bench_step("engine core vs daemon", "bench.engine.pipeline", args,
+                       a.bench_timeout_s or 470.0, "pipeline.log", res, QUIET_PIPELINE)]
+
+
+def features(a: argparse.Namespace) -> list[Step]:
+    """Gather kernel, adjacency cache, samplers and engine core tests; the feature bench."""
+    res = result(a, "features")
+    return [
+        info(["nvidia-smi", "-L"], "nvidia_smi.log"),
+        pytest_step("GPU tests: gather, adjacency cache, samplers",
+                    ["tests/features/test_features_gpu.py", "tests/sampling/test_sampler_gpu.py"],
+                    a.test_timeout_s or 120.0, "features_gpu_tests.log", 8),
+        pytest_step("engine core GPU tests (through the store)", CORE_GPU_TESTS[:2],
+                    a.test_timeout_s or 100.0, "features_core_tests.log", 5, conftest=True),
+        bench_step("feature store bench", "bench.features.features",
+                   ["--out", str(res), *a.extra], a.bench_timeout_s or 330.0,
+                   "features_bench.log", res, QUIET_FEATURES),
+    ]
+
+
+def features2(a: argparse.Namespace) -> list[Step]:
+    """Replicate vs partition on two GPUs; the two-GPU gather test."""
+    res = result(a, "features_2gpu")
+    return [
+        info(["nvidia-smi", "-L"], "nvidia_smi.log"),
+        info(["nvidia-smi", "topo", "-m"], "nvidia_topo.log"),
+        pytest_step("two-GPU gather tests", ["tests/features/test_features_gpu.py"],
+                    a.test_timeout_s or 120.0, "features2_tests.log", 5,
+                    select="two_gpus or cuda_graph"),
+        bench_step("feature store on two GPUs", "bench.features.features_2gpu",
+                   ["--out", str(res), *a.extra], a.bench_timeout_s or 400.0,
+                   "features2_bench.log", res, QUIET_FEATURES),
+    ]
+
+
+def features_e2e(a: argparse.Namespace) -> list[Step]:
+    """Adjacency cache tests (every layout); UVA + cache vs device; the daemon at 20% features."""
+    res = result(a, "features_e2e")
+    return [
+        info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+        Step("C++ sampler build (beside the tests)", ["{python}", "-c", CPP_BUILD], 600.0,
+             "cpp_build.log", tail_lines=1, counts=False, background=True),
+        pytest_step("adjacency cache bit for bit, read model",
+                    ["tests/sampling/test_adjacency_cache.py", "tests/features/test_features_gpu.py"
+                     "::test_sampling_with_the_adjacency_cache_is_bit_identical"],
+                    a.test_timeout_s or 70.0, "features_e2e_tests.log", 6, marker=None),
+        bench_step("adjacency cache and the daemon with 20% of the features",
+                   "bench.features.features_e2e", ["--out", str(res), *a.extra],
+                   a.bench_timeout_s or 390.0, "features_e2e_bench.log", res,
+                   r" INFO |WARNING|proc/s|^\s*$"),
+    ]
+
+
+def routing(a: argparse.Namespace) -> list[Step]:
+    """Routing modes x mixes x GPU memory: engine direct, or (--daemon) the real daemon."""
+    name = "routing_daemon" if a.daemon else "routing"
+    res = result(a, name)
+    fixed = ROUTING_DAEMON_ARGS if a.daemon else ["--callers", "4", "16", "64", "--seconds", "2",
+                                                  "--samplers", "8"]
+    args = ["--config", BENCH_CONFIG, *fixed, "--out", str(res), *a.extra]
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log"),
+            bench_step(f"routing modes ({'daemon' if a.daemon else 'engine direct'})",
+                       f"bench.routing.{name}", args, a.bench_timeout_s or 470.0, f"{name}.log",
+                       res, QUIET_ROUTING)]
+
+
+def headline(a: argparse.Namespace) -> list[Step]:
+    """quiver-serve (routes, every protocol, the queue API) against the PyG-style baseline."""
+    variant = "single-id" if "--single-only" in a.extra else "smoke" if "--smoke" in a.extra \
+        else None
+    args = ["--out", str(a.out_dir), "--machine", a.machine, "--budget-s", "460",
+            *(["--variant", "_".join(v for v in (variant, a.variant) if v)]
+              if a.variant else []), *a.extra]
+    return [
+        Step("server packages", ["{python}", "-c", HEADLINE_IMPORTS], 120.0, "imports.log",
+             required=True, on_fail="missing Python packages: carry them as wheels in .whl/ "
+                                    "(see the device README)"),
+        Step("uvloop, httptools", ["{python}", "-c", "import uvloop, httptools"], 60.0,
+             "imports_fast.log", counts=False,
+             on_fail="WARNING: uvloop or httptools missing: uvicorn runs on asyncio/h11, every "
+                     "HTTP request costs more CPU (carry their wheels in .whl/)"),
+        info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no nvidia-smi: CPU only"),
+        bench_step("headline", "bench.frontdoor.headline", args, a.bench_timeout_s or 520.0,
+                   "headline.log", result(a, "headline", variant), QUIET_PIPELINE,
+                   kill_after_s=30.0),
+    ]
+
+
+def trace(a: argparse.Namespace) -> list[Step]:
+    """One small request stage by stage per route; the single-id point from load processes."""
+    scale = ["--scale", a.scale] if a.scale else []
+    timeout_s = a.bench_timeout_s or 200.0
+    steps = [bench_step(f"route {route}", "bench.engine.trace_latency",
+                        ["--config", BENCH_CONFIG, "--route", route, "--requests",
+                         str(a.requests), *scale, "--out",
+                         str(result(a, "trace_latency", route)), *a.extra],
+                        timeout_s, f"trace_{route}.log", result(a, "trace_latency", route),
+                        QUIET, tail_lines=26)
+             for route in a.routes]
+    single = result(a, "pipeline", "single-id")
+    steps.append(bench_step(
+        "single id from load processes (workload c, 1 caller)", "bench.engine.pipeline",
+        ["--config", BENCH_CONFIG, "--workloads", "c", "--callers-c", "1", "--batch-sizes-c", "1",
+         "--seconds", "3", "--warmup", "1", *scale, "--out", str(single)],
+        timeout_s, "single_id.log", single, QUIET_PIPELINE, tail_lines=6))
+    return steps
+
+
+def front_door(a: argparse.Namespace) -> list[Step]:
+    """Another checkout's daemon (A) and this one's (B) in turn, each measured by the front-door
+    bench (one keep-alive client, single requests)."""
+    other = Path(a.other or "").resolve()
+    if not a.other or not (other / "server.py").exists():
+        raise SystemExit(f"front_door: name another checkout of the project (A), a folder with "
+                         f"server.py (got {a.other!r})")
+    steps = []
+    for r in range(1, a.rounds + 1):
+        for checkout, label, cache in ((other, f"{a.label_a}_{r}", a.cache_a),
+                                       (ROOT, f"{a.label_b}_{r}", a.cache_b)):
+            env = {"QUIVER_SERVE__SERVER__HTTP_WORKERS": str(a.http_workers)}
+            if cache:
+                env["QUIVER_SERVE_CACHE"] = cache
+            res = result(a, "front_door", label)
+            steps.append(Step(
+                f"front door {label}", ["{python}", "-m", "bench.frontdoor.front_door", "--url",
+                                        "{url}", "--label", label, "--out", str(res), *a.extra],
+                a.bench_timeout_s or 900.0, f"front_door_{label}.log", result=res,
+                daemon={"cwd": checkout, "args": ["--log-level", "warning"], "env": env,
+                        "name": f"server {label}", "ready_timeout_s": 120.0,
+                        "python": a.python}))
+    return steps
+
+
+#: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
+MAIN_BENCH = {
+    "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
+    "features": "bench.features.features", "features2": "bench.features.features_2gpu",
+    "features_e2e": "bench.features.features_e2e", "routing": "bench.routing.routing",
+    "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
+    "front_door": "bench.frontdoor.front_door",
+}
+
+SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
+    "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
+    "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
+    "front_door": front_door,
+}

@@ -1,0 +1,1 @@
+"""Routing modes: the engine core driven directly and the real daemon."""

@@ -1,0 +1,1 @@
+"""Samplers: the C++ CPU sampler, the CUDA samplers, the adjacency cache layouts."""

@@ -1,0 +1,197 @@
+"""The one daemon harness: ``server.py`` (or another server script) as a subprocess in its own
+process group, on a free loopback port, with a config file and ``section.key`` overrides.
+
+Used by the tests (``tests/conftest.py``), the benches (``bench/``) and the drills
+(``loadtest/faults.py``, ``loadtest/soak.py``)::
+
+    with Daemon(config_path, overrides={"server.http_workers": 2}) as d:   # ready on entry
+        httpx.post(d.url + "/v1/embed", json={"node_ids": [1]})
+    # stopped on exit: SIGTERM (the daemon drains), then SIGKILL to the whole group
+
+The log goes to a file (``log_path``, else a temporary one that is kept); ``log()`` is its tail,
+and a daemon that dies or is not ready in time raises with that tail. Imports nothing heavy (no
+torch): the drills run it beside the daemon on small boxes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_PATH = "/v2/health/ready"
+ENV_PREFIX = "QUIVER_SERVE__"  # the daemon's environment overrides: QUIVER_SERVE__SECTION__KEY
+POLL_S = 0.2
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config_yaml(cfg: Any) -> str:
+    """A ``ServeConfig`` (or a plain dict) as the YAML ``server.py --config`` reads."""
+    import yaml
+
+    data = cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else dict(cfg)
+    return yaml.safe_dump(data)
+
+
+def override_env(overrides: Mapping[str, object] | None) -> dict[str, str]:
+    """``{"server.http_workers": 2}`` -> ``{"QUIVER_SERVE__SERVER__HTTP_WORKERS": "2"}``."""
+    out = {}
+    for key, value in (overrides or {}).items():
+        section, _, field = key.partition(".")
+        if not field:
+            raise ValueError(f"override {key!r}: expected section.key")
+        text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None \
+            else str(value)
+        out[f"{ENV_PREFIX}{section.upper()}__{field.upper()}"] = text
+    return out
+
+
+def child_env(env: Mapping[str, str | None] | None, cwd: Path) -> dict[str, str]:
+    """This process's environment for the daemon: ``env`` on top (None unsets a variable), the
+    checkout first on PYTHONPATH, and no inherited PROMETHEUS_MULTIPROC_DIR (each daemon makes
+    its own) unless ``env`` names one."""
+    out = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), out.get("PYTHONPATH")]))
+    return out
+
+
+class Daemon:
+    """One server subprocess in its own process group, killed whole by ``stop()``.
+
+    ``command``: what follows the interpreter (default ``server.py``; e.g. ``("-m",
+    "bench.frontdoor.baseline_server")``); ``--config`` (when given) and ``--port`` are added,
+    then ``args``. ``cwd``: the checkout it runs from (another one: an A/B of two versions).
+    """
+
+    def __init__(self, config_path: Path | str | None = None, port: int | None = None,
+                 log_path: Path | str | None = None, *, command: Sequence[str] = ("server.py",),
+                 args: Sequence[str] = (), env: Mapping[str, str | None] | None = None,
+                 overrides: Mapping[str, object] | None = None, cwd: Path | str = REPO_ROOT,
+                 name: str = "quiver-serve", grace_s: float = 15.0,
+                 ready_timeout_s: float = 180.0, python: str = sys.executable) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name, self.grace_s, self.ready_timeout_s = name, grace_s, ready_timeout_s
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="quiver-daemon-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        argv = [python, *command]
+        if config_path is not None:
+            argv += ["--config", str(config_path)]
+        argv += ["--port", str(self.port), *args]
+        self.argv = argv
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, env=child_env({**override_env(overrides), **(env or {})}, Path(cwd)),
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float | None = None,
+                   headers: Mapping[str, str] | None = None) -> float:
+        """Until ``/v2/health/ready`` answers 200 (``headers``: e.g. the bearer token it needs);
+        returns the seconds from start. Raises with the log's tail if the process exits or the
+        deadline passes."""
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
+            if self._ready(headers):
+                return time.monotonic() - self.started_at
+            time.sleep(POLL_S)
+        raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.log()}")
+
+    def _ready(self, headers: Mapping[str, str] | None) -> bool:
+        req = urllib.request.Request(self.url + READY_PATH, headers=dict(headers or {}))
+        try:
+            with urllib.request.urlopen(req, timeout=1.0) as r:  # noqa: S310 - loopback
+                return r.status == 200
+        except (OSError, urllib.error.HTTPError):
+            return False
+
+    def get_json(self, path: str, timeout_s: float = 10.0,
+                 headers: Mapping[str, str] | None = None) -> Any:
+        """GET ``path`` (e.g. ``/v1/workers``) and decode its JSON answer."""
+        req = urllib.request.Request(self.url + path, headers=dict(headers or {}))
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - loopback
+            return json.loads(r.read())
+
+    def log(self, n_chars: int = 4000) -> str:
+        """The last ``n_chars`` of the daemon's log."""
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n_chars:]
+
+    def group_pids(self) -> list[int]:
+        """Every live process of the daemon's group (itself and its children)."""
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM (the daemon drains), then SIGKILL to the whole group after ``grace_s``."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(timeout=10)
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> Daemon:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_daemon(cfg: Any, folder: Path | str, **kwargs: Any) -> Daemon:
+    """``cfg`` (a ``ServeConfig`` or dict) written to ``folder/config.yaml``, served by a
+    ``Daemon`` logging to ``folder/server.log`` (not yet ready: ``wait_ready`` or ``with``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(config_yaml(cfg))
+    kwargs.setdefault("log_path", folder / "server.log")
+    return Daemon(path, **kwargs)
