@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write deploy/grafana/dashboards/quiver-serve.json (Grafana's dashboard JSON) from the panel
 list below: edit here, run ``python deploy/grafana/build_dashboard.py``, commit both files.
-tests/test_deploy.py checks that every metric the JSON names is one the daemon exports."""
+tests/tools/test_deploy.py checks that every metric the JSON names is one the daemon exports."""
 
 from __future__ import annotations
 
