@@ -1,6 +1,6 @@
 """Configuration: one pydantic model per section, composed into :class:`ServeConfig`.
 
-Every field has a one-line description (it is also the config reference in the README). Relative
+Every field has a one-line description (it is also the config reference in docs/config.md). Relative
 paths in a YAML file are resolved against the repository root (the directory holding ``configs/``),
 so ``python server.py --config configs/X.yaml`` works from any working directory.
 """
@@ -343,7 +343,7 @@ def resolve_path(path: str | os.PathLike[str]) -> Path:
 
 
 def reference_markdown() -> str:
-    """The config reference (README): one table row per field, from the models themselves."""
+    """The config reference (docs/config.md): one table row per field, from the models themselves."""
     lines = ["| key | default | description |", "|---|---|---|"]
     for section_name, section_field in ServeConfig.model_fields.items():
         section = section_field.annotation

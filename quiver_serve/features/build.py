@@ -64,7 +64,7 @@ def build_feature_store(cfg: ServeConfig, graph: GraphData, device: torch.device
     policy = cfg.features.policy
     if policy == "partition" and device.type == "cuda":
         log.warning("features.policy=partition needs one process to drive the GPUs of a peer "
-                    "clique (bench/bench_features.py does); an engine core per GPU replicates")
+                    "clique (bench/features/features.py does); an engine core per GPU replicates")
     numa = numa_nodes() if cfg.features.numa_shards and device.type == "cuda" else []
     store = FeatureStore(graph.x, device, dtype=DTYPES[cfg.features.storage_dtype],
                          numa_cpus=numa if len(numa) > 1 else None)

@@ -131,7 +131,7 @@ def aggregate(g: LayerGraph, values: Tensor | None, dense: Tensor) -> Tensor:
 # ---- layers ----------------------------------------------------------------------------------
 #: achieved dense-matmul FLOP/s and aggregation bytes/s, by device type, dtype and TF32: what
 #: decides whether a linear layer projects before or after it aggregates. fp32 on the GPU is
-#: fitted to the H200 crossover (bench/bench_model.py, GraphSAGE [25,10] 602->256: aggregating
+#: fitted to the H200 crossover (bench/engine/model.py, GraphSAGE [25,10] 602->256: aggregating
 #: first wins by 0.47 / 0.16 ms at 1,536 / 4,096 seeds, projecting first by 0.27 / 1.0 ms at
 #: 8,192 / 16,384); tensor-core rates are that times their usual speed-up. Only ratios matter.
 RATES: dict[tuple[str, torch.dtype, bool], tuple[float, float]] = {

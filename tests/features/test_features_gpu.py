@@ -1,7 +1,7 @@
 """The feature store's gather kernel and the UVA sampler's adjacency cache on a GPU.
 
-Imports only dependency-free modules (runs under ``bench/gpu_check.sh`` and
-``bench/features_gpu.sh`` with ``--noconftest``). References: ``x[n_id]`` and the pure-torch
+Imports only dependency-free modules (runs under ``python -m bench.gpu gate`` and
+``python -m bench.gpu features`` with ``--noconftest``). References: ``x[n_id]`` and the pure-torch
 twin's counts for the gather; the sampler without the cache (and the device-resident one) for
 the adjacency cache, bit for bit.
 """

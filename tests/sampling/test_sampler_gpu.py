@@ -3,7 +3,7 @@
 Every test is ``gpu``-marked and skips without CUDA and CuPy. The file also runs on a bare GPU box
 without the server's dependencies (pydantic, ...): then only the dependency-free modules are
 imported (see ``_light_package_import``), and pytest is run with ``--noconftest`` by
-``bench/gpu_check.sh``.
+``python -m bench.gpu gate``.
 """
 
 from __future__ import annotations

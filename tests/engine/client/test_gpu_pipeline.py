@@ -1,6 +1,6 @@
 """The serving pipeline on a CUDA device: GPU route, exact mode, and one semantics across routes.
 
-Self-contained (runs under ``pytest --noconftest`` in bench/gpu_check.sh); needs CUDA and pydantic.
+Self-contained (runs under ``pytest --noconftest`` in python -m bench.gpu gate); needs CUDA and pydantic.
 """
 
 from __future__ import annotations

@@ -1,0 +1,16 @@
+"""Rewrite the config table of docs/config.md from the pydantic models (run after editing a field).
+
+    python -m bench.update_config_reference
+"""
+
+from pathlib import Path
+
+from quiver_serve.config import REPO_ROOT, reference_markdown
+
+page = Path(REPO_ROOT / "docs" / "config.md")
+text = page.read_text()
+start = text.index("| key | default | description |")
+end = text.find("\n\n", start)
+tail = "" if end == -1 else text[end:]
+page.write_text(text[:start] + reference_markdown() + (tail or "\n"))
+print("docs/config.md config reference updated")
