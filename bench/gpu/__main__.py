@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, build in SUITES.items():
-        sp = sub.add_parser(name, help=(build.__doc__ or "").split("\n")[0], allow_abbrev=False,
+        sp = sub.add_parser(name, help=(build.__doc__ or "").split("\n")[0].replace("%", "%%"),
+                            allow_abbrev=False,
                             description=build.__doc__, add_help=False,
                             epilog=f"Other options go to python -m {MAIN_BENCH[name]} (its "
                                    "options follow this help).")

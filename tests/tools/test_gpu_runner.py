@@ -104,3 +104,11 @@ def test_dry_run_prints_the_steps(capsys: pytest.CaptureFixture, tmp_path: Path)
     assert main(["trace", "--routes", "auto", "--dry-run", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "bench.engine.trace_latency" in out and "--route auto" in out
+
+
+def test_help_lists_every_suite(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in SUITES)
