@@ -325,6 +325,12 @@ def main() -> None:
         ],
     )
     for name in args.graphs.split(","):
+        if name == "tolokers" and args.tolokers is None and \
+                not any(p.exists() for p in TOLOKERS_PATHS):
+            notes.append("tolokers: skipped (no tolokers.npz in the usual places; --tolokers PATH "
+                         "names one)")
+            print(notes[-1], flush=True)
+            continue
         t0 = time.perf_counter()
         graph = (
             power_law_csc(REDDIT_NODES, REDDIT_EDGES, torch.device("cuda", 0))
