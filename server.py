@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --http-workers: {exc}", file=sys.stderr)
             return 2
 
+    busy = port_in_use(cfg)
+    if busy:
+        print(f"quiver-serve: {busy}", file=sys.stderr, flush=True)
+        return 1
+
     from quiver_serve.config import resolve_http_workers
 
     workers = resolve_http_workers(cfg.server.http_workers)
@@ -58,6 +63,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return frontdoor.run(cfg, workers, args.log_level)
     return serve_in_process(cfg, args.log_level)
+
+
+def port_in_use(cfg: ServeConfig) -> str | None:
+    """Why the daemon cannot listen (a port held by another process), checked before anything
+    starts, so the daemon ends at once with one line instead of after loading the graph."""
+    from quiver_serve.frontend.listen import check_port_free
+
+    for name in ("port", "grpc_port"):
+        port = getattr(cfg.server, name)
+        if not port:  # None (no gRPC) or 0 (any free port)
+            continue
+        try:
+            check_port_free(cfg.server.host, port)
+        except OSError as exc:
+            return f"cannot listen on {cfg.server.host}:{port} (server.{name}): {exc.strerror or exc}"
+    return None
 
 
 def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
