@@ -75,7 +75,8 @@ class Page:
                 (scratch / entry.name).symlink_to(entry)
         shim = scratch / ".doc-bin"
         shim.mkdir()
-        curl = shutil.which("curl") or "curl"
+        curl = shutil.which("curl")
+        assert curl, "the docs' commands use curl: install it (apt-get install curl)"
         (shim / "curl").write_text(f'#!/bin/sh\nexec {curl} --fail-with-body "$@"\n')
         (shim / "curl").chmod(0o755)
         path = os.pathsep.join([str(shim), str(Path(sys.executable).parent),
