@@ -45,6 +45,21 @@ class GraphConfig(_Section):
     synthetic_num_edges: int | None = Field(None, gt=0, description="custom preset: directed edge count")
     synthetic_num_features: int | None = Field(None, gt=0, description="custom preset: feature width")
     synthetic_seed: int = Field(0, description="seed of the synthetic generator (same seed, same graph)")
+    update_log_dir: str | None = Field(
+        None, description="folder of the graph's update log and compacted bases (null: a folder keyed by the graph under $QUIVER_SERVE_GRAPH_STATE, default the cache dir's graphs/)")
+    fsync: Literal["always", "group", "none"] = Field(
+        "always", description="when an update is synced before it is acknowledged: every call; group commit of concurrent calls; never (kill -9 safe, not power-loss safe)")
+    group_commit_ms: float = Field(2.0, gt=0, description="fsync group: longest wait for other calls to share a sync")
+    max_update_edges: int = Field(
+        100_000, ge=1, description="most edges (add + remove) or rows in one update call (else 413)")
+    max_new_nodes: int | None = Field(
+        None, ge=0, description="nodes that can be appended while serving (ids and feature rows preallocated; null: max(1024, 10% of the base))")
+    overlay_capacity_edges: int | None = Field(
+        None, ge=1024, description="overlay entries (8 bytes each, per process that samples) before updates wait for compaction (null: max(2^20, edges / 4))")
+    compact_at_fill: float = Field(
+        0.5, gt=0, le=1.0, description="compact in the background once the overlay is this full")
+    compact_interval_s: float = Field(
+        600.0, ge=0, description="also compact this long after the last compaction when anything changed (0: only by fill or on request)")
 
 
 class ModelConfig(_Section):
@@ -210,6 +225,8 @@ class ServerConfig(_Section):
     auth_token: str | None = Field(
         None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
     )
+    admin_token: str | None = Field(
+        None, description="bearer token of the admin routes (graph updates, compaction, feature re-placement); null: those answer loopback clients only; env QUIVER_SERVE_ADMIN_TOKEN overrides")
 
 
 def resolve_http_workers(configured: int, cpus: int | None = None) -> int:

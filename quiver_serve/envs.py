@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what ``envs.<name>`` returns, for type checkers
     QUIVER_SERVE_CONFIG: str | None
     QUIVER_SERVE_TOKEN: str | None
+    QUIVER_SERVE_ADMIN_TOKEN: str | None
     QUIVER_SERVE_CACHE: Path
+    QUIVER_SERVE_GRAPH_STATE: Path
     QUIVER_SERVE_DISABLE_CPP: bool
     PROMETHEUS_MULTIPROC_DIR: str | None
     CXX: str
@@ -52,6 +54,10 @@ def _cache_root(raw: str | None) -> Path:
     return Path(raw) if raw else Path.home() / ".cache" / "quiver_serve"
 
 
+def _graph_state_root(raw: str | None) -> Path:
+    return Path(raw).expanduser() if raw else _cache_root(os.environ.get("QUIVER_SERVE_CACHE")) / "graphs"
+
+
 def _compiler(raw: str | None) -> str:
     return raw or "c++"
 
@@ -66,6 +72,13 @@ VARIABLES: dict[str, EnvVar] = {
     "QUIVER_SERVE_CACHE": EnvVar(
         "Path", "~/.cache/quiver_serve", "root of the on-disk caches: the C++ sampler's build "
         "(ext/), PSGS tables (psgs/) and cost-model calibrations (costs/)", _cache_root),
+    "QUIVER_SERVE_ADMIN_TOKEN": EnvVar(
+        "str | None", "unset", "bearer token of the admin routes (graph updates, compaction, "
+        "feature re-placement); wins over server.admin_token", _text_or_none),
+    "QUIVER_SERVE_GRAPH_STATE": EnvVar(
+        "Path", "$QUIVER_SERVE_CACHE/graphs", "root of the default update-log folders (one per "
+        "graph: its write-ahead log and compacted bases) when graph.update_log_dir is null",
+        _graph_state_root),
     "QUIVER_SERVE_DISABLE_CPP": EnvVar(
         "bool", "0", "any value but empty or 0: never build or load the C++ CPU sampler; the "
         "pure-torch reference serves (same output)", _flag),

@@ -5,8 +5,10 @@ The daemon harness is ``loadtest/harness.py`` (shared with the benches and drill
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,11 @@ from loadtest.harness import Daemon, config_yaml, free_port
 from quiver_serve.config import ServeConfig, resolve_path
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_planetoid_raw
+
+# Update logs of the daemons and pipelines tests start go to a folder of this session, never to
+# the user's (a graph updated by hand must not change what tests serve); tests that update a
+# graph give each daemon its own graph.update_log_dir.
+os.environ.setdefault("QUIVER_SERVE_GRAPH_STATE", tempfile.mkdtemp(prefix="quiver-graph-state-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,5 +1,9 @@
 """The feature store an engine core serves from, built from the config (start-up and
-re-placement)."""
+re-placement).
+
+The store's matrix may have more rows than the graph has nodes (capacity for nodes appended while
+serving, DESIGN §7): scores are computed on the graph's nodes and the capacity rows score 0, so
+they rank last and stay in host memory unless the GPU budget holds every row."""
 
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def placement_scores(cfg: ServeConfig, graph: GraphData, log_ids: np.ndarray | None = None,
-                     rank_by: str | None = None) -> Tensor:
-    """Per node, how hot its row is: FAP (uniform seeds, or the request log's) or in-degree."""
+                     rank_by: str | None = None, num_rows: int | None = None) -> Tensor:
+    """Per row, how hot it is: FAP (uniform seeds, or the request log's) or in-degree of the
+    graph's nodes, then zeros up to ``num_rows`` (capacity rows of nodes not added yet)."""
     rank_by = rank_by or cfg.features.placement
     if rank_by == "degree":
-        return degree_scores(graph.indptr)
+        return pad_scores(degree_scores(graph.indptr), num_rows)
     batch = cfg.features.fap_batch_size
     seed_prob = (logged_seed_probability(log_ids, graph.num_nodes, batch) if log_ids is not None
                  else uniform_seed_probability(graph.num_nodes, batch))
@@ -39,39 +44,60 @@ def placement_scores(cfg: ServeConfig, graph: GraphData, log_ids: np.ndarray | N
     fap = feature_access_probability(graph.indptr, graph.indices, cfg.sampling.fanouts, seed_prob)
     log.info("feature access probability of %d nodes in %.2f s", graph.num_nodes,
              time.perf_counter() - t0)
-    return fap
+    return pad_scores(fap, num_rows)
+
+
+def pad_scores(scores: Tensor, num_rows: int | None) -> Tensor:
+    """``scores`` followed by zeros up to ``num_rows`` entries (None: as they are)."""
+    if num_rows is None or num_rows == scores.numel():
+        return scores
+    if num_rows < scores.numel():
+        raise ValueError(f"{scores.numel()} nodes do not fit in {num_rows} feature rows")
+    return torch.cat([scores, scores.new_zeros(num_rows - scores.numel())])
 
 
 def plan_for(cfg: ServeConfig, graph: GraphData, store: FeatureStore,
              log_ids: np.ndarray | None = None) -> Placement:
-    """The placement the config asks for on ``store``'s GPUs."""
+    """The placement the config asks for on ``store``'s GPUs, over all of its rows (``graph``'s
+    nodes first, then capacity rows)."""
     num_gpus = len(store.shard_devices)
     budget = cfg.inference.gpu_cache_bytes
     policy = cfg.features.policy if num_gpus > 1 else "replicate"
+    rows = store.num_nodes
+    if rows < graph.num_nodes:
+        raise ValueError(f"feature store has {rows} rows for a graph of {graph.num_nodes} nodes")
     if not num_gpus or (policy == "replicate" and rows_within(
-            budget, graph.num_nodes, store.row_bytes) >= graph.num_nodes):
-        scores = torch.zeros(graph.num_nodes)  # all on the host, or all fit: no ranking needed
+            budget, rows, store.row_bytes) >= rows):
+        scores = torch.zeros(rows)  # all on the host, or all fit: no ranking needed
     else:
-        scores = placement_scores(cfg, graph, log_ids)
+        scores = placement_scores(cfg, graph, log_ids, num_rows=rows)
     numa = len(store.numa_cpus) if cfg.features.numa_shards else 1
     return plan_placement(scores, store.row_bytes, budget if num_gpus else 0, num_gpus,
                           policy, numa_nodes=max(numa, 1),
                           scores_name=cfg.features.placement)
 
 
-def build_feature_store(cfg: ServeConfig, graph: GraphData, device: torch.device) -> FeatureStore:
-    """Place ``graph.x`` for an engine core on ``device`` (one GPU shard: its own)."""
+def build_feature_store(cfg: ServeConfig, graph: GraphData, device: torch.device,
+                        x: Tensor | None = None) -> FeatureStore:
+    """Place ``x`` (default ``graph.x``) for an engine core on ``device`` (one GPU shard: its
+    own). ``x`` may be a capacity matrix, ``[capacity, F]`` with ``capacity >= graph.num_nodes``:
+    its first rows are the graph's nodes, the rest unused until nodes are added. The store
+    writes into ``x`` in place (``FeatureStore.write_rows``): give each engine core its own."""
+    x = graph.x if x is None else x
+    if x.dim() != 2 or x.size(0) < graph.num_nodes or x.size(1) != graph.num_features:
+        raise ValueError(f"feature matrix {tuple(x.shape)} does not hold the graph's "
+                         f"{graph.num_nodes} x {graph.num_features} rows")
     policy = cfg.features.policy
     if policy == "partition" and device.type == "cuda":
         log.warning("features.policy=partition needs one process to drive the GPUs of a peer "
                     "clique (bench/features/features.py does); an engine core per GPU replicates")
     numa = numa_nodes() if cfg.features.numa_shards and device.type == "cuda" else []
-    store = FeatureStore(graph.x, device, dtype=DTYPES[cfg.features.storage_dtype],
+    store = FeatureStore(x, device, dtype=DTYPES[cfg.features.storage_dtype],
                          numa_cpus=numa if len(numa) > 1 else None)
     store.place(plan_for(cfg, graph, store))
     p = store.placement
     assert p is not None
     log.info("feature store on %s: %d of %d rows on the GPU (%s), %s bytes there, %s", device,
-             p.num_gpu_rows, graph.num_nodes, p.scores_name, store.gpu_bytes(),
+             p.num_gpu_rows, store.num_nodes, p.scores_name, store.gpu_bytes(),
              "kernel gather" if store.kernel is not None else "torch gather")
     return store

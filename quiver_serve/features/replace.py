@@ -26,7 +26,12 @@ MIN_LOGGED_IDS = 1000
 
 class Replacer:
     """One engine core's re-placement: ``request()`` from any thread, ``poll(core)`` from the
-    engine's loop (it commits a finished layout on the serving stream)."""
+    engine's loop (it commits a finished layout on the serving stream).
+
+    Scores come from ``self.graph`` (its nodes; the store's capacity rows score 0): where the
+    graph changes while serving, assign the current one before requesting. Rows written
+    (``FeatureStore.write_rows``) while a layout is being built are replayed into it at commit.
+    """
 
     def __init__(self, cfg: ServeConfig, graph: GraphData, store: FeatureStore) -> None:
         self.cfg, self.graph, self.store = cfg, graph, store
@@ -77,7 +82,8 @@ class Replacer:
             if logged is None:
                 log.info("request log holds %d ids (< %d): re-placing from uniform seeds",
                          len(ids), MIN_LOGGED_IDS)
-            layout = self.store.build(plan_for(self.cfg, self.graph, self.store, logged))
+            graph = self.graph  # read once: the engine thread may assign a newer one
+            layout = self.store.build(plan_for(self.cfg, graph, self.store, logged))
         except Exception as exc:  # noqa: BLE001 - reported by poll(); serving goes on
             with self._lock:
                 self._error = exc

@@ -10,11 +10,18 @@ where "GPU shards" may be simulated by CPU tensors.
 Re-placement (:meth:`build` then :meth:`commit`) builds the new layout beside the old one (a
 background thread may do it while the engine serves) and switches with one small copy of the
 kernel's table on the serving stream; the old layout is freed once that copy has run.
+
+Rows are writable in place (:meth:`write_rows`, DESIGN §7: feature rows overwritten, nodes
+appended): the matrix may hold capacity rows beyond the nodes that exist yet (zero until their
+node is added); a write reaches every tier that holds the row, in the same storage, so CUDA
+graphs captured over the gather read the new values. A layout being built while rows are
+written gets those writes replayed at :meth:`commit` (each build keeps a journal of them).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +50,8 @@ class Layout:
     plain_tier: int
     table_host: Tensor | None = None  # the kernel's table (pinned), when the kernel is used
     keep: list[Any] = field(default_factory=list)  # pinned host regions
+    #: (ids, rows) written since this layout's build began, replayed into it at commit
+    journal: list[tuple[Tensor, Tensor]] | None = None
 
     def gpu_bytes(self) -> dict[str, int]:
         """Bytes on each GPU: its shard, plus the map on the compute device."""
@@ -89,6 +98,10 @@ class FeatureStore:
         self.layout: Layout | None = None
         self._zero_hit = False
         self._retired: list[tuple[Any, Layout]] = []
+        # journals of the layouts built but not yet committed; the lock orders a build's start
+        # (it registers its journal, then reads self.host) against write_rows
+        self._journals: list[list[tuple[Tensor, Tensor]]] = []
+        self._journal_lock = threading.Lock()
 
     @property
     def capturable(self) -> bool:
@@ -106,13 +119,26 @@ class FeatureStore:
 
     def build(self, placement: Placement) -> Layout:
         """Materialise ``placement`` beside the current layout (any thread; GPU copies on a side
-        stream, finished before this returns)."""
+        stream, finished before this returns). Rows written from now until the layout is
+        committed are journalled and replayed into it by :meth:`commit`."""
         if placement.num_nodes != self.num_nodes or placement.row_bytes != self.row_bytes:
             raise ValueError("placement made for another feature matrix")
-        gpu_nodes = placement.gpu_nodes
-        if len(gpu_nodes) > len(self.shard_devices):
-            raise ValueError(f"placement has {len(gpu_nodes)} GPU shards, store has "
+        if len(placement.gpu_nodes) > len(self.shard_devices):
+            raise ValueError(f"placement has {len(placement.gpu_nodes)} GPU shards, store has "
                              f"{len(self.shard_devices)} shard devices")
+        journal: list[tuple[Tensor, Tensor]] = []
+        with self._journal_lock:  # before any host row is read: no write can be missed
+            self._journals.append(journal)
+        try:
+            layout = self._materialise(placement)
+        except BaseException:
+            self._take_journal(journal)
+            raise
+        layout.journal = journal
+        return layout
+
+    def _materialise(self, placement: Placement) -> Layout:
+        gpu_nodes = placement.gpu_nodes
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         total = placement.num_gpu_rows + sum(int(t.numel()) for t in placement.host_nodes)
         bar = _progress(total, not self.progress or total < ROWS_PER_CHUNK)
@@ -170,8 +196,12 @@ class FeatureStore:
         return table
 
     def commit(self, layout: Layout) -> None:
-        """Serve from ``layout`` from now on (call on the thread and stream that gather)."""
+        """Serve from ``layout`` from now on (call on the thread and stream that gather, with no
+        :meth:`write_rows` running)."""
         old = self.layout
+        if layout.journal is not None:  # rows written while it was built: into it before serving
+            self._replay(layout, self._take_journal(layout.journal))
+            layout.journal = None
         if self.kernel is not None:
             assert layout.table_host is not None
             self._table.copy_(layout.table_host, non_blocking=True)
@@ -186,8 +216,92 @@ class FeatureStore:
                 self._retired.append((event, old))
             # on a CPU the old tensors are freed when the last gather using them returns
 
+    def discard(self, layout: Layout) -> None:
+        """Drop a layout built but never committed (stops journalling writes for it)."""
+        if layout.journal is not None:
+            self._take_journal(layout.journal)
+            layout.journal = None
+        for region in layout.keep:
+            region.release()
+        layout.keep = []
+
     def _collect(self) -> None:
         self._retired = [(e, lay) for e, lay in self._retired if not e.query()]
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def write_rows(self, node_ids: Tensor, rows: Tensor) -> None:
+        """Overwrite the rows of ``node_ids`` (int64 [n], each < ``num_nodes``, capacity rows
+        included) with ``rows`` ([n, dim], any float dtype, any device; stored in the store's
+        dtype). A repeated id takes its last row.
+
+        Contract: the caller has drained this store first: no gather of it is queued or running
+        on any stream or thread while this runs (the engine writes between batches), and no
+        :meth:`commit` runs concurrently (a :meth:`build` in another thread may). The rows go
+        into every tier that holds them (the host matrix, NUMA host shards, this store's GPU
+        shards, a peer GPU's shard under ``partition``), in place: no tier is reallocated, so
+        CUDA graphs captured over :meth:`gather` read the new rows. It returns once the GPU
+        copies have completed, so a gather issued afterwards on any stream reads the new rows.
+        A layout built but not yet committed gets the writes at :meth:`commit`.
+
+        The host matrix is the ``x`` this store was built over when no conversion was needed
+        (same dtype, contiguous): a write lands in that tensor too. Where ``x`` is shared with
+        other processes that must not see the write yet, build the store over a private copy.
+        """
+        ids, rows = self._checked_rows(node_ids, rows)
+        if ids.numel() == 0:
+            return
+        with self._journal_lock:
+            self.host.index_copy_(0, ids, rows)
+            if self._journals:
+                entry = (ids, rows.clone())  # the caller may reuse its tensor
+                for journal in self._journals:
+                    journal.append(entry)
+        if self.layout is not None:
+            self._replay(self.layout, [(ids, rows)])
+
+    def _checked_rows(self, node_ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """CPU int64 ids without repeats (last row wins) and their rows in the stored dtype."""
+        ids = node_ids.reshape(-1).to("cpu", torch.int64)
+        if rows.dim() != 2 or rows.size(0) != ids.numel() or rows.size(1) != self.dim:
+            raise ValueError(f"rows must be [{ids.numel()}, {self.dim}], got {tuple(rows.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_nodes):
+            raise IndexError(f"node ids must lie in [0, {self.num_nodes}) (the store's capacity)")
+        rows = rows.to("cpu", self.dtype).contiguous()
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        if uniq.numel() < ids.numel():  # index_copy_ leaves a repeated id's row unspecified
+            last = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(
+                0, inverse, torch.arange(ids.numel()), "amax")
+            ids, rows = uniq, rows.index_select(0, last)
+        return ids, rows
+
+    def _replay(self, layout: Layout, writes: list[tuple[Tensor, Tensor]]) -> None:
+        """Apply ``writes`` (in order) to ``layout``'s tiers other than the host matrix (already
+        written), then wait for the GPU copies."""
+        devices: set[torch.device] = set()
+        for ids, rows in writes:
+            if layout.loc is None:  # every row in the plain tier, at its id
+                devices |= self._write_tier(layout.tiers[layout.plain_tier], ids, rows)
+                continue
+            tier, row = unpack(layout.loc.index_select(0, ids.to(layout.loc.device)).cpu())
+            for t, dst in enumerate(layout.tiers):
+                pos = (tier == t).nonzero().view(-1)
+                if pos.numel():
+                    devices |= self._write_tier(dst, row.index_select(0, pos),
+                                                rows.index_select(0, pos))
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _write_tier(self, dst: Tensor, at: Tensor, rows: Tensor) -> set[torch.device]:
+        if dst is self.host:
+            return set()
+        dst.index_copy_(0, at.to(dst.device), rows.to(dst.device))
+        return {dst.device} if dst.device.type == "cuda" else set()
+
+    def _take_journal(self, journal: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """Stop journalling into ``journal`` and return what it holds."""
+        with self._journal_lock:
+            self._journals = [j for j in self._journals if j is not journal]
+            return list(journal)
 
     # ---- gathering -------------------------------------------------------------------------------
     def gather(self, n_id: Tensor) -> Tensor:
@@ -248,6 +362,8 @@ class FeatureStore:
             region.release()
         self._host_regions = []
         self.layout, self._retired = None, []
+        with self._journal_lock:
+            self._journals = []
 
     def __del__(self) -> None:
         try:

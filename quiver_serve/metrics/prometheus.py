@@ -180,3 +180,73 @@ class Metrics(PipelineObserver):
                      received_s: float) -> None:
         self._to_engine.observe(max(engine_received_s - sent_s, 0.0))
         self._to_client.observe(max(received_s - engine_replied_s, 0.0))
+
+
+#: kinds of graph update (``graph_updates_total{kind}``)
+UPDATE_KINDS = ("edges", "nodes", "features")
+_STALENESS_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                        5.0, 10.0)
+
+
+class GraphApplyMetrics:
+    """The living graph in an engine core: staleness of each applied update (acknowledged ->
+    visible here) and the version it serves."""
+
+    def __init__(self, engine: int) -> None:
+        multiprocess_dir()
+        label = str(engine)
+        self.staleness = Histogram(
+            PREFIX + "graph_staleness_seconds", "acknowledged -> visible in an engine core, per "
+            "applied update", ["engine"], buckets=_STALENESS_BUCKETS_S, registry=None).labels(label)
+        self.visible = Gauge(PREFIX + "graph_visible_version", "graph version an engine core "
+                             "serves", ["engine"], multiprocess_mode="max", registry=None).labels(label)
+
+    def on_applied(self, kind: str, staleness_s: float, version: int) -> None:
+        self.staleness.observe(staleness_s)
+        self.visible.set(version)
+
+
+class GraphWriterMetrics:
+    """The living graph at the writer: versions, updates, their durations, overlay, compactions."""
+
+    def __init__(self) -> None:
+        multiprocess_dir()
+        self.version = Gauge(PREFIX + "graph_version", "last acknowledged graph version",
+                             multiprocess_mode="max", registry=None)
+        updates = Counter(PREFIX + "graph_updates_total", "acknowledged graph updates (calls), "
+                          "by kind", ["kind"], registry=None)
+        self.updates = {k: updates.labels(k) for k in UPDATE_KINDS}
+        self.duration = Histogram(PREFIX + "graph_update_duration_seconds", "validate + log + "
+                                  "sync + apply of one update call at the writer",
+                                  buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.overlay_entries = Gauge(PREFIX + "graph_overlay_entries", "overlay entries in use "
+                                     "(8 bytes each per sampling process)",
+                                     multiprocess_mode="max", registry=None)
+        self.overlay_capacity = Gauge(PREFIX + "graph_overlay_capacity_entries", "overlay "
+                                      "entries before updates wait for compaction",
+                                      multiprocess_mode="max", registry=None)
+        self.nodes = Gauge(PREFIX + "graph_nodes", "nodes of the acknowledged graph",
+                           multiprocess_mode="max", registry=None)
+        self.edges = Gauge(PREFIX + "graph_edges", "edges of the acknowledged graph",
+                           multiprocess_mode="max", registry=None)
+        self.compactions = Counter(PREFIX + "graph_compactions_total", "compactions finished",
+                                   registry=None)
+        self.compaction_s = Histogram(PREFIX + "graph_compaction_duration_seconds", "one "
+                                      "compaction: fold, write, sync, switch",
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                      registry=None)
+
+    def on_update(self, kind: str, seconds: float, version: int) -> None:
+        self.updates[kind].inc()
+        self.duration.observe(seconds)
+        self.version.set(version)
+
+    def on_state(self, nodes: int, edges: int, entries: int, capacity: int) -> None:
+        self.nodes.set(nodes)
+        self.edges.set(edges)
+        self.overlay_entries.set(entries)
+        self.overlay_capacity.set(capacity)
+
+    def on_compaction(self, seconds: float) -> None:
+        self.compactions.inc()
+        self.compaction_s.observe(seconds)

@@ -41,22 +41,73 @@ class ExactGcnNorm:
     graphs, else 1) where it had none; the degree is then the number of non-loop in-edges
     (duplicates count each time) plus that loop's weight. Without ``add_self_loops`` loops stay
     ordinary edges of weight 1 and the degree is the in-degree.
+
+    ``capacity`` (default: the nodes given) sizes the per-node terms for nodes appended later
+    (DESIGN §7): until :meth:`update` gives them edges they are isolated nodes, as ``gcn_norm``
+    sees a node without in-edges (degree = the fill loop's weight, or 0 without self loops).
+    :meth:`update` writes new terms in place, so every holder of this object (the PyG path, the
+    fast path, CUDA graphs captured over it) sees them.
     """
 
     def __init__(self, in_degree: Tensor, self_loops: Tensor | None, improved: bool,
-                 add_self_loops: bool) -> None:
+                 add_self_loops: bool, capacity: int | None = None) -> None:
         self.add_self_loops = add_self_loops
-        degree = in_degree.to(torch.float32)
+        self.fill = 2.0 if add_self_loops and improved and improved_applies_without_weights() \
+            else 1.0
+        n = int(in_degree.numel())
+        capacity = n if capacity is None else int(capacity)
+        if capacity < n:
+            raise ValueError(f"capacity {capacity} is below the {n} nodes given")
+        degree, loop_weight = self._terms(in_degree, self_loops)
+        self.degree = torch.cat([degree, self._isolated(capacity - n)[0]])
         # Unnormalised weight of the one loop PyG gives each node; None when it is 1 everywhere.
         self.loop_weight: Tensor | None = None
-        if add_self_loops:
-            fill = 2.0 if improved and improved_applies_without_weights() else 1.0
-            loops = torch.zeros_like(in_degree) if self_loops is None else self_loops
-            loop_weight = torch.where(loops > 0, 1.0, fill).to(torch.float32)
+        if self.fill != 1.0:
+            self.loop_weight = torch.cat([loop_weight, self._isolated(capacity - n)[1]])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.degree.numel())
+
+    def _terms(self, in_degree: Tensor, self_loops: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(degree, loop weight) as ``gcn_norm`` computes them, float32, on the inputs' device."""
+        degree = in_degree.to(torch.float32)
+        loops = torch.zeros_like(in_degree) if self_loops is None else self_loops
+        loop_weight = torch.where(loops > 0, 1.0, self.fill).to(torch.float32)
+        if self.add_self_loops:
             degree = degree - loops.to(torch.float32) + loop_weight
-            if fill != 1.0:
-                self.loop_weight = loop_weight
-        self.degree = degree  # float32 [num_nodes]: the degree gcn_norm computes on the graph
+        return degree, loop_weight
+
+    def _isolated(self, count: int) -> tuple[Tensor, Tensor]:
+        """(degree, loop weight) of ``count`` nodes without in-edges."""
+        return self._terms(torch.zeros(count, dtype=torch.int64), None)
+
+    def update(self, nodes: Tensor, in_degree: Tensor, self_loops: Tensor | None = None) -> None:
+        """Set the terms of ``nodes`` (int64, each < ``capacity``, no repeats) from their new
+        in-degree (every in-edge, duplicates and loops counted) and self-loop count (None: no
+        loops).
+
+        In place (same storage): the PyG path, the fast path and captured CUDA graphs read the
+        new values. Call with no forward using this object queued or running (the engine
+        drains first); GPU copies have completed when it returns, whatever stream reads next.
+        """
+        nodes = nodes.reshape(-1).to(torch.int64)
+        if nodes.numel() == 0:
+            return
+        if int(nodes.min()) < 0 or int(nodes.max()) >= self.capacity:
+            raise IndexError(f"node ids must lie in [0, {self.capacity})")
+        in_degree = in_degree.reshape(-1)
+        self_loops = None if self_loops is None else self_loops.reshape(-1)
+        if in_degree.numel() != nodes.numel() or (
+                self_loops is not None and self_loops.numel() != nodes.numel()):
+            raise ValueError("nodes, in_degree and self_loops must have the same length")
+        degree, loop_weight = self._terms(in_degree, self_loops)
+        dev = self.degree.device
+        self.degree.index_put_((nodes.to(dev),), degree.to(dev))
+        if self.loop_weight is not None:
+            self.loop_weight.index_put_((nodes.to(dev),), loop_weight.to(dev))
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     def to(self, device: torch.device) -> ExactGcnNorm:
         self.degree = self.degree.to(device)

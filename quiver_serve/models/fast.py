@@ -210,7 +210,11 @@ class SageLayer:
 
 
 class GcnLayer:
-    """``GCNConv`` (projection, symmetric normalisation with self loops, bias)."""
+    """``GCNConv`` (projection, symmetric normalisation with self loops, bias).
+
+    Exact mode reads ``exact.degree`` and ``exact.loop_weight`` at every call, never a copy: the
+    :class:`ExactGcnNorm` is shared with ``ServedModel``, whose ``update_degrees`` writes it in
+    place as the graph changes."""
 
     def __init__(self, conv: nn.Module, dtype: torch.dtype, exact: ExactGcnNorm | None) -> None:
         self.w = _t(conv.lin.weight, dtype)

@@ -86,12 +86,14 @@ class ServedModel:
     (normalise on the subgraph).
 
     ``self_loops`` (int64 [num_nodes], :meth:`GraphData.self_loop_count`) matters only for GCN
-    with ``add_self_loops``; None means the graph has no self loops.
+    with ``add_self_loops``; None means the graph has no self loops. ``capacity`` sizes the
+    degrees for nodes appended while serving (DESIGN §7; default: the nodes given), and
+    :meth:`update_degrees` keeps them current as edges change.
     """
 
     def __init__(self, model: nn.Module, in_degree: Tensor | None = None,
                  self_loops: Tensor | None = None, precision: str = "fp32",
-                 fast: bool = True) -> None:
+                 fast: bool = True, capacity: int | None = None) -> None:
         from torch_geometric.nn import GCNConv
 
         self.model = model
@@ -114,7 +116,8 @@ class ServedModel:
             if conv.add_self_loops and self_loops is None:
                 log.warning("GCN exact mode assumes the graph has no self loops "
                             "(no self-loop counts given)")
-            self.gcn_norm = ExactGcnNorm(in_degree, self_loops, conv.improved, conv.add_self_loops)
+            self.gcn_norm = ExactGcnNorm(in_degree, self_loops, conv.improved, conv.add_self_loops,
+                                         capacity)
         self.precision = precision
         self.fast: FastGNN | None = None
         if fast:
@@ -134,6 +137,15 @@ class ServedModel:
         if self.fast is not None:
             self.fast = FastGNN.from_pyg(self.model, self.precision, self.gcn_norm, device)
         return self
+
+    def update_degrees(self, nodes: Tensor, in_degree: Tensor,
+                       self_loops: Tensor | None = None) -> None:
+        """New in-degree and self-loop counts of ``nodes`` (int64, no repeats, each below the
+        capacity) after an edge update, for GCN's exact normalisation; a no-op for models that
+        do not normalise by degree. In place: the PyG and fast paths and captured CUDA graphs
+        read the new values. Call between batches (none queued or running on the device)."""
+        if self.gcn_norm is not None:
+            self.gcn_norm.update(nodes, in_degree, self_loops)
 
     @torch.no_grad()
     def __call__(

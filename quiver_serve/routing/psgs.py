@@ -28,6 +28,11 @@ batches at start-up (``calibrate_union``; measured: alpha 1.0-1.1 on Cora and po
 
 Tables are cached on disk (``.npz``, no pickle) keyed by the graph (``graph_key``), the fanouts,
 the number of rounds and ``PSGS_VERSION``.
+
+A living graph (DESIGN §7): a table may be sized to a node capacity beyond the nodes that exist
+(rows of nodes not added yet: an isolated node's values), and ``PsgsTable.update_nodes``
+approximates the sizes of nodes whose in-edges changed, or that were appended, from their new
+in-degree; the sampled values come back when the table is rebuilt at compaction.
 """
 
 from __future__ import annotations
@@ -147,14 +152,21 @@ def node_sample_sizes(indptr: Tensor, indices: Tensor, fanouts: list[int], round
 # ---- the batch estimate -------------------------------------------------------------------------
 @dataclass
 class PsgsTable:
-    """Per-node tables and the occupancy grid of one graph and fanouts (see module docstring)."""
+    """Per-node tables and the occupancy grid of one graph and fanouts (see module docstring).
+
+    Per-node arrays have ``capacity`` entries; ids ``num_nodes .. capacity - 1`` are nodes not
+    added yet, with an isolated node's values (size 1, never reached) until ``update_nodes``."""
 
     key: str
     fanouts: list[int]
-    mean_size: np.ndarray  # float32 [N]: expected unique nodes of each node sampled alone
-    one_draw: np.ndarray  # int32 [N]: one sample's size per node (torch-quiver's table)
-    reach: np.ndarray  # float64 [N]: memberships in other nodes' subgraphs (all rounds)
+    mean_size: np.ndarray  # float32 [C]: expected unique nodes of each node sampled alone
+    one_draw: np.ndarray  # int32 [C]: one sample's size per node (torch-quiver's table)
+    reach: np.ndarray  # float64 [C]: memberships in other nodes' subgraphs (all rounds)
     alpha: float = 1.0  # popularity exponent, fitted by ``calibrate_union``
+    #: int32 [C]: nodes drawn at hop 1, min(fanouts[0], in-degree), when the sizes were taken;
+    #: None: unknown (``update_nodes`` then estimates without the node's own measured size)
+    first_hop: np.ndarray | None = None
+    live_nodes: int | None = None  # nodes that exist (None: every entry)
     _stamp: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,9 +177,25 @@ class PsgsTable:
         self._log_lo = math.log(self.draw_lo)
         self._log_step = (math.log(self.draw_hi) - self._log_lo) / (GRID_DRAW_POINTS - 1)
         self._draws = draws.astype(np.float32)
-        if self._stamp is None and self.num_nodes <= 1 << 26:
-            self._stamp = np.full(self.num_nodes, -1, dtype=np.int32)
+        if self.live_nodes is None:
+            self.live_nodes = self.capacity
+        self.branch = self._branch_size()
+        if self._stamp is None and self.capacity <= 1 << 26:
+            self._stamp = np.full(self.capacity, -1, dtype=np.int32)
         self.set_alpha(self.alpha)
+
+    def _branch_size(self) -> float:
+        """Mean nodes one hop-1 draw brings into a node's subgraph (itself and what its own
+        neighbourhood adds at the deeper hops): measured draws over hop-1 draws, summed over the
+        nodes that have any. Without ``first_hop``, assumes every node drew its full fanout."""
+        draws = self._draws[:self.live_nodes].astype(np.float64)
+        if self.first_hop is not None:
+            hop1 = self.first_hop[:self.live_nodes].astype(np.float64)
+            some = hop1 > 0
+            return float(draws[some].sum() / hop1[some].sum()) if some.any() else 1.0
+        positive = draws[draws > 0]
+        k1 = self.fanouts[0] if self.fanouts and self.fanouts[0] > 0 else 1
+        return max(float(positive.mean()) / k1, 1.0) if positive.size else 1.0
 
     def set_alpha(self, alpha: float) -> None:
         """Popularity ``q ~ reach ** alpha`` (normalised) and its occupancy grid."""
@@ -182,7 +210,68 @@ class PsgsTable:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes that exist (ids below it are valid seeds for a sampler)."""
+        return int(self.live_nodes if self.live_nodes is not None else self.mean_size.size)
+
+    @property
+    def capacity(self) -> int:
+        """Entries of the per-node arrays: every id below it may be estimated."""
         return int(self.mean_size.size)
+
+    def first_hop_draws(self, degree: np.ndarray) -> np.ndarray:
+        """Nodes drawn at hop 1 from an in-degree: ``min(fanouts[0], degree)`` (-1: all)."""
+        degree = np.maximum(np.asarray(degree, dtype=np.int64), 0)
+        k1 = self.fanouts[0] if self.fanouts else 0
+        return degree if k1 < 0 else np.minimum(degree, k1)
+
+    def update_nodes(self, nodes: np.ndarray | Tensor, degree: np.ndarray | Tensor) -> None:
+        """Approximate sizes for ``nodes`` (ids below ``capacity``, no repeats) whose in-edges
+        changed or that were appended, from their new in-degree.
+
+        A node's size is ``1 + draws``, and ``draws`` is taken as (hop-1 draws) x (nodes each
+        hop-1 draw brings): hop-1 draws are ``min(fanouts[0], degree)``; what each brings is the
+        node's own measured ``draws / hop-1 draws`` where the table holds a measured or earlier
+        value for it (so its neighbourhood's depth is kept), else the table's mean
+        (``branch``: deeper hops as an average node's). A node left with no in-edge is size 1.
+        Not updated: how often nodes reach each other (popularity stays as sampled, a new
+        node's is 0) and the sizes of nodes whose neighbours changed; the exact values come back
+        when the table is rebuilt (compaction). Sizes saturate once the degree passes
+        ``fanouts[0]``: sampling draws no more than that at hop 1.
+        """
+        ids = np.asarray(nodes, dtype=np.int64).reshape(-1)
+        deg = np.asarray(degree, dtype=np.int64).reshape(-1)
+        if ids.size != deg.size:
+            raise ValueError(f"{ids.size} nodes but {deg.size} degrees")
+        if ids.size == 0:
+            return
+        if int(ids.min()) < 0 or int(ids.max()) >= self.capacity:
+            raise IndexError(f"node ids must lie in [0, {self.capacity}) (the table's capacity)")
+        hop1 = self.first_hop_draws(deg).astype(np.float64)
+        per_draw = np.full(ids.size, self.branch)
+        if self.first_hop is not None:
+            old = self.first_hop[ids].astype(np.float64)
+            known = (old > 0) & (self._draws[ids] > 0)
+            per_draw[known] = self._draws[ids[known]] / old[known]
+            self.first_hop[ids] = hop1.astype(np.int32)
+        draws = (hop1 * per_draw).astype(np.float32)
+        self._draws[ids] = draws
+        self._per_node[ids, 0] = draws
+        self.mean_size[ids] = 1.0 + draws
+        self.one_draw[ids] = np.rint(1.0 + draws).astype(np.int32)
+        self.live_nodes = max(self.num_nodes, int(ids.max()) + 1)
+
+    def with_capacity(self, capacity: int) -> PsgsTable:
+        """This table with per-node arrays of ``capacity`` entries (new ids: isolated nodes)."""
+        extra = capacity - self.capacity
+        if extra < 0:
+            raise ValueError(f"capacity {capacity} is below the table's {self.capacity} entries")
+        first_hop = None if self.first_hop is None else np.concatenate(
+            [self.first_hop, np.zeros(extra, np.int32)])
+        return PsgsTable(self.key, list(self.fanouts),
+                         np.concatenate([self.mean_size, np.ones(extra, np.float32)]),
+                         np.concatenate([self.one_draw, np.ones(extra, np.int32)]),
+                         np.concatenate([self.reach, np.zeros(extra, np.float64)]),
+                         self.alpha, first_hop, self.num_nodes)
 
     def unique(self, seeds: np.ndarray) -> np.ndarray:
         """The distinct ids of ``seeds`` (a stamp array: O(n), no sort, for graphs to 64 M nodes)."""
@@ -277,10 +366,16 @@ def occupancy_grid(popularity: np.ndarray, draw_lo: float, draw_hi: float) -> np
 
 
 def table_from_samples(key: str, fanouts: list[int], mean_size: np.ndarray, one_draw: np.ndarray,
-                       reach: np.ndarray) -> PsgsTable:
-    """The table (popularity, grid) from :func:`node_sample_sizes`' three arrays."""
-    return PsgsTable(key, list(fanouts), mean_size.astype(np.float32), one_draw.astype(np.int32),
-                     reach.astype(np.float64))
+                       reach: np.ndarray, degree: np.ndarray | None = None,
+                       capacity: int | None = None) -> PsgsTable:
+    """The table (popularity, grid) from :func:`node_sample_sizes`' three arrays, the nodes'
+    in-degrees (for ``update_nodes``) and a capacity for nodes appended later."""
+    table = PsgsTable(key, list(fanouts), mean_size.astype(np.float32),
+                      one_draw.astype(np.int32), reach.astype(np.float64))
+    if degree is not None:
+        table.first_hop = table.first_hop_draws(degree).astype(np.int32)
+        table.branch = table._branch_size()
+    return table if capacity is None else table.with_capacity(capacity)
 
 
 def cache_path(key: str, fanouts: list[int], rounds: int) -> Path:
@@ -290,15 +385,18 @@ def cache_path(key: str, fanouts: list[int], rounds: int) -> Path:
 
 def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: int = 4,
                   device: torch.device | str | None = None, progress: bool = True,
-                  use_cache: bool = True) -> PsgsTable:
+                  use_cache: bool = True, capacity: int | None = None) -> PsgsTable:
     """The PSGS table of a graph and fanouts: from the cache file when its key matches, else
-    computed (progress bar) and saved (atomically; NumPy arrays only, loaded without pickle)."""
+    computed (progress bar) and saved (atomically; NumPy arrays only, loaded without pickle).
+    ``capacity``: entries for nodes appended later (``PsgsTable.with_capacity``)."""
     key = graph_key(indptr, indices)
     path = cache_path(key, fanouts, rounds)
+    degree = (indptr[1:] - indptr[:-1]).cpu().numpy()
     if use_cache and path.exists():
         try:
             with np.load(path, allow_pickle=False) as z:
-                table = table_from_samples(key, fanouts, z["mean_size"], z["one_draw"], z["reach"])
+                table = table_from_samples(key, fanouts, z["mean_size"], z["one_draw"], z["reach"],
+                                           degree, capacity)
             log.info("PSGS table loaded from %s", path)
             return table
         except (OSError, ValueError, KeyError) as exc:
@@ -319,7 +417,7 @@ def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: i
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("PSGS cache not written (%s): recomputed at the next start", exc)
-    return table_from_samples(key, fanouts, **arrays)
+    return table_from_samples(key, fanouts, **arrays, degree=degree, capacity=capacity)
 
 
 def calibrate_union(table: PsgsTable, sampler, sizes: tuple[int, ...] = (48, 512, 2048),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
 from quiver_serve.features.build import build_feature_store
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import Capacities, LiveGraphArgs
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.routing.router import EngineRouter
 from quiver_serve.sampling import BaseSampler, make_cpu_sampler
@@ -29,13 +31,14 @@ log = logging.getLogger(__name__)
 
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
                pool: SamplerPool | None, calibration: str | None = None,
-               progress: bool = True) -> EngineCore:
+               progress: bool = True, live: LiveGraphArgs | None = None) -> EngineCore:
     """Device, model (weights-only), samplers, feature placement, a warm-up batch, then the
     PSGS table and the cost model (``engine/core/calibrate.py``; ``calibration`` overrides
-    ``sampling.calibration``)."""
+    ``sampling.calibration``); with ``live``, the updates acknowledged so far are applied."""
     from quiver_serve.engine.core.calibrate import prepare_routing
 
-    device, model, features = place_model_and_features(cfg, graph, index)
+    caps = live.caps if live is not None else None
+    device, model, features = place_model_and_features(cfg, graph, index, caps)
     core = EngineCore(
         model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
                                                   cfg.sampling.implementation),
@@ -55,7 +58,27 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
     prepare_routing(core, cfg, graph, calibration, progress)
+    if live is not None:
+        follow_updates(core, graph, live, index)
     return core
+
+
+def follow_updates(core: EngineCore, graph: GraphData, live: LiveGraphArgs, index: int) -> None:
+    """Give ``core`` its :class:`GraphSync` and apply what the log holds (start-up replay)."""
+    from quiver_serve.engine.core.graph_sync import GraphSync
+    from quiver_serve.graph.state import GraphState
+
+    state = GraphState(live.state)
+    if core.psgs is not None and core.psgs.capacity < live.caps.node_capacity:
+        core.psgs = core.psgs.with_capacity(live.caps.node_capacity)
+    sync = GraphSync(graph, live.base_version, live.caps, Path(live.log_dir), state, index)
+    core.graph_sync = sync
+    t0 = time.perf_counter()
+    sync.catch_up(core)
+    state.publish_engine(index, sync.version, 0.0)
+    if sync.version > live.base_version:
+        log.info("engine %d: %d update(s) applied over base version %d in %.2f s", index,
+                 sync.version - live.base_version, live.base_version, time.perf_counter() - t0)
 
 
 def warm_up(core: EngineCore) -> None:
@@ -138,18 +161,34 @@ def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -
     return cache
 
 
-def place_model_and_features(cfg: ServeConfig, graph: GraphData,
-                             index: int) -> tuple[torch.device, ServedModel, FeatureStore]:
+def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
+                             caps: Capacities | None = None,
+                             ) -> tuple[torch.device, ServedModel, FeatureStore]:
     """Worker ``index``'s device, its model there (weights-only), and its feature store: the
-    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory."""
+    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory.
+    With ``caps`` (a living graph) per-node state is sized for ``caps.node_capacity`` nodes,
+    the rows past the graph's nodes unused until nodes are appended."""
     device = worker_device(cfg, index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    self_loops = graph.self_loop_count() if cfg.model.pyg_class == "GCN" else None
-    model = ServedModel(build_model(cfg.model, graph.num_features), graph.degree(),
-                        self_loops, precision=cfg.inference.precision,
+    rows = caps.node_capacity if caps is not None else graph.num_nodes
+    self_loops = _padded(graph.self_loop_count(), rows) if cfg.model.pyg_class == "GCN" else None
+    model = ServedModel(build_model(cfg.model, graph.num_features),
+                        _padded(graph.degree(), rows), self_loops,
+                        precision=cfg.inference.precision,
                         fast=cfg.inference.fast_model).to(device)
-    return device, model, build_feature_store(cfg, graph, device)
+    x = None
+    if rows > graph.num_nodes:
+        x = torch.zeros((rows, graph.num_features), dtype=graph.x.dtype)
+        x[:graph.num_nodes] = graph.x
+    return device, model, build_feature_store(cfg, graph, device, x)
+
+
+def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-node values followed by zeros for the capacity rows."""
+    if rows <= values.numel():
+        return values
+    return torch.cat([values, values.new_zeros(rows - values.numel())])
 
 
 def gpu_sampler_or_none(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler | None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.engine.core import versions
 from quiver_serve.engine.core.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
 from quiver_serve.engine.core.fill import ExpectedFill
 from quiver_serve.engine.core.micro_batch import (
@@ -101,6 +102,10 @@ class EngineCore:
         self._stats_held: list[BatchStats] = []
         #: route auto: batches for idle CPU samplers while the GPU is busy (``overlap.py``)
         self.overlap: Any = None
+        #: the living graph's follower (``graph_sync.py``); None: a fixed graph
+        self.graph_sync: Any = None
+        #: micro-batches waiting for a graph version (``versions.py``)
+        self.parked: deque[MicroBatch] = deque()
 
     def capture_graphs(self, max_seeds: int) -> None:
         """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
@@ -154,7 +159,10 @@ class EngineCore:
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, mb: MicroBatch) -> Reply | None:
-        """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded)."""
+        """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded).
+        One that needs a graph version not applied here yet waits in ``parked``."""
+        if self.graph_sync is not None and versions.must_wait(self, mb):
+            return versions.park(self, mb)
         n_req = mb.num_requests
         total = int(mb.lengths[0]) if n_req == 1 else int(mb.lengths.sum())
         if n_req == 0 or total != mb.num_ids or mb.deadlines_s.size != n_req:
@@ -191,17 +199,33 @@ class EngineCore:
             del self._client_ids[c]
         return sum(ids for ids, _ in self._client_ids.values())
 
+    @property
+    def sample_stream(self) -> Any:
+        """The CUDA stream samples are drawn on (None on a CPU)."""
+        return self._sample_stream
+
+    def finish_all(self) -> list[Reply]:
+        """Wait for every batch on the GPU and answer them."""
+        replies: list[Reply] = []
+        while self.in_flight:
+            replies += self._finish(block=True)
+        return replies
+
     def has_ready_work(self) -> bool:
         return bool(self.waiting or self.sampled)
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.sampled or self.in_flight or self.sampling)
+        return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Reply]:
         if self.replacer is not None:
             self.replacer.poll(self)  # a finished re-placement switches here, between batches
         replies = self._finish(block=False)
+        if self.graph_sync is not None:  # updates apply between batches
+            replies += self.graph_sync.poll(self)
+            if self.parked:
+                replies += versions.unpark(self, time.time())
         while self.sampled:
             replies += self._launch(self.sampled.popleft())
         if self.waiting and self._may_form():

@@ -36,6 +36,17 @@ class MicroBatch:
     min_deadline_s: float = 0.0
     #: PSGS draws of its ids (``PsgsTable.draws``), summed for the batch former's sizing
     draws: float = 0.0
+    #: the graph version it must see (DESIGN §7 read-your-writes); 0: any
+    min_version: int = 0
+    #: inductive request (it travels alone): new nodes' feature rows float32 [m, F], their
+    #: in-neighbour offsets int64 [m + 1] and ids int64 [nnz]; None for plain requests
+    new_features: np.ndarray | None = None
+    new_offsets: np.ndarray | None = None
+    new_neighbors: np.ndarray | None = None
+
+    @property
+    def num_new_nodes(self) -> int:
+        return 0 if self.new_features is None else int(self.new_features.shape[0])
 
     @property
     def num_ids(self) -> int:

@@ -32,6 +32,7 @@ from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.sampling.base import SamplerOutput
 from quiver_serve.wire import (
     Decoders,
@@ -122,8 +123,9 @@ class ZmqSamplerPool(SamplerPool):
 
 
 # ---- engine core process ----------------------------------------------------------------------------
-def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunAddresses) -> None:
-    """Entry point of engine core ``index`` (spawned)."""
+def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunAddresses,
+                     live: LiveGraphArgs | None = None) -> None:
+    """Entry point of engine core ``index`` (spawned); ``live``: follow the graph's updates."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
@@ -133,10 +135,14 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
     try:
         pool = ZmqSamplerPool(ctx, addrs, cfg.sampling.num_cpu_workers, poller) \
             if cfg.sampling.num_cpu_workers else None
-        core = build_core(cfg, graph, index, pool)
-        from quiver_serve.metrics.prometheus import EngineMetrics
+        core = build_core(cfg, graph, index, pool, live=live)
+        from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 
         core.on_stats = EngineMetrics().observe
+        if core.graph_sync is not None:
+            graph_metrics = GraphApplyMetrics(index)
+            sync = core.graph_sync
+            sync.on_applied = lambda kind, s: graph_metrics.on_applied(kind, s, sync.version)
         core.defer_stats = True  # the loop records metrics after the replies are sent
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
@@ -218,10 +224,16 @@ class EngineLoop:
         client = frames[0].bytes
         try:
             head = Decoders.micro_batch.decode(frames[1].buffer)
-            return MicroBatch(client, head.seq, head.exact, head.seed,
-                              view(frames[2], np.int64), view(frames[3], np.int64),
-                              view(frames[4], np.float64),
-                              outstanding_ids=head.outstanding_ids)
+            mb = MicroBatch(client, head.seq, head.exact, head.seed,
+                            view(frames[2], np.int64), view(frames[3], np.int64),
+                            view(frames[4], np.float64),
+                            outstanding_ids=head.outstanding_ids,
+                            min_version=getattr(head, "min_version", 0))
+            if getattr(head, "new_nodes", 0):
+                from quiver_serve.wire import decode_inductive
+
+                mb.new_features, mb.new_offsets, mb.new_neighbors = decode_inductive(frames)
+            return mb
         except Exception as exc:  # noqa: BLE001 - answered, and logged: never dropped silently
             log.error("engine %d: unreadable micro-batch from client %s: %s", self.core.index,
                       client.hex(), exc)

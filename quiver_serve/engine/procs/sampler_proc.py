@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,12 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
+from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.graph.overlay import Overlay
+from quiver_serve.graph.overlay_view import OverlayView
+from quiver_serve.graph.records import EdgeRecord, NodeRecord
+from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.update_log import LogFollower
 from quiver_serve.sampling import make_cpu_sampler
 from quiver_serve.wire import Decoders, RunAddresses, SampleDone, encode, view
 
@@ -23,14 +30,51 @@ log = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 
 
+class SamplerSync:
+    """A CPU sampler's own overlay of the living graph, brought to the acknowledged version
+    before each task (the same records, in the same order, as every engine core applies)."""
+
+    def __init__(self, sampler: Any, indptr: torch.Tensor, indices: torch.Tensor,
+                 live: LiveGraphArgs) -> None:
+        self.sampler = sampler
+        self.overlay = Overlay(indptr, indices, live.caps.node_capacity, live.caps.edge_capacity)
+        self.follower = LogFollower(Path(live.log_dir), live.base_version)
+        self.state = GraphState(live.state)
+        self.version = live.base_version
+        self.view: OverlayView | None = None
+
+    def catch_up(self) -> None:
+        while self.state.acked > self.version:
+            records = self.follower.poll(4096)
+            if not records:
+                return  # acknowledged before its bytes are readable here: next task
+            for record in records:
+                self._apply(record)
+
+    def _apply(self, record: Any) -> None:
+        if isinstance(record, EdgeRecord):
+            self.overlay.apply_edges(record.add, record.remove)
+            if self.view is None:
+                self.view = self.overlay.view()
+                self.sampler.set_overlay(self.view)
+        elif isinstance(record, NodeRecord):
+            self.overlay.add_nodes(int(record.features.shape[0]))
+        if self.view is not None:
+            self.view.num_nodes = self.overlay.num_nodes
+        self.version = record.version
+
+
 def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
-                 addrs: RunAddresses) -> None:
+                 addrs: RunAddresses, live: LiveGraphArgs | None = None) -> None:
     """Entry point of CPU sampler ``index``: sample what engine cores ask, answer the asker."""
     torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "sampler", index)
     try:
         sampler = make_cpu_sampler(indptr, indices, cfg.sampling.implementation)
+        sync = SamplerSync(sampler, indptr, indices, live) if live is not None else None
+        if sync is not None:
+            sync.catch_up()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         bind_fresh(sock, addrs.sampler(index))
@@ -44,6 +88,8 @@ def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: to
         if not sock.poll(IDLE_POLL_MS):
             continue
         ident, head, seeds = sock.recv_multipart(copy=False)
+        if sync is not None:
+            sync.catch_up()
         sock.send_multipart([ident.bytes, *_sample_reply(sampler, head, seeds, index)], copy=False)
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,7 +41,11 @@ from quiver_serve.engine.procs.engine_proc import engine_core_main
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.sampler_proc import sampler_main
 from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
+from quiver_serve.graph import living
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.graph.state import ACKED, NUM_NODES, GraphState
+from quiver_serve.graph.writer import GraphWriter
 from quiver_serve.wire import RunAddresses
 
 log = logging.getLogger(__name__)
@@ -285,8 +290,15 @@ class Supervisor:
     reaches the start-failure limit sets ``fatal`` and calls ``on_fatal(line)`` (default: log)."""
 
     def __init__(self, cfg: ServeConfig, graph: GraphData, hang_timeout_s: float = HANG_TIMEOUT_S,
-                 on_restart: Callable[[str], None] | None = None) -> None:
+                 on_restart: Callable[[str], None] | None = None, base_version: int = 0,
+                 log_dir: str | None = None) -> None:
         self.cfg, self.graph = cfg, graph
+        self.living = living_graph_args(cfg, graph, base_version, log_dir)
+        self.graph_state = GraphState(self.living.state)
+        #: validates, logs and acknowledges updates (``start()`` opens it); None when another
+        #: daemon holds the update log (this one then serves its graph read-only)
+        self.graph_writer: GraphWriter | None = None
+        self.graph_read_only_reason: str | None = None
         self.on_restart = on_restart or _nothing
         self.on_fatal: Callable[[str], None] = lambda line: log.error("%s", line)
         self.addrs = RunAddresses(tempfile.mkdtemp(prefix="quiver-"))
@@ -295,9 +307,10 @@ class Supervisor:
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(self.addrs.control)
         self.samplers = [Child("sampler", j, sampler_main,
-                               (j, cfg, graph.indptr, graph.indices, self.addrs))
+                               (j, cfg, graph.indptr, graph.indices, self.addrs, self.living))
                          for j in range(cfg.sampling.num_cpu_workers)]
-        self.engines = [Child("engine", i, engine_core_main, (i, cfg, graph, self.addrs))
+        self.engines = [Child("engine", i, engine_core_main,
+                              (i, cfg, graph, self.addrs, self.living))
                         for i in range(num_inference_workers(cfg))]
         #: warm processes a restart hands its child's work to (``standby.py``)
         self.standby = StandbyPool(DAEMON_PRELOAD, cfg.server.standby_processes,
@@ -328,6 +341,7 @@ class Supervisor:
 
         multiprocess_dir()  # before any child starts, so every child inherits it
         self.graph.share_memory_()
+        self._open_writer()
         for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
             for child in group:
                 child.start()
@@ -353,6 +367,37 @@ class Supervisor:
                     late = [c.index for c in group if not c.ready]
                     raise TimeoutError(f"{what}s {late} not ready after "
                                        f"{self.cfg.server.start_timeout_s:.0f} s")
+
+    def _open_writer(self) -> None:
+        """Open the update log and replay it (the acknowledged version is then published)."""
+        from quiver_serve.graph.update_log import LogLockedError, UpdateLog
+
+        g = self.cfg.graph
+        update_log = UpdateLog(Path(self.living.log_dir), g.fsync, g.group_commit_ms)
+        try:
+            update_log.open()
+        except LogLockedError as exc:
+            self.graph_read_only_reason = f"graph updates are taken by another daemon ({exc})"
+            log.warning("%s; this one serves the graph read-only", self.graph_read_only_reason)
+            self._replay_read_only()
+            return
+        writer = GraphWriter(g, self.graph, self.living.base_version, update_log,
+                             self.graph_state, self.cfg.server.retry_after_s)
+        replayed = writer.replay()
+        if replayed:
+            log.info("update log %s: %d update(s) replayed over base version %d (now version %d)",
+                     self.living.log_dir, replayed, self.living.base_version, writer.acked)
+        self.graph_writer = writer
+
+    def _replay_read_only(self) -> None:
+        from quiver_serve.graph.update_log import LogFollower
+
+        follower = LogFollower(Path(self.living.log_dir), self.living.base_version)
+        last = self.living.base_version
+        while records := follower.poll(4096):
+            last = records[-1].version
+        self.graph_state.set(ACKED, last)
+        self.graph_state.set(NUM_NODES, self.graph.num_nodes)
 
     def workers(self) -> list[dict[str, Any]]:
         return [c.row() for c in self.children]
@@ -384,3 +429,16 @@ class Supervisor:
         self._control.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self.addrs.run_dir, ignore_errors=True)
+        if self.graph_writer is not None:
+            self.graph_writer.log.close()
+
+
+def living_graph_args(cfg: ServeConfig, graph: GraphData, base_version: int,
+                      log_dir: str | None) -> LiveGraphArgs:
+    """Where the graph's update log is, its capacities and the shared counters."""
+    state = GraphState()
+    state.set(NUM_NODES, graph.num_nodes)
+    state.set(ACKED, base_version)
+    directory = log_dir if log_dir is not None else str(living.log_dir(cfg.graph))
+    caps = living.capacities(cfg.graph, graph.num_nodes, graph.num_edges)
+    return LiveGraphArgs(directory, base_version, caps, state.tensor)

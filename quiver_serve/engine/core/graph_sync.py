@@ -1,0 +1,214 @@
+"""GraphSync: keeps one engine core at the acknowledged graph version (DESIGN §7).
+
+Between batches (``EngineCore.step`` calls :meth:`GraphSync.poll`) it reads the update log's new
+records (``LogFollower``) and applies each, in version order, to everything of the core that
+depends on the graph: the host overlay its CPU samplers read, the device copy its GPU sampler reads
+(written on the sampling stream, after the kernels of earlier batches), the feature rows (after
+the batches in flight finish: a batch never mixes two versions' rows), GCN's exact degrees and the
+PSGS table. Every engine core applies the same records in the same order, so all reach the same
+state; each publishes the version it serves and the staleness of its last application
+(acknowledged -> visible) in the shared ``GraphState``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import Capacities
+from quiver_serve.graph.overlay import DeviceOverlay, Overlay, Patch
+from quiver_serve.graph.overlay_view import OverlayView
+from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
+from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.update_log import LogFollower
+
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.core import EngineCore
+    from quiver_serve.engine.core.micro_batch import Reply
+
+log = logging.getLogger(__name__)
+
+#: records applied per poll at most (a long backlog is applied over several steps)
+MAX_RECORDS_PER_POLL = 256
+
+
+class GraphSync:
+    """Applies the update log to one engine core; see the module docstring."""
+
+    def __init__(self, base: GraphData, base_version: int, caps: Capacities, log_dir: Path,
+                 state: GraphState | None, index: int) -> None:
+        self.overlay = Overlay(base.indptr, base.indices, caps.node_capacity, caps.edge_capacity)
+        self.follower = LogFollower(log_dir, base_version)
+        self.version = base_version
+        self.state, self.index = state, index
+        self.device_overlay: DeviceOverlay | None = None
+        self.views: list[tuple[Any, OverlayView]] = []  # (sampler, the view it was given)
+        #: called with (kind, staleness_s) per applied record (metrics)
+        self.on_applied: Callable[[str, float], None] | None = None
+
+    # ---- polling -----------------------------------------------------------------------------------
+    def behind(self) -> bool:
+        return self.state is not None and self.state.acked > self.version
+
+    def poll(self, core: EngineCore, max_records: int = MAX_RECORDS_PER_POLL) -> list[Reply]:
+        """Apply what was acknowledged since the last poll; replies of batches finished first."""
+        if self.state is not None and self.state.acked <= self.version:
+            return []
+        records = self.follower.poll(max_records)
+        if not records:
+            return []
+        replies: list[Reply] = []
+        if core.in_flight and any(not isinstance(r, EdgeRecord) for r in records):
+            replies += core.finish_all()  # feature rows change: no batch may be reading them
+        for record in records:
+            self.apply(core, record)
+        self._publish(records[-1])
+        return replies
+
+    def catch_up(self, core: EngineCore) -> list[Reply]:
+        """Poll until nothing acknowledged is left (start-up replay, tests)."""
+        replies: list[Reply] = []
+        while True:
+            before = self.version
+            replies += self.poll(core, max_records=1 << 20)
+            if self.version == before:
+                return replies
+
+    def _publish(self, last: Any) -> None:
+        staleness_s = max(0.0, time.time() - float(last.accepted_s))
+        if self.state is not None:
+            self.state.publish_engine(self.index, self.version, staleness_s)
+
+    # ---- applying one record ---------------------------------------------------------------------
+    def apply(self, core: EngineCore, record: Any) -> None:
+        if record.version != self.version + 1:
+            raise RuntimeError(f"update log gap: engine {self.index} at version {self.version} "
+                               f"read version {record.version}")
+        if isinstance(record, EdgeRecord):
+            kind = "edges"
+            _, patch = self.overlay.apply_edges(record.add, record.remove)
+            self._edges_changed(core, patch)
+        elif isinstance(record, NodeRecord):
+            kind = "nodes"
+            ids = self.overlay.add_nodes(int(record.features.shape[0]))
+            self._nodes_added(core, ids, record.features)
+        elif isinstance(record, FeatureRecord):
+            kind = "features"
+            core.features.write_rows(torch.from_numpy(np.ascontiguousarray(record.node_ids)),
+                                     torch.from_numpy(np.ascontiguousarray(record.features)))
+        else:
+            raise RuntimeError(f"unknown update record {type(record).__name__}")
+        self.version = record.version
+        if self.on_applied is not None:
+            self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
+
+    def _edges_changed(self, core: EngineCore, patch: Patch) -> None:
+        self._attach_views(core)
+        if self.device_overlay is not None:
+            stream = core.sample_stream
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    self.device_overlay.apply(patch)
+            else:
+                self.device_overlay.apply(patch)
+        nodes = patch.nodes
+        if nodes.size:
+            self._degrees_changed(core, nodes)
+
+    def _degrees_changed(self, core: EngineCore, nodes: np.ndarray) -> None:
+        degree = torch.from_numpy(self.overlay.degree(nodes))
+        t_nodes = torch.from_numpy(nodes)
+        if core.model.gcn_norm is not None:
+            core.model.update_degrees(t_nodes, degree, torch.from_numpy(self.overlay.self_loops(nodes)))
+        if core.psgs is not None:
+            core.psgs.update_nodes(t_nodes, degree)
+
+    def _nodes_added(self, core: EngineCore, ids: np.ndarray, features: np.ndarray) -> None:
+        core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
+        zeros = torch.zeros(ids.size, dtype=torch.int64)
+        t_ids = torch.from_numpy(ids)
+        if core.model.gcn_norm is not None:
+            core.model.update_degrees(t_ids, zeros, zeros)
+        if core.psgs is not None:
+            core.psgs.update_nodes(t_ids, zeros)
+        self.set_num_nodes(core, self.overlay.num_nodes)
+
+    def set_num_nodes(self, core: EngineCore, num_nodes: int) -> None:
+        core.num_nodes = num_nodes
+        if self.device_overlay is not None:
+            self.device_overlay.num_nodes = num_nodes
+        for _, view in self.views:
+            view.num_nodes = num_nodes
+
+    def _attach_views(self, core: EngineCore) -> None:
+        """Hand the samplers their views at the first edge update (before it, they read the
+        base alone, at the base's speed)."""
+        if self.views:
+            return
+        self.overlay.ensure_active()
+        host = self.overlay.view()
+        assert host is not None
+        self.views.append((core.local_sampler, host))
+        core.local_sampler.set_overlay(host)
+        gpu = core.gpu_sampler
+        if gpu is not None:
+            device = getattr(gpu, "device", core.device)
+            self.device_overlay = DeviceOverlay(self.overlay, torch.device(device))
+            view = self.device_overlay.view()
+            self.views.append((gpu, view))
+            gpu.set_overlay(view)
+
+    # ---- temporary nodes (inductive requests) ------------------------------------------------------
+    @contextlib.contextmanager
+    def virtual_nodes(self, core: EngineCore, ids: np.ndarray, offsets: np.ndarray,
+                      neighbors: np.ndarray, features: np.ndarray) -> Iterator[None]:
+        """Nodes ``ids`` (the next free ids) with these in-neighbours and feature rows, for the
+        duration of the block; the overlay's free space holds their lists, so nothing of the
+        acknowledged graph is written. The caller runs nothing else meanwhile."""
+        from quiver_serve import errors
+
+        ov = self.overlay
+        if ov.num_nodes + ids.size > ov.node_capacity or ov.top + neighbors.size > ov.edge_capacity:
+            raise errors.ServeError("overlay_full", "no room for the request's new nodes until "
+                                    "the next compaction", 503)
+        ov.ensure_active()
+        self._attach_views(core)
+        counts = np.diff(offsets).astype(np.int64)
+        patch = Patch(ids, ov.top + offsets[:-1].astype(np.int64), counts,
+                      ov.top + np.arange(neighbors.size, dtype=np.int64),
+                      neighbors.astype(np.int64), ov.num_nodes + int(ids.size))
+        reset = Patch(ids, np.full(ids.size, -1, np.int64), np.zeros(ids.size, np.int64),
+                      np.empty(0, np.int64), np.empty(0, np.int64), ov.num_nodes)
+        self._write_patch(core, patch)
+        core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
+        if core.model.gcn_norm is not None:
+            core.model.update_degrees(torch.from_numpy(ids), torch.from_numpy(counts),
+                                      torch.zeros(ids.size, dtype=torch.int64))
+        self.set_num_nodes(core, patch.num_nodes)
+        try:
+            yield
+        finally:
+            self._write_patch(core, reset)
+            self.set_num_nodes(core, ov.num_nodes)
+
+    def _write_patch(self, core: EngineCore, patch: Patch) -> None:
+        """Write a patch that is not an acknowledged update into the host and device overlays."""
+        ov = self.overlay
+        host = ov.view()
+        assert host is not None
+        if patch.tail_pos.size:
+            host.tail[torch.from_numpy(patch.tail_pos)] = torch.from_numpy(patch.tail_val)
+        host.start[torch.from_numpy(patch.nodes)] = torch.from_numpy(patch.start)
+        host.length[torch.from_numpy(patch.nodes)] = torch.from_numpy(patch.length)
+        if self.device_overlay is not None:
+            stream = core.sample_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.device_overlay.apply(patch)

@@ -1,0 +1,118 @@
+"""Micro-batches that wait for a graph version, and inductive requests (DESIGN §7).
+
+A micro-batch waits in ``EngineCore.parked`` while the engine core has not applied every update
+acknowledged before it arrived (so a caller always reads its own acknowledged writes, and ids of
+nodes it just added are known), or while its ``min_version`` is not yet visible here. At each step,
+after the updates are applied, waiting micro-batches whose version is there go on as usual;
+those whose every deadline passed are answered 504. Inductive requests (``new_nodes``) also pass
+through here and are computed at once, alone (:func:`run_inductive`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from quiver_serve import errors
+from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.sampling.base import new_batch_seed
+from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
+
+#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
+EngineCore = Any
+
+
+def must_wait(core: EngineCore, mb: MicroBatch) -> bool:
+    sync = core.graph_sync
+    return bool(mb.num_new_nodes or sync.behind() or mb.min_version > sync.version)
+
+
+def park(core: EngineCore, mb: MicroBatch) -> Reply | None:
+    if len(core.parked) >= core.max_waiting:
+        return refuse_all(mb, "overloaded", "engine queue is full; retry later", 503)
+    core.parked.append(mb)
+    return None
+
+
+def refuse_all(mb: MicroBatch, code: str, message: str, status: int) -> Reply:
+    errs = [RequestError(i, code, message, status) for i in range(mb.num_requests)]
+    return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+
+
+def unpark(core: EngineCore, now_s: float) -> list[Reply]:
+    """Move on the parked micro-batches whose version is visible; 504 the expired ones."""
+    replies: list[Reply] = []
+    pending = list(core.parked)
+    core.parked.clear()
+    sync = core.graph_sync
+    for mb in pending:
+        if mb.deadlines_s.size and float(mb.deadlines_s.max()) <= now_s:
+            replies.append(refuse_all(mb, *errors.DEADLINE))
+        elif sync.behind() or mb.min_version > sync.version:
+            core.parked.append(mb)
+        elif mb.num_new_nodes:
+            replies += run_inductive(core, mb)
+        else:
+            refused = core.add(mb)
+            if refused is not None:
+                replies.append(refused)
+    return replies
+
+
+# ---- inductive requests ----------------------------------------------------------------------------
+def run_inductive(core: EngineCore, mb: MicroBatch) -> list[Reply]:
+    """Embeddings of ``mb.ids`` and of new nodes that are not added: each new node is given a
+    temporary id past the graph's nodes, its in-edges and its feature row, the batch is sampled
+    and computed on the current graph plus those nodes, then the temporary nodes are removed.
+    Nothing else runs meanwhile (the GPU's batches are finished first)."""
+    replies = core.finish_all()
+    sync = core.graph_sync
+    assert mb.new_features is not None and mb.new_offsets is not None \
+        and mb.new_neighbors is not None
+    problem = _check_inductive(core, mb)
+    if problem is not None:
+        return replies + [refuse_all(mb, *problem)]
+    n = sync.overlay.num_nodes
+    virtual = np.arange(n, n + mb.num_new_nodes, dtype=np.int64)
+    try:
+        with sync.virtual_nodes(core, virtual, mb.new_offsets, mb.new_neighbors, mb.new_features):
+            rows = _forward(core, np.concatenate([mb.ids, virtual]), mb)
+    except errors.ServeError as exc:
+        return replies + [refuse_all(mb, exc.info.code, exc.info.message, exc.info.status)]
+    return replies + [Reply(mb.client, MicroBatchDone(mb.seq, int(rows.shape[1])), rows)]
+
+
+def _check_inductive(core: EngineCore, mb: MicroBatch) -> tuple[str, str, int] | None:
+    n = core.graph_sync.overlay.num_nodes
+    for name, ids in (("node_ids", mb.ids), ("in_neighbors", mb.new_neighbors)):
+        if ids is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            return ("invalid_node_ids", f"{name}: {errors.out_of_range_message(bad, n)}", 400)
+    offsets = mb.new_offsets
+    assert offsets is not None and mb.new_features is not None and mb.new_neighbors is not None
+    if offsets.size != mb.num_new_nodes + 1 or int(offsets[0]) != 0 \
+            or int(offsets[-1]) != mb.new_neighbors.size or bool((np.diff(offsets) < 0).any()):
+        return ("invalid_request", "malformed new_nodes neighbour offsets", 400)
+    if mb.new_features.shape[1] != core.features.dim:
+        return ("invalid_features", f"new_nodes features have {mb.new_features.shape[1]} "
+                f"values; this graph's features have {core.features.dim}", 422)
+    return None
+
+
+def _forward(core: EngineCore, seeds: np.ndarray, mb: MicroBatch) -> np.ndarray:
+    sampler = core.gpu_sampler or core.local_sampler
+    fanouts = [-1] * len(core.fanouts) if mb.exact else core.fanouts
+    seed = mb.seed if mb.seed != NO_SEED else new_batch_seed()
+    stream = core.sample_stream
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        sb = sampler.sample(torch.from_numpy(seeds), fanouts, seed)
+        n_id = sb.n_id.to(core.device)
+        x = core.features.gather(n_id)
+        out = core.model(x, n_id, sb.edge_index.to(core.device, torch.int64),
+                         sb.num_sampled_nodes, sb.num_sampled_edges, mb.exact)
+        rows = out.index_select(0, sb.seed_index.to(core.device)).float().cpu()
+    return rows.numpy()
+

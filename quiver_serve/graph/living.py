@@ -1,0 +1,152 @@
+"""The living graph's rules: capacities, where its log lives, what an update may contain.
+
+Every process that applies updates builds its overlay with :func:`capacities` of the same config and
+base, so an update that fits one overlay fits all of them, and validation here (once, by the
+writer) means every record in the log applies everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from quiver_serve import envs, errors
+from quiver_serve.config import GraphConfig
+from quiver_serve.graph.csc import GraphData
+
+#: the least node headroom (ids and feature rows preallocated for appended nodes)
+MIN_NEW_NODES = 1024
+#: the least overlay, in entries
+MIN_OVERLAY_ENTRIES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Capacities:
+    node_capacity: int  # highest node count while this base serves
+    edge_capacity: int  # overlay entries
+
+
+def capacities(cfg: GraphConfig, base_nodes: int, base_edges: int) -> Capacities:
+    new_nodes = cfg.max_new_nodes if cfg.max_new_nodes is not None else max(
+        MIN_NEW_NODES, base_nodes // 10)
+    entries = cfg.overlay_capacity_edges if cfg.overlay_capacity_edges is not None else max(
+        MIN_OVERLAY_ENTRIES, base_edges // 4)
+    return Capacities(base_nodes + new_nodes, entries)
+
+
+def log_dir(cfg: GraphConfig) -> Path:
+    """``graph.update_log_dir``, or a folder keyed by the dataset's config (not its content,
+    which compaction changes) under ``$QUIVER_SERVE_GRAPH_STATE``."""
+    if cfg.update_log_dir is not None:
+        return Path(cfg.update_log_dir).expanduser()
+    keyed = {k: v for k, v in cfg.model_dump().items()
+             if k.startswith("synthetic") or k in ("format", "path", "name")}
+    if cfg.path is not None:
+        keyed["path"] = str(Path(cfg.path).expanduser().resolve())
+    digest = hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+    return envs.QUIVER_SERVE_GRAPH_STATE / f"{cfg.name}-{digest}"
+
+
+def log_dir_for_graph(graph: GraphData) -> Path:
+    """The default update-log folder of a graph handed in by a caller (not loaded from the
+    config): keyed by its content, so another graph never replays its log."""
+    h = hashlib.sha1(f"{graph.num_nodes}:{graph.num_edges}:{graph.num_features}".encode())
+    step = max(1, graph.num_edges // 4096)
+    h.update(graph.indices[::step].numpy().tobytes())
+    h.update(graph.indptr[::max(1, graph.num_nodes // 4096)].numpy().tobytes())
+    h.update(graph.x[::max(1, graph.num_nodes // 64)].numpy().tobytes())
+    return envs.QUIVER_SERVE_GRAPH_STATE / f"{graph.name}-g{h.hexdigest()[:12]}"
+
+
+def _bad(code: str, message: str, status: int = 400) -> errors.ServeError:
+    return errors.ServeError(code, message, status)
+
+
+def as_pairs(value: object, field: str) -> np.ndarray:
+    """``[[src, dst], ...]`` as int64 [n, 2], or a 422 naming the field."""
+    try:
+        arr = np.asarray(value if value is not None else [], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise _bad("invalid_edges", f"{field} must be a list of [src, dst] integer pairs",
+                   422) from None
+    if arr.size == 0:
+        return np.empty((0, 2), np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise _bad("invalid_edges", f"{field} must be a list of [src, dst] pairs, got shape "
+                   f"{tuple(arr.shape)}", 422)
+    return arr
+
+
+def as_rows(value: object, field: str, width: int) -> np.ndarray:
+    """Feature rows as float32 [n, width], finite, or a 4xx naming the field."""
+    try:
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError, OverflowError):
+        raise _bad("invalid_features", f"{field} must be a list of rows of numbers", 422) from None
+    if arr.ndim != 2 or arr.shape[0] == 0:
+        raise _bad("invalid_features", f"{field} must be a non-empty list of rows, got shape "
+                   f"{tuple(arr.shape)}", 422)
+    if arr.shape[1] != width:
+        raise _bad("invalid_features", f"{field} rows have {arr.shape[1]} values; this graph's "
+                   f"features have {width}", 422)
+    if not np.isfinite(arr).all():
+        row = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise _bad("invalid_features", f"{field} row {row} has a NaN or infinite value")
+    return np.ascontiguousarray(arr)
+
+
+def check_ids(ids: np.ndarray, num_nodes: int, field: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_nodes):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise _bad("invalid_node_ids", f"{field}: node id {bad} is out of range: valid ids are "
+                   f"0..{num_nodes - 1}")
+
+
+def check_count(n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise _bad("too_many_updates", f"{n} {what} in one call; the limit is {limit} "
+                   "(graph.max_update_edges)", 413)
+
+
+def overlay_full(message: str, retry_after_s: int) -> errors.ServeError:
+    err = errors.ServeError("overlay_full", f"{message}; retry after compaction", 503)
+    err.retry_after_s = retry_after_s  # type: ignore[attr-defined]
+    return err
+
+
+@dataclass(frozen=True)
+class LiveGraphArgs:
+    """What a spawned process needs to follow the living graph (picklable: the state tensor is
+    shared memory)."""
+
+    log_dir: str
+    base_version: int
+    caps: Capacities
+    state: Any  # torch.Tensor of ``GraphState``
+
+
+def load_serving_graph(cfg: GraphConfig) -> tuple[GraphData, int]:
+    """The graph to serve and its version: the newest compacted base in the update-log folder,
+    else the dataset (version 0)."""
+    from quiver_serve.graph.datasets import load_graph
+    from quiver_serve.graph.update_log import load_base
+
+    directory = log_dir(cfg)
+    found = load_base(directory) if directory.exists() else None
+    if found is None:
+        return load_graph(cfg), 0
+    version, arrays, meta = found
+    graph = GraphData(str(meta.get("name", cfg.name)), _tensor(arrays["indptr"]),
+                      _tensor(arrays["indices"]), _tensor(arrays["x"]),
+                      _tensor(arrays["y"]) if "y" in arrays else None)
+    return graph, version
+
+
+def _tensor(arr: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(arr))  # out of the read-only mapping, into memory

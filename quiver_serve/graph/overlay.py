@@ -1,0 +1,395 @@
+"""The overlay: the graph's edges and nodes since its base CSC, applied version by version.
+
+Layout (``overlay_view.py``): per node a tail block in one preallocated arena; a node that gains
+edges appends to its tail (a block grows by half again when full, so appends cost O(1) amortised);
+a node that loses an edge has its whole surviving list rewritten into a fresh tail and its base
+list marked replaced. Every process that samples keeps its own overlay and applies the same records
+in the same order, so all agree at each version; :class:`Patch` carries one application's writes
+to a device copy (:class:`DeviceOverlay`) without recomputing them there.
+
+Applying is all-or-nothing: the space a call needs is computed first, and a call that would not
+fit raises :class:`OverlayFull` with nothing changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+
+#: smallest tail block, in entries
+MIN_BLOCK = 8
+
+
+class OverlayFull(Exception):
+    """The overlay has no room for an update until compaction folds it into a new base."""
+
+
+@dataclass
+class EdgeResult:
+    added: int
+    removed: int
+    missing: int
+
+
+@dataclass
+class Patch:
+    """One application's writes: per-node (start, length) and arena entries."""
+
+    nodes: np.ndarray  # int64 nodes whose (start, length) changed
+    start: np.ndarray  # int64, their new starts
+    length: np.ndarray  # int64, their new lengths (with REPLACED)
+    tail_pos: np.ndarray  # int64 arena positions written
+    tail_val: np.ndarray  # int64 values written there
+    num_nodes: int  # node count after the application
+
+    @classmethod
+    def empty(cls, num_nodes: int) -> Patch:
+        z = np.empty(0, np.int64)
+        return cls(z, z, z, z, z, num_nodes)
+
+
+def range_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concat(arange(s, s + c) for s, c in zip(starts, counts))``, vectorised."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, np.int64)
+    offsets = np.cumsum(counts) - counts
+    within = np.arange(total, dtype=np.int64) - np.repeat(offsets, counts)
+    return np.repeat(starts, counts) + within
+
+
+def gather_ranges(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concat(values[s:s + c] for s, c in zip(starts, counts))``, vectorised."""
+    return values[range_positions(starts, counts)]
+
+
+class Overlay:
+    """Host overlay over one base CSC; see the module docstring. Not thread-safe: one owner."""
+
+    def __init__(self, indptr: Tensor, indices: Tensor, node_capacity: int,
+                 edge_capacity: int) -> None:
+        self.indptr = indptr.numpy() if isinstance(indptr, Tensor) else np.asarray(indptr)
+        self.indices = indices.numpy() if isinstance(indices, Tensor) else np.asarray(indices)
+        self.n_base = int(self.indptr.size - 1)
+        if node_capacity < self.n_base:
+            raise ValueError(f"node capacity {node_capacity} is below the base's {self.n_base} nodes")
+        self.node_capacity, self.edge_capacity = int(node_capacity), int(edge_capacity)
+        self.num_nodes = self.n_base
+        self.num_edges = int(self.indices.size)
+        self.top = 0  # arena entries handed out (live or abandoned)
+        self.live_entries = 0  # entries in current tails
+        self._start: np.ndarray | None = None  # allocated at the first edge update
+        self._length: np.ndarray | None = None
+        self._block: np.ndarray | None = None  # block capacity of each node's tail
+        self._tail: np.ndarray | None = None
+
+    # ---- reading ---------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether any edge changed since the base (else samplers read the base alone)."""
+        return self._start is not None
+
+    def view(self) -> OverlayView | None:
+        """The sampler view over this overlay's host arrays (live: later applies show through)."""
+        if self._start is None:
+            return None
+        assert self._length is not None and self._tail is not None
+        return OverlayView(self.n_base, self.num_nodes, torch.from_numpy(self._start),
+                           torch.from_numpy(self._length), torch.from_numpy(self._tail))
+
+    def base_degree(self, nodes: np.ndarray) -> np.ndarray:
+        """Base-list length of each node (0 for nodes added since the base)."""
+        in_base = nodes < self.n_base
+        out = np.zeros(nodes.size, np.int64)
+        b = nodes[in_base]
+        out[in_base] = self.indptr[b + 1] - self.indptr[b]
+        return out
+
+    def _parts(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(counted base entries, tail start, tail length) of each node."""
+        base = self.base_degree(nodes)
+        if self._start is None:
+            return base, np.full(nodes.size, -1, np.int64), np.zeros(nodes.size, np.int64)
+        assert self._length is not None
+        start, raw = self._start[nodes], self._length[nodes]
+        base[(raw & REPLACED) != 0] = 0
+        return base, start, raw & LENGTH_MASK
+
+    def degree(self, nodes: np.ndarray) -> np.ndarray:
+        """Current in-degree of each node."""
+        base, _, tail = self._parts(nodes)
+        return base + tail
+
+    def neighbour_lists(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The current in-neighbours of ``nodes``, concatenated in list order, and each node's count."""
+        base, start, tail = self._parts(nodes)
+        b = np.minimum(nodes, max(self.n_base - 1, 0))
+        base_vals = gather_ranges(self.indices, self.indptr[b], base)
+        tail_vals = gather_ranges(self._tail, start, tail) if self._tail is not None \
+            else np.empty(0, np.int64)
+        counts = base + tail
+        out = np.empty(int(counts.sum()), np.int64)
+        # Interleave per node: base part then tail part.
+        owner_base = np.repeat(np.arange(nodes.size), base)
+        owner_tail = np.repeat(np.arange(nodes.size), tail)
+        node_off = np.cumsum(counts) - counts
+        out[node_off[owner_base] + _rank_within(owner_base)] = base_vals
+        out[node_off[owner_tail] + base[owner_tail] + _rank_within(owner_tail)] = tail_vals
+        return out, counts
+
+    def self_loops(self, nodes: np.ndarray) -> np.ndarray:
+        """Number of self loops (v -> v, copies counted) of each node now."""
+        values, counts = self.neighbour_lists(nodes)
+        owner = np.repeat(nodes, counts)
+        return np.bincount(np.repeat(np.arange(nodes.size), counts)[values == owner],
+                           minlength=nodes.size).astype(np.int64)
+
+    def to_csc(self) -> tuple[Tensor, Tensor]:
+        """The current graph as a plain CSC (lists in overlay order), e.g. for compaction."""
+        nodes = np.arange(self.num_nodes, dtype=np.int64)
+        if self._start is None:
+            indptr = np.zeros(self.num_nodes + 1, np.int64)
+            indptr[1:self.n_base + 1] = self.indptr[1:]
+            indptr[self.n_base + 1:] = self.indptr[-1]
+            return torch.from_numpy(indptr), torch.from_numpy(self.indices.copy())
+        values, counts = self.neighbour_lists(nodes)
+        indptr = np.zeros(self.num_nodes + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return torch.from_numpy(indptr), torch.from_numpy(values)
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def add_nodes(self, count: int) -> np.ndarray:
+        """Append ``count`` nodes without edges; their ids."""
+        if self.num_nodes + count > self.node_capacity:
+            raise OverlayFull(f"node capacity {self.node_capacity} reached ({self.num_nodes} nodes; "
+                              f"{count} more asked)")
+        ids = np.arange(self.num_nodes, self.num_nodes + count, dtype=np.int64)
+        self.num_nodes += count
+        return ids
+
+    def apply_edges(self, add: np.ndarray, remove: np.ndarray,
+                    before_commit: Callable[[EdgeResult], None] | None = None,
+                    ) -> tuple[EdgeResult, Patch]:
+        """Remove every copy of each ``remove`` pair, then append each ``add`` pair (rows are
+        (src, dst)); ids must be valid (the caller checked). All or nothing: ``before_commit``
+        (the writer's log append) runs once the call is known to fit; if it raises, nothing
+        changes."""
+        self._ensure_arrays()
+        plan = _Plan(self)
+        missing, removed = plan.remove(remove.reshape(-1, 2)) if remove.size else (0, 0)
+        if add.size:
+            plan.add(add.reshape(-1, 2))
+        if self.top + plan.alloc > self.edge_capacity:
+            raise OverlayFull(f"overlay full: {self.top + plan.alloc:,} of {self.edge_capacity:,} "
+                              f"entries needed; compaction frees them")
+        added = int(add.size // 2)
+        if before_commit is not None:
+            before_commit(EdgeResult(added, removed, missing))
+        patch = plan.commit()
+        self.num_edges += added - removed
+        return EdgeResult(added, removed, missing), patch
+
+    def ensure_active(self) -> None:
+        """Allocate the overlay's arrays (samplers given its view read them from now on)."""
+        self._ensure_arrays()
+
+    def _ensure_arrays(self) -> None:
+        if self._start is None:
+            self._start = np.full(self.node_capacity, -1, np.int64)
+            self._length = np.zeros(self.node_capacity, np.int64)
+            self._block = np.zeros(self.node_capacity, np.int64)
+            self._tail = np.zeros(self.edge_capacity, np.int64)
+
+    def usage(self) -> dict[str, int]:
+        return {"entries_used": self.top, "entries_capacity": self.edge_capacity,
+                "live_entries": self.live_entries, "nodes_added": self.num_nodes - self.n_base,
+                "nodes_capacity": self.node_capacity - self.n_base}
+
+
+def _rank_within(owner: np.ndarray) -> np.ndarray:
+    """Position of each entry among the entries of its owner (``owner`` sorted ascending)."""
+    if owner.size == 0:
+        return owner
+    first = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
+    counts = np.diff(np.r_[first, owner.size])
+    return np.arange(owner.size) - np.repeat(first, counts)
+
+
+def _block_for(entries: np.ndarray) -> np.ndarray:
+    return np.maximum(MIN_BLOCK, entries + entries // 2)
+
+
+class _Plan:
+    """The writes of one ``apply_edges`` call, computed before any is made."""
+
+    def __init__(self, ov: Overlay) -> None:
+        self.ov = ov
+        self.alloc = 0
+        self.new_blocks: dict[str, list[np.ndarray]] = {"node": [], "start": [], "length": [],
+                                                        "block": []}
+        self.writes_pos: list[np.ndarray] = []
+        self.writes_val: list[np.ndarray] = []
+        # state after this plan, for nodes it touches (removals first, then adds read it)
+        self.state: dict[int, tuple[int, int, int]] = {}
+
+    def _new_block(self, nodes: np.ndarray, lengths: np.ndarray, flags: np.ndarray,
+                   content: np.ndarray, content_counts: np.ndarray, spare: np.ndarray) -> np.ndarray:
+        """Blocks for ``nodes`` holding ``content`` (grouped per node) with room for ``spare``
+        more; returns their starts."""
+        caps = _block_for(lengths + spare)
+        starts = self.ov.top + self.alloc + np.cumsum(caps) - caps
+        self.alloc += int(caps.sum())
+        self.new_blocks["node"].append(nodes)
+        self.new_blocks["start"].append(starts)
+        self.new_blocks["length"].append(lengths | flags)
+        self.new_blocks["block"].append(caps)
+        self.writes_pos.append(range_positions(starts, content_counts))
+        self.writes_val.append(content)
+        return starts
+
+    def remove(self, pairs: np.ndarray) -> tuple[int, int]:
+        ov = self.ov
+        cap = ov.node_capacity
+        keys = pairs[:, 1] * cap + pairs[:, 0]
+        dsts = np.unique(pairs[:, 1])
+        values, counts = ov.neighbour_lists(dsts)
+        entry_keys = np.repeat(dsts, counts) * cap + values
+        drop = np.isin(entry_keys, keys)
+        missing = int((~np.isin(keys, entry_keys[drop])).sum())
+        removed = int(drop.sum())
+        if removed == 0:
+            return missing, 0
+        owner = np.repeat(np.arange(dsts.size), counts)
+        hit = np.bincount(owner[drop], minlength=dsts.size) > 0
+        keep_counts = np.bincount(owner[~drop], minlength=dsts.size)
+        kept = values[~drop & hit[owner]]
+        nodes, lengths = dsts[hit], keep_counts[hit]
+        starts = self._new_block(nodes, lengths, np.full(nodes.size, REPLACED, np.int64), kept,
+                                 lengths, np.zeros(nodes.size, np.int64))
+        caps = self.new_blocks["block"][-1]
+        for v, s, n, c in zip(nodes.tolist(), starts.tolist(), lengths.tolist(), caps.tolist(),
+                              strict=True):
+            self.state[v] = (s, n | REPLACED, c)
+        return missing, removed
+
+    def _current(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ov = self.ov
+        assert ov._start is not None and ov._length is not None and ov._block is not None
+        start, length, block = ov._start[nodes].copy(), ov._length[nodes].copy(), ov._block[nodes].copy()
+        for i, v in enumerate(nodes.tolist()):
+            if v in self.state:
+                start[i], length[i], block[i] = self.state[v]
+        return start, length, block
+
+    def add(self, pairs: np.ndarray) -> None:
+        order = np.argsort(pairs[:, 1], kind="stable")
+        src, dst = pairs[order, 0], pairs[order, 1]
+        nodes, first, counts = np.unique(dst, return_index=True, return_counts=True)
+        start, length, block = self._current(nodes)
+        used = length & LENGTH_MASK
+        flags = length & REPLACED
+        fits = (start >= 0) & (used + counts <= block)
+        # In place: appended after each tail, beyond what readers see until the length moves.
+        rank = np.arange(dst.size) - np.repeat(first, counts)
+        node_of = np.repeat(np.arange(nodes.size), counts)
+        in_place = fits[node_of]
+        self.writes_pos.append(start[node_of[in_place]] + used[node_of[in_place]] + rank[in_place])
+        self.writes_val.append(src[in_place])
+        self.new_blocks["node"].append(nodes[fits])
+        self.new_blocks["start"].append(start[fits])
+        self.new_blocks["length"].append((used[fits] + counts[fits]) | flags[fits])
+        self.new_blocks["block"].append(block[fits])
+        # Moved: the old tail (plan state or arena) and the new entries into a bigger block.
+        moved = np.flatnonzero(~fits)
+        if moved.size:
+            old = self._old_tails(nodes[moved], start[moved], used[moved])
+            new_vals = src[~in_place]
+            m_used, m_counts = used[moved], counts[moved]
+            content = _interleave(old, m_used, new_vals, m_counts)
+            self._new_block(nodes[moved], m_used + m_counts, flags[moved], content,
+                            m_used + m_counts, m_used + m_counts)
+
+    def _old_tails(self, nodes: np.ndarray, start: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Current tail contents of ``nodes`` (blocks this plan made are not in the arena yet)."""
+        ov = self.ov
+        assert ov._tail is not None
+        pending = {int(p): v for pos, val in zip(self.writes_pos, self.writes_val, strict=True)
+                   for p, v in zip(pos.tolist(), val.tolist(), strict=True)} \
+            if any(int(v) in self.state for v in nodes.tolist()) else {}
+        if not pending:
+            return gather_ranges(ov._tail, np.maximum(start, 0), used)
+        pos = range_positions(np.maximum(start, 0), used)
+        return np.array([pending[p] if p in pending else ov._tail[p] for p in pos.tolist()],
+                        np.int64)
+
+    def commit(self) -> Patch:
+        ov = self.ov
+        assert ov._start is not None and ov._length is not None and ov._block is not None
+        assert ov._tail is not None
+        pos = np.concatenate(self.writes_pos) if self.writes_pos else np.empty(0, np.int64)
+        val = np.concatenate(self.writes_val) if self.writes_val else np.empty(0, np.int64)
+        ov._tail[pos] = val
+        cols = {k: (np.concatenate(v) if v else np.empty(0, np.int64))
+                for k, v in self.new_blocks.items()}
+        # Later entries win: a node rewritten by a removal then grown by an add.
+        rev_uniq, rev_first = np.unique(cols["node"][::-1], return_index=True)
+        last = cols["node"].size - 1 - rev_first
+        uniq = rev_uniq
+        before = int((ov._length[uniq] & LENGTH_MASK).sum())
+        ov._start[uniq] = cols["start"][last]
+        ov._length[uniq] = cols["length"][last]
+        ov._block[uniq] = cols["block"][last]
+        ov.live_entries += int((ov._length[uniq] & LENGTH_MASK).sum()) - before
+        ov.top += self.alloc
+        return Patch(uniq, ov._start[uniq].copy(), ov._length[uniq].copy(), pos, val,
+                     ov.num_nodes)
+
+
+def _interleave(old: np.ndarray, old_counts: np.ndarray, new: np.ndarray,
+                new_counts: np.ndarray) -> np.ndarray:
+    """Per node: its old entries, then its new ones (both grouped by node in the same order)."""
+    counts = old_counts + new_counts
+    out = np.empty(int(counts.sum()), np.int64)
+    node_off = np.cumsum(counts) - counts
+    owner_old = np.repeat(np.arange(counts.size), old_counts)
+    owner_new = np.repeat(np.arange(counts.size), new_counts)
+    out[node_off[owner_old] + _rank_within(owner_old)] = old
+    out[node_off[owner_new] + old_counts[owner_new] + _rank_within(owner_new)] = new
+    return out
+
+
+class DeviceOverlay:
+    """A copy of an :class:`Overlay` on a device, kept equal by applying its patches in order
+    (on the current stream, so earlier sampling kernels finish reading first)."""
+
+    def __init__(self, host: Overlay, device: torch.device) -> None:
+        self.device = device
+        self.n_base, self.num_nodes = host.n_base, host.num_nodes
+        self.start = torch.full((host.node_capacity,), -1, dtype=torch.int64, device=device)
+        self.length = torch.zeros(host.node_capacity, dtype=torch.int64, device=device)
+        self.tail = torch.zeros(host.edge_capacity, dtype=torch.int64, device=device)
+        if host.active:
+            view = host.view()
+            assert view is not None
+            self.start.copy_(view.start)
+            self.length.copy_(view.length)
+            self.tail[:host.top].copy_(view.tail[:host.top])
+
+    def view(self) -> OverlayView:
+        return OverlayView(self.n_base, self.num_nodes, self.start, self.length, self.tail)
+
+    def apply(self, patch: Patch) -> None:
+        if patch.tail_pos.size:
+            pos = torch.from_numpy(patch.tail_pos).to(self.device, non_blocking=False)
+            self.tail[pos] = torch.from_numpy(patch.tail_val).to(self.device)
+        if patch.nodes.size:
+            nodes = torch.from_numpy(patch.nodes).to(self.device)
+            self.start[nodes] = torch.from_numpy(patch.start).to(self.device)
+            self.length[nodes] = torch.from_numpy(patch.length).to(self.device)
+        self.num_nodes = patch.num_nodes

@@ -1,0 +1,69 @@
+"""GraphState: the living graph's counters in one small shared-memory array.
+
+The writer publishes what it acknowledged (version, node and edge counts, overlay use, the last
+compaction); each engine core publishes the version it serves and its last staleness. Front-ends
+and the engine cores read it without a message: one float64 slot per value (exact for integers
+below 2**53), written by one owner each, read with at most one version of lag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+#: slots written by the writer
+ACKED, NUM_NODES, NUM_EDGES, ENTRIES_USED, ENTRIES_CAP, NODE_CAP = 0, 1, 2, 3, 4, 5
+ACKED_AT_S, BASE_VERSION, COMPACTIONS, COMPACT_VERSION, COMPACT_AT_S, COMPACT_S = 6, 7, 8, 9, 10, 11
+COMPACT_WANTED = 12
+#: engine i's slots: version served, staleness of its last applied version, when it applied it
+ENGINE_BASE, ENGINE_SLOTS = 16, 3
+MAX_ENGINES = 64
+
+
+class GraphState:
+    """Shared counters (see module docstring); pass ``tensor`` to spawned children."""
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:
+        if tensor is None:
+            tensor = torch.zeros(ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES, dtype=torch.float64)
+            tensor.share_memory_()
+        self.tensor = tensor
+        self._a = tensor.numpy()
+
+    def get(self, slot: int) -> int:
+        return int(self._a[slot])
+
+    def set(self, slot: int, value: float) -> None:
+        self._a[slot] = value
+
+    @property
+    def acked(self) -> int:
+        return int(self._a[ACKED])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self._a[NUM_NODES])
+
+    def publish_engine(self, index: int, version: int, staleness_s: float) -> None:
+        at = ENGINE_BASE + ENGINE_SLOTS * index
+        self._a[at + 1] = staleness_s
+        self._a[at + 2] = time.time()
+        self._a[at] = version  # last: a reader that sees the version sees its staleness
+
+    def engine_version(self, index: int) -> int:
+        return int(self._a[ENGINE_BASE + ENGINE_SLOTS * index])
+
+    def engines(self, count: int) -> list[dict[str, Any]]:
+        """Per engine core: version visible there, and its staleness now (0 when current)."""
+        now, acked = time.time(), self._a[ACKED]
+        rows = []
+        for i in range(min(count, MAX_ENGINES)):
+            at = ENGINE_BASE + ENGINE_SLOTS * i
+            version = int(self._a[at])
+            behind = version < acked
+            stale_s = max(0.0, now - float(self._a[ACKED_AT_S])) if behind else 0.0
+            rows.append({"engine": i, "version": version, "staleness_s": round(stale_s, 6),
+                         "last_apply_staleness_s": round(float(self._a[at + 1]), 6)})
+        return rows

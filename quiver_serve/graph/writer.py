@@ -1,0 +1,176 @@
+"""GraphWriter: the one place updates are validated, versioned, logged and acknowledged.
+
+An update is checked (ids, widths, finite values, sizes), planned against the writer's own overlay
+(so a call that does not fit is refused with nothing written), appended to the update log and
+synced per ``graph.fsync``, and only then applied and acknowledged: the version it returns is
+durable. Engine cores and CPU samplers follow the log themselves (``LogFollower``) and apply the
+same records in the same order. One lock orders the calls; it is held across the sync, so with
+``fsync: always`` the update rate is bounded by the disk's sync rate (``group`` shares syncs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from quiver_serve import errors
+from quiver_serve.config import GraphConfig
+from quiver_serve.graph import living
+from quiver_serve.graph import state as slots
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.overlay import Overlay, OverlayFull
+from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
+from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.update_log import UpdateLog
+
+log = logging.getLogger(__name__)
+
+
+class GraphWriter:
+    """Validates, logs and acknowledges updates; see the module docstring."""
+
+    def __init__(self, cfg: GraphConfig, base: GraphData, base_version: int, update_log: UpdateLog,
+                 state: GraphState | None = None, retry_after_s: int = 1) -> None:
+        self.cfg, self.base, self.log = cfg, base, update_log
+        self.caps = living.capacities(cfg, base.num_nodes, base.num_edges)
+        self.overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
+                               self.caps.edge_capacity)
+        self.num_features = base.num_features
+        self.base_version = self.version = base_version
+        self.state = state or GraphState()
+        self.retry_after_s = retry_after_s
+        self.lock = threading.Lock()  # versions and the overlay: one update at a time
+        self._ack_lock = threading.Lock()
+        self.acked = base_version
+        self.updates_by_kind = {"edges": 0, "nodes": 0, "features": 0}
+        self.last_update_s = 0.0
+        #: called after each acknowledged update: (kind, seconds, record version)
+        self.on_update: Any = None
+
+    # ---- start-up --------------------------------------------------------------------------------
+    def replay(self) -> int:
+        """Apply the log's records after the base (start-up); returns how many."""
+        count = 0
+        for record in self.log.records_after(self.version):
+            self._apply(record)
+            self.version = self.acked = record.version
+            count += 1
+        self.publish()
+        return count
+
+    def _apply(self, record: Any) -> Any:
+        if isinstance(record, EdgeRecord):
+            return self.overlay.apply_edges(record.add, record.remove)[0]
+        if isinstance(record, NodeRecord):
+            return self.overlay.add_nodes(int(record.features.shape[0]))
+        return None  # feature rows live in the engine cores' feature stores
+
+    # ---- the update calls ------------------------------------------------------------------------
+    def add_edges(self, add: Any, remove: Any) -> dict[str, int]:
+        add_arr, rm_arr = living.as_pairs(add, "add"), living.as_pairs(remove, "remove")
+        living.check_count(len(add_arr) + len(rm_arr), self.cfg.max_update_edges, "edges")
+        t0 = time.perf_counter()
+        with self.lock:
+            n = self.overlay.num_nodes
+            living.check_ids(add_arr, n, "add")
+            living.check_ids(rm_arr, n, "remove")
+            version = self.version + 1
+            record = EdgeRecord(version, time.time(), add_arr, rm_arr)
+            try:
+                result, _ = self.overlay.apply_edges(add_arr, rm_arr,
+                                                     before_commit=lambda _r: self.log.write(record))
+            except OverlayFull as exc:
+                self.request_compaction()
+                raise living.overlay_full(str(exc), self.retry_after_s) from None
+            self.version = version
+        self._durable(version, "edges", t0)
+        return {"version": version, "added": result.added, "removed": result.removed,
+                "missing": result.missing}
+
+    def add_nodes(self, features: Any) -> dict[str, Any]:
+        rows = living.as_rows(features, "features", self.num_features)
+        living.check_count(len(rows), self.cfg.max_update_edges, "nodes")
+        t0 = time.perf_counter()
+        with self.lock:
+            if self.overlay.num_nodes + len(rows) > self.overlay.node_capacity:
+                raise living.overlay_full(
+                    f"node capacity {self.overlay.node_capacity} reached "
+                    f"({self.overlay.num_nodes} nodes; graph.max_new_nodes sets the headroom, "
+                    "renewed when the daemon starts on a compacted base)", self.retry_after_s)
+            version = self.version + 1
+            self.log.write(NodeRecord(version, time.time(), rows))
+            ids = self.overlay.add_nodes(len(rows))
+            self.version = version
+        self._durable(version, "nodes", t0)
+        return {"version": version, "node_ids": ids.tolist()}
+
+    def put_features(self, node_ids: Any, features: Any) -> dict[str, int]:
+        try:
+            ids = np.asarray(node_ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            raise errors.ServeError("invalid_node_ids", "node_ids must be a list of integers",
+                                    422) from None
+        rows = living.as_rows(features, "features", self.num_features)
+        if ids.size != len(rows):
+            raise errors.ServeError("invalid_features", f"{ids.size} node_ids but {len(rows)} "
+                                    "feature rows", 422)
+        living.check_count(len(rows), self.cfg.max_update_edges, "feature rows")
+        t0 = time.perf_counter()
+        with self.lock:
+            living.check_ids(ids, self.overlay.num_nodes, "node_ids")
+            version = self.version + 1
+            self.log.write(FeatureRecord(version, time.time(), ids, rows))
+            self.version = version
+        self._durable(version, "features", t0)
+        return {"version": version}
+
+    def _durable(self, version: int, kind: str, t0: float) -> None:
+        """Wait (outside the lock, so concurrent calls share a group commit) until ``version``
+        is durable, then acknowledge it."""
+        self.log.wait_durable(version)
+        with self._ack_lock:
+            self.acked = max(self.acked, version)
+            self.updates_by_kind[kind] += 1
+            self.last_update_s = time.time()
+            self.publish()
+        if self.on_update is not None:
+            self.on_update(kind, time.perf_counter() - t0, version)
+        if self.overlay.top >= self.cfg.compact_at_fill * self.overlay.edge_capacity:
+            self.request_compaction()
+
+    # ---- state -----------------------------------------------------------------------------------
+    def publish(self) -> None:
+        s, ov = self.state, self.overlay
+        s.set(slots.NUM_NODES, ov.num_nodes)
+        s.set(slots.NUM_EDGES, ov.num_edges)
+        s.set(slots.ENTRIES_USED, ov.top)
+        s.set(slots.ENTRIES_CAP, ov.edge_capacity)
+        s.set(slots.NODE_CAP, ov.node_capacity)
+        s.set(slots.BASE_VERSION, self.base_version)
+        s.set(slots.ACKED_AT_S, time.time())
+        s.set(slots.ACKED, self.acked)  # last: readers that see it see the counts
+
+    def request_compaction(self) -> None:
+        self.state.set(slots.COMPACT_WANTED, 1)
+
+    def info(self, num_engines: int) -> dict[str, Any]:
+        s = self.state
+        compaction = None
+        if s.get(slots.COMPACTIONS):
+            compaction = {"version": s.get(slots.COMPACT_VERSION),
+                          "at_s": float(s.tensor[slots.COMPACT_AT_S]),
+                          "duration_s": float(s.tensor[slots.COMPACT_S]),
+                          "count": s.get(slots.COMPACTIONS)}
+        engines = s.engines(num_engines)
+        return {
+            "version": self.acked, "base_version": self.base_version,
+            "num_nodes": self.overlay.num_nodes, "num_edges": self.overlay.num_edges,
+            "engines": engines,
+            "staleness_s": max((e["staleness_s"] for e in engines), default=0.0),
+            "overlay": self.overlay.usage(), "last_compaction": compaction,
+        }
+

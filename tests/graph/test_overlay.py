@@ -1,0 +1,97 @@
+"""The host overlay against a plain list-of-lists model of DESIGN §7's update semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.overlay import DeviceOverlay, Overlay, OverlayFull
+
+
+def random_graph(rng: np.random.Generator, n: int, e: int) -> GraphData:
+    ei = torch.from_numpy(rng.integers(0, n, (2, e)))
+    return GraphData.from_edge_index(ei, torch.zeros(n, 1), "g")
+
+
+def model_lists(g: GraphData) -> list[list[int]]:
+    return [g.indices[g.indptr[v]:g.indptr[v + 1]].tolist() for v in range(g.num_nodes)]
+
+
+def model_apply(lists: list[list[int]], add: np.ndarray, remove: np.ndarray) -> tuple[int, int]:
+    gone = {(int(s), int(d)) for s, d in remove}
+    present = {(u, d) for d, lst in enumerate(lists) for u in lst}
+    missing = sum((int(s), int(d)) not in present for s, d in remove)
+    removed = 0
+    for d in {d for _, d in gone}:
+        keep = [u for u in lists[d] if (u, d) not in gone]
+        removed += len(lists[d]) - len(keep)
+        lists[d] = keep
+    for s, d in add:
+        lists[int(d)].append(int(s))
+    return removed, missing
+
+
+def overlay_lists(ov: Overlay) -> list[list[int]]:
+    indptr, indices = ov.to_csc()
+    return [indices[indptr[v]:indptr[v + 1]].tolist() for v in range(ov.num_nodes)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_updates_match_the_list_model(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    g = random_graph(rng, 40, 160)
+    ov = Overlay(g.indptr, g.indices, node_capacity=60, edge_capacity=20_000)
+    lists = model_lists(g)
+    for step in range(40):
+        if step % 7 == 3:
+            ids = ov.add_nodes(int(rng.integers(1, 3)))
+            lists += [[] for _ in ids]
+        n = ov.num_nodes
+        add = rng.integers(0, n, (int(rng.integers(0, 30)), 2))
+        present = [(u, d) for d, lst in enumerate(lists) for u in lst]
+        take = rng.integers(0, len(present), int(rng.integers(0, 6))) if present else []
+        remove = np.array([present[i] for i in take] + [[int(rng.integers(0, n)), 0]],
+                          np.int64).reshape(-1, 2)
+        removed, missing = model_apply(lists, add, remove)
+        result, _ = ov.apply_edges(add, remove)
+        assert (result.added, result.removed, result.missing) == (len(add), removed, missing)
+        assert overlay_lists(ov) == lists
+        assert ov.num_edges == sum(map(len, lists))
+    nodes = np.arange(ov.num_nodes)
+    assert ov.degree(nodes).tolist() == [len(x) for x in lists]
+    assert ov.self_loops(nodes).tolist() == [x.count(v) for v, x in enumerate(lists)]
+
+
+def test_device_copy_follows_the_patches() -> None:
+    rng = np.random.default_rng(1)
+    g = random_graph(rng, 30, 90)
+    ov = Overlay(g.indptr, g.indices, node_capacity=40, edge_capacity=5_000)
+    ov.apply_edges(rng.integers(0, 30, (10, 2)), np.empty((0, 2), np.int64))
+    dev = DeviceOverlay(ov, torch.device("cpu"))
+    for _ in range(10):
+        present = ov.to_csc()
+        src = present[1][:3].numpy()
+        dst = np.searchsorted(present[0].numpy(), np.arange(3), side="right") - 1
+        _, patch = ov.apply_edges(rng.integers(0, 30, (15, 2)), np.stack([src, dst], 1))
+        dev.apply(patch)
+        host = ov.view()
+        assert host is not None
+        view = dev.view()
+        assert torch.equal(view.start, host.start) and torch.equal(view.length, host.length)
+        used = ov.top
+        assert torch.equal(view.tail[:used], host.tail[:used])
+
+
+def test_a_full_overlay_refuses_and_changes_nothing() -> None:
+    rng = np.random.default_rng(2)
+    g = random_graph(rng, 20, 40)
+    ov = Overlay(g.indptr, g.indices, node_capacity=22, edge_capacity=64)
+    before = overlay_lists(ov)
+    with pytest.raises(OverlayFull):
+        ov.apply_edges(rng.integers(0, 20, (200, 2)), np.empty((0, 2), np.int64))
+    assert overlay_lists(ov) == before and ov.num_edges == 40
+    ov.add_nodes(2)
+    with pytest.raises(OverlayFull, match="node capacity"):
+        ov.add_nodes(1)
