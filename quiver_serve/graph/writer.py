@@ -22,7 +22,7 @@ from quiver_serve.config import GraphConfig
 from quiver_serve.graph import living
 from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.overlay import Overlay, OverlayFull
+from quiver_serve.graph.overlay import Overlay, OverlayFull, range_positions
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
 from quiver_serve.graph.state import GraphState
 from quiver_serve.graph.update_log import UpdateLog
@@ -47,9 +47,15 @@ class GraphWriter:
         self._ack_lock = threading.Lock()
         self.acked = base_version
         self.updates_by_kind = {"edges": 0, "nodes": 0, "features": 0}
+        #: feature rows since the base (compaction writes them into the new base)
+        self.appended_rows: list[np.ndarray] = []
+        self.written_rows: dict[int, np.ndarray] = {}
+        self._compact_lock = threading.Lock()
         self.last_update_s = 0.0
         #: called after each acknowledged update: (kind, seconds, record version)
         self.on_update: Any = None
+        #: called after each compaction with its duration in seconds
+        self.on_compaction: Any = None
 
     # ---- start-up --------------------------------------------------------------------------------
     def replay(self) -> int:
@@ -66,8 +72,14 @@ class GraphWriter:
         if isinstance(record, EdgeRecord):
             return self.overlay.apply_edges(record.add, record.remove)[0]
         if isinstance(record, NodeRecord):
+            self.appended_rows.append(record.features)
             return self.overlay.add_nodes(int(record.features.shape[0]))
-        return None  # feature rows live in the engine cores' feature stores
+        self._remember_rows(record.node_ids, record.features)
+        return None
+
+    def _remember_rows(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        for i, row in zip(ids.tolist(), rows, strict=True):
+            self.written_rows[i] = row
 
     # ---- the update calls ------------------------------------------------------------------------
     def add_edges(self, add: Any, remove: Any) -> dict[str, int]:
@@ -104,6 +116,7 @@ class GraphWriter:
             version = self.version + 1
             self.log.write(NodeRecord(version, time.time(), rows))
             ids = self.overlay.add_nodes(len(rows))
+            self.appended_rows.append(rows)
             self.version = version
         self._durable(version, "nodes", t0)
         return {"version": version, "node_ids": ids.tolist()}
@@ -124,6 +137,7 @@ class GraphWriter:
             living.check_ids(ids, self.overlay.num_nodes, "node_ids")
             version = self.version + 1
             self.log.write(FeatureRecord(version, time.time(), ids, rows))
+            self._remember_rows(ids, rows)
             self.version = version
         self._durable(version, "features", t0)
         return {"version": version}
@@ -141,6 +155,63 @@ class GraphWriter:
             self.on_update(kind, time.perf_counter() - t0, version)
         if self.overlay.top >= self.cfg.compact_at_fill * self.overlay.edge_capacity:
             self.request_compaction()
+
+    # ---- compaction --------------------------------------------------------------------------------
+    def compact(self) -> dict[str, Any]:
+        """Fold every acknowledged update into a new base on disk and drop the log it covers
+        (``UpdateLog.write_base``: crash-safe at every step). Updates wait only while the graph
+        is copied; serving does not wait at all. The processes that sample keep their overlays
+        until they start again, on the new base."""
+        with self._compact_lock:
+            t0 = time.perf_counter()
+            with self.lock:
+                version = self.version
+                if version == self.base_version or version == self.state.get(slots.COMPACT_VERSION):
+                    return {"version": version, "compacted": False}
+                self.log.wait_durable(version)
+                indptr, indices = self.overlay.to_csc()
+                touched = _tail_nodes(self.overlay)
+                appended = list(self.appended_rows)
+                written = dict(self.written_rows)
+            arrays = self._base_arrays(indptr.numpy(), indices.numpy(), touched, appended, written)
+            self.log.write_base(version, arrays, {"name": self.base.name, "version": version})
+            seconds = time.perf_counter() - t0
+            s = self.state
+            s.set(slots.COMPACTIONS, s.get(slots.COMPACTIONS) + 1)
+            s.set(slots.COMPACT_VERSION, version)
+            s.set(slots.COMPACT_AT_S, time.time())
+            s.set(slots.COMPACT_S, seconds)
+            s.set(slots.COMPACT_WANTED, 0)
+            if self.on_compaction is not None:
+                self.on_compaction(seconds)
+            log.info("compacted the graph at version %d in %.2f s (%d nodes, %d edges)", version,
+                     seconds, indptr.numel() - 1, indices.numel())
+            return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
+
+    def _base_arrays(self, indptr: np.ndarray, indices: np.ndarray, touched: np.ndarray,
+                     appended: list[np.ndarray], written: dict[int, np.ndarray],
+                     ) -> dict[str, np.ndarray]:
+        """The new base: the CSC with every list sorted by id again (only lists the overlay
+        changed need it), the features with writes and appended rows."""
+        counts = indptr[1:] - indptr[:-1]
+        pos = range_positions(indptr[touched], counts[touched])
+        owner = np.repeat(touched, counts[touched])
+        order = np.lexsort((indices[pos], owner))
+        indices = indices.copy()
+        indices[pos] = indices[pos][order]
+        n = indptr.size - 1
+        x = np.empty((n, self.num_features), np.float32)
+        x[:self.base.num_nodes] = self.base.x.numpy()
+        if appended:
+            x[self.base.num_nodes:] = np.concatenate(appended)
+        for i, row in written.items():
+            x[i] = row
+        arrays = {"indptr": indptr, "indices": indices, "x": x}
+        if self.base.y is not None:
+            y = np.full(n, -1, dtype=self.base.y.numpy().dtype)
+            y[:self.base.num_nodes] = self.base.y.numpy()
+            arrays["y"] = y
+        return arrays
 
     # ---- state -----------------------------------------------------------------------------------
     def publish(self) -> None:
@@ -174,3 +245,11 @@ class GraphWriter:
             "overlay": self.overlay.usage(), "last_compaction": compaction,
         }
 
+
+
+def _tail_nodes(overlay: Overlay) -> np.ndarray:
+    """Nodes whose lists the overlay changed (their merged lists need sorting)."""
+    view = overlay.view()
+    if view is None:
+        return np.empty(0, np.int64)
+    return np.flatnonzero(view.start.numpy()[:overlay.num_nodes] >= 0)

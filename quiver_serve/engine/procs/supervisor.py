@@ -44,7 +44,7 @@ from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
 from quiver_serve.graph import living
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import LiveGraphArgs
-from quiver_serve.graph.state import ACKED, NUM_NODES, GraphState
+from quiver_serve.graph.state import ACKED, COMPACT_WANTED, NUM_NODES, GraphState
 from quiver_serve.graph.writer import GraphWriter
 from quiver_serve.wire import RunAddresses
 
@@ -60,6 +60,8 @@ HANG_TIMEOUT_S = 30.0
 #: when a child died without a word, how long its "failed" message may still be on its way
 LAST_WORDS_MS = 100
 CHECK_S = 0.1
+#: background compactions are at least this far apart
+COMPACT_MIN_GAP_S = 30.0
 
 
 class StartFailed(RuntimeError):
@@ -383,11 +385,42 @@ class Supervisor:
             return
         writer = GraphWriter(g, self.graph, self.living.base_version, update_log,
                              self.graph_state, self.cfg.server.retry_after_s)
+        from quiver_serve.metrics.prometheus import GraphWriterMetrics
+
+        metrics = GraphWriterMetrics()
+
+        def on_update(kind: str, seconds: float, version: int) -> None:
+            metrics.on_update(kind, seconds, version)
+            ov = writer.overlay
+            metrics.on_state(ov.num_nodes, ov.num_edges, ov.top, ov.edge_capacity)
+
+        writer.on_update = on_update
+        writer.on_compaction = metrics.on_compaction
         replayed = writer.replay()
         if replayed:
             log.info("update log %s: %d update(s) replayed over base version %d (now version %d)",
                      self.living.log_dir, replayed, self.living.base_version, writer.acked)
         self.graph_writer = writer
+        self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
+                                           name="quiver-compactor", daemon=True)
+        self._compactor.start()
+
+    def _compact_when_due(self, writer: GraphWriter) -> None:
+        """Compact when the overlay passed ``graph.compact_at_fill`` (the writer asks) or
+        ``graph.compact_interval_s`` after the last compaction with updates since; at most one
+        compaction per ``COMPACT_MIN_GAP_S``."""
+        g = self.cfg.graph
+        last_s = time.monotonic()
+        while not self._stop.wait(1.0):
+            now_s = time.monotonic()
+            wanted = self.graph_state.get(COMPACT_WANTED) > 0
+            due = g.compact_interval_s > 0 and now_s - last_s >= g.compact_interval_s
+            if (wanted or due) and now_s - last_s >= COMPACT_MIN_GAP_S:
+                last_s = now_s
+                try:
+                    writer.compact()
+                except Exception:  # noqa: BLE001 - the log stays whole; the next try may work
+                    log.exception("compaction failed; the update log keeps every update")
 
     def _replay_read_only(self) -> None:
         from quiver_serve.graph.update_log import LogFollower
