@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file")
     add_set_option(ap)
     args = ap.parse_args()
-    from quiver_serve.engine.core.build import gpu_sampler_or_none, local_sampler
+    from quiver_serve.engine.core.samplers import gpu_sampler_or_none, local_sampler
     from quiver_serve.graph.datasets import load_graph
 
     cfg = load_config(args.config, args.sets)

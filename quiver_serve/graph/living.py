@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,11 +143,38 @@ def load_serving_graph(cfg: GraphConfig) -> tuple[GraphData, int]:
     if found is None:
         return load_graph(cfg), 0
     version, arrays, meta = found
-    graph = GraphData(str(meta.get("name", cfg.name)), _tensor(arrays["indptr"]),
-                      _tensor(arrays["indices"]), _tensor(arrays["x"]),
-                      _tensor(arrays["y"]) if "y" in arrays else None)
-    return graph, version
+    return graph_from_arrays(arrays, meta, cfg.name, copy=True), version
 
 
-def _tensor(arr: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(arr))  # out of the read-only mapping, into memory
+def graph_from_arrays(arrays: dict[str, np.ndarray], meta: dict, name: str = "graph",
+                      copy: bool = False, with_x: bool = True) -> GraphData:
+    """A compacted base as a GraphData: copied into memory, or (``copy=False``) over the files'
+    read-only mappings, which every process that maps them shares through the page cache."""
+    def tensor(arr: np.ndarray) -> torch.Tensor:
+        if copy:
+            return torch.from_numpy(np.array(arr))
+        with warnings.catch_warnings():  # read-only: nothing writes a base's arrays
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+
+    indptr = tensor(arrays["indptr"])
+    x = tensor(arrays["x"]) if with_x else torch.empty((indptr.numel() - 1, 0))
+    y = tensor(arrays["y"]) if with_x and "y" in arrays else None
+    return GraphData(str(meta.get("name", name)), indptr, tensor(arrays["indices"]), x, y)
+
+
+def newest_base(live: LiveGraphArgs, graph: GraphData, with_x: bool = True,
+                ) -> tuple[GraphData, LiveGraphArgs]:
+    """The newest compacted base when the writer made one after ``live``'s (a process started
+    or restarted after a compaction samples over it), else ``graph`` and ``live`` as given."""
+    from quiver_serve.graph.state import NEWEST_BASE, GraphState
+    from quiver_serve.graph.update_log import load_base
+
+    if GraphState(live.state).get(NEWEST_BASE) <= live.base_version:
+        return graph, live
+    found = load_base(Path(live.log_dir))
+    if found is None or found[0] <= live.base_version:
+        return graph, live
+    version, arrays, meta = found
+    newer = LiveGraphArgs(live.log_dir, version, live.caps, live.state)
+    return graph_from_arrays(arrays, meta, graph.name, copy=False, with_x=with_x), newer

@@ -16,10 +16,14 @@ import torch
 #: slots written by the writer
 ACKED, NUM_NODES, NUM_EDGES, ENTRIES_USED, ENTRIES_CAP, NODE_CAP = 0, 1, 2, 3, 4, 5
 ACKED_AT_S, BASE_VERSION, COMPACTIONS, COMPACT_VERSION, COMPACT_AT_S, COMPACT_S = 6, 7, 8, 9, 10, 11
-COMPACT_WANTED = 12
-#: engine i's slots: version served, staleness of its last applied version, when it applied it
-ENGINE_BASE, ENGINE_SLOTS = 16, 3
+COMPACT_WANTED, NEWEST_BASE = 12, 13
+#: engine i's slots: version served, staleness of its last applied version, when it applied it,
+#: the base version it samples over
+ENGINE_BASE, ENGINE_SLOTS = 16, 4
 MAX_ENGINES = 64
+#: CPU sampler j's slot: the base version it samples over
+SAMPLER_BASE = ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES
+MAX_SAMPLERS = 256
 
 
 class GraphState:
@@ -27,7 +31,7 @@ class GraphState:
 
     def __init__(self, tensor: torch.Tensor | None = None) -> None:
         if tensor is None:
-            tensor = torch.zeros(ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES, dtype=torch.float64)
+            tensor = torch.zeros(SAMPLER_BASE + MAX_SAMPLERS, dtype=torch.float64)
             tensor.share_memory_()
         self.tensor = tensor
         self._a = tensor.numpy()
@@ -54,6 +58,19 @@ class GraphState:
 
     def engine_version(self, index: int) -> int:
         return int(self._a[ENGINE_BASE + ENGINE_SLOTS * index])
+
+    def set_reader_base(self, role: str, index: int, base_version: int) -> None:
+        """The base a reader (``engine`` or ``sampler``) samples over now."""
+        self._a[self._base_slot(role, index)] = base_version
+
+    def reader_base(self, role: str, index: int) -> int:
+        return int(self._a[self._base_slot(role, index)])
+
+    @staticmethod
+    def _base_slot(role: str, index: int) -> int:
+        if role == "engine":
+            return ENGINE_BASE + ENGINE_SLOTS * index + 3
+        return SAMPLER_BASE + index
 
     def engines(self, count: int) -> list[dict[str, Any]]:
         """Per engine core: version visible there, and its staleness now (0 when current)."""

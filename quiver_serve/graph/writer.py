@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.overlay import Overlay, OverlayFull, range_positions
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
 from quiver_serve.graph.state import GraphState
-from quiver_serve.graph.update_log import UpdateLog
+from quiver_serve.graph.update_log import UpdateLog, load_base
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class GraphWriter:
         self.on_update: Any = None
         #: called after each compaction with its duration in seconds
         self.on_compaction: Any = None
+        #: base versions of the processes that sample (the supervisor sets it)
+        self.reader_bases: Callable[[], list[int]] = list
 
     # ---- start-up --------------------------------------------------------------------------------
     def replay(self) -> int:
@@ -182,6 +185,7 @@ class GraphWriter:
             s.set(slots.COMPACT_AT_S, time.time())
             s.set(slots.COMPACT_S, seconds)
             s.set(slots.COMPACT_WANTED, 0)
+            s.set(slots.NEWEST_BASE, version)  # the samplers move to it; then this writer
             if self.on_compaction is not None:
                 self.on_compaction(seconds)
             log.info("compacted the graph at version %d in %.2f s (%d nodes, %d edges)", version,
@@ -212,6 +216,38 @@ class GraphWriter:
             y[:self.base.num_nodes] = self.base.y.numpy()
             arrays["y"] = y
         return arrays
+
+    def maybe_rebase(self) -> bool:
+        """Move this writer's overlay to the newest base once every process that samples has
+        (``reader_bases``): until then the old, fuller overlay is the one whose room bounds an
+        update, since some sampler still applies updates to an overlay like it."""
+        newest = self.state.get(slots.NEWEST_BASE)
+        if newest <= self.base_version or any(b < newest for b in self.reader_bases()):
+            return False
+        found = load_base(self.log.directory)
+        if found is None or found[0] <= self.base_version:
+            return False
+        version, arrays, meta = found
+        base = living.graph_from_arrays(arrays, meta, self.base.name)
+        with self.lock:
+            self.log.wait_durable(self.version)  # every record up to self.version is readable
+            overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
+                              self.caps.edge_capacity)
+            old = (self.overlay, self.base, self.appended_rows, self.written_rows)
+            self.overlay, self.base, self.appended_rows, self.written_rows = overlay, base, [], {}
+            try:
+                for record in self.log.records_after(version):
+                    if record.version > self.version:
+                        break
+                    self._apply(record)
+            except BaseException:
+                self.overlay, self.base, self.appended_rows, self.written_rows = old
+                raise
+            self.base_version = version
+        log.info("graph writer on the base of version %d (overlay %d of %d entries)", version,
+                 self.overlay.top, self.overlay.edge_capacity)
+        self.publish()
+        return True
 
     # ---- state -----------------------------------------------------------------------------------
     def publish(self) -> None:

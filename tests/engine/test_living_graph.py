@@ -138,3 +138,48 @@ def test_sampled_answers_only_use_current_edges(tmp_path: Path) -> None:
     # the same multiset; with 4 in-edges and fanout 3 the draws may differ, so compare exact
     # rows of the full neighbourhood instead when the fanout covers it
     assert rows.shape == want.shape
+
+
+def test_compaction_while_serving_moves_every_process_to_the_new_base(tmp_path: Path) -> None:
+    """Compact half-way through the stream: the engine core and the CPU sampler move onto the
+    new base while serving, then the writer; the overlay empties; answers stay exact."""
+    import time
+
+    base, stream = hold_out(awkward_graph(4), 0.4, seed=5,
+                            mix=StreamMix(edges_per_call=30, nodes_every=2, features_every=3))
+    cfg = living_cfg(tmp_path, "GraphSAGE", "cpu")
+    cfg.graph.compact_interval_s = 0
+    half = len(stream.ops) // 2
+    pipeline = Pipeline(cfg, graph=base).start()
+    try:
+        writer = pipeline.supervisor.graph_writer  # type: ignore[union-attr]
+        run_ops(writer, stream.ops[:half])
+        used_before = writer.overlay.top
+        done = writer.compact()
+        assert done["compacted"]
+        deadline = time.monotonic() + 30
+        while writer.base_version != done["version"] and time.monotonic() < deadline:
+            pipeline.embed(torch.arange(4))  # keeps the engine stepping
+            time.sleep(0.2)
+        assert writer.base_version == done["version"], "the writer never moved to the new base"
+        assert writer.overlay.top < used_before
+        version = run_ops(writer, stream.ops[half:])
+        want = full_graph_rows(cfg, stream.final_x(), stream.final_edge_index())
+        got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert writer.acked == version
+    finally:
+        pipeline.stop()
+
+
+def run_ops(writer: object, ops: list[dict]) -> int:
+    version = 0
+    for op in ops:
+        if op["op"] == "edges":
+            got = writer.add_edges(op.get("add", []), op.get("remove", []))  # type: ignore[attr-defined]
+        elif op["op"] == "nodes":
+            got = writer.add_nodes(op["features"])  # type: ignore[attr-defined]
+        else:
+            got = writer.put_features(op["node_ids"], op["features"])  # type: ignore[attr-defined]
+        version = got["version"]
+    return version

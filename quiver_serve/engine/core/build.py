@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -17,13 +16,14 @@ from quiver_serve.engine.core.batch import SamplerPool
 from quiver_serve.engine.core.core import EngineCore
 from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.engine.core.samplers import gpu_sampler_or_none
 from quiver_serve.features.build import build_feature_store
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import Capacities, LiveGraphArgs
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.routing.router import EngineRouter
-from quiver_serve.sampling import BaseSampler, make_cpu_sampler
+from quiver_serve.sampling import make_cpu_sampler
 from quiver_serve.wire import NO_SEED
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     warm_up(core)
     prepare_routing(core, cfg, graph, calibration, progress)
     if live is not None:
-        follow_updates(core, graph, live, index)
+        follow_updates(core, cfg, graph, live, index)
     return core
 
 
-def follow_updates(core: EngineCore, graph: GraphData, live: LiveGraphArgs, index: int) -> None:
+def follow_updates(core: EngineCore, cfg: ServeConfig, graph: GraphData, live: LiveGraphArgs,
+                   index: int) -> None:
     """Give ``core`` its :class:`GraphSync` and apply what the log holds (start-up replay)."""
     from quiver_serve.engine.core.graph_sync import GraphSync
     from quiver_serve.graph.state import GraphState
@@ -72,6 +73,7 @@ def follow_updates(core: EngineCore, graph: GraphData, live: LiveGraphArgs, inde
     if core.psgs is not None and core.psgs.capacity < live.caps.node_capacity:
         core.psgs = core.psgs.with_capacity(live.caps.node_capacity)
     sync = GraphSync(graph, live.base_version, live.caps, Path(live.log_dir), state, index)
+    sync.cfg = cfg  # to build samplers over a compacted base (``rebase.py``)
     core.graph_sync = sync
     t0 = time.perf_counter()
     sync.catch_up(core)
@@ -110,57 +112,6 @@ def _warm_batches(core: EngineCore) -> None:
             raise RuntimeError(f"warm-up batch failed: {replies[0].done.errors if replies else 'no reply'}")
 
 
-def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
-    """The sampler an inference worker uses for batches routed to it unsampled."""
-    gpu = gpu_sampler_or_none(cfg, graph, device)
-    return gpu if gpu is not None else make_cpu_sampler(graph.indptr, graph.indices,
-                                                        cfg.sampling.implementation)
-
-
-def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:
-    from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
-
-    if not gpu_sampler_available():
-        raise RuntimeError("CuPy is not importable or CUDA is not available")
-    mode = cfg.sampling.gpu_mode
-    if mode == "auto":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        csc_bytes = (graph.indptr.numel() + graph.indices.numel()) * 8
-        mode = "device" if csc_bytes < free_bytes // 2 else "uva"
-    if mode == "device":
-        sampler: BaseSampler = CudaSampler(graph.indptr, graph.indices, device=device)
-    else:
-        sampler = UvaSampler(graph.indptr, graph.indices, device=device,
-                             adjacency_cache=_adjacency_cache(cfg, graph, device))
-    sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
-    return sampler
-
-
-def _adjacency_cache(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Any:
-    """The UVA sampler's GPU copy of the hottest neighbour lists (None: no budget for it)."""
-    budget = cfg.sampling.gpu_graph_cache_bytes
-    if budget <= 0:
-        return None
-    from quiver_serve.sampling.graph_cache.adjacency import (
-        EF_BITS,
-        build_adjacency_cache,
-        expansion_scores,
-    )
-
-    scores = expansion_scores(graph.indptr, graph.indices, cfg.sampling.fanouts,
-                              cfg.features.fap_batch_size)
-    layout = EF_BITS if cfg.sampling.graph_cache_layout == "elias_fano" else None
-    cache = build_adjacency_cache(graph.indptr, graph.indices, scores, budget, device, layout)
-    if cache is None:
-        log.warning("sampling.gpu_graph_cache_bytes=%d is below the cache's fixed part (16 bytes "
-                    "per node): no adjacency cache", budget)
-    else:
-        log.info("adjacency cache: %d of %d neighbour lists (%s), %d bytes on %s",
-                 cache.num_cached, graph.num_nodes, "Elias-Fano" if cache.index_bits == EF_BITS
-                 else f"{cache.index_bits} bits per entry", cache.nbytes, device)
-    return cache
-
-
 def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
                              caps: Capacities | None = None,
                              ) -> tuple[torch.device, ServedModel, FeatureStore]:
@@ -189,14 +140,3 @@ def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
     if rows <= values.numel():
         return values
     return torch.cat([values, values.new_zeros(rows - values.numel())])
-
-
-def gpu_sampler_or_none(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler | None:
-    """The GPU sampler of an engine core on ``device``, or None (CPU device, no CuPy, no build)."""
-    if device.type != "cuda":
-        return None
-    try:
-        return _gpu_sampler(cfg, graph, device)
-    except Exception as exc:  # noqa: BLE001 - the engine samples on the CPU instead
-        log.warning("GPU sampler unavailable (%s: %s); sampling on the CPU", type(exc).__name__, exc)
-        return None

@@ -47,10 +47,16 @@ class GraphSync:
                  state: GraphState | None, index: int) -> None:
         self.overlay = Overlay(base.indptr, base.indices, caps.node_capacity, caps.edge_capacity)
         self.follower = LogFollower(log_dir, base_version)
-        self.version = base_version
+        self.version = self.base_version = base_version
+        self.log_dir, self.caps = log_dir, caps
+        #: the next base being built (``rebase.py``), and the config it needs
+        self.rebase: Any = None
+        self.cfg: Any = None
         self.state, self.index = state, index
         self.device_overlay: DeviceOverlay | None = None
         self.views: list[tuple[Any, OverlayView]] = []  # (sampler, the view it was given)
+        if state is not None:
+            state.set_reader_base("engine", index, base_version)
         #: called with (kind, staleness_s) per applied record (metrics)
         self.on_applied: Callable[[str, float], None] | None = None
 
@@ -59,7 +65,10 @@ class GraphSync:
         return self.state is not None and self.state.acked > self.version
 
     def poll(self, core: EngineCore, max_records: int = MAX_RECORDS_PER_POLL) -> list[Reply]:
-        """Apply what was acknowledged since the last poll; replies of batches finished first."""
+        """Apply what was acknowledged since the last poll; replies of batches finished first.
+        Also moves the core onto a newer compacted base once it is built beside."""
+        if self.state is not None and self.cfg is not None:
+            self._follow_base(core)
         if self.state is not None and self.state.acked <= self.version:
             return []
         records = self.follower.poll(max_records)
@@ -72,6 +81,30 @@ class GraphSync:
             self.apply(core, record)
         self._publish(records[-1])
         return replies
+
+    def _follow_base(self, core: EngineCore) -> None:
+        from quiver_serve.engine.core.rebase import Rebase, switch
+        from quiver_serve.graph.state import NEWEST_BASE
+
+        assert self.state is not None
+        if self.rebase is None:
+            if self.state.get(NEWEST_BASE) > self.base_version:
+                self.rebase = Rebase(self.cfg, self.log_dir, self.caps, self.version, core.device,
+                                     core.gpu_sampler is not None)
+            return
+        if not self.rebase.done.is_set():
+            return
+        rebase, self.rebase = self.rebase, None
+        if rebase.error is not None:
+            log.warning("engine %d: moving to the compacted base failed (%s); serving on and "
+                        "trying again", self.index, rebase.error)
+            return
+        try:
+            switch(self, core, rebase)
+        except Exception as exc:  # noqa: BLE001 - the old state is untouched until the swap
+            log.warning("engine %d: switching to the compacted base failed (%s)", self.index, exc)
+            return
+        self.state.set_reader_base("engine", self.index, self.base_version)
 
     def catch_up(self, core: EngineCore) -> list[Reply]:
         """Poll until nothing acknowledged is left (start-up replay, tests)."""
@@ -111,7 +144,7 @@ class GraphSync:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
     def _edges_changed(self, core: EngineCore, patch: Patch) -> None:
-        self._attach_views(core)
+        self.attach_views(core)
         if self.device_overlay is not None:
             stream = core.sample_stream
             if stream is not None:
@@ -148,7 +181,7 @@ class GraphSync:
         for _, view in self.views:
             view.num_nodes = num_nodes
 
-    def _attach_views(self, core: EngineCore) -> None:
+    def attach_views(self, core: EngineCore) -> None:
         """Hand the samplers their views at the first edge update (before it, they read the
         base alone, at the base's speed)."""
         if self.views:
@@ -180,7 +213,7 @@ class GraphSync:
             raise errors.ServeError("overlay_full", "no room for the request's new nodes until "
                                     "the next compaction", 503)
         ov.ensure_active()
-        self._attach_views(core)
+        self.attach_views(core)
         counts = np.diff(offsets).astype(np.int64)
         patch = Patch(ids, ov.top + offsets[:-1].astype(np.int64), counts,
                       ov.top + np.arange(neighbors.size, dtype=np.int64),

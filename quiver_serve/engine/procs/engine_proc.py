@@ -135,6 +135,10 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
     try:
         pool = ZmqSamplerPool(ctx, addrs, cfg.sampling.num_cpu_workers, poller) \
             if cfg.sampling.num_cpu_workers else None
+        if live is not None:  # started after a compaction: serve its base
+            from quiver_serve.graph.living import newest_base
+
+            graph, live = newest_base(live, graph)
         core = build_core(cfg, graph, index, pool, live=live)
         from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 

@@ -13,14 +13,16 @@ import torch
 import zmq
 
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.rebase import apply_structure
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
-from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import LiveGraphArgs, newest_base
 from quiver_serve.graph.overlay import Overlay
 from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.graph.records import EdgeRecord, NodeRecord
-from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.state import NEWEST_BASE, GraphState
 from quiver_serve.graph.update_log import LogFollower
 from quiver_serve.sampling import make_cpu_sampler
 from quiver_serve.wire import Decoders, RunAddresses, SampleDone, encode, view
@@ -35,15 +37,53 @@ class SamplerSync:
     before each task (the same records, in the same order, as every engine core applies)."""
 
     def __init__(self, sampler: Any, indptr: torch.Tensor, indices: torch.Tensor,
-                 live: LiveGraphArgs) -> None:
-        self.sampler = sampler
+                 live: LiveGraphArgs, index: int, implementation: str) -> None:
+        self.sampler, self.live, self.index = sampler, live, index
+        self.implementation = implementation
         self.overlay = Overlay(indptr, indices, live.caps.node_capacity, live.caps.edge_capacity)
         self.follower = LogFollower(Path(live.log_dir), live.base_version)
         self.state = GraphState(live.state)
-        self.version = live.base_version
+        self.version = self.base_version = live.base_version
+        self.state.set_reader_base("sampler", index, self.base_version)
         self.view: OverlayView | None = None
 
+    def rebase_if_newer(self) -> None:
+        """Sample over the newest compacted base: its arrays are mapped (no copy), its log
+        records replayed into a fresh overlay; between two tasks."""
+        if self.state.get(NEWEST_BASE) <= self.base_version:
+            return
+        empty = GraphData("base", torch.zeros(1, dtype=torch.int64),
+                          torch.zeros(0, dtype=torch.int64), torch.zeros((0, 0)))
+        graph, live = newest_base(self.live, empty, with_x=False)
+        if live.base_version <= self.base_version:
+            return
+        overlay = Overlay(graph.indptr, graph.indices, live.caps.node_capacity,
+                          live.caps.edge_capacity)
+        follower = LogFollower(Path(live.log_dir), live.base_version)
+        version = live.base_version
+        while version < self.version:
+            records = follower.poll(self.version - version)
+            if not records:
+                raise RuntimeError(f"update log ends at version {version} before {self.version}")
+            for record in records:
+                apply_structure(overlay, record)
+                version = record.version
+        self.follower.close()
+        sampler = make_cpu_sampler(graph.indptr, graph.indices, self.implementation)
+        self.sampler, self.overlay, self.follower, self.live = sampler, overlay, follower, live
+        self.view = None
+        if overlay.active:
+            self.view = overlay.view()
+            sampler.set_overlay(self.view)
+        self.base_version = live.base_version
+        self.state.set_reader_base("sampler", self.index, self.base_version)
+        log.info("sampler %d: on the compacted base of version %d", self.index, self.base_version)
+
     def catch_up(self) -> None:
+        try:
+            self.rebase_if_newer()
+        except Exception:  # noqa: BLE001 - keeps sampling over its current base
+            log.exception("sampler %d: moving to the compacted base failed", self.index)
         while self.state.acked > self.version:
             records = self.follower.poll(4096)
             if not records:
@@ -71,8 +111,16 @@ def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: to
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "sampler", index)
     try:
+        sync = None
+        if live is not None:  # started after a compaction: sample over its base
+            from quiver_serve.graph.living import newest_base
+
+            base = GraphData("base", indptr, indices, torch.zeros((indptr.numel() - 1, 0)))
+            base, live = newest_base(live, base, with_x=False)
+            indptr, indices = base.indptr, base.indices
         sampler = make_cpu_sampler(indptr, indices, cfg.sampling.implementation)
-        sync = SamplerSync(sampler, indptr, indices, live) if live is not None else None
+        if live is not None:
+            sync = SamplerSync(sampler, indptr, indices, live, index, cfg.sampling.implementation)
         if sync is not None:
             sync.catch_up()
         sock = ctx.socket(zmq.ROUTER)
@@ -86,10 +134,13 @@ def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: to
         reporter.heartbeat()
         gc_watch.flush()
         if not sock.poll(IDLE_POLL_MS):
+            if sync is not None:  # idle: follow the log and the bases all the same
+                sync.catch_up()
             continue
         ident, head, seeds = sock.recv_multipart(copy=False)
         if sync is not None:
             sync.catch_up()
+            sampler = sync.sampler
         sock.send_multipart([ident.bytes, *_sample_reply(sampler, head, seeds, index)], copy=False)
 
 

@@ -400,6 +400,7 @@ class Supervisor:
         if replayed:
             log.info("update log %s: %d update(s) replayed over base version %d (now version %d)",
                      self.living.log_dir, replayed, self.living.base_version, writer.acked)
+        writer.reader_bases = self._reader_bases
         self.graph_writer = writer
         self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
                                            name="quiver-compactor", daemon=True)
@@ -412,6 +413,10 @@ class Supervisor:
         g = self.cfg.graph
         last_s = time.monotonic()
         while not self._stop.wait(1.0):
+            try:
+                writer.maybe_rebase()
+            except Exception:  # noqa: BLE001 - the writer keeps its overlay; tried again later
+                log.exception("moving the graph writer to the compacted base failed")
             now_s = time.monotonic()
             wanted = self.graph_state.get(COMPACT_WANTED) > 0
             due = g.compact_interval_s > 0 and now_s - last_s >= g.compact_interval_s
@@ -421,6 +426,11 @@ class Supervisor:
                     writer.compact()
                 except Exception:  # noqa: BLE001 - the log stays whole; the next try may work
                     log.exception("compaction failed; the update log keeps every update")
+
+    def _reader_bases(self) -> list[int]:
+        """The base version each live engine core and CPU sampler samples over."""
+        return [self.graph_state.reader_base(c.role, c.index)
+                for c in self.engines + self.samplers if c.alive()]
 
     def _replay_read_only(self) -> None:
         from quiver_serve.graph.update_log import LogFollower

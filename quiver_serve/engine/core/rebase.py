@@ -1,0 +1,129 @@
+"""Moving a running engine core onto a compacted base, without pausing it (DESIGN §7).
+
+When the writer has written a new base (``GraphState`` slot ``NEWEST_BASE``), :class:`Rebase`
+builds beside the serving state, in a thread: the base's CSC over the files' read-only mappings,
+new samplers over it (the GPU sampler's copies and adjacency cache on a side stream), and a new
+overlay with the log's records after the base replayed up to the version the core serves. At a
+step boundary :func:`switch` catches the new overlay up to that version (a few records) and swaps
+samplers and overlay in one assignment each; the old ones are freed with their last batch.
+Feature rows, GCN degrees and PSGS entries are already at that version and stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.graph import living
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import Capacities
+from quiver_serve.graph.overlay import Overlay
+from quiver_serve.graph.records import EdgeRecord, NodeRecord
+from quiver_serve.graph.update_log import LogFollower, load_base
+from quiver_serve.sampling import make_cpu_sampler
+
+log = logging.getLogger(__name__)
+
+
+def apply_structure(overlay: Overlay, record: Any) -> None:
+    """The part of a record that changes the graph's structure (edges, node count)."""
+    if isinstance(record, EdgeRecord):
+        overlay.apply_edges(record.add, record.remove)
+    elif isinstance(record, NodeRecord):
+        overlay.add_nodes(int(record.features.shape[0]))
+
+
+class Rebase:
+    """One engine core's next base, built in a thread; see the module docstring."""
+
+    def __init__(self, cfg: ServeConfig, log_dir: Path, caps: Capacities, target_version: int,
+                 device: torch.device, gpu: bool) -> None:
+        self.cfg, self.log_dir, self.caps = cfg, log_dir, caps
+        self.target, self.device, self.gpu = target_version, device, gpu
+        self.version = 0  # the base's, then the overlay's
+        self.base_version = 0
+        self.graph: GraphData | None = None
+        self.overlay: Overlay | None = None
+        self.follower: LogFollower | None = None
+        self.local: Any = None
+        self.gpu_sampler: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="quiver-rebase", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._build()
+        except BaseException as exc:  # noqa: BLE001 - reported at the switch; serving goes on
+            self.error = exc
+        self.seconds = time.perf_counter() - t0
+        self.done.set()
+
+    def _build(self) -> None:
+        found = load_base(self.log_dir)
+        if found is None:
+            raise RuntimeError(f"no compacted base in {self.log_dir}")
+        version, arrays, meta = found
+        graph = living.graph_from_arrays(arrays, meta, with_x=False)
+        self.graph, self.base_version = graph, version
+        self.overlay = Overlay(graph.indptr, graph.indices, self.caps.node_capacity,
+                               self.caps.edge_capacity)
+        self.version = version
+        self.follower = LogFollower(self.log_dir, version)
+        self.catch_up(self.target)
+        self.local = make_cpu_sampler(graph.indptr, graph.indices, self.cfg.sampling.implementation)
+        if self.gpu:
+            from quiver_serve.engine.core.samplers import gpu_sampler_or_none
+
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                self.gpu_sampler = gpu_sampler_or_none(self.cfg, graph, self.device)
+            side.synchronize()
+            if self.gpu_sampler is None:  # the old one reads the old base: do not switch
+                raise RuntimeError("the GPU sampler could not be built over the new base")
+
+    def catch_up(self, version: int) -> None:
+        """Apply the log's records to the new overlay up to ``version`` (the serving version)."""
+        assert self.follower is not None and self.overlay is not None
+        while self.version < version:
+            records = self.follower.poll(version - self.version)
+            if not records:
+                raise RuntimeError(f"update log ends at version {self.version}, before "
+                                   f"{version}")
+            for record in records:
+                apply_structure(self.overlay, record)
+                self.version = record.version
+
+
+def switch(sync: Any, core: Any, rebase: Rebase) -> None:
+    """Swap ``core`` onto the rebased samplers and overlay (at a step boundary)."""
+    assert rebase.overlay is not None
+    rebase.catch_up(sync.version)
+    if rebase.follower is not None:
+        rebase.follower.close()
+    old_views = sync.views
+    sync.overlay, sync.views, sync.device_overlay = rebase.overlay, [], None
+    core.local_sampler = rebase.local
+    if core.gpu_sampler is not None and rebase.gpu_sampler is not None:
+        core.gpu_sampler = rebase.gpu_sampler
+    if old_views or rebase.overlay.active:
+        stream = core.sample_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            sync.attach_views(core)
+    sync.base_version = rebase.base_version
+    log.info("engine %d: on the compacted base of version %d (built in %.2f s; overlay %d of "
+             "%d entries)", sync.index, rebase.base_version, rebase.seconds, rebase.overlay.top,
+             rebase.overlay.edge_capacity)
+
+
+__all__ = ["Rebase", "apply_structure", "switch"]
