@@ -183,3 +183,71 @@ def run_ops(writer: object, ops: list[dict]) -> int:
             got = writer.put_features(op["node_ids"], op["features"])  # type: ignore[attr-defined]
         version = got["version"]
     return version
+
+
+KILL_SCRIPT = r'''
+import json, sys, torch
+from pathlib import Path
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.client.pipeline import Pipeline
+from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.stream import StreamMix, hold_out
+sys.path.insert(0, sys.argv[2])
+from tests.engine.test_living_graph import awkward_graph, living_cfg
+base, stream = hold_out(awkward_graph(6), 0.5, seed=7, mix=StreamMix(edges_per_call=10))
+cfg = living_cfg(Path(sys.argv[1]), "GraphSAGE", "cpu")
+p = Pipeline(cfg, graph=base).start()
+w = p.supervisor.graph_writer
+for op in stream.ops:
+    if op["op"] == "edges":
+        got = w.add_edges(op.get("add", []), op.get("remove", []))
+    elif op["op"] == "nodes":
+        got = w.add_nodes(op["features"])
+    else:
+        got = w.put_features(op["node_ids"], op["features"])
+    print(json.dumps(got["version"]), flush=True)
+print("done", flush=True)
+import time; time.sleep(60)
+'''
+
+
+def test_kill_9_of_the_whole_daemon_loses_no_acknowledged_update(tmp_path: Path) -> None:
+    """The daemon (main process, engine core, CPU sampler) is killed with SIGKILL right after
+    some acknowledgements; a restart on the same log has every acknowledged version, and serves
+    exactly the graph of the last one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(root)],
+                            stdout=subprocess.PIPE, text=True, cwd=root, start_new_session=True)
+    acked = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == "done":
+            break
+        acked.append(int(line))
+        if len(acked) == 7:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert len(acked) >= 7
+    base, stream = hold_out(awkward_graph(6), 0.5, seed=7, mix=StreamMix(edges_per_call=10))
+    cfg = living_cfg(tmp_path, "GraphSAGE", "cpu")
+    again = Pipeline(cfg, graph=base).start()
+    try:
+        writer = again.supervisor.graph_writer  # type: ignore[union-attr]
+        assert writer.acked >= acked[-1]  # nothing acknowledged is lost
+        # the graph served is the stream's prefix up to the recovered version
+        edge_index, x = base.edge_index(), base.x
+        from quiver_serve.graph.stream import apply_reference
+
+        for op in stream.ops[:writer.acked]:
+            edge_index, x, _ = apply_reference(edge_index, x, op)
+        want = full_graph_rows(cfg, x, edge_index)
+        got = again.embed(torch.arange(x.size(0)), exact=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        again.stop()
