@@ -228,17 +228,28 @@ def front_door(a: argparse.Namespace) -> list[Step]:
     return steps
 
 
+def updates(a: argparse.Namespace) -> list[Step]:
+    """Serving under graph updates: capacity for (b), 80% of it without and with edge updates
+    stepped up, staleness, a forced compaction."""
+    res = result(a, "updates", "smoke" if "--smoke" in a.extra else None)
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+            bench_step("serving under graph updates", "bench.graph.updates",
+                       ["--out", str(res), "--machine", a.machine, *a.extra],
+                       a.bench_timeout_s or 560.0, "updates.log", res, QUIET_PIPELINE,
+                       kill_after_s=30.0)]
+
+
 #: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
 MAIN_BENCH = {
     "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
     "features": "bench.features.features", "features2": "bench.features.features_2gpu",
     "features_e2e": "bench.features.features_e2e", "routing": "bench.routing.routing",
     "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
-    "front_door": "bench.frontdoor.front_door",
+    "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
-    "front_door": front_door,
+    "front_door": front_door, "updates": updates,
 }

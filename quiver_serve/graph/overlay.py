@@ -235,8 +235,9 @@ class _Plan:
                                                         "block": []}
         self.writes_pos: list[np.ndarray] = []
         self.writes_val: list[np.ndarray] = []
-        # state after this plan, for nodes it touches (removals first, then adds read it)
-        self.state: dict[int, tuple[int, int, int]] = {}
+        # (nodes, start, length, block) the removals planned (sorted nodes; adds read it)
+        z = np.empty(0, np.int64)
+        self.state: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = (z, z, z, z)
 
     def _new_block(self, nodes: np.ndarray, lengths: np.ndarray, flags: np.ndarray,
                    content: np.ndarray, content_counts: np.ndarray, spare: np.ndarray) -> np.ndarray:
@@ -254,7 +255,11 @@ class _Plan:
         return starts
 
     def remove(self, pairs: np.ndarray) -> tuple[int, int]:
+        """Plan the removals. A node's first removal rewrites its surviving list into a new
+        tail (its base list then no longer counts); later ones rewrite that tail in place, so
+        each node's list is copied into the overlay once, whatever it loses afterwards."""
         ov = self.ov
+        assert ov._start is not None and ov._length is not None and ov._block is not None
         cap = ov.node_capacity
         keys = pairs[:, 1] * cap + pairs[:, 0]
         dsts = np.unique(pairs[:, 1])
@@ -268,23 +273,46 @@ class _Plan:
         owner = np.repeat(np.arange(dsts.size), counts)
         hit = np.bincount(owner[drop], minlength=dsts.size) > 0
         keep_counts = np.bincount(owner[~drop], minlength=dsts.size)
-        kept = values[~drop & hit[owner]]
-        nodes, lengths = dsts[hit], keep_counts[hit]
-        starts = self._new_block(nodes, lengths, np.full(nodes.size, REPLACED, np.int64), kept,
-                                 lengths, np.zeros(nodes.size, np.int64))
-        caps = self.new_blocks["block"][-1]
-        for v, s, n, c in zip(nodes.tolist(), starts.tolist(), lengths.tolist(), caps.tolist(),
-                              strict=True):
-            self.state[v] = (s, n | REPLACED, c)
+        keep = ~drop & hit[owner]
+        kept, kept_owner = values[keep], owner[keep]
+        start, length, block = ov._start[dsts], ov._length[dsts], ov._block[dsts]
+        in_place = hit & (start >= 0) & ((length & REPLACED) != 0)
+        fresh = hit & ~in_place
+        # in place: the kept entries shift to the block's front (readers see the new length)
+        self.writes_pos.append(range_positions(start[in_place], keep_counts[in_place]))
+        self.writes_val.append(kept[in_place[kept_owner]])
+        self._set(dsts[in_place], start[in_place], keep_counts[in_place] | REPLACED,
+                  block[in_place])
+        lengths = keep_counts[fresh]
+        self._new_block(dsts[fresh], lengths, np.full(lengths.size, REPLACED, np.int64),
+                        kept[fresh[kept_owner]], lengths, np.zeros(lengths.size, np.int64))
+        self.state = (dsts[hit], *self._planned(dsts[hit]))
         return missing, removed
+
+    def _set(self, nodes: np.ndarray, start: np.ndarray, length: np.ndarray,
+             block: np.ndarray) -> None:
+        for key, value in (("node", nodes), ("start", start), ("length", length),
+                           ("block", block)):
+            self.new_blocks[key].append(value)
+
+    def _planned(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, length, block) this plan gives ``nodes`` (each planned exactly once so far)."""
+        cols = {k: np.concatenate(v) for k, v in self.new_blocks.items()}
+        order = np.argsort(cols["node"], kind="stable")
+        at = order[np.searchsorted(cols["node"][order], nodes)]
+        return cols["start"][at], cols["length"][at], cols["block"][at]
 
     def _current(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ov = self.ov
         assert ov._start is not None and ov._length is not None and ov._block is not None
         start, length, block = ov._start[nodes].copy(), ov._length[nodes].copy(), ov._block[nodes].copy()
-        for i, v in enumerate(nodes.tolist()):
-            if v in self.state:
-                start[i], length[i], block[i] = self.state[v]
+        planned_nodes = self.state[0]
+        if planned_nodes.size:
+            idx = np.minimum(np.searchsorted(planned_nodes, nodes), planned_nodes.size - 1)
+            found = planned_nodes[idx] == nodes
+            start[found] = self.state[1][idx[found]]
+            length[found] = self.state[2][idx[found]]
+            block[found] = self.state[3][idx[found]]
         return start, length, block
 
     def add(self, pairs: np.ndarray) -> None:
@@ -321,7 +349,7 @@ class _Plan:
         assert ov._tail is not None
         pending = {int(p): v for pos, val in zip(self.writes_pos, self.writes_val, strict=True)
                    for p, v in zip(pos.tolist(), val.tolist(), strict=True)} \
-            if any(int(v) in self.state for v in nodes.tolist()) else {}
+            if np.isin(nodes, self.state[0]).any() else {}
         if not pending:
             return gather_ranges(ov._tail, np.maximum(start, 0), used)
         pos = range_positions(np.maximum(start, 0), used)

@@ -95,3 +95,22 @@ def test_a_full_overlay_refuses_and_changes_nothing() -> None:
     ov.add_nodes(2)
     with pytest.raises(OverlayFull, match="node capacity"):
         ov.add_nodes(1)
+
+
+def test_a_node_is_copied_into_the_overlay_once_whatever_it_loses() -> None:
+    """Only a node's first removal copies its list; later removals rewrite that tail in place."""
+    src = torch.arange(1, 201)
+    g = GraphData.from_edge_index(torch.stack([src, torch.zeros(200, dtype=torch.int64)]),
+                                  torch.zeros(201, 1), "star")
+    ov = Overlay(g.indptr, g.indices, node_capacity=201, edge_capacity=10_000)
+    ov.apply_edges(np.empty((0, 2), np.int64), np.array([[1, 0]]))
+    after_first = ov.top
+    assert after_first >= 199
+    for u in range(2, 60):
+        result, _ = ov.apply_edges(np.array([[u + 100, 0]]) if u % 7 == 0 else
+                                   np.empty((0, 2), np.int64), np.array([[u, 0]]))
+        assert result.removed == 1
+    assert ov.top == after_first  # removals in place; the few adds fit the block's slack
+    lists = overlay_lists(ov)
+    assert sorted(lists[0]) == sorted(list(range(60, 201)) + [u + 100 for u in range(2, 60)
+                                                             if u % 7 == 0])
