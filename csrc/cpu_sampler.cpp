@@ -8,6 +8,10 @@
 // neighbours (both parallel over the frontier with at::parallel_for, i.e. torch's intra-op
 // threads); then one sequential pass maps global ids to local ids through a flat hash table,
 // which gives exact first-occurrence order without any O(num_nodes) allocation per call.
+//
+// A node's list is two segments (NodeList): its base CSC list, then its overlay tail when an
+// overlay of graph updates is passed (quiver_serve/graph/overlay_view.py); without one every
+// tail is empty and the reads are the CSC's alone.
 
 #include <torch/extension.h>
 
@@ -18,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -196,51 +201,122 @@ struct HopEdges {
   Buffer owner;  // local id of the frontier node that drew it
 };
 
-// Pass 1: each frontier node's degree, CSC start and sample size (exclusive prefix sum in offset).
-void plan_hop(const int64_t* indptr, int64_t num_nodes, int64_t num_indices, const int64_t* frontier,
-              int64_t width, int64_t k, int64_t* start, int64_t* degree, int64_t* offset) {
+// The graph one call samples: the base CSC and, when set, the overlay of updates since it
+// (quiver_serve/graph/overlay_view.py). Without an overlay, tail_start is null and
+// num_nodes == n_base.
+struct LivingGraph {
+  const int64_t* indptr;
+  const int64_t* indices;
+  int64_t num_indices;
+  int64_t n_base;     // nodes with a base list
+  int64_t num_nodes;  // valid ids: [0, num_nodes)
+  const int64_t* tail_start = nullptr;
+  const int64_t* tail_length = nullptr;  // length | kReplaced
+  const int64_t* tail = nullptr;
+  int64_t tail_capacity = 0;
+};
+
+// overlay_view.REPLACED and LENGTH_MASK
+constexpr int64_t kReplaced = int64_t{1} << 62;
+constexpr int64_t kLengthMask = kReplaced - 1;
+
+// One node's current neighbour list: `base_count` entries at `base`, then the rest at `tail`.
+struct NodeList {
+  const int64_t* base;
+  int64_t base_count;
+  const int64_t* tail;
+  int64_t degree;
+  inline int64_t operator[](int64_t q) const {
+    return q < base_count ? base[q] : tail[q - base_count];
+  }
+  inline const int64_t* address(int64_t q) const {
+    return q < base_count ? base + q : tail + (q - base_count);
+  }
+};
+
+enum class ListError { kNone, kIndptr, kOverlay };
+
+// The list of node v (0 <= v < num_nodes), or the reason it cannot be read.
+inline ListError node_list(const LivingGraph& g, int64_t v, NodeList* list) {
+  const int64_t raw_length = g.tail_start ? g.tail_length[v] : 0;
+  list->base = g.indices;
+  list->base_count = 0;
+  if (v < g.n_base && (raw_length & kReplaced) == 0) {
+    const int64_t start = g.indptr[v], end = g.indptr[v + 1];
+    if (end < start || start < 0 || end > g.num_indices) return ListError::kIndptr;
+    list->base = g.indices + start;
+    list->base_count = end - start;
+  }
+  list->tail = g.tail;
+  list->degree = list->base_count;
+  if (g.tail_start && g.tail_start[v] >= 0) {
+    const int64_t start = g.tail_start[v], length = raw_length & kLengthMask;
+    if (length > g.tail_capacity - start) return ListError::kOverlay;
+    list->tail = g.tail + start;
+    list->degree += length;
+  }
+  return ListError::kNone;
+}
+
+// Pass 1: each frontier node's list and sample size (exclusive prefix sum in offset).
+void plan_hop(const LivingGraph& g, const int64_t* frontier, int64_t width, int64_t k,
+              NodeList* lists, int64_t* offset) {
   std::atomic<int64_t> bad_node{-1};
   std::atomic<int64_t> bad_indptr{-1};
+  std::atomic<int64_t> bad_overlay{-1};
   std::atomic<int64_t> huge_node{-1};
   parallel_chunks(width, 2048, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t v = frontier[i];
       offset[i + 1] = 0;
-      if (v < 0 || v >= num_nodes) {
+      if (v < 0 || v >= g.num_nodes) {
         bad_node.store(v);
         continue;
       }
-      start[i] = indptr[v];
-      degree[i] = indptr[v + 1] - start[i];
-      if (degree[i] < 0 || start[i] < 0 || indptr[v + 1] > num_indices) {
-        bad_indptr.store(v);
+      const ListError error = node_list(g, v, lists + i);
+      if (error != ListError::kNone) {
+        (error == ListError::kIndptr ? bad_indptr : bad_overlay).store(v);
         continue;
       }
-      offset[i + 1] = (k < 0 || degree[i] <= k) ? degree[i] : k;
-      if (offset[i + 1] != degree[i] && degree[i] >= kMaxSampledDegree) huge_node.store(v);
+      const int64_t degree = lists[i].degree;
+      offset[i + 1] = (k < 0 || degree <= k) ? degree : k;
+      if (offset[i + 1] != degree && degree >= kMaxSampledDegree) huge_node.store(v);
     }
   });
   TORCH_CHECK_INDEX(bad_node.load() == -1, "cpu_sampler: node id ", bad_node.load(),
-                    " is outside [0, ", num_nodes, ")");
+                    " is outside [0, ", g.num_nodes, ")");
   TORCH_CHECK_VALUE(bad_indptr.load() == -1, "cpu_sampler: indptr is not a valid CSC at node ",
                     bad_indptr.load());
+  TORCH_CHECK_VALUE(bad_overlay.load() == -1, "cpu_sampler: the overlay tail of node ",
+                    bad_overlay.load(), " runs past the tail's ", g.tail_capacity, " entries");
   TORCH_CHECK_VALUE(huge_node.load() == -1, "cpu_sampler: node ", huge_node.load(),
                     " has 2**31 or more neighbours, beyond the sampling spec's range");
   offset[0] = 0;
   for (int64_t i = 0; i < width; ++i) offset[i + 1] += offset[i];
 }
 
+// Writes node i's sampled neighbours: its whole list in list order, or the drawn offsets.
+inline void copy_list(const NodeList& list, int64_t count, int64_t k, const int64_t* chosen,
+                      int64_t* out) {
+  if (count == list.degree) {
+    const int64_t from_base = std::min(count, list.base_count);
+    if (from_base > 0) std::memcpy(out, list.base, sizeof(int64_t) * from_base);
+    if (count > from_base) {
+      std::memcpy(out + from_base, list.tail, sizeof(int64_t) * (count - from_base));
+    }
+  } else {
+    for (int64_t d = 0; d < k; ++d) out[d] = list[chosen[d]];
+  }
+}
+
 // Sample one hop for the frontier n_id[begin:end] (pass 1, prefix sum, pass 2).
-HopEdges sample_hop(const int64_t* indptr, const int64_t* indices, int64_t num_nodes,
-                    int64_t num_indices, const std::vector<int64_t>& n_id, int64_t begin,
+HopEdges sample_hop(const LivingGraph& g, const std::vector<int64_t>& n_id, int64_t begin,
                     int64_t end, int64_t k, uint32_t base, uint32_t hop) {
   const int64_t width = end - begin;
   const int64_t* frontier = n_id.data() + begin;
-  Buffer start = make_buffer(width);
-  Buffer degree = make_buffer(width);
+  std::unique_ptr<NodeList[]> lists(new NodeList[std::max<int64_t>(width, 1)]);
   Buffer offset = make_buffer(width + 1);
-  plan_hop(indptr, num_nodes, num_indices, frontier, width, k, start.get(), degree.get(),
-           offset.get());
+  plan_hop(g, frontier, width, k, lists.get(), offset.get());
 
   HopEdges hop_edges{offset[width], make_buffer(offset[width]), make_buffer(offset[width])};
   const uint32_t hop_term = hop * kHopMul;
@@ -251,23 +327,18 @@ HopEdges sample_hop(const int64_t* indptr, const int64_t* indices, int64_t num_n
     // Draw node i+1's offsets and prefetch those neighbours, then copy out node i's: the reads
     // miss cache on big graphs, and drawing the next node meanwhile hides their latency.
     auto draw = [&](int64_t i, int64_t* chosen) {
-      const int64_t* src = indices + start[i];
-      if (offset[i + 1] - offset[i] == degree[i]) {
-        for (int64_t b = 0; b < std::min<int64_t>(degree[i], 64); b += 8) __builtin_prefetch(src + b);
+      const NodeList& list = lists[i];
+      if (offset[i + 1] - offset[i] == list.degree) {
+        const int64_t ahead = std::min<int64_t>(list.degree, 64);
+        for (int64_t b = 0; b < ahead; b += 8) __builtin_prefetch(list.address(b));
         return;
       }
-      floyd_select(degree[i], k, node_hash(base, hop_term, frontier[i]), chosen, scratch);
-      for (int64_t d = 0; d < k; ++d) __builtin_prefetch(src + chosen[d]);
+      floyd_select(list.degree, k, node_hash(base, hop_term, frontier[i]), chosen, scratch);
+      for (int64_t d = 0; d < k; ++d) __builtin_prefetch(list.address(chosen[d]));
     };
     auto emit = [&](int64_t i, const int64_t* chosen) {
-      const int64_t* src = indices + start[i];
-      int64_t* out = hop_edges.nbr.get() + offset[i];
       const int64_t count = offset[i + 1] - offset[i];
-      if (count == degree[i]) {  // whole neighbourhood, CSC order
-        std::memcpy(out, src, sizeof(int64_t) * count);
-      } else {
-        for (int64_t d = 0; d < k; ++d) out[d] = src[chosen[d]];
-      }
+      copy_list(lists[i], count, k, chosen, hop_edges.nbr.get() + offset[i]);
       std::fill_n(hop_edges.owner.get() + offset[i], count, begin + i);
     };
     draw(lo, draws.data());
@@ -279,20 +350,86 @@ HopEdges sample_hop(const int64_t* indptr, const int64_t* indices, int64_t num_n
   return hop_edges;
 }
 
+using OptionalTensor = std::optional<at::Tensor>;
+
+// The overlay arguments of sample_neighbors as a LivingGraph (no tail_start: no overlay).
+LivingGraph living_graph(const at::Tensor& indptr, const at::Tensor& indices,
+                         const OptionalTensor& tail_start_arg,
+                         const OptionalTensor& tail_length_arg, const OptionalTensor& tail_arg,
+                         int64_t n_base, int64_t num_nodes) {
+  LivingGraph g{indptr.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), indices.numel(),
+                indptr.numel() - 1, indptr.numel() - 1};
+  if (!tail_start_arg.has_value()) {
+    TORCH_CHECK_VALUE(n_base < 0 || (n_base == g.n_base && num_nodes == g.n_base),
+                      "cpu_sampler: without an overlay n_base and num_nodes are the CSC's ",
+                      g.n_base, " nodes");
+    return g;
+  }
+  TORCH_CHECK_VALUE(tail_length_arg.has_value() && tail_arg.has_value(),
+                    "cpu_sampler: an overlay needs tail_start, tail_length and tail");
+  const at::Tensor& tail_start = *tail_start_arg;
+  const at::Tensor& tail_length = *tail_length_arg;
+  const at::Tensor& tail = *tail_arg;
+  for (const at::Tensor* t : {&tail_start, &tail_length, &tail}) {
+    TORCH_CHECK_TYPE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
+                     t->is_contiguous(), "cpu_sampler: overlay tensors must be contiguous 1-D "
+                     "int64 CPU tensors (they are read in place)");
+  }
+  TORCH_CHECK_VALUE(n_base == g.n_base, "cpu_sampler: the overlay's n_base=", n_base,
+                    " but the CSC has ", g.n_base, " nodes");
+  TORCH_CHECK_VALUE(num_nodes >= n_base && num_nodes <= tail_start.numel() &&
+                    tail_length.numel() == tail_start.numel(), "cpu_sampler: overlay of ",
+                    num_nodes, " nodes does not fit its start/length arrays of ",
+                    tail_start.numel(), " and ", tail_length.numel());
+  g.num_nodes = num_nodes;
+  g.tail_start = tail_start.data_ptr<int64_t>();
+  g.tail_length = tail_length.data_ptr<int64_t>();
+  g.tail = tail.data_ptr<int64_t>();
+  g.tail_capacity = tail.numel();
+  return g;
+}
+
+}  // namespace
+
+namespace {
+
+// The hops' edges as one [2, E] tensor: rows (local neighbour ids), then cols (owners).
+at::Tensor concat_edges(const std::vector<HopEdges>& hops) {
+  int64_t total_edges = 0;
+  for (const HopEdges& hop : hops) total_edges += hop.num_edges;
+  at::Tensor edge_index = torch::empty({2, total_edges}, torch::kInt64);
+  int64_t* rows = edge_index.data_ptr<int64_t>();
+  int64_t* cols = rows + total_edges;
+  for (const HopEdges& hop : hops) {
+    std::memcpy(rows, hop.nbr.get(), sizeof(int64_t) * hop.num_edges);
+    std::memcpy(cols, hop.owner.get(), sizeof(int64_t) * hop.num_edges);
+    rows += hop.num_edges;
+    cols += hop.num_edges;
+  }
+  return edge_index;
+}
+
 }  // namespace
 
 // Returns (n_id, edge_index [2, E], seed_index, num_sampled_nodes, num_sampled_edges).
+// The overlay (quiver_serve/graph/overlay_view.py) is tail_start / tail_length / tail (its
+// start, length and tail) over n_base base nodes, num_nodes nodes in all; leave them out (None)
+// to sample the base alone.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, std::vector<int64_t>>
 sample_neighbors(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& seeds,
-                 const std::vector<int64_t>& fanouts, int64_t seed) {
+                 const std::vector<int64_t>& fanouts, int64_t seed,
+                 const OptionalTensor& tail_start, const OptionalTensor& tail_length,
+                 const OptionalTensor& tail, int64_t n_base, int64_t num_nodes) {
   check_csc(indptr, indices);
   TORCH_CHECK_TYPE(seeds.device().is_cpu() && seeds.scalar_type() == at::kLong && seeds.dim() == 1,
                    "cpu_sampler: seeds must be a 1-D int64 CPU tensor");
   TORCH_CHECK_VALUE(seed >= 0, "cpu_sampler: seed must be non-negative, got ", seed);
+  const LivingGraph graph =
+      living_graph(indptr, indices, tail_start, tail_length, tail, n_base, num_nodes);
+  num_nodes = graph.num_nodes;
   const at::Tensor seeds_c = seeds.contiguous();  // request-sized, copying it is free
   const int64_t* seed_ptr = seeds_c.data_ptr<int64_t>();
   const int64_t num_seeds = seeds_c.numel();
-  const int64_t num_nodes = indptr.numel() - 1;
   const uint32_t base = seed_base(static_cast<uint64_t>(seed));
 
   std::vector<int64_t> n_id;
@@ -313,9 +450,8 @@ sample_neighbors(const at::Tensor& indptr, const at::Tensor& indices, const at::
   int64_t frontier_begin = 0;
   for (size_t h = 0; h < fanouts.size(); ++h) {
     const int64_t frontier_end = static_cast<int64_t>(n_id.size());
-    hops.push_back(sample_hop(indptr.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), num_nodes,
-                              indices.numel(), n_id, frontier_begin, frontier_end, fanouts[h],
-                              base, static_cast<uint32_t>(h + 1)));
+    hops.push_back(sample_hop(graph, n_id, frontier_begin, frontier_end, fanouts[h], base,
+                              static_cast<uint32_t>(h + 1)));
     int64_t* nbr = hops.back().nbr.get();
     const int64_t num_edges = hops.back().num_edges;
     local_of.reserve(std::min(frontier_end + num_edges, num_nodes), n_id);
@@ -331,18 +467,7 @@ sample_neighbors(const at::Tensor& indptr, const at::Tensor& indices, const at::
     num_sampled_edges.push_back(num_edges);
     frontier_begin = frontier_end;
   }
-
-  int64_t total_edges = 0;
-  for (const HopEdges& hop : hops) total_edges += hop.num_edges;
-  at::Tensor edge_index = torch::empty({2, total_edges}, torch::kInt64);
-  int64_t* rows = edge_index.data_ptr<int64_t>();
-  int64_t* cols = rows + total_edges;
-  for (const HopEdges& hop : hops) {
-    std::memcpy(rows, hop.nbr.get(), sizeof(int64_t) * hop.num_edges);
-    std::memcpy(cols, hop.owner.get(), sizeof(int64_t) * hop.num_edges);
-    rows += hop.num_edges;
-    cols += hop.num_edges;
-  }
+  at::Tensor edge_index = concat_edges(hops);
   return {vector_to_tensor(std::move(n_id)), edge_index, vector_to_tensor(std::move(seed_index)),
           num_sampled_nodes, num_sampled_edges};
 }
@@ -354,6 +479,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_neighbors", &sample_neighbors,
         "Sample a len(fanouts)-hop subgraph; see quiver_serve/sampling/base.py",
         py::arg("indptr"), py::arg("indices"), py::arg("seeds"), py::arg("fanouts"),
-        py::arg("seed"), py::call_guard<py::gil_scoped_release>());
+        py::arg("seed"), py::arg("tail_start") = py::none(), py::arg("tail_length") = py::none(),
+        py::arg("tail") = py::none(), py::arg("n_base") = -1, py::arg("num_nodes") = -1,
+        py::call_guard<py::gil_scoped_release>());
   m.def("seed_base", &seed_base_py, "The 32-bit batch base of a seed (exposed for tests)");
 }

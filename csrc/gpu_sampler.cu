@@ -23,6 +23,12 @@
 // `counts` (5 + 2L int64, pinned host memory mapped into the GPU, so the host reads it after the
 // stream sync without a copy): status, need_n, need_e_hop, need_e_total, nodes per hop (L + 1),
 // edges per hop (L).
+//
+// The living graph (quiver_serve/graph/overlay_view.py): with an overlay (P_OV_START non-null),
+// node v's list is its base list (v < n_base and not REPLACED), then its tail in the overlay's
+// int64 `tail` (device memory in both modes); entry q of that combined list is what a draw at
+// offset q reads, so sampling is the reference's over the same lists. Without one, every tail is
+// empty and nothing below reads the overlay.
 
 typedef long long i64;
 typedef unsigned int u32;
@@ -43,15 +49,18 @@ typedef unsigned long long u64;
 #define STATUS_OVERFLOW 1
 #define STATUS_BAD_SEED 2
 #define COUNTS_HEADER 4
+// overlay_view.REPLACED and LENGTH_MASK
+#define OV_REPLACED (1LL << 62)
+#define OV_LENGTH_MASK (OV_REPLACED - 1)
 
 // Data written inside the kernel by one block and read by another goes through L2 (ld.cg):
 // an SM's L1 is not coherent with the other SMs' stores.
 #define LOAD(ptr) __ldcg(ptr)
 
-// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 23
+// The batch's parameters arrive as one block of int64 in pinned host memory (mapped): the 27
 // P_* below in their order, then the fanouts. One launch argument instead of 20 saves about
 // 10 us of CuPy's per-argument work on the host for every batch, for one bus read per block here.
-#define NUM_PARAMS 23
+#define NUM_PARAMS 27
 #define MAX_HOPS 32
 
 #ifndef SAMPLER_EMU  // (a CPU emulation of this file, used in development, supplies its own)
@@ -263,20 +272,14 @@ __device__ __forceinline__ void emit_edge(i64 p, i64 u, int owner, i64* rows, in
     if (LOAD(state + u) > (int)p) atomicMin(state + u, (int)p);
 }
 
-// One warp writes the sampled neighbours of node v (CSC range [start, start + deg)) at rows[p0 ..):
-// all of them in CSC order when k < 0 or deg <= k, else Floyd's k-of-deg in draw order. Draw i's
-// candidate is computed by lane i % 32 in parallel; the test against the earlier choices is a
-// warp vote per draw (k is small, so scanning the node's chosen slots beats any hash set).
+// One warp writes Floyd's k-of-deg choices (deg > k) for node v, in draw order, as offsets into
+// its list at rows[p0 .. p0 + k): draw i's candidate is computed by lane i % 32 in parallel; the
+// test against the earlier choices is a warp vote per draw (k is small, so scanning the node's
+// chosen slots beats any hash set). Lane i % 32 writes draw i, and only it reads it back.
 // (Measured slower on an H200: a warp first choosing positions for a chunk of nodes and then
 // resolving all its edges lane-parallel; it needs more registers than the 64 available.)
-__device__ void expand_node(const ListReader indices, i64 v, i64 start, i64 deg, i64 k,
-                            i64 hop, u32 base, int owner, i64 p0, i64* rows, int* cols, int* state,
-                            int lane) {
-    if (k < 0 || deg <= k) {
-        for (i64 q = lane; q < deg; q += 32)
-            emit_edge(p0 + q, indices[start + q], owner, rows, cols, state);
-        return;
-    }
+__device__ void draw_offsets(i64 v, i64 deg, i64 k, i64 hop, u32 base, i64 p0, i64* rows,
+                             int lane) {
     // Degrees and offsets fit in 32 bits (hop-local positions are int32 already); 32-bit
     // arithmetic keeps register pressure down.
     const u32 node_h = node_hash(base, hop, v);
@@ -298,10 +301,6 @@ __device__ void expand_node(const ListReader indices, i64 v, i64 start, i64 deg,
         }
         if (i < num_draws) rows[p0 + i] = chosen;
         __syncwarp();
-    }
-    for (int i = lane; i < num_draws; i += 32) {
-        const i64 offset = rows[p0 + i];
-        emit_edge(p0 + i, indices[start + offset], owner, rows, cols, state);
     }
 }
 
@@ -350,22 +349,48 @@ __device__ void relabel(i64* rows, i64 lo, i64 hi, const int* state) {
 // (with UVA every indptr read is a round trip over the bus). With an adjacency cache
 // (cache_off != 0: per node, the start of its neighbour list in the GPU-resident copy, or -1),
 // a cached node's range is stored as -(start + 1) in that copy: the draw phase then reads the
-// same neighbours, in the same order, from GPU memory instead of over the bus.
+// same neighbours, in the same order, from GPU memory instead of over the bus. The cache holds
+// base lists only, which an overlay never changes, so it serves a node's base part as before.
+// front_csc per node: (start, degree); with an overlay (ov_start != 0) four words: (start, base
+// count, tail start, tail count), where a node with no counted base list has base count 0 and
+// its id never indexes indptr or the cache.
 __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier, i64 lo, i64 hi,
                              i64 k, int* front_off, i64* front_csc,
-                             const i64* __restrict__ cache_off) {
+                             const i64* __restrict__ cache_off, const i64* __restrict__ ov_start,
+                             const i64* __restrict__ ov_length, i64 n_base) {
     i64 planned = 0;
     for (i64 c = lo; c < hi; c += blockDim.x) {
         const i64 i = c + threadIdx.x;
         i64 cnt = 0;
         if (i < hi) {
             const i64 v = LOAD(frontier + i);
-            const i64 start = indptr[v];
-            const i64 deg = indptr[v + 1] - start;
+            i64 tail_start = 0, tail_deg = 0;
+            bool has_base = true;
+            if (ov_start) {
+                const i64 raw_length = ov_length[v], first = ov_start[v];
+                if (first >= 0) {
+                    tail_start = first;
+                    tail_deg = raw_length & OV_LENGTH_MASK;
+                }
+                has_base = v < n_base && (raw_length & OV_REPLACED) == 0;
+            }
+            i64 start = 0, base_deg = 0, cached = -1;
+            if (has_base) {
+                start = indptr[v];
+                base_deg = indptr[v + 1] - start;
+                if (cache_off) cached = cache_off[v];
+            }
+            const i64 deg = base_deg + tail_deg;
             cnt = (k < 0 || deg <= k) ? deg : k;
-            const i64 cached = cache_off ? cache_off[v] : -1;
-            front_csc[2 * i] = cached >= 0 ? -(cached + 1) : start;
-            front_csc[2 * i + 1] = deg;
+            if (ov_start) {
+                front_csc[4 * i] = cached >= 0 ? -(cached + 1) : start;
+                front_csc[4 * i + 1] = base_deg;
+                front_csc[4 * i + 2] = tail_start;
+                front_csc[4 * i + 3] = tail_deg;
+            } else {
+                front_csc[2 * i] = cached >= 0 ? -(cached + 1) : start;
+                front_csc[2 * i + 1] = deg;
+            }
         }
         i64 chunk_total;
         const i64 off = block_exclusive_scan(cnt, &chunk_total);
@@ -447,9 +472,51 @@ __device__ i64 sample_seeds(i64 num_nodes, int* state, const i64* request, i64* 
 #define P_CACHE_OFF ((const i64*)P[20])
 #define P_CACHE_INDICES (P[21])
 #define P_CACHE_BITS (P[22])
+#define P_OV_START ((const i64*)P[23])
+#define P_OV_LENGTH ((const i64*)P[24])
+#define P_OV_TAIL ((const i64*)P[25])
+#define P_N_BASE (P[26])
 #define P_FANOUT(hop) (P[NUM_PARAMS + (hop) - 1])
 #define P_EDGES (P_N_ID + P_N_CAP)
 #define P_SEED_INDEX (P_EDGES + 2 * P_E_CAP)
+
+// One warp writes the sampled neighbours of frontier node i (its list as plan_frontier described
+// it in front_csc) at hop-local position carry + front_off[i] on: the whole list in list order
+// when k < 0 or deg <= k, else the entries at Floyd's offsets, in draw order. The list's start
+// is loaded first (its latency hides behind the draws); the reader and the overlay's split and
+// tail are formed after the draws, so that they hold no registers during them.
+__device__ __forceinline__ void expand_node(const volatile i64* P, i64 i, i64 k, i64 hop,
+                                            i64 front_lo, i64 carry, i64 edges_before, int lane) {
+    const bool overlay = P_OV_START != 0;
+    const i64* node_csc = P_FRONT_CSC + (overlay ? 4 * i : 2 * i);
+    const i64 start = LOAD(node_csc);  // < 0: in the adjacency cache
+    const i64 deg = overlay ? LOAD(node_csc + 1) + LOAD(node_csc + 3) : LOAD(node_csc + 1);
+    const i64 p0 = carry + LOAD(P_FRONT_OFF + i);
+    i64* rows = P_EDGES + edges_before;
+    const bool whole = k < 0 || deg <= k;
+    if (!whole) draw_offsets(LOAD(P_N_ID + front_lo + i), deg, k, hop, (u32)P_BASE, p0, rows, lane);
+
+    const bool cached = start < 0;
+    const i64 split = overlay ? LOAD(node_csc + 1) : deg;  // the base part's length
+    // Entry q >= split of the list is tail[q]; never read without an overlay (split == deg).
+    const i64* tail = overlay ? P_OV_TAIL + (LOAD(node_csc + 2) - split) : P_OV_TAIL;
+    const u32 cache_bits = (u32)P_CACHE_BITS;
+    i64 first = cached ? -start - 1 : start;
+    ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
+                    cached ? cache_bits : 64u, 0u};
+    if (cached && cache_bits == 0) {  // Elias-Fano: the offset is the block, l above it
+        list.base = (const u32*)P_CACHE_INDICES + (first & EF_OFFSET_MASK);
+        list.ef = (u32)split | ((u32)(first >> EF_L_SHIFT) << EF_DEG_BITS);
+        first = 0;
+    }
+    const int owner = (int)(front_lo + i);
+    int* cols = P_COL_BUF + edges_before;
+    const i64 count = whole ? deg : k;
+    for (i64 j = lane; j < count; j += 32) {
+        const i64 q = whole ? j : rows[p0 + j];
+        emit_edge(p0 + j, q < split ? list[first + q] : tail[q], owner, rows, cols, P_STATE);
+    }
+}
 
 __device__ __forceinline__ void sample_batch(const volatile i64* P) {
     const bool leader = blockIdx.x == 0 && threadIdx.x == 0;
@@ -469,7 +536,7 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
         // 1. size each frontier node's share of the hop
         block_range(num_rows - front_lo, &lo, &hi);
         const i64 planned = plan_frontier(P_INDPTR, frontier, lo, hi, k, P_FRONT_OFF, P_FRONT_CSC,
-                                          P_CACHE_OFF);
+                                          P_CACHE_OFF, P_OV_START, P_OV_LENGTH, P_N_BASE);
         if (threadIdx.x == 0) P_BLOCK_SUMS[blockIdx.x] = planned;
         grid_sync(P_BARRIER);
         i64 hop_edges;
@@ -490,24 +557,8 @@ __device__ __forceinline__ void sample_batch(const volatile i64* P) {
             return;
         }
         // 2. draw: one warp per frontier node; neighbours propose their first occurrence
-        for (i64 i = lo + warp; i < hi; i += num_warps) {
-            const i64* front_csc = P_FRONT_CSC;
-            const i64 start = LOAD(front_csc + 2 * i);  // < 0: in the adjacency cache
-            const bool cached = start < 0;
-            const i64 deg = LOAD(front_csc + 2 * i + 1);
-            const u32 cache_bits = (u32)P_CACHE_BITS;
-            i64 first = cached ? -start - 1 : start;
-            ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
-                            cached ? cache_bits : 64u, 0u};
-            if (cached && cache_bits == 0) {  // Elias-Fano: the offset is the block, l above it
-                list.base = (const u32*)P_CACHE_INDICES + (first & EF_OFFSET_MASK);
-                list.ef = (u32)deg | ((u32)(first >> EF_L_SHIFT) << EF_DEG_BITS);
-                first = 0;
-            }
-            expand_node(list, LOAD(frontier + i), first, deg, k, hop, (u32)P_BASE, (int)(front_lo + i),
-                        carry + LOAD(P_FRONT_OFF + i), P_EDGES + edges_before,
-                        P_COL_BUF + edges_before, P_STATE, lane);
-        }
+        for (i64 i = lo + warp; i < hi; i += num_warps)
+            expand_node(P, i, k, hop, front_lo, carry, edges_before, lane);
         grid_sync(P_BARRIER);
         // 3. rank the first occurrences, 4. give them rows, 5. relabel the hop's edges
         block_range(hop_edges, &lo, &hi);

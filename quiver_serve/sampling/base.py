@@ -13,6 +13,11 @@ Semantics (DESIGN §2), identical for every implementation (reference torch, C++
   Neighbours not yet in ``n_id`` are appended in order of first occurrence in that list.
 * ``num_sampled_nodes`` has ``L + 1`` entries (hop 0 = unique seeds), ``num_sampled_edges`` ``L``.
 
+Living graph (DESIGN §7): with an :class:`~quiver_serve.graph.overlay_view.OverlayView` set
+(:meth:`BaseSampler.set_overlay`), node ``v``'s list is its base list (``v < n_base`` and not
+replaced) followed by its overlay tail, and everything above reads that combined list: its length
+is the degree, local offset ``q`` is entry ``q`` of the combined list.
+
 Random numbers are a pure function of (batch seed, hop, node id, draw index), not a stream, so the
 same seed yields the same subgraph from every implementation, on any thread count.
 For a node ``v`` expanded at hop ``l`` with fanout ``k`` and degree ``d > k``, draw ``i`` in
@@ -31,6 +36,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve import errors
+from quiver_serve.graph.overlay_view import OverlayView
 
 MASK32 = 0xFFFFFFFF
 _MIX_MUL = 0x45D9F3B
@@ -59,7 +65,8 @@ class SamplerOutput:
 
 
 class BaseSampler(ABC):
-    """A neighbour sampler over one CSC graph (``indptr``/``indices`` in-neighbours)."""
+    """A neighbour sampler over one CSC graph (``indptr``/``indices`` in-neighbours), and the
+    overlay of updates since that CSC when one is set."""
 
     #: short name shown in metrics and logs ("reference", "cpp", "cuda", "uva")
     name: str = "base"
@@ -67,14 +74,59 @@ class BaseSampler(ABC):
     def __init__(self, indptr: Tensor, indices: Tensor) -> None:
         self.indptr = indptr
         self.indices = indices
+        self.overlay: OverlayView | None = None
 
     @property
     def num_nodes(self) -> int:
+        # Read on every call: the view's owner appends nodes between batches.
+        if self.overlay is not None:
+            return self.overlay.num_nodes
         return self.indptr.numel() - 1
+
+    def set_overlay(self, view: OverlayView | None) -> None:
+        """Sample the base CSC plus ``view`` from the next call on (None: the base alone).
+
+        The view's tensors must live where the sampler reads its graph (``overlay_device``);
+        they are read in place on every call, never copied, so their owner may rewrite them
+        between batches but must not reallocate them while they are set."""
+        if view is not None:
+            check_overlay(view, self.indptr.numel() - 1, self.overlay_device)
+        self.overlay = view
+
+    @property
+    def overlay_device(self) -> torch.device:
+        """The device the overlay's tensors must be on."""
+        return self.indptr.device
 
     @abstractmethod
     def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
         """Sample the ``len(fanouts)``-hop subgraph of ``seeds`` with batch seed ``seed``."""
+
+
+def check_overlay(view: OverlayView, n_base: int, device: torch.device) -> None:
+    """Raise unless ``view`` fits a base of ``n_base`` nodes and lies on ``device`` as int64."""
+    if view.n_base != n_base:
+        raise ValueError(f"overlay is over a base of {view.n_base} nodes, the sampler's has "
+                         f"{n_base}")
+    if not n_base <= view.num_nodes <= view.node_capacity:
+        raise ValueError(f"overlay num_nodes={view.num_nodes} is outside [n_base={n_base}, "
+                         f"node capacity={view.node_capacity}]")
+    for field in ("start", "length", "tail"):
+        t = getattr(view, field)
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous():
+            raise TypeError(f"overlay.{field} must be a contiguous 1-D int64 tensor, got {t.dtype} "
+                            f"{tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"overlay.{field} is on {t.device}; this sampler reads it on {device}")
+    if view.length.numel() != view.node_capacity:
+        raise ValueError(f"overlay.length has {view.length.numel()} entries, overlay.start "
+                         f"{view.node_capacity}")
+
+
+def check_seed_range(seeds: Tensor, num_nodes: int) -> None:
+    """IndexError naming the valid range when a seed id is outside ``[0, num_nodes)``."""
+    if seeds.numel() and (int(seeds.min()) < 0 or int(seeds.max()) >= num_nodes):
+        raise IndexError(f"seed node ids must be in [0, {num_nodes})")
 
 
 # ---- counter-based random numbers (shared spec; see csrc/ for the C++ and CUDA twins) ----------

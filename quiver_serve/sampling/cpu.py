@@ -202,7 +202,8 @@ class CppSampler(BaseSampler):
 
     Same output as :class:`~quiver_serve.sampling.reference.ReferenceSampler`, bit for bit, for any
     ``torch.set_num_threads``. The graph tensors are read in place (never copied), so workers
-    that map one shared-memory CSC add no copy of it.
+    that map one shared-memory CSC add no copy of it; so are an overlay's (``set_overlay``: CPU
+    tensors, e.g. ``torch.from_numpy`` of the owner's arrays).
     """
 
     name = "cpp"
@@ -220,12 +221,16 @@ class CppSampler(BaseSampler):
 
     def __reduce__(self) -> tuple[type[CppSampler], tuple[Tensor, Tensor]]:
         # The bound extension function does not pickle; a spawned worker rebuilds the sampler,
-        # loading the cached extension, around the same (shared-memory) tensors.
+        # loading the cached extension, around the same (shared-memory) tensors. The overlay is
+        # not carried: its owner sets it on the rebuilt sampler.
         return CppSampler, (self.indptr, self.indices)
 
     def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
+        view = self.overlay
+        overlay = () if view is None else (view.start, view.length, view.tail, view.n_base,
+                                           view.num_nodes)
         n_id, edge_index, seed_index, num_nodes, num_edges = self._sample_neighbors(
             self.indptr, self.indices, seeds.to(torch.int64), [int(k) for k in fanouts],
-            validate_seed(int(seed)),
+            validate_seed(int(seed)), *overlay,
         )
         return SamplerOutput(n_id, edge_index, seed_index, list(num_nodes), list(num_edges))

@@ -14,6 +14,10 @@ on the GPU as views of one int64 buffer allocated by torch's caching allocator; 
 contiguous. Tensors reach the kernel as raw device addresses (``data_ptr``): as zero-copy as
 DLPack, without building a CuPy array per tensor and batch.
 
+With an overlay set (:meth:`_GpuSampler.set_overlay`, DESIGN §7) the kernel reads each node's
+base list (from the CSC or the adjacency cache, as without one) followed by its overlay tail,
+straight from the view's device tensors: the view is passed by pointer, never copied.
+
 CuPy is imported lazily, so this module imports on machines without CuPy or CUDA;
 :func:`gpu_sampler_available` says whether the samplers can be built here.
 """
@@ -33,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.ops.cuda import PinnedRegion, StreamHandle
 from quiver_serve.ops.nvrtc import compile_module
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, seed_base, validate_seed
@@ -48,7 +53,7 @@ _COUNTS_HEADER = 4  # status, need_n, need_e_hop, need_e_total; then per-hop cou
 _STATE_EMPTY = 2**31 - 1
 _MAX_INT32_POSITIONS = 2**31 - 1  # hop-local positions and local ids are int32 in the kernel
 
-_NUM_PARAMS, _MAX_HOPS = 23, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
+_NUM_PARAMS, _MAX_HOPS = 27, 32  # the kernel's parameter block (NUM_PARAMS, MAX_HOPS in the .cu)
 
 #: A launcher takes (number of blocks, address of the parameter block, CUDA stream handle) and
 #: launches the kernel asynchronously.
@@ -154,7 +159,9 @@ class _Workspace:
         self.block_sums = torch.zeros(max_blocks, dtype=torch.int64, device=device)
         self.col_buf: Tensor | None = None
         self.front_off: Tensor | None = None
-        self.front_csc: Tensor | None = None  # (start, degree) of each frontier node
+        # per frontier node (start, degree), or with an overlay (start, base count, tail start,
+        # tail count)
+        self.front_csc: Tensor | None = None
         self.rank_buf: Tensor | None = None
         # The kernel's parameters, in host memory it reads directly (pinned, hence mapped).
         self.params = torch.zeros(_NUM_PARAMS + _MAX_HOPS, dtype=torch.int64, pin_memory=pinned)
@@ -163,8 +170,16 @@ class _Workspace:
         self.host_seeds: Tensor | None = None
         self.dev_seeds: Tensor | None = None
 
-    def ensure(self, plan: _Plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Scratch grown to the plan: (col_buf, front_off, front_csc, rank_buf)."""
+    def grow_state(self, num_nodes: int) -> None:
+        """Room in ``state`` for node ids below ``num_nodes`` (between batches: every entry of
+        the old array is back to empty, so a fresh one replaces it)."""
+        if num_nodes > self.state.numel():
+            self.state = torch.full((num_nodes,), _STATE_EMPTY, dtype=torch.int32,
+                                    device=self.device)
+
+    def ensure(self, plan: _Plan, csc_words: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Scratch grown to the plan: (col_buf, front_off, front_csc, rank_buf); ``csc_words``
+        per frontier node in front_csc."""
 
         # zeros, not empty: uninitialised tails are never read, but keep them harmless anyway
         def zeros(n: int, dtype: torch.dtype = torch.int32) -> Tensor:
@@ -172,7 +187,8 @@ class _Workspace:
 
         self.col_buf = _grown(self.col_buf, plan.e_cap, zeros)
         self.front_off = _grown(self.front_off, plan.n_cap, zeros)
-        self.front_csc = _grown(self.front_csc, 2 * plan.n_cap, lambda n: zeros(n, torch.int64))
+        self.front_csc = _grown(self.front_csc, csc_words * plan.n_cap,
+                                lambda n: zeros(n, torch.int64))
         self.rank_buf = _grown(self.rank_buf, plan.e_hop_cap, zeros)
         return self.col_buf, self.front_off, self.front_csc, self.rank_buf
 
@@ -247,29 +263,62 @@ class _GpuSampler(BaseSampler):
         self._work = _Workspace(self.num_nodes, max_blocks, self.device)
         self._lock = threading.Lock()
         self._plans: dict[tuple, _Plan] = {}
+        #: the overlay's (start, length, tail) device addresses; 0s: no overlay
+        self._overlay_ptrs = (0, 0, 0)
+
+    @property
+    def overlay_device(self) -> torch.device:
+        return self.device
+
+    def set_overlay(self, view: OverlayView | None) -> None:
+        """See :meth:`BaseSampler.set_overlay`; the view's tensors must be on ``self.device``.
+
+        Costs nothing per batch beyond reading the view: its addresses are taken here, and the
+        per-node scratch grows here (once) to the view's node capacity."""
+        if view is not None and view.node_capacity >= _MAX_INT32_POSITIONS:
+            raise ValueError(f"overlay of {view.node_capacity} nodes: the GPU sampler keeps "
+                             "local ids in int32")
+        with self._lock:  # not while a batch reads the old view
+            super().set_overlay(view)
+            if view is None or view.node_capacity == 0:
+                self._overlay_ptrs = (0, 0, 0)
+                return
+            self._work.grow_state(view.node_capacity)
+            self._overlay_ptrs = (view.start.data_ptr(), view.length.data_ptr(),
+                                  view.tail.data_ptr())
 
     def plan(self, num_seeds: int, fanouts: list[int]) -> _Plan:
         """Capacities from per-hop upper bounds; a hop's bound above the guess uses the guess."""
-        key = (num_seeds, tuple(fanouts), self.hop_edges_guess)
+        view = self.overlay
+        # With an overlay, a list may be as long as its base list plus every tail entry, and
+        # the nodes grow: the bounds take the view's sizes (read per call, as they change).
+        shape = (view.num_nodes, view.tail.numel()) if view is not None else None
+        key = (num_seeds, tuple(fanouts), self.hop_edges_guess, shape)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 4096:  # many distinct batch sizes: keep the cache bounded
                 self._plans.clear()
-            plan = self._plans[key] = self._make_plan(num_seeds, fanouts)
+            plan = self._plans[key] = self._make_plan(num_seeds, fanouts, shape)
         return plan
 
-    def _make_plan(self, num_seeds: int, fanouts: list[int]) -> _Plan:
+    def _make_plan(self, num_seeds: int, fanouts: list[int],
+                   overlay_shape: tuple[int, int] | None = None) -> _Plan:
+        num_nodes, max_degree, num_edges = self.num_nodes, self._max_degree, self._num_edges
+        if overlay_shape is not None:
+            num_nodes, tail_entries = overlay_shape
+            max_degree += tail_entries
+            num_edges += tail_entries
         frontier = num_seeds
         n_bound, e_total, e_hop_max, e_hop_bound_max = num_seeds, 0, num_seeds, num_seeds
         for k in fanouts:
-            per_node = self._max_degree if k < 0 else min(k, self._max_degree)
-            bound = min(frontier * per_node, self._num_edges)
+            per_node = max_degree if k < 0 else min(k, max_degree)
+            bound = min(frontier * per_node, num_edges)
             e_hop = min(bound, self.hop_edges_guess, _MAX_INT32_POSITIONS)
             e_total += e_hop
             e_hop_max = max(e_hop_max, e_hop)
             e_hop_bound_max = max(e_hop_bound_max, bound)
-            frontier = min(bound, self.num_nodes)
-            n_bound = min(n_bound + e_hop, self.num_nodes)
+            frontier = min(bound, num_nodes)
+            n_bound = min(n_bound + e_hop, num_nodes)
         blocks = min(self._max_blocks, max(1, math.ceil(e_hop_bound_max / self.items_per_block)))
         return _Plan(
             n_cap=max(n_bound, 1), e_cap=max(e_total, 1), e_hop_cap=max(e_hop_max, 1), blocks=blocks
@@ -283,16 +332,20 @@ class _GpuSampler(BaseSampler):
         if seeds.numel() == 0:
             return self._empty_output(len(fanouts))
         with self._lock:
+            num_nodes = self.num_nodes  # one value for the whole batch
+            if num_nodes > self._work.state.numel():
+                raise ValueError(f"the overlay has {num_nodes} nodes, more than the node "
+                                 f"capacity {self._work.state.numel()} it was set with")
             request_ptr, _request, dev_seeds = self._work.stage_seeds(seeds)
             for _attempt in range(len(fanouts) + 2):
                 plan = self.plan(seeds.numel(), fanouts)
                 out, counts = self._launch(
-                    request_ptr, dev_seeds, seeds.numel(), fanouts, base, plan
+                    request_ptr, dev_seeds, seeds.numel(), fanouts, base, plan, num_nodes
                 )
                 if counts[0] == _STATUS_OK:
                     return _outputs(out, counts, plan, seeds.numel(), len(fanouts))
                 if counts[0] == _STATUS_BAD_SEED:
-                    raise IndexError(f"seed node ids must be in [0, {self.num_nodes})")
+                    raise IndexError(f"seed node ids must be in [0, {num_nodes})")
                 if counts[0] != _STATUS_OVERFLOW:
                     raise RuntimeError(f"GPU sampler kernel did not finish (status {counts[0]})")
                 # Overflow: only a hop whose bound exceeded the guess can get here.
@@ -301,20 +354,22 @@ class _GpuSampler(BaseSampler):
 
     def _launch(
         self, request_ptr: int, dev_seeds: Tensor, num_seeds: int, fanouts: list[int], base: int,
-        plan: _Plan,
+        plan: _Plan, num_nodes: int,
     ) -> tuple[Tensor, list[int]]:  # fmt: skip
         work = self._work
-        col_buf, front_off, front_csc, rank_buf = work.ensure(plan)
+        ov_start, ov_length, ov_tail = self._overlay_ptrs
+        col_buf, front_off, front_csc, rank_buf = work.ensure(plan, 4 if ov_start else 2)
         out = torch.empty(plan.out_len(num_seeds), dtype=torch.int64, device=self.device)
         counts_ptr, counts = work.counts_buffer(_COUNTS_HEADER + 2 * len(fanouts) + 1)
         params = work.params_view  # order: the kernel's parameter block
         params[:_NUM_PARAMS] = (
-            self._indptr_ptr, self._indices_ptr, self.num_nodes, work.state.data_ptr(),
+            self._indptr_ptr, self._indices_ptr, num_nodes, work.state.data_ptr(),
             request_ptr, dev_seeds.data_ptr(), num_seeds, len(fanouts), base,
             out.data_ptr(), plan.n_cap, plan.e_cap, plan.e_hop_cap, counts_ptr,
             col_buf.data_ptr(), front_off.data_ptr(), front_csc.data_ptr(), rank_buf.data_ptr(),
             work.block_sums.data_ptr(), work.barrier.data_ptr(),
             self._cache_off_ptr, self._cache_indices_ptr, self._cache_bits,
+            ov_start, ov_length, ov_tail, self.indptr.numel() - 1,
         )  # fmt: skip
         params[_NUM_PARAMS : _NUM_PARAMS + len(fanouts)] = fanouts
         # The block is reused by the next batch only after this one's final sync.

@@ -1,7 +1,9 @@
 """Pure-torch reference sampler: vectorised over the frontier, no Python loop per node.
 
 It defines the semantics the compiled samplers must reproduce bit for bit (see ``base``), and it
-is the fallback wherever no compiler or GPU is present.
+is the fallback wherever no compiler or GPU is present. With an overlay, a node's list is read in
+two parts (:func:`node_lists`: base range, then tail range) and a hop's draws are offsets into
+their concatenation.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
 from quiver_serve.sampling.base import (
     BaseSampler,
     SamplerOutput,
+    check_seed_range,
     draw32,
     node_hash,
     seed_base,
@@ -46,46 +50,106 @@ def floyd_select(degree: Tensor, k: int, node_h: Tensor) -> Tensor:
 
 
 def sample_hop(
-    indptr: Tensor, indices: Tensor, frontier: Tensor, k: int, hop: int, base: int
+    indptr: Tensor, indices: Tensor, frontier: Tensor, k: int, hop: int, base: int,
+    overlay: OverlayView | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one hop: (global neighbour ids, frontier position of each), in frontier order.
 
     Runs on the device of its tensors (the PSGS tables sample every node at once on a GPU)."""
-    edge_pos, count = hop_edge_positions(indptr, frontier, k, hop, base)
+    edge_pos, count = hop_edge_positions(indptr, frontier, k, hop, base, overlay)
     owner = torch.repeat_interleave(torch.arange(frontier.numel(), device=frontier.device), count)
-    return indices[edge_pos], owner
+    return read_positions(indices, edge_pos, overlay), owner
+
+
+def read_positions(indices: Tensor, edge_pos: Tensor, overlay: OverlayView | None) -> Tensor:
+    """The entries at ``edge_pos`` (:func:`hop_edge_positions`' encoding: ``indices`` below
+    ``len(indices)``, the overlay's tail above)."""
+    if overlay is None:
+        return indices[edge_pos]
+    num_indices = indices.numel()
+    in_base = edge_pos < num_indices
+    out = torch.empty_like(edge_pos)
+    out[in_base] = indices[edge_pos[in_base]]
+    out[~in_base] = overlay.tail[edge_pos[~in_base] - num_indices]
+    return out
+
+
+def node_lists(
+    indptr: Tensor, frontier: Tensor, overlay: OverlayView | None
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Per frontier node: (base start, base count, tail start, tail count); the tail parts are
+    None without an overlay. A node with no counted base list (added since the base, or
+    replaced) has base count 0, and ``indptr`` is never indexed with its id."""
+    if overlay is None:
+        start = indptr[frontier]
+        return start, indptr[frontier + 1] - start, None, None
+    n_base = overlay.n_base
+    raw_length = overlay.length[frontier]
+    has_base = (frontier < n_base) & ((raw_length & REPLACED) == 0)
+    zero = torch.zeros_like(frontier)
+    if n_base > 0:
+        v = torch.where(has_base, frontier, zero)
+        start = torch.where(has_base, indptr[v], zero)
+        base_count = torch.where(has_base, indptr[v + 1] - indptr[v], zero)
+    else:
+        start, base_count = zero, zero
+    tail_start = overlay.start[frontier]
+    has_tail = tail_start >= 0
+    tail_count = torch.where(has_tail, raw_length & LENGTH_MASK, zero)
+    return start, base_count, torch.where(has_tail, tail_start, zero), tail_count
 
 
 def hop_edge_positions(
-    indptr: Tensor, frontier: Tensor, k: int, hop: int, base: int
+    indptr: Tensor, frontier: Tensor, k: int, hop: int, base: int,
+    overlay: OverlayView | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The CSC positions (into ``indices``) one hop reads, in frontier order, and how many per
     frontier node: exactly the neighbour reads of every sampler (the adjacency cache's read
-    model counts them, ``sampling/graph_cache/reads.py``)."""
-    dev = frontier.device
-    start = indptr[frontier]
-    degree = indptr[frontier + 1] - start
+    model counts them, ``sampling/graph_cache/reads.py``). With an overlay, entry ``p`` of
+    its tail is position ``len(indices) + p`` (``len(indices) == indptr[-1]``)."""
+    start, base_count, tail_start, tail_count = node_lists(indptr, frontier, overlay)
+    degree = base_count if tail_count is None else base_count + tail_count
     count = degree if k < 0 else torch.clamp(degree, max=k)
+    node, local = _drawn_offsets(frontier, degree, count, k, hop, base)
+    edge_pos = start[node] + local
+    if tail_start is not None:
+        split = base_count[node]
+        in_tail = local >= split
+        tail_pos = int(indptr[-1]) + tail_start[node] + local - split
+        edge_pos = torch.where(in_tail, tail_pos, edge_pos)
+    return edge_pos, count
+
+
+def _drawn_offsets(
+    frontier: Tensor, degree: Tensor, count: Tensor, k: int, hop: int, base: int
+) -> tuple[Tensor, Tensor]:
+    """Every read of one hop in output order: (frontier index of its node, offset into that
+    node's list). A whole list in list order when ``k < 0`` or ``degree <= k``, else Floyd's
+    draws in draw order."""
+    dev = frontier.device
     total = int(count.sum())
     out_offset = torch.cumsum(count, 0) - count
-    edge_pos = torch.empty(total, dtype=torch.int64, device=dev)
+    node = torch.empty(total, dtype=torch.int64, device=dev)
+    local = torch.empty(total, dtype=torch.int64, device=dev)
 
     full = torch.ones_like(degree, dtype=torch.bool) if k < 0 else degree <= k
     full_idx = full.nonzero().flatten()
     if full_idx.numel():
         cnt = count[full_idx]
-        rep_start = torch.repeat_interleave(start[full_idx], cnt)
-        rep_out = torch.repeat_interleave(out_offset[full_idx], cnt)
+        owner = torch.repeat_interleave(full_idx, cnt)
         within = torch.arange(int(cnt.sum()), device=dev) - torch.repeat_interleave(
             torch.cumsum(cnt, 0) - cnt, cnt)
-        edge_pos[rep_out + within] = rep_start + within
+        slots = out_offset[owner] + within
+        node[slots] = owner
+        local[slots] = within
 
     part_idx = (~full).nonzero().flatten()
     if part_idx.numel():
         chosen = floyd_select(degree[part_idx], k, node_hash(base, hop, frontier[part_idx]))
-        slots = out_offset[part_idx].unsqueeze(1) + torch.arange(k, device=dev)
-        edge_pos[slots.flatten()] = (start[part_idx].unsqueeze(1) + chosen).flatten()
-    return edge_pos, count
+        slots = (out_offset[part_idx].unsqueeze(1) + torch.arange(k, device=dev)).flatten()
+        node[slots] = part_idx.repeat_interleave(k)
+        local[slots] = chosen.flatten()
+    return node, local
 
 
 class ReferenceSampler(BaseSampler):
@@ -95,7 +159,10 @@ class ReferenceSampler(BaseSampler):
 
     def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
         base = seed_base(seed)
-        n_id, seed_index = unique_first(seeds.to(torch.int64))
+        overlay = self.overlay
+        seeds = seeds.to(torch.int64)
+        check_seed_range(seeds, self.num_nodes)
+        n_id, seed_index = unique_first(seeds)
         known_sorted, known_local = torch.sort(n_id)
         frontier_local = torch.arange(n_id.numel())
         rows: list[Tensor] = []
@@ -103,7 +170,8 @@ class ReferenceSampler(BaseSampler):
         num_nodes = [n_id.numel()]
         num_edges: list[int] = []
         for hop, k in enumerate(fanouts, start=1):
-            nbr, owner = sample_hop(self.indptr, self.indices, n_id[frontier_local], k, hop, base)
+            nbr, owner = sample_hop(self.indptr, self.indices, n_id[frontier_local], k, hop, base,
+                                    overlay)
             local = torch.empty_like(nbr)
             pos = torch.searchsorted(known_sorted, nbr).clamp_(max=max(known_sorted.numel() - 1, 0))
             found = known_sorted[pos] == nbr if known_sorted.numel() else torch.zeros_like(nbr, dtype=torch.bool)

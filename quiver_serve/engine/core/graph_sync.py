@@ -165,6 +165,7 @@ class GraphSync:
             core.psgs.update_nodes(t_nodes, degree)
 
     def _nodes_added(self, core: EngineCore, ids: np.ndarray, features: np.ndarray) -> None:
+        self.attach_views(core)  # the samplers must know the new ids even before any edge
         core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
         zeros = torch.zeros(ids.size, dtype=torch.int64)
         t_ids = torch.from_numpy(ids)

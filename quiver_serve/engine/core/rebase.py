@@ -116,7 +116,8 @@ def switch(sync: Any, core: Any, rebase: Rebase) -> None:
     core.local_sampler = rebase.local
     if core.gpu_sampler is not None and rebase.gpu_sampler is not None:
         core.gpu_sampler = rebase.gpu_sampler
-    if old_views or rebase.overlay.active:
+    ov = rebase.overlay
+    if old_views or ov.active or ov.num_nodes > ov.n_base:
         stream = core.sample_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             sync.attach_views(core)

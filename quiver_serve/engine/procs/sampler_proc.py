@@ -72,7 +72,8 @@ class SamplerSync:
         sampler = make_cpu_sampler(graph.indptr, graph.indices, self.implementation)
         self.sampler, self.overlay, self.follower, self.live = sampler, overlay, follower, live
         self.view = None
-        if overlay.active:
+        if overlay.active or overlay.num_nodes > overlay.n_base:
+            overlay.ensure_active()
             self.view = overlay.view()
             sampler.set_overlay(self.view)
         self.base_version = live.base_version
@@ -92,13 +93,11 @@ class SamplerSync:
                 self._apply(record)
 
     def _apply(self, record: Any) -> None:
-        if isinstance(record, EdgeRecord):
-            self.overlay.apply_edges(record.add, record.remove)
-            if self.view is None:
-                self.view = self.overlay.view()
-                self.sampler.set_overlay(self.view)
-        elif isinstance(record, NodeRecord):
-            self.overlay.add_nodes(int(record.features.shape[0]))
+        apply_structure(self.overlay, record)
+        if self.view is None and isinstance(record, EdgeRecord | NodeRecord):
+            self.overlay.ensure_active()  # new ids are known to the sampler even without edges
+            self.view = self.overlay.view()
+            self.sampler.set_overlay(self.view)
         if self.view is not None:
             self.view.num_nodes = self.overlay.num_nodes
         self.version = record.version
