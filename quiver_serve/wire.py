@@ -15,7 +15,7 @@ the micro-batch; request ids never leave the front-end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -55,14 +55,22 @@ class FrontDoorAddresses:
     def control(self) -> str:
         return f"ipc://{self.run_dir}/frontdoor-control.sock"
 
+    @property
+    def graph(self) -> str:
+        """The graph writer's calls (``GraphCall`` / ``GraphReply``)."""
+        return f"ipc://{self.run_dir}/frontdoor-graph.sock"
+
 
 #: ``seed`` value of a micro-batch whose requests asked for no seed
 NO_SEED = -1
 
 
 class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
-    """Client → engine core. Frames after it: ids int64 [n_ids], lengths int32 [n_requests]
-    (ids per request, in order), deadlines float64 [n_requests] (``time.time()`` instants)."""
+    """Client → engine core. Frames after it: ids int64 [n_ids], lengths int64 [n_requests]
+    (ids per request, in order), deadlines float64 [n_requests] (``time.time()`` instants);
+    then, when ``new_nodes`` > 0, the :class:`InductiveNodes` frames (``INDUCTIVE_FRAMES``).
+
+    Fields are added at the end only, each with a default, so an older sender still decodes."""
 
     seq: int  # unique per client; the reply carries it back
     exact: bool
@@ -71,6 +79,53 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     #: among the engine cores it spreads them over: how many of its callers' ids this engine
     #: should expect, which the engine cannot see between two requests
     outstanding_ids: int = 0
+    #: the graph version every request here must see (the largest any of them asked for);
+    #: 0: whatever is visible
+    min_version: int = 0
+    #: inductive rows (``new_nodes`` of one request, which then travels alone): their rows
+    #: follow the ids' rows in the reply
+    new_nodes: int = 0
+
+
+#: frames an inductive micro-batch carries after ids, lengths and deadlines
+INDUCTIVE_FRAMES = 3
+
+
+class InductiveNodes(NamedTuple):
+    """Nodes embedded as if added with these in-edges, without adding them (DESIGN §7)."""
+
+    features: np.ndarray  # float32 [m, F]
+    offsets: np.ndarray  # int64 [m + 1]: node i's in-neighbours are neighbors[offsets[i]:offsets[i+1]]
+    neighbors: np.ndarray  # int64 [nnz], ids of existing nodes
+
+    @property
+    def count(self) -> int:
+        return int(self.features.shape[0])
+
+    def frames(self) -> list[np.ndarray]:
+        """The three frames, in order (contiguous, little-endian on every supported host)."""
+        return [np.ascontiguousarray(self.features, np.float32),
+                np.ascontiguousarray(self.offsets, np.int64),
+                np.ascontiguousarray(self.neighbors, np.int64)]
+
+
+def decode_inductive(frames: list[Any], count: int | None = None) -> InductiveNodes:
+    """The engine side of :meth:`InductiveNodes.frames`: the last ``INDUCTIVE_FRAMES`` of a
+    micro-batch's frames (so the ROUTER's identity frame in front does not matter); ``count``,
+    when given, is the header's ``new_nodes``. Zero-copy, read-only views; ValueError when the
+    buffers do not agree with each other."""
+    if len(frames) < INDUCTIVE_FRAMES:
+        raise ValueError(f"an inductive micro-batch ends with {INDUCTIVE_FRAMES} frames, "
+                         f"got {len(frames)} frames in all")
+    flat, offsets, neighbors = (view(frames[-INDUCTIVE_FRAMES], np.float32),
+                                view(frames[-2], np.int64), view(frames[-1], np.int64))
+    m = offsets.size - 1
+    if m <= 0 or (count is not None and m != count) or flat.size % m:
+        raise ValueError(f"{flat.size} feature values and {offsets.size} offsets do not make "
+                         f"{count if count is not None else m} rows")
+    if offsets[0] != 0 or offsets[-1] != neighbors.size or (np.diff(offsets) < 0).any():
+        raise ValueError("neighbour offsets must rise from 0 to the neighbour count")
+    return InductiveNodes(flat.reshape(m, -1), offsets, neighbors)
 
 
 class RequestError(msgspec.Struct, array_like=True, frozen=True):
@@ -150,6 +205,74 @@ class FrontDoorState(msgspec.Struct, frozen=True):
     workers: list[WorkerInfo]
     engines: dict[str, Any] | None = None
     num_features: int | None = None
+    #: the living graph (DESIGN §7): acknowledged node count, node capacity (ids below it may
+    #: exist by the time a request reaches an engine core) and acknowledged version; None when
+    #: the daemon has no graph writer
+    num_nodes: int | None = None
+    node_capacity: int | None = None
+    graph_version: int | None = None
+
+
+# ---- graph calls: front-end process → main process (the graph writer) ------------------------------
+#: per op, the dtypes of its array frames, in order
+GRAPH_OPS: dict[str, tuple[str, ...]] = {
+    "add_edges": ("<i8", "<i8"),  # add [n, 2], remove [k, 2]
+    "add_nodes": ("<f4",),  # features [m, F]
+    "put_features": ("<i8", "<f4"),  # node_ids [n], features [n, F]
+    "info": (),
+    "compact": (),
+}
+
+
+class GraphCall(msgspec.Struct, array_like=True, frozen=True):
+    """Front-end → main process. Frames after it: the op's arrays (``GRAPH_OPS``), raw, each of
+    the shape listed in ``shapes``; the writer validates their contents."""
+
+    call_id: int  # unique per client; the reply carries it back
+    op: str
+    shapes: list[list[int]] = []
+    #: ``time.time()`` after which the caller no longer waits: not started after it
+    deadline_s: float = 0.0
+
+
+class GraphError(msgspec.Struct, array_like=True, frozen=True):
+    code: str
+    message: str
+    status: int
+    retry_after_s: float | None = None
+
+
+class GraphReply(msgspec.Struct, array_like=True, frozen=True):
+    """Main process → front-end: the writer's answer (JSON-safe) or why there is none."""
+
+    call_id: int
+    result: dict[str, Any] | None = None
+    error: GraphError | None = None
+
+
+def graph_frames(op: str, arrays: list[np.ndarray]) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Shapes and contiguous frames of ``op``'s arrays, in its dtypes."""
+    dtypes = GRAPH_OPS[op]
+    if len(arrays) != len(dtypes):
+        raise ValueError(f"{op} takes {len(dtypes)} arrays, got {len(arrays)}")
+    frames = [np.ascontiguousarray(a, dtype=dt) for a, dt in zip(arrays, dtypes, strict=True)]
+    return [list(f.shape) for f in frames], frames
+
+
+def graph_arrays(call: GraphCall, frames: list[Any]) -> list[np.ndarray]:
+    """The arrays of a received call (views); ValueError when frames and shapes disagree."""
+    dtypes = GRAPH_OPS.get(call.op)
+    if dtypes is None:
+        raise ValueError(f"unknown graph op {call.op!r}")
+    if len(frames) != len(dtypes) or len(call.shapes) != len(dtypes):
+        raise ValueError(f"{call.op} takes {len(dtypes)} array frames, got {len(frames)}")
+    out = []
+    for frame, dt, shape in zip(frames, dtypes, call.shapes, strict=True):
+        arr = view(frame, np.dtype(dt))
+        if arr.size != int(np.prod(shape, dtype=np.int64)) or min(shape, default=0) < 0:
+            raise ValueError(f"{call.op}: a frame of {arr.size} values is not of shape {shape}")
+        out.append(arr.reshape(shape))
+    return out
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -168,6 +291,8 @@ class Decoders:
     sample_done = msgspec.msgpack.Decoder(SampleDone)
     control = msgspec.msgpack.Decoder(Control)
     front_door = msgspec.msgpack.Decoder(FrontDoorState)
+    graph_call = msgspec.msgpack.Decoder(GraphCall)
+    graph_reply = msgspec.msgpack.Decoder(GraphReply)
 
 
 def view(frame: Any, dtype: Any) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""FastAPI front-end: /v1/embed, KServe v2, /metrics. It owns the Prometheus registry."""
+"""FastAPI front-end: /v1/embed, KServe v2, the graph updates, /metrics. It owns the Prometheus
+registry."""
 
 from __future__ import annotations
 
@@ -23,16 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.pipeline import Pipeline
-from quiver_serve.frontend import kserve
+from quiver_serve.frontend import graph_routes, kserve
 from quiver_serve.frontend.bodies import parse_embed, validation_message
 from quiver_serve.frontend.fastpath import (
     EMBED_PATH,
     INFER_TEMPLATE,
     HotRoutes,
     model_or_404,
+    serve_embed,
     serve_ids,
 )
-from quiver_serve.frontend.guards import Guards, resolve_token
+from quiver_serve.frontend.guards import Guards, resolve_admin_token, resolve_token
 from quiver_serve.frontend.responses import (
     NPY_MEDIA_TYPE,
     embed_answer,
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 413, 422, 429, 503, 504)
 }
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {403: {"model": ErrorBody}, **_ERRORS}
 
 
 class ServerState:
@@ -109,8 +112,10 @@ def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
                   description="Node embeddings from a PyG model over a sampled graph.")
     app.state.qs = state
     _install_error_handlers(app)
-    _install_timing(app, state, resolve_token(cfg.server.auth_token), cfg.server.max_body_bytes)
+    _install_timing(app, state, resolve_token(cfg.server.auth_token),
+                    resolve_admin_token(cfg.server.admin_token), cfg.server.max_body_bytes)
     _add_embed_routes(app, state)
+    graph_routes.add_graph_routes(app, state, _ADMIN_ERRORS)
     _add_kserve_routes(app, state)
     return app
 
@@ -122,9 +127,9 @@ async def _start_grpc(state: ServerState) -> Any:
         return None
     from quiver_serve.frontend import grpc_server
 
-    async def serve(ids: np.ndarray, exact: bool, seed: int | None,
-                    timeout_ms: float | None) -> torch.Tensor:
-        return await serve_ids(state, None, ids, exact, seed, timeout_ms)
+    async def serve(ids: np.ndarray, exact: bool, seed: int | None, timeout_ms: float | None,
+                    min_version: int = 0) -> torch.Tensor:
+        return await serve_ids(state, None, ids, exact, seed, timeout_ms, min_version)
 
     return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token))
 
@@ -150,7 +155,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_timing(app: FastAPI, state: ServerState, token: str | None,
-                   max_body_bytes: int) -> None:
+                   admin_token: str | None, max_body_bytes: int) -> None:
     """Request latency by route template and status, as plain ASGI (no per-request task hop);
     the guards (token, body size) sit inside it so refusals are timed and counted too, and the
     hot routes' raw-ASGI layer (``frontend/fastpath.py``) inside them, in front of FastAPI."""
@@ -170,7 +175,7 @@ def _install_timing(app: FastAPI, state: ServerState, token: str | None,
             routes = {r.path: r for r in app.routes
                       if isinstance(r, APIRoute) and r.path in (EMBED_PATH, INFER_TEMPLATE)}
             asgi = app.state.hot_routes = HotRoutes(asgi, state, routes)
-        asgi = Guards(asgi, token, max_body_bytes)
+        asgi = Guards(asgi, token, max_body_bytes, admin_token)
 
         async def timed(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -207,8 +212,7 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
         # (frontend/bodies.py); EmbedBody stays the documented schema and words the 422s.
         body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
-        emb = (await serve_ids(state, request.receive, body.node_ids, body.exact, body.seed,
-                               body.timeout_ms)).numpy()
+        emb = (await serve_embed(state, request.receive, body)).numpy()
         content, media_type = embed_answer(state.cfg.model.name, emb, request.headers.get("accept"))
         return Response(content, media_type=media_type)
 
@@ -222,8 +226,9 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
                      "restarts": 0}, *rows]
         return {"workers": rows, "frontend": me, "pending_requests": state.pipeline.pending_count}
 
-    @app.post("/admin/features/replace", status_code=202,
-              summary="Re-place feature rows from the requests served so far (engines keep serving)")
+    @app.post("/admin/features/replace", status_code=202, responses=_ADMIN_ERRORS,
+              summary="Re-place feature rows from the requests served so far (engines keep "
+                      "serving); admin: server.admin_token, or loopback clients when none is set")
     async def replace_features() -> dict[str, Any]:
         supervisor = getattr(state.pipeline, "supervisor", None)
         if supervisor is None:
@@ -280,7 +285,7 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
         model_or_404(state, name)
         req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
         emb = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
-                              req.timeout_ms)
+                              req.timeout_ms, req.min_version)
         body, headers = kserve.infer_response(name, req, emb.numpy())
         return Response(body, headers=headers)
 

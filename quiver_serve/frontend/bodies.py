@@ -5,18 +5,28 @@ a bool or float is not an int, unknown fields are refused) and its ids become an
 one NumPy call. Anything msgspec refuses is decoded again by the pydantic model
 (:class:`~quiver_serve.frontend.schemas.EmbedBody`, also the OpenAPI schema) only to word the 422:
 errors cost more, valid requests less.
+
+``new_nodes`` (inductive requests) come out as lists here; their checks need the graph's width
+and size, so they happen where the request is served (``engine/client/checks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
 from pydantic import ValidationError
 
 from quiver_serve import errors
+from quiver_serve.engine.client.checks import MAX_VERSION, check_rows
 from quiver_serve.frontend.schemas import EmbedBody
+
+
+class _NewNode(msgspec.Struct, forbid_unknown_fields=True):
+    features: list[float]
+    in_neighbors: list[int] = []
 
 
 class _Embed(msgspec.Struct, forbid_unknown_fields=True):
@@ -24,6 +34,8 @@ class _Embed(msgspec.Struct, forbid_unknown_fields=True):
     exact: bool = False
     seed: int | None = None
     timeout_ms: float | None = None
+    min_version: int = 0
+    new_nodes: list[_NewNode] | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Embed)
@@ -35,6 +47,10 @@ class EmbedArgs:
     exact: bool
     seed: int | None
     timeout_ms: float | None
+    min_version: int = 0
+    #: inductive nodes, unchecked: per node its feature row and its in-neighbours
+    new_features: list[Any] | None = None
+    new_neighbors: list[Any] | None = None
 
 
 def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
@@ -45,18 +61,26 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
     except msgspec.DecodeError:
         body = _slow(raw)
     else:
-        if not body.node_ids or not errors.seed_ok(body.seed) or (
-                body.timeout_ms is not None and not body.timeout_ms > 0):
+        if (not body.node_ids and not body.new_nodes) or not errors.seed_ok(body.seed) or (
+                body.timeout_ms is not None and not body.timeout_ms > 0) or \
+                not 0 <= body.min_version <= MAX_VERSION:
             body = _slow(raw)
     ids = body.node_ids
-    if len(ids) > max_nodes:
+    new = body.new_nodes or []
+    if len(ids) + len(new) > max_nodes:
+        if new:
+            check_rows(len(ids), len(new), max_nodes)
         raise errors.too_large(len(ids), max_nodes)
     try:
         arr = np.array(ids, dtype=np.int64)
     except OverflowError:  # Python ints: a huge id is named exactly
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise errors.invalid(f"node id {bad} is out of range (beyond int64)") from None
-    return EmbedArgs(arr, body.exact, body.seed, body.timeout_ms)
+    args = EmbedArgs(arr, body.exact, body.seed, body.timeout_ms, body.min_version)
+    if new:
+        args.new_features = [n.features for n in new]
+        args.new_neighbors = [n.in_neighbors for n in new]
+    return args
 
 
 def _slow(raw: bytes) -> EmbedBody:

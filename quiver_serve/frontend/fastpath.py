@@ -25,8 +25,14 @@ import numpy as np
 import torch
 
 from quiver_serve import errors
+from quiver_serve.engine.client.checks import (
+    check_ids_at_door,
+    check_min_version,
+    check_rows,
+    inductive_nodes,
+)
 from quiver_serve.frontend import kserve
-from quiver_serve.frontend.bodies import parse_embed
+from quiver_serve.frontend.bodies import EmbedArgs, parse_embed
 from quiver_serve.frontend.responses import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
@@ -102,19 +108,29 @@ async def _result_or_disconnect(state: Any, receive: Any, request_id: str,
 
 
 async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
-                    timeout_ms: float | None) -> torch.Tensor:
+                    timeout_ms: float | None, min_version: int = 0,
+                    new_nodes: tuple[list[Any], list[Any]] | None = None) -> torch.Tensor:
     """Check (NumPy), submit, await: the embeddings, or a ServeError with the right status.
     ``receive`` is the HTTP request's (a disconnect cancels the request); None for gRPC, whose
-    channel's own cancellation ends the call."""
+    channel's own cancellation ends the call. ``new_nodes``: the inductive nodes' feature rows
+    and in-neighbour lists, unchecked; their rows follow the ids' rows."""
     limit = state.cfg.server.max_request_nodes
-    if ids.size > limit:
+    num_new = len(new_nodes[0]) if new_nodes else 0
+    if ids.size + num_new > limit:
+        if num_new:
+            check_rows(int(ids.size), num_new, limit)
         raise errors.too_large(int(ids.size), limit)
     pipeline = state.pipeline
     if not pipeline.ready:
         raise pipeline.refusal()
-    errors.check_id_range(ids, pipeline.num_nodes)
+    num_nodes, capacity = pipeline.num_nodes, pipeline.node_capacity
+    check_ids_at_door(ids, num_nodes, capacity)
+    check_min_version(min_version)
+    inductive = None if not num_new else inductive_nodes(
+        new_nodes[0], new_nodes[1], pipeline.num_features or 0, num_nodes, capacity)  # type: ignore[index]
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
-    request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s)
+    request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s, min_version,
+                                                   inductive)
     if receive is None:
         result = await future
     else:
@@ -123,6 +139,13 @@ async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
     return result.embeddings
+
+
+async def serve_embed(state: Any, receive: Any, body: EmbedArgs) -> torch.Tensor:
+    """``serve_ids`` of one parsed ``/v1/embed`` body."""
+    new = None if body.new_features is None else (body.new_features, body.new_neighbors or [])
+    return await serve_ids(state, receive, body.node_ids, body.exact, body.seed, body.timeout_ms,
+                           body.min_version, new)
 
 
 def header(scope: Any, name: bytes) -> str | None:
@@ -207,8 +230,7 @@ class HotRoutes:
     async def _embed(self, scope: Any, receive: Any, send: Any) -> None:
         state = self.state
         body = parse_embed(await read_body(receive), state.cfg.server.max_request_nodes)
-        emb = (await serve_ids(state, receive, body.node_ids, body.exact, body.seed,
-                               body.timeout_ms)).numpy()
+        emb = (await serve_embed(state, receive, body)).numpy()
         body_bytes, media_type = embed_answer(state.cfg.model.name, emb, header(scope, _ACCEPT))
         content_type = _NPY if media_type == NPY_MEDIA_TYPE else _JSON
         await _respond(send, body_bytes, [_length(body_bytes), (b"content-type", content_type)])
@@ -217,7 +239,8 @@ class HotRoutes:
         state = self.state
         model_or_404(state, name)
         req = kserve.parse_infer(await read_body(receive), header(scope, _HEADER_LENGTH))
-        emb = await serve_ids(state, receive, req.node_ids, req.exact, req.seed, req.timeout_ms)
+        emb = await serve_ids(state, receive, req.node_ids, req.exact, req.seed, req.timeout_ms,
+                              req.min_version)
         body, headers = kserve.infer_response(name, req, emb.numpy())
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append(_length(body))

@@ -10,7 +10,11 @@ front-ends. Each front-end is a spawned process (``frontend/frontend_proc.py``) 
 * starts the front-ends before loading the graph, so liveness answers during start-up (readiness
   is 503 until the engine cores are up);
 * publishes ``wire.FrontDoorState`` (engines ready, draining, the worker list, the engine
-  endpoints) about ten times a second;
+  endpoints, the graph's node count, node capacity and acknowledged version) about ten times a
+  second;
+* answers the front-ends' graph calls with the supervisor's graph writer
+  (``engine/procs/graph_service.py``, at ``FrontDoorAddresses.graph``) once the engine cores
+  are up;
 * restarts a front-end that exits or stops sending heartbeats (kill -9 included), with the
   supervisor's one watch loop (``engine/procs/supervisor.py`` ChildSet: a front-end that keeps
   dying before it listens is retried with back-off, then the daemon exits 1 with one line naming
@@ -35,6 +39,7 @@ import msgspec
 import zmq
 
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.procs.graph_service import GraphService
 from quiver_serve.engine.procs.standby import FRONTEND_PRELOAD, StandbyPool
 from quiver_serve.engine.procs.supervisor import Child, ChildSet, StartFailed
 from quiver_serve.frontend.listen import check_port_free, reuseport_socket
@@ -92,6 +97,8 @@ class FrontDoor:
                              on_death=lambda child: _forget_live_gauges(child.pid),
                              may_restart=lambda: not self.draining)
         self.pipeline: Any = None
+        #: the graph writer's calls from the front-ends; None until attach(), or without a writer
+        self.graph_service: GraphService | None = None
         self.draining = False
         self._stop = threading.Event()
         #: set when the watch thread died of an error: ``run()`` then stops the daemon (exit 1)
@@ -108,7 +115,13 @@ class FrontDoor:
                  f"; KServe gRPC on port {self.cfg.server.grpc_port} in each")
 
     def attach(self, pipeline: Any) -> None:
-        """The engine cores are up: front-ends may build their clients and admit requests."""
+        """The engine cores are up: front-ends may build their clients and admit requests (and
+        call the graph writer, when the supervisor has one)."""
+        supervisor = pipeline.supervisor
+        writer = getattr(supervisor, "graph_writer", None)
+        if writer is not None and self.graph_service is None:
+            self.graph_service = GraphService(writer, self.addrs.graph,
+                                              len(supervisor.engines)).start()
         self.pipeline = pipeline
 
     def begin_drain(self) -> None:
@@ -126,6 +139,8 @@ class FrontDoor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        if self.graph_service is not None:
+            self.graph_service.stop()
         self.standby.stop()
         for child in self.children:
             child.stop(timeout_s)
@@ -164,8 +179,11 @@ class FrontDoor:
         workers = [WorkerInfo(**row) for row in rows]
         if p is None or p.supervisor is None:
             return FrontDoorState(False, self.draining, workers)
+        writer = getattr(p.supervisor, "graph_writer", None)
         return FrontDoorState(p.engines_ready and not self.draining, self.draining, workers,
-                              msgspec.to_builtins(p.endpoints()), p.num_features)
+                              msgspec.to_builtins(p.endpoints()), p.num_features,
+                              p.num_nodes, p.node_capacity,
+                              p.graph_version if writer is not None else None)
 
 
 def _forget_live_gauges(pid: int) -> None:

@@ -25,7 +25,9 @@ import zmq
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
+from quiver_serve.engine.client.graph_client import RemoteGraph, graph_timeout_s
 from quiver_serve.engine.procs.control import Reporter, exit_failed
+from quiver_serve.engine.procs.graph_service import unavailable
 from quiver_serve.engine.procs.heap import GcWatch, start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.metrics.observer import PipelineObserver
@@ -41,18 +43,29 @@ GRACEFUL_S = 2
 
 
 class RemotePipeline(ClientFacade):
-    """What the app needs, served by a client of the main process's engine cores."""
+    """What the app needs, served by a client of the main process's engine cores; graph calls
+    go to the main process's graph writer (``graph_address``, ``engine/procs/graph_service.py``).
 
-    def __init__(self, cfg: ServeConfig, index: int) -> None:
+    ``num_nodes`` follows the node count the main process publishes and the answers of this
+    front-end's own node additions (so a caller can embed a node right after adding it here);
+    ``node_capacity`` bounds the ids that may exist by the time a request reaches an engine."""
+
+    def __init__(self, cfg: ServeConfig, index: int, graph_address: str | None = None) -> None:
         self.cfg, self.index = cfg, index
         self.observer: PipelineObserver = PipelineObserver()
         self.client: EngineClient | None = None
         self.num_nodes = 0
+        self.node_capacity = 0
+        #: the acknowledged graph version; None while the main process has no graph writer
+        self.graph_version: int | None = None
         self.out_dim: int | None = None
         self.num_features: int | None = None
         self.engines_ready = False
         self._workers: list[dict[str, Any]] = []
         self._init_facade(f"f{index}-")
+        self.graph_ops = RemoteGraph(graph_address or "", graph_timeout_s(
+            cfg.server.request_timeout_s), self._graph_check, self._on_graph_result)
+        self._graph_address = graph_address
 
     def start(self) -> None:
         """Nothing to start: the client is built when the main process says the engines are up."""
@@ -61,13 +74,41 @@ class RemotePipeline(ClientFacade):
         """Called by the watch thread with each state the main process publishes."""
         self._workers = [msgspec.structs.asdict(w) for w in state.workers]
         self.engines_ready = state.engines_ready
+        self._follow_graph(state)
         if self.client_endpoints is None and state.engines is not None and not self._draining:
             endpoints = msgspec.convert(state.engines, EngineEndpoints)
-            self.num_nodes, self.out_dim = endpoints.num_nodes, endpoints.dim
+            self.num_nodes = max(self.num_nodes, endpoints.num_nodes)
+            self.node_capacity = max(self.node_capacity, self.num_nodes)
+            self.out_dim = endpoints.dim
             self.num_features = state.num_features
             self.client_endpoints = endpoints  # each event loop connects its own client
             self._accepting = True
             log.info("front-end %d: serving (pid %d)", self.index, os.getpid())
+
+    def _follow_graph(self, state: FrontDoorState) -> None:
+        """Counts only grow: a state published before this front-end's own node additions were
+        acknowledged must not hide them."""
+        if state.num_nodes is not None:
+            self.num_nodes = max(self.num_nodes, state.num_nodes)
+        if state.node_capacity is not None:
+            self.node_capacity = max(self.node_capacity, state.node_capacity, self.num_nodes)
+        if state.graph_version is not None:
+            self.graph_version = max(self.graph_version or 0, state.graph_version)
+
+    def _graph_check(self) -> None:
+        """Graph calls can be made now (else the 503 or 501 to answer)."""
+        if not self.ready:
+            raise self.refusal()
+        if self.graph_version is None or self._graph_address is None:
+            raise unavailable()
+
+    def _on_graph_result(self, op: str, result: dict[str, Any]) -> None:
+        if op == "add_nodes" and result.get("node_ids"):
+            self.num_nodes = max(self.num_nodes, int(max(result["node_ids"])) + 1)
+            self.node_capacity = max(self.node_capacity, self.num_nodes)
+        version = result.get("version")
+        if isinstance(version, int) and op != "compact":
+            self.graph_version = max(self.graph_version or 0, version)
 
     def workers(self) -> list[dict[str, Any]]:
         return list(self._workers)
@@ -140,7 +181,7 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     # the control line first: a failure in what follows is reported on it, then exit 1
     reporter = Reporter(zmq.Context(), addrs, "frontend", index)  # type: ignore[arg-type]
     try:
-        pipeline = RemotePipeline(cfg, index)
+        pipeline = RemotePipeline(cfg, index, addrs.graph)
         server, sock = _build_server(cfg, pipeline, log_level)
         watch = Watch(reporter, addrs, pipeline, server,
                       start_gc_watch(f"frontend {index}", cfg.server.gc_freeze))

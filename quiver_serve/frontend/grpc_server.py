@@ -2,7 +2,8 @@
 
 Same semantics as the HTTP routes: one input ``node_ids`` (INT64 [n]) as ``raw_input_contents`` or
 ``contents.int64_contents``; one output ``embeddings`` (FP32 [n, dim]) as ``raw_output_contents``;
-request parameters ``exact``, ``seed``, ``timeout_ms``; the daemon's errors mapped to gRPC status
+request parameters ``exact``, ``seed``, ``timeout_ms``, ``min_version`` (the graph version the
+answer must see); the daemon's errors mapped to gRPC status
 codes with the same messages. Off unless ``server.grpc_port`` is set; same bind address and bearer
 token as HTTP.
 """
@@ -30,8 +31,9 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
-#: (node ids, exact, seed, timeout_ms) -> embeddings [n, dim]; raises errors.ServeError
-ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None"], Awaitable[Any]]
+#: (node ids, exact, seed, timeout_ms, min_version) -> embeddings [n, dim]; raises
+#: errors.ServeError
+ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None", int], Awaitable[Any]]
 
 
 def _bad(message: str) -> errors.ServeError:
@@ -79,10 +81,11 @@ class KServeGrpc:
             exact = p["exact"].bool_param if "exact" in p else False
             seed = p["seed"].int64_param if "seed" in p else None
             timeout_ms = _number(p["timeout_ms"]) if "timeout_ms" in p else None
+            min_version = _integer(p["min_version"], "min_version") if "min_version" in p else 0
             for out in req.outputs:
                 if out.name != "embeddings":
                     raise _bad(f"unknown output {out.name!r}; this model has 'embeddings'")
-            emb = (await self.serve(ids, exact, seed, timeout_ms)).numpy()
+            emb = (await self.serve(ids, exact, seed, timeout_ms, min_version)).numpy()
         except errors.ServeError as exc:
             await ctx.abort(CODES.get(exc.info.status, grpc.StatusCode.INTERNAL), exc.info.message)
         rows = np.ascontiguousarray(emb, dtype="<f4")
@@ -110,6 +113,14 @@ class KServeGrpc:
 
 def _number(p: Any) -> float:
     return float(getattr(p, p.WhichOneof("parameter_choice") or "double_param"))
+
+
+def _integer(p: Any, name: str) -> int:
+    which = p.WhichOneof("parameter_choice")
+    value = getattr(p, which) if which else 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise _bad(f"parameter {name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _node_ids(req: Any) -> np.ndarray:

@@ -5,6 +5,9 @@
 * An infer body is JSON, or (binary tensor extension) a JSON header of
   ``Inference-Header-Content-Length`` bytes followed by the raw tensors in input order, each input
   saying its size in ``parameters.binary_data_size``. A missing Content-Type is taken as JSON.
+* Request parameters: ``exact``, ``seed``, ``timeout_ms`` (or Triton's ``timeout`` in
+  microseconds) and ``min_version`` (the graph version the answer must see). Inductive requests
+  (``new_nodes``) are JSON-only, on ``POST /v1/embed``.
 * Outputs come back as JSON ``data`` or, when asked (``outputs[i].parameters.binary_data`` or the
   request's ``parameters.binary_data_output``), as raw little-endian bytes after the JSON header,
   with ``parameters.binary_data_size`` and the ``Inference-Header-Content-Length`` header.
@@ -53,6 +56,7 @@ class InferRequest:
     exact: bool
     seed: int | None
     timeout_ms: float | None
+    min_version: int = 0
 
 
 def parse_infer(raw: bytes, header_length: str | None) -> InferRequest:
@@ -85,7 +89,8 @@ def parse_infer(raw: bytes, header_length: str | None) -> InferRequest:
     if timeout_ms is None and isinstance(timeout_us, int | float) and timeout_us > 0:
         timeout_ms = timeout_us / 1000.0  # Triton's request timeout is in microseconds
     return InferRequest(body, _node_ids(body, tail), _binary_output(body, binary_all),
-                        p.exact if p else False, p.seed if p else None, timeout_ms)
+                        p.exact if p else False, p.seed if p else None, timeout_ms,
+                        (p.min_version or 0) if p else 0)
 
 
 def _node_ids(body: InferBody, tail: bytes) -> np.ndarray:

@@ -3,6 +3,7 @@ routes, the Ray Serve ingress): the error body of each protocol and the ``/v1/em
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -31,8 +32,12 @@ def retry_headers(status: int, retry_after_s: int) -> dict[str, str] | None:
 
 
 def serve_error_response(exc: errors.ServeError, retry_after_s: int, path: str = "") -> JSONResponse:
-    """A refusal (``errors.ServeError``) as the route's protocol words it."""
+    """A refusal (``errors.ServeError``) as the route's protocol words it; ``Retry-After`` is
+    the error's own ``retry_after_s`` when it has one (the graph writer's), else the server's."""
     info = exc.info
+    own = getattr(exc, "retry_after_s", None)
+    if own is not None:
+        retry_after_s = max(int(math.ceil(own)), 0)
     return error_response(info.status, info.code, info.message,
                           retry_headers(info.status, retry_after_s), path)
 

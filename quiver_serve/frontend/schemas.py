@@ -2,26 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from quiver_serve.engine.client.checks import MAX_VERSION
 from quiver_serve.errors import MAX_SEED
+
+#: a JSON number (an int is a float here; NaN and Infinity parse, then are refused with a 400)
+Number = Annotated[float, Field(strict=True)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class NewNode(_Body):
+    """A node embedded as if it were added with these in-edges (it is not added)."""
+
+    features: list[Number] = Field(..., description="its feature row (the graph's feature width)")
+    in_neighbors: list[StrictInt] = Field(
+        [], description="ids of existing nodes with an edge into it (repeats are repeated edges)")
+
+
 class EmbedBody(_Body):
     """``POST /v1/embed``."""
 
-    node_ids: list[StrictInt] = Field(..., min_length=1, description="node ids; repeats allowed")
+    node_ids: list[StrictInt] = Field(
+        ..., description="node ids; repeats allowed; may be empty when new_nodes are given")
     exact: StrictBool = Field(False, description="sample every neighbour: equals the full-graph output")
-    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed for a reproducible answer")
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_VERSION, description="sampling seed for a reproducible answer")
     timeout_ms: float | None = Field(
         None, gt=0, description="deadline for this request; may only shorten the server's default"
     )
+    min_version: StrictInt = Field(
+        0, ge=0, le=MAX_VERSION, description="graph version the answer must see (a version an update returned): "
+        "waits, within the deadline, until it is visible (else 504)")
+    new_nodes: list[NewNode] | None = Field(
+        None, description="inductive: nodes embedded as if added with these in-edges, without "
+        "adding them; their rows follow the node_ids rows")
+
+    @model_validator(mode="after")
+    def _something_to_embed(self) -> EmbedBody:
+        if not self.node_ids and not self.new_nodes:
+            raise ValueError("node_ids is empty and no new_nodes are given")
+        return self
 
 
 class EmbedResponse(BaseModel):
@@ -54,6 +79,8 @@ class InferParameters(_Body):
     exact: StrictBool = False
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     timeout_ms: float | None = Field(None, gt=0)
+    min_version: StrictInt | None = Field(
+        None, ge=0, le=MAX_VERSION, description="graph version the answer must see (else 504 at the deadline)")
 
 
 class InferBody(_Body):
@@ -77,3 +104,43 @@ class InferResponse(BaseModel):
     model_version: str | None = None
     id: str | None = None
     outputs: list[TensorOutput]
+
+
+# ---- the living graph (DESIGN §7): admin routes, but GET /v1/graph -------------------------------
+Pair = Annotated[list[StrictInt], Field(min_length=2, max_length=2)]
+
+
+class GraphEdgesBody(_Body):
+    """``POST /v1/graph/edges``: directed edges src -> dst."""
+
+    add: list[Pair] = Field([], description="[[src, dst], ...] to add (a repeat is a second copy)")
+    remove: list[Pair] = Field([], description="[[src, dst], ...] to remove (every copy)")
+
+
+class GraphEdgesResponse(BaseModel):
+    version: int = Field(..., description="the graph version this update is durable in")
+    added: int
+    removed: int = Field(..., description="edge copies removed")
+    missing: int = Field(..., description="removals that named no existing edge")
+
+
+class GraphNodesBody(_Body):
+    """``POST /v1/graph/nodes``: append nodes with their feature rows."""
+
+    features: list[list[Number]] = Field(..., min_length=1, description="one row per new node")
+
+
+class GraphNodesResponse(BaseModel):
+    version: int
+    node_ids: list[int] = Field(..., description="the new nodes' ids, consecutive, in row order")
+
+
+class GraphFeaturesBody(_Body):
+    """``PUT /v1/graph/features``: overwrite feature rows."""
+
+    node_ids: list[StrictInt] = Field(..., min_length=1)
+    features: list[list[Number]] = Field(..., min_length=1, description="one row per node id")
+
+
+class GraphVersionResponse(BaseModel):
+    version: int

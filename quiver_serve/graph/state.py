@@ -21,8 +21,8 @@ COMPACT_WANTED, NEWEST_BASE = 12, 13
 #: the base version it samples over
 ENGINE_BASE, ENGINE_SLOTS = 16, 4
 MAX_ENGINES = 64
-#: CPU sampler j's slot: the base version it samples over
-SAMPLER_BASE = ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES
+#: CPU sampler j's slots: the base version it samples over, the version it applied
+SAMPLER_BASE, SAMPLER_SLOTS = ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES, 2
 MAX_SAMPLERS = 256
 
 
@@ -31,7 +31,7 @@ class GraphState:
 
     def __init__(self, tensor: torch.Tensor | None = None) -> None:
         if tensor is None:
-            tensor = torch.zeros(SAMPLER_BASE + MAX_SAMPLERS, dtype=torch.float64)
+            tensor = torch.zeros(SAMPLER_BASE + SAMPLER_SLOTS * MAX_SAMPLERS, dtype=torch.float64)
             tensor.share_memory_()
         self.tensor = tensor
         self._a = tensor.numpy()
@@ -66,11 +66,20 @@ class GraphState:
     def reader_base(self, role: str, index: int) -> int:
         return int(self._a[self._base_slot(role, index)])
 
+    def set_sampler_version(self, index: int, version: int) -> None:
+        self._a[SAMPLER_BASE + SAMPLER_SLOTS * index + 1] = version
+
+    def reader_version(self, role: str, index: int) -> int:
+        """The version a reader (``engine`` or ``sampler``) has applied."""
+        if role == "engine":
+            return self.engine_version(index)
+        return int(self._a[SAMPLER_BASE + SAMPLER_SLOTS * index + 1])
+
     @staticmethod
     def _base_slot(role: str, index: int) -> int:
         if role == "engine":
             return ENGINE_BASE + ENGINE_SLOTS * index + 3
-        return SAMPLER_BASE + index
+        return SAMPLER_BASE + SAMPLER_SLOTS * index
 
     def engines(self, count: int) -> list[dict[str, Any]]:
         """Per engine core: version visible there, and its staleness now (0 when current)."""

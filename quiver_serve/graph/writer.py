@@ -30,6 +30,9 @@ from quiver_serve.graph.update_log import UpdateLog, load_base
 
 log = logging.getLogger(__name__)
 
+#: longest wait of a compaction for the sampling processes to apply its version
+READERS_WAIT_S = 30.0
+
 
 class GraphWriter:
     """Validates, logs and acknowledges updates; see the module docstring."""
@@ -57,8 +60,10 @@ class GraphWriter:
         self.on_update: Any = None
         #: called after each compaction with its duration in seconds
         self.on_compaction: Any = None
-        #: base versions of the processes that sample (the supervisor sets it)
+        #: base versions and applied versions of the processes that sample (the supervisor
+        #: sets them)
         self.reader_bases: Callable[[], list[int]] = list
+        self.reader_versions: Callable[[], list[int]] = list
 
     # ---- start-up --------------------------------------------------------------------------------
     def replay(self) -> int:
@@ -170,12 +175,17 @@ class GraphWriter:
             with self.lock:
                 version = self.version
                 if version == self.base_version or version == self.state.get(slots.COMPACT_VERSION):
-                    return {"version": version, "compacted": False}
+                    self.state.set(slots.COMPACT_WANTED, 0)
+                    return {"version": version, "compacted": False, "reason": "nothing new"}
                 self.log.wait_durable(version)
                 indptr, indices = self.overlay.to_csc()
                 touched = _tail_nodes(self.overlay)
                 appended = list(self.appended_rows)
                 written = dict(self.written_rows)
+            if not self._readers_reach(version):
+                return {"version": version, "compacted": False,
+                        "reason": "a sampling process has not applied the updates up to this "
+                                  "version yet; the next compaction retries"}
             arrays = self._base_arrays(indptr.numpy(), indices.numpy(), touched, appended, written)
             self.log.write_base(version, arrays, {"name": self.base.name, "version": version})
             seconds = time.perf_counter() - t0
@@ -191,6 +201,16 @@ class GraphWriter:
             log.info("compacted the graph at version %d in %.2f s (%d nodes, %d edges)", version,
                      seconds, indptr.numel() - 1, indices.numel())
             return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
+
+    def _readers_reach(self, version: int) -> bool:
+        """Wait (``READERS_WAIT_S`` at most) until every process that samples applied
+        ``version``: the log it has not read must stay until then."""
+        deadline = time.monotonic() + READERS_WAIT_S
+        while any(v < version for v in self.reader_versions()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _base_arrays(self, indptr: np.ndarray, indices: np.ndarray, touched: np.ndarray,
                      appended: list[np.ndarray], written: dict[int, np.ndarray],
@@ -261,8 +281,11 @@ class GraphWriter:
         s.set(slots.ACKED_AT_S, time.time())
         s.set(slots.ACKED, self.acked)  # last: readers that see it see the counts
 
-    def request_compaction(self) -> None:
-        self.state.set(slots.COMPACT_WANTED, 1)
+    def request_compaction(self, explicit: bool = False) -> None:
+        """Ask the background compactor: by fill (at most one per its minimum gap) or, when
+        ``explicit`` (an operator's call), at its next check."""
+        self.state.set(slots.COMPACT_WANTED, max(self.state.get(slots.COMPACT_WANTED),
+                                                 2 if explicit else 1))
 
     def info(self, num_engines: int) -> dict[str, Any]:
         s = self.state

@@ -3,8 +3,9 @@
 Requests cost O(1) small Python work here (validation, a future, an append); everything past this
 module is per micro-batch. One IO thread owns the ZeroMQ sockets (sockets are not thread-safe):
 each loop tick it takes every request submitted since the last tick, groups them into micro-batches
-(sampled / exact; a seeded request travels alone so its sample is reproducible), sends each to the
-engine core with the least outstanding work, resolves the futures of every reply that arrived, and
+(sampled / exact; a seeded request travels alone so its sample is reproducible, and so does an
+inductive one, whose ``new_nodes`` frames follow the usual ones), sends each to the engine core
+with the least outstanding work, resolves the futures of every reply that arrived, and
 answers expired requests with 504. A sync caller gets a ``concurrent.futures.Future``; an asyncio
 caller an ``asyncio.Future`` resolved on its own loop, one ``call_soon_threadsafe`` per reply.
 
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from quiver_serve import errors
+from quiver_serve.engine.client.inflight import Admitted, Flight
 from quiver_serve.messages import EmbedResult, ErrorInfo
 from quiver_serve.metrics.observer import PipelineObserver
 from quiver_serve.wire import (
     NO_SEED,
     Decoders,
+    InductiveNodes,
     MicroBatchDone,
     MicroBatchHeader,
     RunAddresses,
@@ -71,33 +74,6 @@ class EngineEndpoints:
     hold_s: float = 0.0
 
 
-class _Request:
-    """One admitted request, alive only in this process."""
-
-    __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
-                 "arrived_s")
-
-    def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
-                 deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.request_id, self.ids, self.exact, self.seed = request_id, ids, exact, seed
-        self.deadline_s, self.future, self.loop = deadline_s, future, loop
-        self.done = False
-        self.arrived_s = time.monotonic()
-
-
-@dataclass
-class _Flight:
-    """A micro-batch sent to an engine core and not yet answered."""
-
-    engine: int
-    requests: list[_Request]
-    frames: list[Any]
-    num_ids: int
-    attempts: int = 1
-    sent_s: float = field(default_factory=time.monotonic)
-    sent_wall_s: float = field(default_factory=time.time)  # the same, comparable across processes
-
-
 class EngineClient:
     """Submit requests, get futures; see the module docstring. Thread-safe ``submit``."""
 
@@ -105,16 +81,16 @@ class EngineClient:
                  name: str = "client") -> None:
         self.endpoints = endpoints
         self.observer = observer or PipelineObserver()
-        self._inbox: deque[_Request] = deque()
-        self._held: list[_Request] = []
+        self._inbox: deque[Admitted] = deque()
+        self._held: list[Admitted] = []
         self._held_ids = 0
         self._lock = threading.Lock()
         self._pending = 0
         self._pending_ids = 0  # ids of admitted, unanswered requests (told to the engines)
         self._ids = itertools.count()
         self._seq = itertools.count()
-        self._flights: dict[int, _Flight] = {}
-        self._by_id: dict[str, _Request] = {}
+        self._flights: dict[int, Flight] = {}
+        self._by_id: dict[str, Admitted] = {}
         self._load = [0] * endpoints.num_engines
         #: per engine core: micro-batches sent to it and answered by it (observability)
         self.sent = [0] * endpoints.num_engines
@@ -122,7 +98,7 @@ class EngineClient:
         #: per engine core: (ids other clients have there, when it said so)
         self._others = [(0, 0.0)] * endpoints.num_engines
         self._next_engine = os.getpid() % endpoints.num_engines  # clients start apart
-        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._deadlines: list[tuple[float, int, Admitted]] = []
         self._tie = itertools.count()
         self._stopping = threading.Event()
         self._sleeping = False
@@ -145,23 +121,31 @@ class EngineClient:
         return self._pending
 
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-               deadline_s: float | None = None, request_id: str | None = None) -> Future[EmbedResult]:
-        """Admit one request (ids already validated by the caller, or checked by the engine)."""
+               deadline_s: float | None = None, request_id: str | None = None,
+               min_version: int = 0,
+               inductive: InductiveNodes | None = None) -> Future[EmbedResult]:
+        """Admit one request (ids already validated by the caller, or checked by the engine).
+        ``min_version``: the graph version it must see; ``inductive``: nodes embedded as if
+        added (their rows follow the ids' rows)."""
         fut: Future[EmbedResult] = Future()
-        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None)
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None, min_version,
+                    inductive)
         return fut
 
     def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-                     deadline_s: float | None = None,
-                     request_id: str | None = None) -> asyncio.Future[EmbedResult]:
+                     deadline_s: float | None = None, request_id: str | None = None,
+                     min_version: int = 0,
+                     inductive: InductiveNodes | None = None) -> asyncio.Future[EmbedResult]:
         """The same from a coroutine: the returned future resolves on the running loop."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[EmbedResult] = loop.create_future()
-        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop)
+        self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop, min_version,
+                    inductive)
         return fut
 
     def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
-               request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+               request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None,
+               min_version: int = 0, inductive: InductiveNodes | None = None) -> None:
         if self._stopping.is_set():
             raise errors.unavailable("shutting_down", "the server is shutting down")
         ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
@@ -179,9 +163,9 @@ class EngineClient:
                 self._pending -= 1
             raise errors.ServeError("duplicate_request_id",
                                     f"request_id {rid!r} is already in flight", 409)
+        req = Admitted(rid, ids, exact, seed, deadline_s, fut, loop, min_version, inductive)
         with self._lock:
-            self._pending_ids += ids.size
-        req = _Request(rid, ids, exact, seed, deadline_s, fut, loop)
+            self._pending_ids += req.rows
         self._by_id[rid] = req
         self._inbox.append(req)
         self._wake()
@@ -280,14 +264,14 @@ class EngineClient:
             wait_s = min(wait_s, self._held[0].arrived_s + self.endpoints.hold_s - time.monotonic())
         return max(0, int(wait_s * 1000) + 1)
 
-    def _take_inbox(self) -> list[_Request]:
+    def _take_inbox(self) -> list[Admitted]:
         """Requests to send now: every new one (adaptive), or the held ones once due."""
         while self._inbox:
             req = self._inbox.popleft()
             if not req.done:
                 heapq.heappush(self._deadlines, (req.deadline_s, next(self._tie), req))
                 self._held.append(req)
-                self._held_ids += req.ids.size
+                self._held_ids += req.rows
         if not self._held:
             return []
         hold_s = self.endpoints.hold_s
@@ -302,27 +286,28 @@ class EngineClient:
         """Requests due to leave, as micro-batches to the engines: each request joins the engine
         with the least estimated work, counting what this tick already gave it (so callers that
         return together are spread over every engine core, not sent to one); one micro-batch per
-        engine and kind, split at ``max_batch_nodes``; a seeded request travels alone."""
+        engine and kind, split at ``max_batch_nodes``; a seeded or inductive request travels
+        alone."""
         cap = self.endpoints.max_batch_nodes
         planned = self._estimated_load()
-        groups: dict[tuple[int, bool], list[_Request]] = {}
+        groups: dict[tuple[int, bool], list[Admitted]] = {}
         sizes: dict[tuple[int, bool], int] = {}
         for req in self._take_inbox():
             if req.done:
                 continue
             engine = self._pick(planned)
-            planned[engine] += req.ids.size
-            if req.seed is not None:
-                self._send([req], req.exact, req.seed, engine)
+            planned[engine] += req.rows
+            if req.alone:
+                self._send([req], req.exact, NO_SEED if req.seed is None else req.seed, engine)
                 continue
             key = (engine, req.exact)
             group = groups.setdefault(key, [])
-            if group and sizes[key] + req.ids.size > cap:
+            if group and sizes[key] + req.rows > cap:
                 self._send(group, req.exact, NO_SEED, engine)
                 group = groups[key] = []
                 sizes[key] = 0
             group.append(req)
-            sizes[key] = sizes.get(key, 0) + req.ids.size
+            sizes[key] = sizes.get(key, 0) + req.rows
         for (engine, exact), group in groups.items():
             if group:
                 self._send(group, exact, NO_SEED, engine)
@@ -349,16 +334,25 @@ class EngineClient:
         self._next_engine = (best + 1) % n
         return best
 
-    def _send(self, reqs: list[_Request], exact: bool, seed: int, engine: int) -> None:
+    def _send(self, reqs: list[Admitted], exact: bool, seed: int, engine: int) -> None:
+        """One micro-batch: header, ids, lengths, deadlines (and an inductive request's
+        ``InductiveNodes`` frames); its ``min_version`` is the largest its requests asked."""
         seq = next(self._seq)
         ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
         lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
         deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        self._load[engine] += int(ids.size)
+        if len(reqs) == 1:
+            rows, min_version, inductive = reqs[0].rows, reqs[0].min_version, reqs[0].inductive
+        else:  # inductive requests travel alone: a group's rows are its ids
+            rows, min_version, inductive = int(ids.size), max(r.min_version for r in reqs), None
+        self._load[engine] += rows
         self.sent[engine] += 1
-        head = MicroBatchHeader(seq, exact, seed, self._share(engine))
-        frames = [encode(head), ids, lengths, deadlines]
-        self._flights[seq] = _Flight(engine, reqs, frames, int(ids.size))
+        head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
+                                inductive.count if inductive is not None else 0)
+        frames: list[Any] = [encode(head), ids, lengths, deadlines]
+        if inductive is not None:
+            frames += inductive.frames()
+        self._flights[seq] = Flight(engine, reqs, frames, rows)
         self._socks[engine].send_multipart(frames, copy=False)
 
     def _share(self, engine: int) -> int:
@@ -393,7 +387,7 @@ class EngineClient:
             self.observer.on_late_result()  # answered already (a retried copy came back first)
             return
         self.observer.on_round_trip(flight.sent_wall_s, time.time())
-        self._load[flight.engine] -= flight.num_ids
+        self._load[flight.engine] -= flight.num_rows
         self.answered[flight.engine] += 1
         self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),
                                        time.monotonic())
@@ -403,7 +397,7 @@ class EngineClient:
         failed = {e.index: e for e in done.errors}
         out, start = [], 0
         for i, req in enumerate(flight.requests):
-            end = start + req.ids.size
+            end = start + req.rows
             err = failed.get(i)
             if err is not None or rows is None:
                 info = ErrorInfo(err.code, err.message, err.status) if err else ErrorInfo(
@@ -432,7 +426,7 @@ class EngineClient:
         self.observer.on_rejected("engine_lost")
         failed = []
         for seq, flight in lost:
-            self._load[engine] -= flight.num_ids
+            self._load[engine] -= flight.num_rows
             if flight.attempts > _RETRIES:
                 del self._flights[seq]
                 failed += flight.requests
@@ -440,7 +434,7 @@ class EngineClient:
             flight.attempts += 1
             target = self._pick(self._estimated_load())
             flight.engine = target
-            self._load[target] += flight.num_ids
+            self._load[target] += flight.num_rows
             self._socks[target].send_multipart(flight.frames, copy=False)
         err = ErrorInfo("worker_died", "the engine core died twice while serving it", 503)
         self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in failed])
@@ -457,7 +451,7 @@ class EngineClient:
                 self.observer.on_rejected("deadline")
             self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in expired])
 
-    def _resolve(self, results: list[tuple[_Request, EmbedResult]]) -> None:
+    def _resolve(self, results: list[tuple[Admitted, EmbedResult]]) -> None:
         """Hand results to their futures: sync ones here, asyncio ones on their loop (batched)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, EmbedResult]]] = {}
         mine = []
@@ -466,7 +460,7 @@ class EngineClient:
                 if not req.done:
                     req.done = True
                     mine.append((req, result))
-                    self._pending_ids -= req.ids.size
+                    self._pending_ids -= req.rows
             self._pending -= len(mine)
         for req, result in mine:
             self._by_id.pop(req.request_id, None)

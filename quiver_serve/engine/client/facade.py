@@ -26,6 +26,7 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.loop_client import LoopClient
 from quiver_serve.metrics.observer import PipelineObserver
+from quiver_serve.wire import InductiveNodes
 
 
 class ClientFacade:
@@ -107,9 +108,11 @@ class ClientFacade:
         return not self.pending_count
 
     def submit_ids_async(self, ids: np.ndarray, exact: bool, seed: int | None,
-                         timeout_s: float | None) -> tuple[str, Any]:
-        """The hot path of a front-end: ids already checked (int64, in range, not too many).
-        Returns the request id (to cancel it) and an asyncio future of its EmbedResult."""
+                         timeout_s: float | None, min_version: int = 0,
+                         inductive: InductiveNodes | None = None) -> tuple[str, Any]:
+        """The hot path of a front-end: ids (and inductive nodes) already checked (int64, in
+        range, not too many). Returns the request id (to cancel it) and an asyncio future of
+        its EmbedResult."""
         if not self.ready:
             raise self.refusal()
         client = self.async_client()
@@ -117,7 +120,7 @@ class ClientFacade:
         limit = self.cfg.server.request_timeout_s
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         rid = f"{self._rid_prefix}{next(self._rids)}"
-        return rid, client.submit_async(ids, exact, seed, deadline_s, rid)
+        return rid, client.submit_async(ids, exact, seed, deadline_s, rid, min_version, inductive)
 
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
         """Forget a request nobody waits for; not computed if it has not been sent yet."""

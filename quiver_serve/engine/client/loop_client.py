@@ -35,6 +35,7 @@ import zmq
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.messages import EmbedResult
 from quiver_serve.metrics.observer import PipelineObserver
+from quiver_serve.wire import InductiveNodes
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,13 @@ class LoopClient(EngineClient):
         return threading.get_ident() == self._loop_thread
 
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-               deadline_s: float | None = None, request_id: str | None = None) -> Future[EmbedResult]:
+               deadline_s: float | None = None, request_id: str | None = None,
+               min_version: int = 0,
+               inductive: InductiveNodes | None = None) -> Future[EmbedResult]:
         if not self._on_home_thread():
             raise RuntimeError("a LoopClient takes requests only on its event loop's thread")
-        return super().submit(node_ids, exact, seed, deadline_s, request_id)
+        return super().submit(node_ids, exact, seed, deadline_s, request_id, min_version,
+                              inductive)
 
     def _wake(self) -> None:
         """Send at the end of this loop iteration, with whatever else it submits."""

@@ -5,12 +5,18 @@ in-process :class:`EngineClient`; then ``embed(ids)``, ``await embed_async(ids)`
 or the multiprocessing queues ``request_queue()`` / ``result_queue()`` from any process. Other
 processes that want the fast path connect their own client with ``connect(pipeline.endpoints())``.
 Admission (bounded pending requests), deadlines and drain live in the client and here.
+
+The living graph (DESIGN §7) has the same operations here as over HTTP: ``add_edges``,
+``add_nodes``, ``put_features``, ``graph_info`` and ``compact`` (plain calls to the
+supervisor's graph writer, in the caller's thread), ``graph_ops`` (the same as coroutines, for
+the HTTP routes), and ``min_version`` / ``new_nodes`` on ``embed``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -21,15 +27,20 @@ from torch import Tensor
 
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.client.checks import check_min_version, check_rows, inductive_from_dicts
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
+from quiver_serve.engine.client.graph_client import LocalGraph, graph_timeout_s
 from quiver_serve.engine.client.loop_client import connect_async
 from quiver_serve.engine.client.queue_bridge import QueueBridge
+from quiver_serve.engine.procs.graph_service import WriterCalls, unavailable
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.supervisor import Supervisor
+from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.messages import EmbedRequest, EmbedResult
 from quiver_serve.metrics.observer import PipelineObserver
+from quiver_serve.wire import InductiveNodes
 
 __all__ = ["Pipeline", "PipelineObserver", "connect", "connect_async"]
 
@@ -69,15 +80,25 @@ class Pipeline(ClientFacade):
         cap = self.cfg.batching.queue_capacity
         self._bridge = QueueBridge(ctx.Queue(maxsize=cap), ctx.Queue(maxsize=cap), self.submit,
                                    cap, name="quiver-user-queue")
+        self._writer_calls: WriterCalls | None = None
+        self._writer_lock = threading.Lock()
+        #: the graph updates as coroutines (the HTTP routes): the writer on worker threads
+        self.graph_ops = LocalGraph(self.writer_calls,
+                                    graph_timeout_s(self.cfg.server.request_timeout_s))
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start(self) -> Pipeline:
-        if self.graph is None:
-            from quiver_serve.graph.datasets import load_graph
+        base_version, log_dir = 0, None
+        if self.graph is None:  # the dataset, or its newest compacted base
+            from quiver_serve.graph.living import load_serving_graph
+            from quiver_serve.graph.living import log_dir as config_log_dir
 
-            self.graph = load_graph(self.cfg.graph)
+            self.graph, base_version = load_serving_graph(self.cfg.graph)
+            log_dir = str(config_log_dir(self.cfg.graph))
         self.supervisor = Supervisor(self.cfg, self.graph,
-                                     on_restart=lambda role: self.observer.on_restart(role))
+                                     on_restart=lambda role: self.observer.on_restart(role),
+                                     base_version=base_version, log_dir=log_dir)
+        self.graph = self.supervisor.graph  # a newer compacted base, when there is one
         try:
             self.supervisor.start()
         except BaseException:
@@ -100,8 +121,22 @@ class Pipeline(ClientFacade):
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of the acknowledged graph (appended nodes count once acknowledged)."""
+        if self.supervisor is not None:
+            return max(self.supervisor.graph_state.num_nodes, 1)
         assert self.graph is not None
         return self.graph.num_nodes
+
+    @property
+    def node_capacity(self) -> int:
+        """Ids below this may be appended while serving (the writer's preallocated headroom)."""
+        cap = self.supervisor.graph_state.get(slots.NODE_CAP) if self.supervisor else 0
+        return max(self.num_nodes, cap)
+
+    @property
+    def graph_version(self) -> int | None:
+        """The acknowledged graph version; None before start."""
+        return self.supervisor.graph_state.acked if self.supervisor is not None else None
 
     @property
     def num_features(self) -> int | None:
@@ -126,38 +161,59 @@ class Pipeline(ClientFacade):
         self._stopping.set()
         self._bridge.stop()
         self.stop_clients()
+        if self._writer_calls is not None:
+            self._writer_calls.stop()
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s=max(min(drain_s, 5.0), 1.0))
         for q in (self._bridge.requests, self._bridge.results):
             q.cancel_join_thread()  # never block interpreter exit on a queue a peer left full
 
     # ---- submitting ----------------------------------------------------------------------------
-    def validate(self, node_ids: Tensor | np.ndarray, seed: int | None) -> None:
-        """Raise a ServeError naming what is wrong with a request (400/413)."""
+    def validate(self, node_ids: Tensor | np.ndarray, seed: int | None,
+                 new_nodes: Any = None, min_version: int = 0) -> InductiveNodes | None:
+        """Raise a ServeError naming what is wrong with a request (400/413/422); returns its
+        inductive nodes (``new_nodes`` as checked), if any. Ids are checked against the exact
+        acknowledged node count (this process holds the writer)."""
         ids = node_ids.numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
-        errors.check_node_ids(ids, self.num_nodes, self.cfg.server.max_request_nodes)
+        limit = self.cfg.server.max_request_nodes
+        inductive = None
+        if new_nodes is not None and len(new_nodes):
+            num_nodes = self.num_nodes
+            inductive = inductive_from_dicts(new_nodes, self.num_features or 0, num_nodes,
+                                             num_nodes)
+            assert inductive is not None
+            check_rows(int(ids.size), inductive.count, limit)
+        if inductive is None or ids.size:
+            errors.check_node_ids(ids, self.num_nodes, limit)
         errors.check_seed(seed)
+        check_min_version(min_version)
+        return inductive
 
     def _client_or_refuse(self) -> EngineClient:
         if not self.ready or self.client is None:
             raise self.refusal()
         return self.client
 
-    def submit(self, request: EmbedRequest) -> Future[EmbedResult]:
-        """Admit one request; the future resolves to its EmbedResult (or raises ServeError)."""
+    def submit(self, request: EmbedRequest, min_version: int = 0,
+               new_nodes: Any = None) -> Future[EmbedResult]:
+        """Admit one request; the future resolves to its EmbedResult (or raises ServeError).
+        ``min_version``: the graph version it must see (read-your-writes); ``new_nodes``:
+        ``[{"features": [...], "in_neighbors": [...]}, ...]``, embedded as if added (their rows
+        follow the ids' rows)."""
         client = self._client_or_refuse()
-        self.validate(request.node_ids, request.seed)
+        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
         return client.submit(request.node_ids.numpy(), request.exact, request.seed,
-                             request.deadline_s, request.request_id)
+                             request.deadline_s, request.request_id, min_version, inductive)
 
-    def submit_async(self, request: EmbedRequest) -> Any:
+    def submit_async(self, request: EmbedRequest, min_version: int = 0,
+                     new_nodes: Any = None) -> Any:
         """``submit`` for coroutines: an asyncio future on the running loop (served by that
         loop's own client: no thread hand-off)."""
         self._client_or_refuse()
         client = self.async_client()
-        self.validate(request.node_ids, request.seed)
+        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
         return client.submit_async(request.node_ids.numpy(), request.exact, request.seed,
-                                   request.deadline_s, request.request_id)
+                                   request.deadline_s, request.request_id, min_version, inductive)
 
     def new_request(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                     timeout_s: float | None = None) -> EmbedRequest:
@@ -169,17 +225,59 @@ class Pipeline(ClientFacade):
                             deadline_s=deadline, submitted_s=now)
 
     def embed(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-              timeout_s: float | None = None) -> Tensor:
-        """Embeddings [len(node_ids), dim] (one row per requested position); raises ServeError."""
+              timeout_s: float | None = None, min_version: int = 0,
+              new_nodes: Any = None) -> Tensor:
+        """Embeddings [len(node_ids) + len(new_nodes), dim] (one row per requested position,
+        then one per new node); raises ServeError."""
         request = self.new_request(node_ids, exact, seed, timeout_s)
-        result = self.submit(request).result(timeout=self.cfg.server.request_timeout_s + 5.0)
-        return _unwrap(result)
+        future = self.submit(request, min_version, new_nodes)
+        return _unwrap(future.result(timeout=self.cfg.server.request_timeout_s + 5.0))
 
     async def embed_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-                          timeout_s: float | None = None) -> Tensor:
+                          timeout_s: float | None = None, min_version: int = 0,
+                          new_nodes: Any = None) -> Tensor:
         """``embed`` for coroutines: thousands in flight from one thread."""
         request = self.new_request(node_ids, exact, seed, timeout_s)
-        return _unwrap(await self.submit_async(request))
+        return _unwrap(await self.submit_async(request, min_version, new_nodes))
+
+    # ---- the living graph (DESIGN §7): the writer's calls, in the caller's thread ----------------
+    def writer_calls(self) -> WriterCalls:
+        """The writer's calls; 503 while not serving, 501 when this daemon has no writer."""
+        if not self.ready or self.supervisor is None:
+            raise self.refusal()
+        if self._writer_calls is None:
+            writer = getattr(self.supervisor, "graph_writer", None)
+            if writer is None:
+                raise unavailable(getattr(self.supervisor, "graph_read_only_reason", None))
+            with self._writer_lock:
+                if self._writer_calls is None:
+                    self._writer_calls = WriterCalls(writer, len(self.supervisor.engines))
+        return self._writer_calls
+
+    def add_edges(self, add: Any = None, remove: Any = None) -> dict[str, Any]:
+        """Add (a repeat is a second copy) and remove (every copy) directed edges src -> dst,
+        each ``[[src, dst], ...]``: ``{"version", "added", "removed", "missing"}``."""
+        return self.writer_calls().run("add_edges", [add, remove])
+
+    def add_nodes(self, features: Any) -> dict[str, Any]:
+        """Append nodes with these feature rows: ``{"version", "node_ids"}`` (consecutive)."""
+        return self.writer_calls().run("add_nodes", [features])
+
+    def put_features(self, node_ids: Any, features: Any) -> dict[str, Any]:
+        """Overwrite the feature rows of ``node_ids``: ``{"version"}``."""
+        return self.writer_calls().run("put_features", [node_ids, features])
+
+    def graph_info(self) -> dict[str, Any]:
+        """Versions acknowledged and visible per engine core, sizes, staleness."""
+        return self.writer_calls().run("info", [])
+
+    def compact(self) -> dict[str, Any]:
+        """Fold every acknowledged update into a new base now (returns when it is on disk;
+        the engine cores and samplers move onto it while serving): ``{"version", "compacted"}``."""
+        writer = self.supervisor.graph_writer if self.supervisor is not None else None
+        if writer is None:
+            return self.writer_calls().run("compact", [])  # answers why there is no writer
+        return writer.compact()
 
     def request_queue(self) -> Any:
         """A multiprocessing queue taking EmbedRequest (or LongTensor) from any process."""

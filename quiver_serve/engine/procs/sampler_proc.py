@@ -45,6 +45,7 @@ class SamplerSync:
         self.state = GraphState(live.state)
         self.version = self.base_version = live.base_version
         self.state.set_reader_base("sampler", index, self.base_version)
+        self.state.set_sampler_version(index, self.version)
         self.view: OverlayView | None = None
 
     def rebase_if_newer(self) -> None:
@@ -101,6 +102,7 @@ class SamplerSync:
         if self.view is not None:
             self.view.num_nodes = self.overlay.num_nodes
         self.version = record.version
+        self.state.set_sampler_version(self.index, self.version)
 
 
 def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,

@@ -294,8 +294,10 @@ class Supervisor:
     def __init__(self, cfg: ServeConfig, graph: GraphData, hang_timeout_s: float = HANG_TIMEOUT_S,
                  on_restart: Callable[[str], None] | None = None, base_version: int = 0,
                  log_dir: str | None = None) -> None:
+        directory = _log_dir(cfg, graph, log_dir)
+        graph, base_version = _newest_on_disk(directory, graph, base_version)
         self.cfg, self.graph = cfg, graph
-        self.living = living_graph_args(cfg, graph, base_version, log_dir)
+        self.living = living_graph_args(cfg, graph, base_version, directory)
         self.graph_state = GraphState(self.living.state)
         #: validates, logs and acknowledges updates (``start()`` opens it); None when another
         #: daemon holds the update log (this one then serves its graph read-only)
@@ -401,6 +403,7 @@ class Supervisor:
             log.info("update log %s: %d update(s) replayed over base version %d (now version %d)",
                      self.living.log_dir, replayed, self.living.base_version, writer.acked)
         writer.reader_bases = self._reader_bases
+        writer.reader_versions = self._reader_versions
         self.graph_writer = writer
         self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
                                            name="quiver-compactor", daemon=True)
@@ -418,14 +421,19 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - the writer keeps its overlay; tried again later
                 log.exception("moving the graph writer to the compacted base failed")
             now_s = time.monotonic()
-            wanted = self.graph_state.get(COMPACT_WANTED) > 0
+            wanted = self.graph_state.get(COMPACT_WANTED)
             due = g.compact_interval_s > 0 and now_s - last_s >= g.compact_interval_s
-            if (wanted or due) and now_s - last_s >= COMPACT_MIN_GAP_S:
+            if wanted >= 2 or ((wanted or due) and now_s - last_s >= COMPACT_MIN_GAP_S):
                 last_s = now_s
                 try:
                     writer.compact()
                 except Exception:  # noqa: BLE001 - the log stays whole; the next try may work
                     log.exception("compaction failed; the update log keeps every update")
+
+    def _reader_versions(self) -> list[int]:
+        """The version each live engine core and CPU sampler has applied."""
+        return [self.graph_state.reader_version(c.role, c.index)
+                for c in self.engines + self.samplers if c.alive()]
 
     def _reader_bases(self) -> list[int]:
         """The base version each live engine core and CPU sampler samples over."""
@@ -476,12 +484,35 @@ class Supervisor:
             self.graph_writer.log.close()
 
 
+def _log_dir(cfg: ServeConfig, graph: GraphData, log_dir: str | None) -> str:
+    """The update-log folder: given, configured, else keyed by the graph handed in (its
+    content: a caller's graph never replays another graph's log)."""
+    if log_dir is not None:
+        return log_dir
+    if cfg.graph.update_log_dir is not None:
+        return str(living.log_dir(cfg.graph))
+    return str(living.log_dir_for_graph(graph))
+
+
+def _newest_on_disk(directory: str, graph: GraphData, base_version: int,
+                    ) -> tuple[GraphData, int]:
+    """The newest compacted base in ``directory`` when it is newer than ``graph`` (a daemon
+    restarted after a compaction serves it; the log before it is gone)."""
+    from quiver_serve.graph.update_log import load_base
+
+    found = load_base(Path(directory)) if Path(directory).exists() else None
+    if found is None or found[0] <= base_version:
+        return graph, base_version
+    version, arrays, meta = found
+    log.info("serving the compacted base of version %d from %s", version, directory)
+    return living.graph_from_arrays(arrays, meta, graph.name, copy=True), version
+
+
 def living_graph_args(cfg: ServeConfig, graph: GraphData, base_version: int,
-                      log_dir: str | None) -> LiveGraphArgs:
+                      directory: str) -> LiveGraphArgs:
     """Where the graph's update log is, its capacities and the shared counters."""
     state = GraphState()
     state.set(NUM_NODES, graph.num_nodes)
     state.set(ACKED, base_version)
-    directory = log_dir if log_dir is not None else str(living.log_dir(cfg.graph))
     caps = living.capacities(cfg.graph, graph.num_nodes, graph.num_edges)
     return LiveGraphArgs(directory, base_version, caps, state.tensor)
