@@ -46,6 +46,9 @@ def small_config(**overrides: object) -> ServeConfig:
     cfg = ServeConfig.default()
     cfg.server.start_timeout_s = 120.0
     cfg.server.http_workers = 1  # the same process layout on every machine (tests of several: test_frontends)
+    # each daemon its own update log: updates one test makes (the schema fuzzer's included)
+    # never reach another test's graph
+    cfg.graph.update_log_dir = tempfile.mkdtemp(prefix="quiver-log-")
     for key, value in overrides.items():
         section, field = key.split("__")
         setattr(getattr(cfg, section), field, value)

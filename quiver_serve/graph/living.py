@@ -163,18 +163,16 @@ def graph_from_arrays(arrays: dict[str, np.ndarray], meta: dict, name: str = "gr
     return GraphData(str(meta.get("name", name)), indptr, tensor(arrays["indices"]), x, y)
 
 
-def newest_base(live: LiveGraphArgs, graph: GraphData, with_x: bool = True,
+def newest_base(live: LiveGraphArgs, graph: GraphData, with_x: bool = True, copy: bool = False,
                 ) -> tuple[GraphData, LiveGraphArgs]:
     """The newest compacted base when the writer made one after ``live``'s (a process started
-    or restarted after a compaction samples over it), else ``graph`` and ``live`` as given."""
-    from quiver_serve.graph.state import NEWEST_BASE, GraphState
+    or restarted after a compaction samples over it), else ``graph`` and ``live`` as given.
+    ``copy``: into private memory (a GPU sampler pins or copies it), else mapped read-only."""
     from quiver_serve.graph.update_log import load_base
 
-    if GraphState(live.state).get(NEWEST_BASE) <= live.base_version:
-        return graph, live
-    found = load_base(Path(live.log_dir))
+    found = load_base(Path(live.log_dir))  # CURRENT, not the slot: it may be mid-compaction
     if found is None or found[0] <= live.base_version:
         return graph, live
     version, arrays, meta = found
     newer = LiveGraphArgs(live.log_dir, version, live.caps, live.state)
-    return graph_from_arrays(arrays, meta, graph.name, copy=False, with_x=with_x), newer
+    return graph_from_arrays(arrays, meta, graph.name, copy=copy, with_x=with_x), newer

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: records applied per poll at most (a long backlog is applied over several steps)
 MAX_RECORDS_PER_POLL = 256
+#: after a failed move to a compacted base, the wait before the next try
+REBASE_RETRY_S = 10.0
 
 
 class GraphSync:
@@ -52,6 +54,7 @@ class GraphSync:
         #: the next base being built (``rebase.py``), and the config it needs
         self.rebase: Any = None
         self.cfg: Any = None
+        self._rebase_after_s = 0.0
         self.state, self.index = state, index
         self.device_overlay: DeviceOverlay | None = None
         self.views: list[tuple[Any, OverlayView]] = []  # (sampler, the view it was given)
@@ -88,7 +91,8 @@ class GraphSync:
 
         assert self.state is not None
         if self.rebase is None:
-            if self.state.get(NEWEST_BASE) > self.base_version:
+            if self.state.get(NEWEST_BASE) > self.base_version \
+                    and time.monotonic() >= self._rebase_after_s:
                 self.rebase = Rebase(self.cfg, self.log_dir, self.caps, self.version, core.device,
                                      core.gpu_sampler is not None)
             return
@@ -96,8 +100,10 @@ class GraphSync:
             return
         rebase, self.rebase = self.rebase, None
         if rebase.error is not None:
-            log.warning("engine %d: moving to the compacted base failed (%s); serving on and "
-                        "trying again", self.index, rebase.error)
+            self._rebase_after_s = time.monotonic() + REBASE_RETRY_S
+            log.warning("engine %d: moving to the compacted base failed (%s); serving on the "
+                        "current one, trying again in %.0f s", self.index, rebase.error,
+                        REBASE_RETRY_S)
             return
         try:
             switch(self, core, rebase)

@@ -74,7 +74,9 @@ class Rebase:
         if found is None:
             raise RuntimeError(f"no compacted base in {self.log_dir}")
         version, arrays, meta = found
-        graph = living.graph_from_arrays(arrays, meta, with_x=False)
+        # A GPU sampler pins (UVA) or copies the CSC: it needs the arrays in private memory,
+        # not a read-only file mapping (which cannot be pinned).
+        graph = living.graph_from_arrays(arrays, meta, with_x=False, copy=self.gpu)
         self.graph, self.base_version = graph, version
         self.overlay = Overlay(graph.indptr, graph.indices, self.caps.node_capacity,
                                self.caps.edge_capacity)

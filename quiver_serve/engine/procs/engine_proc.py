@@ -138,7 +138,7 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
         if live is not None:  # started after a compaction: serve its base
             from quiver_serve.graph.living import newest_base
 
-            graph, live = newest_base(live, graph)
+            graph, live = newest_base(live, graph, copy=True)
         core = build_core(cfg, graph, index, pool, live=live)
         from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 
