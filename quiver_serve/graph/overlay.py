@@ -88,6 +88,7 @@ class Overlay:
         self._length: np.ndarray | None = None
         self._block: np.ndarray | None = None  # block capacity of each node's tail
         self._tail: np.ndarray | None = None
+        self._base_sorted: bool | None = None
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
@@ -195,6 +196,17 @@ class Overlay:
         self.num_edges += added - removed
         return EdgeResult(added, removed, missing), patch
 
+    def base_sorted(self) -> bool:
+        """Whether every base list is sorted by id (the loaders and compaction sort them;
+        checked once, at the first removal)."""
+        if self._base_sorted is None:
+            descending = self.indices[1:] < self.indices[:-1]
+            starts = self.indptr[1:-1]
+            starts = starts[(starts > 0) & (starts < self.indices.size)]
+            descending[starts - 1] = False
+            self._base_sorted = not bool(descending.any())
+        return self._base_sorted
+
     def ensure_active(self) -> None:
         """Allocate the overlay's arrays (samplers given its view read them from now on)."""
         self._ensure_arrays()
@@ -219,6 +231,39 @@ def _rank_within(owner: np.ndarray) -> np.ndarray:
     first = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
     counts = np.diff(np.r_[first, owner.size])
     return np.arange(owner.size) - np.repeat(first, counts)
+
+
+def _matches(pairs: np.ndarray, dsts: np.ndarray, values: np.ndarray, counts: np.ndarray,
+             cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which list entries (``values``, grouped per ``dsts`` node) are a removed (src, dst)
+    pair, and the pair keys (dst * cap + src) found. Hub lists hold millions of entries and a
+    call a few hundred pairs: entries are first filtered by source through a table over node
+    ids (linear), and only those candidates are looked up among the pair keys."""
+    drop = np.zeros(values.size, dtype=bool)
+    if not values.size:
+        return drop, np.empty(0, np.int64)
+    keys = np.unique(pairs[:, 1] * cap + pairs[:, 0])
+    candidate = np.flatnonzero(np.isin(values, np.unique(pairs[:, 0]), kind="table"))
+    ck = np.repeat(dsts, counts)[candidate] * cap + values[candidate]
+    pos = np.minimum(np.searchsorted(keys, ck), keys.size - 1)
+    match = keys[pos] == ck
+    drop[candidate[match]] = True
+    return drop, np.unique(ck[match])
+
+
+def _lower_bound(values: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                 target: np.ndarray) -> np.ndarray:
+    """Per query, the first position in ``values[lo:hi]`` (sorted) not below ``target``."""
+    lo, hi = lo.copy(), hi.copy()
+    last = max(values.size - 1, 0)
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi) // 2
+        below = open_ & (values[np.minimum(mid, last)] < target)
+        lo = np.where(below, mid + 1, lo)
+        hi = np.where(open_ & ~below, mid, hi)
 
 
 def _block_for(entries: np.ndarray) -> np.ndarray:
@@ -255,39 +300,76 @@ class _Plan:
         return starts
 
     def remove(self, pairs: np.ndarray) -> tuple[int, int]:
-        """Plan the removals. A node's first removal rewrites its surviving list into a new
-        tail (its base list then no longer counts); later ones rewrite that tail in place, so
-        each node's list is copied into the overlay once, whatever it loses afterwards."""
+        """Plan the removals. A node that loses an edge of its base list has its whole
+        surviving list written into a new tail (its base list then no longer counts); a node
+        that loses only tail entries (edges added since the base, or any edge of a node whose
+        list was rewritten before) has its tail rewritten in place. So each node's base list is
+        copied into the overlay at most once, and removing a recently added edge costs its
+        tail, not its degree."""
         ov = self.ov
         assert ov._start is not None and ov._length is not None and ov._block is not None
         cap = ov.node_capacity
-        keys = pairs[:, 1] * cap + pairs[:, 0]
         dsts = np.unique(pairs[:, 1])
-        values, counts = ov.neighbour_lists(dsts)
-        entry_keys = np.repeat(dsts, counts) * cap + values
-        drop = np.isin(entry_keys, keys)
-        missing = int((~np.isin(keys, entry_keys[drop])).sum())
-        removed = int(drop.sum())
+        in_base = self._base_hits(pairs, dsts)
+        whole, tails = dsts[in_base], dsts[~in_base]
+        values, counts = ov.neighbour_lists(whole)
+        drop_w, found_w = _matches(pairs, whole, values, counts, cap)
+        _, t_start, t_len = ov._parts(tails)
+        t_vals = gather_ranges(ov._tail, np.maximum(t_start, 0), t_len)
+        drop_t, found_t = _matches(pairs, tails, t_vals, t_len, cap)
+        requested = pairs[:, 1] * cap + pairs[:, 0]
+        missing = int((~np.isin(requested, np.concatenate([found_w, found_t]))).sum())
+        removed = int(drop_w.sum() + drop_t.sum())
         if removed == 0:
             return missing, 0
-        owner = np.repeat(np.arange(dsts.size), counts)
-        hit = np.bincount(owner[drop], minlength=dsts.size) > 0
-        keep_counts = np.bincount(owner[~drop], minlength=dsts.size)
+        hit_w = self._rewrite(whole, values, counts, drop_w, whole_list=True)
+        hit_t = self._rewrite(tails, t_vals, t_len, drop_t, whole_list=False)
+        hit = np.sort(np.concatenate([hit_w, hit_t]))
+        self.state = (hit, *self._planned(hit))
+        return missing, removed
+
+    def _base_hits(self, pairs: np.ndarray, dsts: np.ndarray) -> np.ndarray:
+        """Per node of ``dsts``: whether a pair matches an entry of its counted base list
+        (base lists are sorted by id: a vectorised binary search per pair)."""
+        ov = self.ov
+        base, _, _ = ov._parts(dsts)
+        node_of = np.searchsorted(dsts, pairs[:, 1])
+        counted = base[node_of] > 0
+        out = np.zeros(dsts.size, dtype=bool)
+        if not counted.any():
+            return out
+        if not ov.base_sorted():  # no binary search: every counted base list is matched whole
+            out[node_of[counted]] = True
+            return out
+        d, src = pairs[counted, 1], pairs[counted, 0]
+        lo, hi = ov.indptr[d], ov.indptr[d + 1]
+        first = _lower_bound(ov.indices, lo, hi, src)
+        found = (first < hi) & (ov.indices[np.minimum(first, ov.indices.size - 1)] == src)
+        out[node_of[counted][found]] = True
+        return out
+
+    def _rewrite(self, nodes: np.ndarray, values: np.ndarray, counts: np.ndarray,
+                 drop: np.ndarray, whole_list: bool) -> np.ndarray:
+        """Write the surviving entries of the ``nodes`` that lost some: a whole list into a new
+        block (replacing the base list), or a tail in place. Returns the nodes written."""
+        ov = self.ov
+        assert ov._start is not None and ov._length is not None and ov._block is not None
+        owner = np.repeat(np.arange(nodes.size), counts)
+        hit = np.bincount(owner[drop], minlength=nodes.size) > 0
+        keep_counts = np.bincount(owner[~drop], minlength=nodes.size)
         keep = ~drop & hit[owner]
         kept, kept_owner = values[keep], owner[keep]
-        start, length, block = ov._start[dsts], ov._length[dsts], ov._block[dsts]
-        in_place = hit & (start >= 0) & ((length & REPLACED) != 0)
-        fresh = hit & ~in_place
-        # in place: the kept entries shift to the block's front (readers see the new length)
-        self.writes_pos.append(range_positions(start[in_place], keep_counts[in_place]))
-        self.writes_val.append(kept[in_place[kept_owner]])
-        self._set(dsts[in_place], start[in_place], keep_counts[in_place] | REPLACED,
-                  block[in_place])
-        lengths = keep_counts[fresh]
-        self._new_block(dsts[fresh], lengths, np.full(lengths.size, REPLACED, np.int64),
-                        kept[fresh[kept_owner]], lengths, np.zeros(lengths.size, np.int64))
-        self.state = (dsts[hit], *self._planned(dsts[hit]))
-        return missing, removed
+        if whole_list:
+            lengths = keep_counts[hit]
+            self._new_block(nodes[hit], lengths, np.full(lengths.size, REPLACED, np.int64),
+                            kept, lengths, np.zeros(lengths.size, np.int64))
+            return nodes[hit]
+        start, length, block = ov._start[nodes], ov._length[nodes], ov._block[nodes]
+        # the kept entries shift to the block's front (readers see the new length)
+        self.writes_pos.append(range_positions(start[hit], keep_counts[hit]))
+        self.writes_val.append(kept[hit[kept_owner]])
+        self._set(nodes[hit], start[hit], keep_counts[hit] | (length[hit] & REPLACED), block[hit])
+        return nodes[hit]
 
     def _set(self, nodes: np.ndarray, start: np.ndarray, length: np.ndarray,
              block: np.ndarray) -> None:

@@ -114,3 +114,14 @@ def test_a_node_is_copied_into_the_overlay_once_whatever_it_loses() -> None:
     lists = overlay_lists(ov)
     assert sorted(lists[0]) == sorted(list(range(60, 201)) + [u + 100 for u in range(2, 60)
                                                              if u % 7 == 0])
+
+
+def test_unsorted_base_lists_still_lose_every_copy() -> None:
+    """Removal finds base entries by binary search only when base lists are sorted; a base
+    built unsorted is matched whole (same answers)."""
+    indptr = torch.tensor([0, 4, 6])
+    indices = torch.tensor([1, 0, 1, 0, 1, 0])  # node 0's list is not sorted
+    ov = Overlay(indptr, indices, node_capacity=2, edge_capacity=100)
+    result, _ = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[0, 0], [1, 1]]))
+    assert (result.removed, result.missing) == (3, 0)
+    assert overlay_lists(ov) == [[1, 1], [0]]
