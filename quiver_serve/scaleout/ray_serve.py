@@ -164,7 +164,11 @@ class Ingress:
         return JSONResponse({"ready": True})
 
     def _check(self, body: EmbedBody) -> JSONResponse | None:
-        """The daemon's checks of the ids (``errors.check_node_ids``), answered as it answers."""
+        """The daemon's checks of the ids (``errors.check_node_ids``), answered as it answers;
+        the living graph's fields are refused (replicas serve the graph they started with)."""
+        if getattr(body, "min_version", None) or getattr(body, "new_nodes", None):
+            return _error(400, "unsupported_on_ray", "min_version and new_nodes need the "
+                          "daemon's living graph; the Ray Serve path serves a fixed graph")
         try:
             errors.check_node_ids(np.asarray(body.node_ids, dtype=np.int64), self.num_nodes,
                                   self.cfg.server.max_request_nodes)

@@ -241,3 +241,42 @@ def test_kill_9_of_the_whole_daemon_loses_no_acknowledged_update(tmp_path: Path)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
         again.stop()
+
+
+def test_updates_under_concurrent_load_lose_no_request(tmp_path: Path) -> None:
+    """Sampled and exact requests in flight from many coroutines while updates (edges, nodes,
+    features) are acknowledged: every request is answered with its rows, none fails."""
+    import asyncio
+    import threading
+
+    base, stream = hold_out(awkward_graph(10), 0.5, seed=11,
+                            mix=StreamMix(edges_per_call=8, nodes_every=3, features_every=3))
+    cfg = living_cfg(tmp_path, "GraphSAGE", "cpu")
+    pipeline = Pipeline(cfg, graph=base).start()
+    errors_seen: list[BaseException] = []
+    try:
+        writer = pipeline.supervisor.graph_writer  # type: ignore[union-attr]
+
+        def update() -> None:
+            try:
+                run_ops(writer, stream.ops)
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors_seen.append(exc)
+
+        updater = threading.Thread(target=update)
+        updater.start()
+
+        async def load() -> list[torch.Tensor]:
+            gen = torch.Generator().manual_seed(0)
+            calls = [pipeline.embed_async(torch.randint(0, base.num_nodes, (int(n),), generator=gen),
+                                          exact=bool(i % 3 == 0))
+                     for i, n in enumerate(torch.randint(1, 12, (300,), generator=gen))]
+            return await asyncio.gather(*calls)
+
+        rows = asyncio.run(load())
+        updater.join(timeout=120)
+        assert not errors_seen and not updater.is_alive()
+        assert len(rows) == 300 and all(r.shape[1] == 8 and torch.isfinite(r).all() for r in rows)
+        assert writer.acked == len(stream.ops)
+    finally:
+        pipeline.stop()
