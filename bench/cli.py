@@ -124,3 +124,13 @@ def git_head() -> str | None:
         return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def afford(skipped: list[str], what: str, cost_s: float, left_s: float) -> bool:
+    """Whether a step that takes ``cost_s`` fits the ``left_s`` of a budget; if not, it is named
+    in ``skipped`` and printed."""
+    if left_s >= cost_s:
+        return True
+    skipped.append(f"{what} (needs ~{cost_s:.0f} s, {max(0.0, left_s):.0f} s left)")
+    print(f"SKIPPED {skipped[-1]}", flush=True)
+    return False

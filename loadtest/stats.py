@@ -22,15 +22,21 @@ def percentiles_ms(lat_s: np.ndarray) -> dict[str, float | None]:
     return {k: float(v) for k, v in zip(names, np.percentile(lat, PERCENTILES) * 1e3, strict=True)}
 
 
-def merge_point(parts: list[dict], cmd: dict) -> dict[str, Any]:
-    """One point from its processes' reports: rates over the window, percentiles of all latencies,
-    statuses, and each process's CPU use (cores)."""
-    seconds = cmd["seconds"]
+def pooled(parts: list[dict]) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
+    """Latencies, schedule lags and status counts of several load processes' reports, pooled."""
     lat = np.concatenate([p["lat_s"] for p in parts]) if parts else np.zeros(0)
     lag = np.concatenate([p["lag_s"] for p in parts]) if parts else np.zeros(0)
     status: Counter[str] = Counter()
     for p in parts:
         status.update(p["status"])
+    return lat, lag, status
+
+
+def merge_point(parts: list[dict], cmd: dict) -> dict[str, Any]:
+    """One point from its processes' reports: rates over the window, percentiles of all latencies,
+    statuses, and each process's CPU use (cores)."""
+    seconds = cmd["seconds"]
+    lat, lag, status = pooled(parts)
     ok = status.get(OK, 0)
     total = sum(status.values())
     errors = {k: v for k, v in status.items() if k != OK}

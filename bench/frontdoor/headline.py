@@ -42,7 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import add_result_options, add_set_option, load_config, result_name, results_dir
+from bench.cli import (
+    add_result_options,
+    add_set_option,
+    afford,
+    load_config,
+    result_name,
+    results_dir,
+)
 from loadtest import plots
 from loadtest.gen import Generator, jsonable
 from loadtest.harness import Daemon, free_port
@@ -113,11 +120,7 @@ class Run:
             srv.stop()
 
     def afford(self, what: str, cost_s: float) -> bool:
-        if self.left_s() >= cost_s:
-            return True
-        self.skipped.append(f"{what} (needs ~{cost_s:.0f} s, {max(0.0, self.left_s()):.0f} s left)")
-        print(f"SKIPPED {self.skipped[-1]}", flush=True)
-        return False
+        return afford(self.skipped, what, cost_s, self.left_s())
 
     def start_cost_s(self) -> float:
         """Expected server start: the last quiver-serve start (the first one also builds the C++

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.stats import pooled
+
 EDGES_PATH = "/v1/graph/edges"
 START_TIMEOUT_S = 120.0
 DRAIN_S = 30.0  # longest a step waits for its last calls after the window
@@ -241,11 +243,7 @@ class UpdaterPool:
 def merge(parts: list[dict], cmd: dict) -> dict[str, Any]:
     """One step's update figures from its processes' reports."""
     seconds = cmd["seconds"]
-    lat = np.concatenate([p["lat_s"] for p in parts]) if parts else np.zeros(0)
-    lag = np.concatenate([p["lag_s"] for p in parts]) if parts else np.zeros(0)
-    status: Counter[str] = Counter()
-    for p in parts:
-        status.update(p["status"])
+    lat, lag, status = pooled(parts)
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q) * 1e3) if a.size else None

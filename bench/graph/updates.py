@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import add_result_options, add_set_option, git_head, load_config, result_name
+from bench.cli import add_result_options, add_set_option, afford, git_head, load_config, result_name
 from bench.cli import results_dir as default_results_dir
 from bench.graph import watch
 from bench.graph.updater import UpdaterPool
@@ -138,11 +138,7 @@ class Run:
         return self.args.budget_s - (time.perf_counter() - self.t0)
 
     def afford(self, what: str, cost_s: float) -> bool:
-        if self.left_s() >= cost_s:
-            return True
-        self.skipped.append(f"{what} (needs ~{cost_s:.0f} s, {max(0.0, self.left_s()):.0f} s left)")
-        print(f"SKIPPED {self.skipped[-1]}", flush=True)
-        return False
+        return afford(self.skipped, what, cost_s, self.left_s())
 
     def step_cost_s(self, seconds: float) -> float:
         return seconds + self.args.warmup + 3.0
