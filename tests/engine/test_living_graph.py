@@ -280,3 +280,32 @@ def test_updates_under_concurrent_load_lose_no_request(tmp_path: Path) -> None:
         assert writer.acked == len(stream.ops)
     finally:
         pipeline.stop()
+
+
+def test_two_engine_cores_apply_the_same_versions(tmp_path: Path) -> None:
+    """With two engine cores (the layout of two GPUs, here on the CPU), requests spread over
+    both after a stream of updates: every answer is exact, and both report the last version."""
+    import time
+
+    base, stream = hold_out(awkward_graph(12), 0.3, seed=13,
+                            mix=StreamMix(edges_per_call=40, nodes_every=2, features_every=2))
+    cfg = living_cfg(tmp_path, "GCN", "local")
+    cfg.inference.num_workers = 2
+    want = full_graph_rows(cfg, stream.final_x(), stream.final_edge_index())
+    pipeline = Pipeline(cfg, graph=base).start()
+    try:
+        writer = pipeline.supervisor.graph_writer  # type: ignore[union-attr]
+        version = run_ops(writer, stream.ops)
+        for _ in range(4):  # several requests: the client spreads them over both cores
+            got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True,
+                                 min_version=version)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            engines = writer.info(2)["engines"]
+            if all(e["version"] == version for e in engines):
+                break
+            time.sleep(0.05)
+        assert [e["version"] for e in engines] == [version, version]
+    finally:
+        pipeline.stop()
