@@ -155,7 +155,8 @@ def test_compaction_while_serving_moves_every_process_to_the_new_base(tmp_path: 
         assert writer.overlay.top < used_before
         version = run_ops(writer, stream.ops[half:])
         want = full_graph_rows(cfg, stream.final_x(), stream.final_edge_index())
-        got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True)
+        got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True,
+                             min_version=version)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert writer.acked == version
     finally:

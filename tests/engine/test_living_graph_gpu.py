@@ -42,8 +42,9 @@ def test_exact_after_updates_and_a_compaction_on_the_gpu(
             pipeline.embed(torch.arange(4))
             time.sleep(0.2)
         assert writer.base_version == mid
-        run_ops(writer, stream.ops[half:])
-        got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True)
+        version = run_ops(writer, stream.ops[half:])
+        got = pipeline.embed(torch.arange(stream.final_num_nodes()), exact=True,
+                             min_version=version)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
         pipeline.stop()

@@ -26,8 +26,14 @@ EngineCore = Any
 
 
 def must_wait(core: EngineCore, mb: MicroBatch) -> bool:
+    """Whether ``mb`` waits: its ``min_version`` is not visible here yet, or updates are
+    acknowledged but not applied here and it names a node id this core does not know yet (a
+    node just added); inductive requests always pass through ``unpark``. A request that asks
+    for no version is served on the version applied here (at most one step old)."""
     sync = core.graph_sync
-    return bool(mb.num_new_nodes or sync.behind() or mb.min_version > sync.version)
+    if mb.num_new_nodes or mb.min_version > sync.version:
+        return True
+    return bool(sync.behind() and mb.ids.size and int(mb.ids.max()) >= core.num_nodes)
 
 
 def park(core: EngineCore, mb: MicroBatch) -> Reply | None:
@@ -51,7 +57,7 @@ def unpark(core: EngineCore, now_s: float) -> list[Reply]:
     for mb in pending:
         if mb.deadlines_s.size and float(mb.deadlines_s.max()) <= now_s:
             replies.append(refuse_all(mb, *errors.DEADLINE))
-        elif sync.behind() or mb.min_version > sync.version:
+        elif mb.min_version > sync.version or (sync.behind() and _names_unknown(core, mb)):
             core.parked.append(mb)
         elif mb.num_new_nodes:
             replies += run_inductive(core, mb)
@@ -60,6 +66,15 @@ def unpark(core: EngineCore, now_s: float) -> list[Reply]:
             if refused is not None:
                 replies.append(refused)
     return replies
+
+
+def _names_unknown(core: EngineCore, mb: MicroBatch) -> bool:
+    """Ids (or inductive in-neighbours) at or past the node count applied here."""
+    n = core.num_nodes
+    known = not mb.ids.size or int(mb.ids.max()) < n
+    if mb.new_neighbors is not None and mb.new_neighbors.size:
+        known = known and int(mb.new_neighbors.max()) < n
+    return not known
 
 
 # ---- inductive requests ----------------------------------------------------------------------------
