@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -38,13 +37,11 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.devices import num_inference_workers
 from quiver_serve.engine.procs.control import control_messages
 from quiver_serve.engine.procs.engine_proc import engine_core_main
+from quiver_serve.engine.procs.graph_owner import GraphOwner
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.sampler_proc import sampler_main
 from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
-from quiver_serve.graph import living
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.living import LiveGraphArgs
-from quiver_serve.graph.state import ACKED, COMPACT_WANTED, NUM_NODES, GraphState
 from quiver_serve.graph.writer import GraphWriter
 from quiver_serve.wire import RunAddresses
 
@@ -60,8 +57,6 @@ HANG_TIMEOUT_S = 30.0
 #: when a child died without a word, how long its "failed" message may still be on its way
 LAST_WORDS_MS = 100
 CHECK_S = 0.1
-#: background compactions are at least this far apart
-COMPACT_MIN_GAP_S = 30.0
 
 
 class StartFailed(RuntimeError):
@@ -294,15 +289,12 @@ class Supervisor:
     def __init__(self, cfg: ServeConfig, graph: GraphData, hang_timeout_s: float = HANG_TIMEOUT_S,
                  on_restart: Callable[[str], None] | None = None, base_version: int = 0,
                  log_dir: str | None = None) -> None:
-        directory = _log_dir(cfg, graph, log_dir)
-        graph, base_version = _newest_on_disk(directory, graph, base_version)
-        self.cfg, self.graph = cfg, graph
-        self.living = living_graph_args(cfg, graph, base_version, directory)
-        self.graph_state = GraphState(self.living.state)
-        #: validates, logs and acknowledges updates (``start()`` opens it); None when another
-        #: daemon holds the update log (this one then serves its graph read-only)
-        self.graph_writer: GraphWriter | None = None
-        self.graph_read_only_reason: str | None = None
+        #: the living graph: update log, writer, compactor, shared counters (``graph_owner.py``)
+        self.owner = GraphOwner(cfg, graph, base_version, log_dir)
+        self.cfg, self.graph = cfg, self.owner.graph
+        graph = self.graph
+        self.living = self.owner.living
+        self.graph_state = self.owner.state
         self.on_restart = on_restart or _nothing
         self.on_fatal: Callable[[str], None] = lambda line: log.error("%s", line)
         self.addrs = RunAddresses(tempfile.mkdtemp(prefix="quiver-"))
@@ -345,7 +337,7 @@ class Supervisor:
 
         multiprocess_dir()  # before any child starts, so every child inherits it
         self.graph.share_memory_()
-        self._open_writer()
+        self.owner.open(self._live_readers)
         for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
             for child in group:
                 child.start()
@@ -372,83 +364,19 @@ class Supervisor:
                     raise TimeoutError(f"{what}s {late} not ready after "
                                        f"{self.cfg.server.start_timeout_s:.0f} s")
 
-    def _open_writer(self) -> None:
-        """Open the update log and replay it (the acknowledged version is then published)."""
-        from quiver_serve.graph.update_log import LogLockedError, UpdateLog
+    @property
+    def graph_writer(self) -> GraphWriter | None:
+        """Validates, logs and acknowledges updates (``start()`` opens it); None when another
+        daemon holds the update log (this one then serves its graph read-only)."""
+        return self.owner.writer
 
-        g = self.cfg.graph
-        update_log = UpdateLog(Path(self.living.log_dir), g.fsync, g.group_commit_ms)
-        try:
-            update_log.open()
-        except LogLockedError as exc:
-            self.graph_read_only_reason = f"graph updates are taken by another daemon ({exc})"
-            log.warning("%s; this one serves the graph read-only", self.graph_read_only_reason)
-            self._replay_read_only()
-            return
-        writer = GraphWriter(g, self.graph, self.living.base_version, update_log,
-                             self.graph_state, self.cfg.server.retry_after_s)
-        from quiver_serve.metrics.prometheus import GraphWriterMetrics
+    @property
+    def graph_read_only_reason(self) -> str | None:
+        return self.owner.read_only_reason
 
-        metrics = GraphWriterMetrics()
-
-        def on_update(kind: str, seconds: float, version: int) -> None:
-            metrics.on_update(kind, seconds, version)
-            ov = writer.overlay
-            metrics.on_state(ov.num_nodes, ov.num_edges, ov.top, ov.edge_capacity)
-
-        writer.on_update = on_update
-        writer.on_compaction = metrics.on_compaction
-        replayed = writer.replay()
-        if replayed:
-            log.info("update log %s: %d update(s) replayed over base version %d (now version %d)",
-                     self.living.log_dir, replayed, self.living.base_version, writer.acked)
-        writer.reader_bases = self._reader_bases
-        writer.reader_versions = self._reader_versions
-        self.graph_writer = writer
-        self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
-                                           name="quiver-compactor", daemon=True)
-        self._compactor.start()
-
-    def _compact_when_due(self, writer: GraphWriter) -> None:
-        """Compact when the overlay passed ``graph.compact_at_fill`` (the writer asks) or
-        ``graph.compact_interval_s`` after the last compaction with updates since; at most one
-        compaction per ``COMPACT_MIN_GAP_S``."""
-        g = self.cfg.graph
-        last_s = time.monotonic()
-        while not self._stop.wait(1.0):
-            try:
-                writer.maybe_rebase()
-            except Exception:  # noqa: BLE001 - the writer keeps its overlay; tried again later
-                log.exception("moving the graph writer to the compacted base failed")
-            now_s = time.monotonic()
-            wanted = self.graph_state.get(COMPACT_WANTED)
-            due = g.compact_interval_s > 0 and now_s - last_s >= g.compact_interval_s
-            if wanted >= 2 or ((wanted or due) and now_s - last_s >= COMPACT_MIN_GAP_S):
-                last_s = now_s
-                try:
-                    writer.compact()
-                except Exception:  # noqa: BLE001 - the log stays whole; the next try may work
-                    log.exception("compaction failed; the update log keeps every update")
-
-    def _reader_versions(self) -> list[int]:
-        """The version each live engine core and CPU sampler has applied."""
-        return [self.graph_state.reader_version(c.role, c.index)
-                for c in self.engines + self.samplers if c.alive()]
-
-    def _reader_bases(self) -> list[int]:
-        """The base version each live engine core and CPU sampler samples over."""
-        return [self.graph_state.reader_base(c.role, c.index)
-                for c in self.engines + self.samplers if c.alive()]
-
-    def _replay_read_only(self) -> None:
-        from quiver_serve.graph.update_log import LogFollower
-
-        follower = LogFollower(Path(self.living.log_dir), self.living.base_version)
-        last = self.living.base_version
-        while records := follower.poll(4096):
-            last = records[-1].version
-        self.graph_state.set(ACKED, last)
-        self.graph_state.set(NUM_NODES, self.graph.num_nodes)
+    def _live_readers(self) -> list[tuple[str, int]]:
+        """(role, index) of every live engine core and CPU sampler (they apply the updates)."""
+        return [(c.role, c.index) for c in self.engines + self.samplers if c.alive()]
 
     def workers(self) -> list[dict[str, Any]]:
         return [c.row() for c in self.children]
@@ -480,39 +408,4 @@ class Supervisor:
         self._control.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self.addrs.run_dir, ignore_errors=True)
-        if self.graph_writer is not None:
-            self.graph_writer.log.close()
-
-
-def _log_dir(cfg: ServeConfig, graph: GraphData, log_dir: str | None) -> str:
-    """The update-log folder: given, configured, else keyed by the graph handed in (its
-    content: a caller's graph never replays another graph's log)."""
-    if log_dir is not None:
-        return log_dir
-    if cfg.graph.update_log_dir is not None:
-        return str(living.log_dir(cfg.graph))
-    return str(living.log_dir_for_graph(graph))
-
-
-def _newest_on_disk(directory: str, graph: GraphData, base_version: int,
-                    ) -> tuple[GraphData, int]:
-    """The newest compacted base in ``directory`` when it is newer than ``graph`` (a daemon
-    restarted after a compaction serves it; the log before it is gone)."""
-    from quiver_serve.graph.update_log import load_base
-
-    found = load_base(Path(directory)) if Path(directory).exists() else None
-    if found is None or found[0] <= base_version:
-        return graph, base_version
-    version, arrays, meta = found
-    log.info("serving the compacted base of version %d from %s", version, directory)
-    return living.graph_from_arrays(arrays, meta, graph.name, copy=True), version
-
-
-def living_graph_args(cfg: ServeConfig, graph: GraphData, base_version: int,
-                      directory: str) -> LiveGraphArgs:
-    """Where the graph's update log is, its capacities and the shared counters."""
-    state = GraphState()
-    state.set(NUM_NODES, graph.num_nodes)
-    state.set(ACKED, base_version)
-    caps = living.capacities(cfg.graph, graph.num_nodes, graph.num_edges)
-    return LiveGraphArgs(directory, base_version, caps, state.tensor)
+        self.owner.stop()
