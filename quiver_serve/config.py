@@ -193,6 +193,23 @@ class FeaturesConfig(_Section):
         True, description="host rows in one shard per NUMA node when the system has several (else the shared matrix in place)")
 
 
+class ExactConfig(_Section):
+    """The exact table (DESIGN §8): every node's exact embedding materialised and kept fresh."""
+
+    materialize: Literal["auto", "on", "off"] = Field(
+        "auto", description="materialise the exact table at start-up and answer exact requests from it: on; off; auto = on when the table fits gpu_bytes (GPU) or host_bytes")
+    gpu_bytes: int = Field(
+        8 << 30, ge=0, description="most bytes of table (every layer's output, fp32) in GPU memory per engine core; a larger table lives in pinned host memory")
+    host_bytes: int = Field(
+        8 << 30, ge=0, description="most bytes of table in host memory per engine core when it is not in GPU memory (auto: off above it)")
+    chunk_edges: int = Field(
+        1 << 23, ge=1024, description="in-edges per materialisation or refresh chunk (bounds the chunk's memory and its time on the device)")
+    refresh_interval_ms: float = Field(
+        5.0, ge=0, description="a refresh round starts at most this often, so changes arriving together are refreshed together")
+    full_recompute_fraction: float = Field(
+        0.25, gt=0, le=1.0, description="a layer whose dirty rows exceed this fraction of the nodes is recomputed whole")
+
+
 class ServerConfig(_Section):
     """HTTP front-end and admission limits."""
 
@@ -249,6 +266,7 @@ class ServeConfig(_Section):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)
+    exact: ExactConfig = Field(default_factory=ExactConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ core process (its pid: ``GET /v1/workers``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -66,11 +67,10 @@ class Replacer:
         if layout is None:
             return
         stream = getattr(core, "_compute_stream", None)
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                self.store.commit(layout)
-        else:
-            self.store.commit(layout)
+        paused = getattr(core, "table_paused", contextlib.nullcontext)
+        with paused(), torch.cuda.stream(stream) if stream is not None \
+                else contextlib.nullcontext():
+            self.store.commit(layout)  # no exact-table chunk reads the store meanwhile
         self.done += 1
         log.info("feature re-placement %d committed: %d rows on the GPU", self.done,
                  layout.placement.num_gpu_rows)

@@ -60,6 +60,13 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     prepare_routing(core, cfg, graph, calibration, progress)
     if live is not None:
         follow_updates(core, cfg, graph, live, index)
+    from quiver_serve.engine.core.exact_table import build_exact_table
+
+    core.exact_table = build_exact_table(core, cfg.exact, (graph.indptr, graph.indices),
+                                         caps.node_capacity if caps is not None
+                                         else graph.num_nodes, progress)
+    if core.exact_table is not None:
+        _warm_batches(core, exact_only=True)  # the table's answer path, once
     return core
 
 
@@ -99,8 +106,8 @@ def warm_up(core: EngineCore) -> None:
     core.reset_feature_counts()  # and their rows are no requests' hits or misses
 
 
-def _warm_batches(core: EngineCore) -> None:
-    for exact in (False, True):
+def _warm_batches(core: EngineCore, exact_only: bool = False) -> None:
+    for exact in (True,) if exact_only else (False, True):
         mb = MicroBatch(b"", -1, exact, NO_SEED, np.zeros(1, np.int64), np.ones(1, np.int64),
                         np.array([time.time() + 60.0]))
         core.add(mb)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.engine.core import versions
+from quiver_serve.engine.core import exact_answers, versions
 from quiver_serve.engine.core.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
 from quiver_serve.engine.core.fill import ExpectedFill
 from quiver_serve.engine.core.micro_batch import (
@@ -106,6 +106,10 @@ class EngineCore:
         self.graph_sync: Any = None
         #: micro-batches waiting for a graph version (``versions.py``)
         self.parked: deque[MicroBatch] = deque()
+        #: the exact table (``exact_table.py``); None: every exact request is computed on the fly
+        self.exact_table: Any = None
+        #: exact micro-batches taken in since the last step (``exact_answers.py``)
+        self.exact_waiting: list[MicroBatch] = []
 
     def capture_graphs(self, max_seeds: int) -> None:
         """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
@@ -171,10 +175,18 @@ class EngineCore:
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, [err]), None)
         mb.valid, mb.errors = check_ids(mb, self.num_nodes)
         mb.min_deadline_s = float(mb.deadlines_s[0] if n_req == 1 else mb.deadlines_s.min())
-        if len(self.waiting) >= self.max_waiting:
+        if len(self.waiting) + len(self.exact_waiting) >= self.max_waiting:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+        if mb.exact and self.exact_table is not None:
+            self.exact_waiting.append(mb)  # answered from the table at the next step
+            return None
+        self.enqueue(mb)
+        return None
+
+    def enqueue(self, mb: MicroBatch) -> None:
+        """Queue a checked micro-batch for the batch former."""
         if self.psgs is not None:
             ids = mb.ids if mb.valid is None else mb.ids[(mb.ids >= 0) & (mb.ids < self.num_nodes)]
             mb.draws = self.psgs.draws(ids)
@@ -183,7 +195,6 @@ class EngineCore:
         self._waiting_ids += mb.num_ids
         if mb.outstanding_ids:
             self._client_ids[mb.client] = (mb.outstanding_ids, mb.received_s)
-        return None
 
     def ids_in_hand(self) -> int:
         """Ids waiting, at the CPU pool, sampled or on the GPU (not the batch being answered)."""
@@ -212,10 +223,18 @@ class EngineCore:
         return replies
 
     def has_ready_work(self) -> bool:
-        return bool(self.waiting or self.sampled)
+        return bool(self.waiting or self.sampled or self.exact_waiting)
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked)
+        return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked
+                    or self.exact_waiting)
+
+    def table_paused(self) -> Any:
+        """A block during which no exact-table chunk runs (swap what chunks read inside it)."""
+        import contextlib
+
+        return self.exact_table.work_lock if self.exact_table is not None \
+            else contextlib.nullcontext()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Reply]:
@@ -226,6 +245,8 @@ class EngineCore:
             replies += self.graph_sync.poll(self)
             if self.parked:
                 replies += versions.unpark(self, time.time())
+        if self.exact_waiting:
+            replies += exact_answers.answer(self, time.time())
         while self.sampled:
             replies += self._launch(self.sampled.popleft())
         if self.waiting and self._may_form():

@@ -60,6 +60,8 @@ class GraphSync:
         self.views: list[tuple[Any, OverlayView]] = []  # (sampler, the view it was given)
         if state is not None:
             state.set_reader_base("engine", index, base_version)
+        #: per applied record since the last poll, the nodes it changed (for the exact table)
+        self._changed: list[np.ndarray] = []
         #: called with (kind, staleness_s) per applied record (metrics)
         self.on_applied: Callable[[str, float], None] | None = None
 
@@ -83,7 +85,25 @@ class GraphSync:
         for record in records:
             self.apply(core, record)
         self._publish(records[-1])
+        if core.exact_table is not None:
+            self._mark_table(core, records)
         return replies
+
+    def _mark_table(self, core: EngineCore, records: list[Any]) -> None:
+        """Tell the exact table what these applied records changed (``exact_table.py``)."""
+        struct, feats, added = [], [], []
+        for record, changed in zip(records, self._changed[-len(records):], strict=True):
+            if isinstance(record, EdgeRecord):
+                struct.append(changed)
+                added.append(record.add.reshape(-1, 2))
+            else:
+                feats.append(changed)
+        self._changed.clear()
+        empty = np.empty(0, np.int64)
+        core.exact_table.mark(np.unique(np.concatenate(struct)) if struct else empty,
+                              np.unique(np.concatenate(feats)) if feats else empty,
+                              np.concatenate(added) if added else None, self.version,
+                              float(records[0].accepted_s), core.sample_stream)
 
     def _follow_base(self, core: EngineCore) -> None:
         from quiver_serve.engine.core.rebase import Rebase, switch
@@ -106,7 +126,8 @@ class GraphSync:
                         REBASE_RETRY_S)
             return
         try:
-            switch(self, core, rebase)
+            with core.table_paused():  # no exact-table chunk reads the old base meanwhile
+                switch(self, core, rebase)
         except Exception as exc:  # noqa: BLE001 - the old state is untouched until the swap
             log.warning("engine %d: switching to the compacted base failed (%s)", self.index, exc)
             return
@@ -135,17 +156,21 @@ class GraphSync:
             kind = "edges"
             _, patch = self.overlay.apply_edges(record.add, record.remove)
             self._edges_changed(core, patch)
+            changed = patch.nodes
         elif isinstance(record, NodeRecord):
             kind = "nodes"
-            ids = self.overlay.add_nodes(int(record.features.shape[0]))
-            self._nodes_added(core, ids, record.features)
+            changed = self.overlay.add_nodes(int(record.features.shape[0]))
+            self._nodes_added(core, changed, record.features)
         elif isinstance(record, FeatureRecord):
             kind = "features"
+            changed = np.asarray(record.node_ids, dtype=np.int64)
             core.features.write_rows(torch.from_numpy(np.ascontiguousarray(record.node_ids)),
                                      torch.from_numpy(np.ascontiguousarray(record.features)))
         else:
             raise RuntimeError(f"unknown update record {type(record).__name__}")
         self.version = record.version
+        if core.exact_table is not None:
+            self._changed.append(np.asarray(changed, dtype=np.int64))
         if self.on_applied is not None:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 

@@ -1,0 +1,60 @@
+"""Exact requests answered from the exact table (DESIGN §8), in the engine step they arrive.
+
+Every exact micro-batch waiting at a step whose requests name only non-stale rows is answered
+by one gather for all of them (one copy to the host, one sync); the others go on to the
+on-the-fly exact path, as every exact request did before the table. A stale row is one an
+applied update may have changed and the refresh has not recomputed yet (``exact_table.py``), so
+both paths answer for the version the engine core serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from quiver_serve.engine.core.micro_batch import MicroBatch, Part, Reply, prune
+from quiver_serve.wire import MicroBatchDone
+
+#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
+EngineCore = Any
+
+
+def answer(core: EngineCore, now_s: float) -> list[Reply]:
+    """Answer the waiting exact micro-batches the table can; queue the rest on the fly."""
+    table = core.exact_table
+    waiting, core.exact_waiting = core.exact_waiting, []
+    replies: list[Reply] = []
+    parts: list[Part] = []
+    for mb in waiting:
+        part = prune(mb, now_s)
+        if part.alive is not None and not part.alive.any():
+            replies.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
+            continue
+        if table.servable(part.alive_ids()):
+            parts.append(part)
+        else:
+            table.counters.on_the_fly += part.num_alive
+            core.enqueue(mb)
+    if not parts:
+        return replies
+    ids = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
+        [p.alive_ids() for p in parts])
+    rows = table.lookup(ids)
+    table.counters.from_table += sum(p.num_alive for p in parts)
+    start, dim = 0, table.dim
+    for part in parts:
+        chunk, start = _rows_of(part, rows, start, dim)
+        replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, dim, part.errors), chunk))
+    return replies
+
+
+def _rows_of(part: Part, rows: np.ndarray, start: int, dim: int) -> tuple[np.ndarray, int]:
+    mb: MicroBatch = part.mb
+    if part.alive is None:
+        return rows[start:start + mb.num_ids], start + mb.num_ids
+    alive_pos = np.repeat(part.alive, mb.lengths)
+    n_alive = int(alive_pos.sum())
+    chunk = np.zeros((mb.num_ids, dim), np.float32)  # refused requests: zero rows, errors named
+    chunk[alive_pos] = rows[start:start + n_alive]
+    return chunk, start + n_alive

@@ -1,0 +1,330 @@
+"""The exact table (DESIGN §8): every node's exact embedding, materialised and kept fresh.
+
+Exact embeddings are a pure function of (graph version, model). :class:`ExactTable` computes
+every layer's output for every node by layer-wise full-graph inference (chunks of target nodes,
+every in-edge, ``models/layerwise.py``), keeps them in GPU memory (or pinned host memory when
+they exceed ``exact.gpu_bytes``), and answers an exact request with one row gather.
+
+Freshness. Each engine core applies the update log itself (``graph_sync.py``); after the records
+of a step are applied, :meth:`ExactTable.mark` marks what they can change, layer by layer: a node
+whose feature row was written changes its layer-0 row; a node whose in-list changed changes its
+own row at every layer (and, with GCN's degree normalisation, its out-neighbours' too); a changed
+row at layer ``l - 1`` changes its out-neighbours' rows at layer ``l``. The last layer's marked
+rows are *stale*: the engine answers requests that name one by the on-the-fly exact path, never
+from the table, until a refresh round (``table_refresh.py``, a background thread) has recomputed
+them. So every answer, from the table or not, is exact for the version the engine core serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.config import ExactConfig
+from quiver_serve.graph.neighbourhood import CurrentGraph, OutIndex
+from quiver_serve.models.layerwise import LayerwiseModel, unsupported
+
+log = logging.getLogger(__name__)
+
+#: bytes per stored value (every layer fp32: exactness to 1e-5 leaves no room for fp16)
+VALUE_BYTES = 4
+#: target rows per chunk at most (nodes without in-edges cost rows, not edges)
+MAX_CHUNK_ROWS = 1 << 20
+
+
+def table_bytes(num_nodes: int, dims: list[int]) -> int:
+    return int(num_nodes) * sum(dims) * VALUE_BYTES
+
+
+def placement(cfg: ExactConfig, device: torch.device, num_bytes: int) -> str | None:
+    """Where the table lives ("gpu", "host"), or None when it is not built."""
+    if cfg.materialize == "off":
+        return None
+    if device.type == "cuda" and num_bytes <= cfg.gpu_bytes:
+        return "gpu"
+    if num_bytes <= cfg.host_bytes or cfg.materialize == "on":
+        return "host"
+    return None
+
+
+@dataclass
+class TableCounters:
+    """What the table did, read by metrics and ``graph_info``."""
+
+    build_s: float = 0.0
+    rows_refreshed: int = 0
+    rounds: int = 0
+    full_recomputes: int = 0
+    from_table: int = 0  # exact requests answered by a gather
+    on_the_fly: int = 0  # exact requests that named a stale row
+    last_staleness_s: float = 0.0
+    failures: int = 0
+
+
+class ExactTable:
+    """Every layer's output for every node, on one engine core; see the module docstring."""
+
+    def __init__(self, cfg: ExactConfig, model: LayerwiseModel, features: Any,
+                 device: torch.device, capacity: int, where: str,
+                 graph_of: Any) -> None:
+        self.cfg, self.model, self.features = cfg, model, features
+        self.device, self.capacity, self.where = device, int(capacity), where
+        #: () -> CurrentGraph on ``device``: the graph as the engine core serves it now
+        self.graph_of = graph_of
+        store = device if where == "gpu" else torch.device("cpu")
+        pin = where == "host" and device.type == "cuda"
+        self.layers: list[Tensor] = [
+            torch.zeros((self.capacity, d), dtype=torch.float32, device=store,
+                        pin_memory=pin) for d in model.out_dims()]
+        self.dim = int(self.layers[-1].shape[1])
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.layers)
+        self.on_gpu = device.type == "cuda"
+        #: rows of the last layer that must not be served (host: read on every exact request)
+        self.stale = np.ones(self.capacity, dtype=bool)
+        self.ready = False
+        #: marks (engine thread) and round snapshots (refresh thread) take turns under this
+        self.lock = threading.Lock()
+        #: held while a chunk computes; the engine takes it to swap what chunks read (rebase)
+        self.work_lock = threading.Lock()
+        self.pending = [torch.zeros(self.capacity, dtype=torch.bool, device=device)
+                        for _ in self.layers]
+        self.pending_since_s: float | None = None  # accepted time of the oldest pending change
+        self.version = 0  # graph version every non-stale row is exact for (at least)
+        self.marked_version = 0
+        self.counters = TableCounters()
+        self.stream = torch.cuda.Stream(device, priority=0) if self.on_gpu else None
+        self.serve_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
+        self._map = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
+        self.out_index: OutIndex | None = None
+        self.refresher: Any = None
+
+    # ---- computing rows ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def on_stream(self, stream: Any) -> Iterator[None]:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            yield
+
+    def compute_rows(self, layer: int, targets: Tensor, graph: CurrentGraph) -> None:
+        """Recompute ``layer``'s rows of ``targets`` (int64 on the device, sorted, unique)."""
+        counts, src = graph.in_edges(targets)
+        n_id, col = self._relabel(targets, src)
+        dst = torch.repeat_interleave(torch.arange(targets.numel(), device=self.device), counts,
+                                      output_size=src.numel())
+        x = self._layer_input(layer, n_id)
+        out = self.model.forward_layer(layer, x, torch.stack([col, dst]), int(targets.numel()),
+                                       n_id)
+        store = self.layers[layer]
+        if store.device == out.device:
+            store.index_copy_(0, targets, out)
+        else:
+            store.index_copy_(0, targets.cpu(), out.cpu())
+
+    def _relabel(self, targets: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+        """Local ids: targets first (their order), then the other sources (ascending)."""
+        m = self._map
+        m[targets] = torch.arange(targets.numel(), device=self.device)
+        others = torch.unique(src[m.index_select(0, src) < 0])
+        m[others] = torch.arange(targets.numel(), targets.numel() + others.numel(),
+                                 device=self.device)
+        col = m.index_select(0, src)
+        n_id = torch.cat([targets, others])
+        m[n_id] = -1
+        return n_id, col
+
+    def _layer_input(self, layer: int, n_id: Tensor) -> Tensor:
+        if layer == 0:
+            return self.features.gather(n_id).to(self.device).float()
+        store = self.layers[layer - 1]
+        if store.device == n_id.device:
+            return store.index_select(0, n_id)
+        return store.index_select(0, n_id.cpu()).to(self.device, non_blocking=True)
+
+    def chunks(self, targets: Tensor, graph: CurrentGraph) -> list[Tensor]:
+        """``targets`` split so that each chunk has at most ``exact.chunk_edges`` in-edges (a
+        node with more is a chunk of its own)."""
+        if targets.numel() == 0:
+            return []
+        degree = graph.in_degree(targets)
+        cum = torch.cumsum(degree, 0).cpu().numpy()
+        n, cuts, prev = len(cum), [], 0
+        while prev < n:
+            reached = int(cum[prev - 1]) if prev else 0
+            nxt = int(np.searchsorted(cum, reached + self.cfg.chunk_edges, side="right"))
+            prev = min(max(nxt, prev + 1), prev + MAX_CHUNK_ROWS, n)
+            cuts.append(prev)
+        return list(torch.tensor_split(targets, cuts[:-1]))
+
+    # ---- building ------------------------------------------------------------------------------
+    def build(self, progress: bool = True) -> None:
+        """Every layer of every node, layer by layer (progress bar; time in the log)."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        with self.work_lock, self.on_stream(self.stream):
+            graph = self.graph_of()
+            nodes = torch.arange(graph.num_nodes, device=self.device)
+            pieces = self.chunks(nodes, graph)
+            bar = tqdm(total=len(pieces) * len(self.layers), desc="exact table", unit="chunk",
+                       disable=not progress, leave=False)
+            for layer in range(len(self.layers)):
+                for chunk in pieces:
+                    self.compute_rows(layer, chunk, graph)
+                    bar.update()
+            bar.close()
+            self.out_index = OutIndex(graph, self.capacity,
+                                      max(1 << 16, int(graph.indices.numel()) // 4))
+            if self.stream is not None:
+                self.stream.synchronize()
+        self.stale = np.zeros(self.capacity, dtype=bool)
+        self.stale[graph.num_nodes:] = True
+        self.counters.build_s = time.perf_counter() - t0
+        self.ready = True
+        log.info("exact table: %d nodes x %s in %s memory (%.1f MiB), built in %.2f s",
+                 graph.num_nodes, [int(t.shape[1]) for t in self.layers], self.where,
+                 self.nbytes / 2**20, self.counters.build_s)
+
+    # ---- marking (engine thread, after a step's records are applied) ---------------------------
+    def mark(self, struct_nodes: np.ndarray, feature_nodes: np.ndarray, added: np.ndarray | None,
+             version: int, accepted_s: float, sample_stream: Any = None) -> None:
+        """Mark what records up to ``version`` changed: ``struct_nodes`` (their in-lists),
+        ``feature_nodes`` (their feature rows; nodes appended too), ``added`` (int64 [n, 2]
+        edges added). The graph the engine serves already holds them."""
+        if self.out_index is None:
+            return
+        with self.lock, self.on_stream(self.stream):
+            if self.stream is not None and sample_stream is not None:
+                self.stream.wait_stream(sample_stream)  # the device overlay's patches first
+            if added is not None and added.size:
+                pairs = torch.from_numpy(np.ascontiguousarray(added)).to(self.device)
+                self.out_index.add_edges(pairs[:, 0], pairs[:, 1], self.graph_of())
+            changed = self._propagate(struct_nodes, feature_nodes)
+            ids = torch.nonzero(changed).flatten().cpu().numpy()
+            self.stale[ids] = True
+            self.marked_version = version
+            if ids.size and self.pending_since_s is None:
+                self.pending_since_s = accepted_s
+        if self.refresher is not None:
+            self.refresher.wake()
+
+    def _propagate(self, struct_nodes: np.ndarray, feature_nodes: np.ndarray) -> Tensor:
+        """OR each layer's changed rows into ``pending``; the last layer's, as a mask."""
+        assert self.out_index is not None
+        mask = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        if feature_nodes.size:
+            mask[torch.from_numpy(feature_nodes).to(self.device)] = True
+        struct = torch.zeros_like(mask)
+        if struct_nodes.size:
+            struct[torch.from_numpy(struct_nodes).to(self.device)] = True
+            if self.model.degree_weighted:
+                struct |= self.out_index.reach(struct)
+        for layer in range(len(self.layers)):
+            mask = mask | self.out_index.reach(mask) | struct
+            self.pending[layer] |= mask
+        return mask
+
+    # ---- serving -------------------------------------------------------------------------------
+    def servable(self, ids: np.ndarray) -> bool:
+        return self.ready and not bool(self.stale[ids].any())
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [n, dim]: the last layer's rows of ``ids`` (one gather, one copy)."""
+        final = self.layers[-1]
+        index = torch.from_numpy(ids)
+        if final.device.type == "cpu":
+            return final.index_select(0, index).numpy()
+        assert self.serve_stream is not None
+        with torch.cuda.stream(self.serve_stream):
+            rows = final.index_select(0, index.to(self.device, non_blocking=True))
+            host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+        self.serve_stream.synchronize()
+        return host.numpy()
+
+    def stop(self) -> None:
+        if self.refresher is not None:
+            self.refresher.stop()
+
+    def describe(self) -> dict[str, Any]:
+        c = self.counters
+        return {"ready": self.ready, "where": self.where, "bytes": self.nbytes,
+                "version": self.version, "marked_version": self.marked_version,
+                "stale_rows": int(self.stale[:self.graph_of().num_nodes].sum()),
+                "build_s": round(c.build_s, 3), "rows_refreshed": c.rows_refreshed,
+                "rounds": c.rounds, "full_recomputes": c.full_recomputes,
+                "from_table": c.from_table, "on_the_fly": c.on_the_fly}
+
+
+def current_graph(core: Any, device: torch.device, static: tuple[Tensor, Tensor]) -> CurrentGraph:
+    """The graph ``core`` serves now, on ``device`` where its GPU sampler holds a copy (else on
+    the host: the caller moves what it reads)."""
+    sync = core.graph_sync
+    gpu = core.gpu_sampler
+    dev_ptr = getattr(gpu, "indptr_device", None)
+    if device.type == "cuda" and dev_ptr is not None and dev_ptr.device.type == "cuda":
+        view = sync.device_overlay.view() if sync is not None and sync.device_overlay is not None \
+            else None
+        return CurrentGraph(dev_ptr, gpu.indices_device, view, core.num_nodes)
+    if sync is not None:
+        ov = sync.overlay
+        indptr, indices = torch.from_numpy(ov.indptr), torch.from_numpy(ov.indices)
+        view = ov.view()
+    else:
+        (indptr, indices), view = static, None
+    graph = CurrentGraph(indptr, indices, view, core.num_nodes)
+    if device.type == "cuda":  # a table on the GPU over a host graph: one device copy for it
+        return _device_copy(core, graph, device)
+    return graph
+
+
+def _device_copy(core: Any, graph: CurrentGraph, device: torch.device) -> CurrentGraph:
+    cached = getattr(core, "_table_graph_copy", None)
+    if cached is None or cached[0] is not graph.indices:
+        cached = (graph.indices, graph.indptr.to(device), graph.indices.to(device, torch.int32
+                  if core.num_nodes < 2 ** 31 else torch.int64))
+        core._table_graph_copy = cached
+    view = graph.view
+    if view is not None:
+        sync = core.graph_sync
+        dev = sync.device_overlay if sync is not None else None
+        view = dev.view() if dev is not None else None
+    return CurrentGraph(cached[1], cached[2], view, graph.num_nodes)
+
+
+def build_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
+                      capacity: int, progress: bool = True) -> ExactTable | None:
+    """The engine core's exact table, built, with its refresh thread; None when the config or
+    the model says no (logged)."""
+    if cfg.materialize == "off":
+        return None
+    why = unsupported(core.model)
+    if why is not None:
+        if cfg.materialize == "on":
+            raise ValueError(f"exact.materialize=on but {why}")
+        log.info("exact table off: %s", why)
+        return None
+    model = LayerwiseModel(core.model)
+    num_bytes = table_bytes(capacity, model.out_dims())
+    where = placement(cfg, core.device, num_bytes)
+    if where is None:
+        log.info("exact table off: %.1f MiB exceeds exact.gpu_bytes and exact.host_bytes",
+                 num_bytes / 2**20)
+        return None
+    table = ExactTable(cfg, model, core.features, core.device, capacity, where,
+                       lambda: current_graph(core, core.device, static))
+    table.build(progress)
+    if core.graph_sync is not None:
+        from quiver_serve.engine.core.table_refresh import Refresher
+
+        table.version = table.marked_version = core.graph_sync.version
+        table.refresher = Refresher(table)
+        table.refresher.start()
+    return table
