@@ -24,6 +24,9 @@ MAX_ENGINES = 64
 #: CPU sampler j's slots: the base version it samples over, the version it applied
 SAMPLER_BASE, SAMPLER_SLOTS = ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES, 2
 MAX_SAMPLERS = 256
+#: engine i's exact table (DESIGN §8): present (1), the version its rows are exact for, stale
+#: rows, the staleness of its last refresh round
+TABLE_BASE, TABLE_SLOTS = SAMPLER_BASE + SAMPLER_SLOTS * MAX_SAMPLERS, 4
 
 
 class GraphState:
@@ -31,7 +34,7 @@ class GraphState:
 
     def __init__(self, tensor: torch.Tensor | None = None) -> None:
         if tensor is None:
-            tensor = torch.zeros(SAMPLER_BASE + SAMPLER_SLOTS * MAX_SAMPLERS, dtype=torch.float64)
+            tensor = torch.zeros(TABLE_BASE + TABLE_SLOTS * MAX_ENGINES, dtype=torch.float64)
             tensor.share_memory_()
         self.tensor = tensor
         self._a = tensor.numpy()
@@ -55,6 +58,19 @@ class GraphState:
         self._a[at + 1] = staleness_s
         self._a[at + 2] = time.time()
         self._a[at] = version  # last: a reader that sees the version sees its staleness
+
+    def publish_table(self, index: int, version: int, stale_rows: int, staleness_s: float) -> None:
+        at = TABLE_BASE + TABLE_SLOTS * index
+        self._a[at + 1:at + 4] = (version, stale_rows, staleness_s)
+        self._a[at] = 1.0
+
+    def table(self, index: int) -> dict[str, Any] | None:
+        """Engine ``index``'s exact table as it last published it; None without one."""
+        at = TABLE_BASE + TABLE_SLOTS * index
+        if not self._a[at]:
+            return None
+        return {"version": int(self._a[at + 1]), "stale_rows": int(self._a[at + 2]),
+                "last_round_staleness_s": round(float(self._a[at + 3]), 6)}
 
     def engine_version(self, index: int) -> int:
         return int(self._a[ENGINE_BASE + ENGINE_SLOTS * index])
@@ -91,5 +107,6 @@ class GraphState:
             behind = version < acked
             stale_s = max(0.0, now - float(self._a[ACKED_AT_S])) if behind else 0.0
             rows.append({"engine": i, "version": version, "staleness_s": round(stale_s, 6),
-                         "last_apply_staleness_s": round(float(self._a[at + 1]), 6)})
+                         "last_apply_staleness_s": round(float(self._a[at + 1]), 6),
+                         "exact_table": self.table(i)})
         return rows

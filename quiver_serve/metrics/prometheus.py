@@ -114,7 +114,8 @@ class EngineMetrics:
     def observe(self, stats: BatchStats) -> None:
         self.route_total.labels(stats.route).inc()
         self.batch_nodes.labels(str(stats.worker)).observe(stats.num_seeds)
-        self.sampled_nodes.observe(stats.num_sampled_nodes)
+        if stats.route != "table":  # exact answers gathered from the table sample nothing
+            self.sampled_nodes.observe(stats.num_sampled_nodes)
         self.queue_duration.observe(stats.queue_s)
         self.sample_duration.labels(stats.route).observe(stats.sample_s)
         self.gather_duration.observe(stats.gather_s)
@@ -204,6 +205,70 @@ class GraphApplyMetrics:
     def on_applied(self, kind: str, staleness_s: float, version: int) -> None:
         self.staleness.observe(staleness_s)
         self.visible.set(version)
+
+
+class TableMetrics:
+    """The exact table of one engine core (DESIGN §8): its version, refresh work and staleness,
+    and where exact requests were answered. ``sync`` turns the table's counters into metric
+    increments (the engine loop calls it after its replies); ``on_round`` is called by the
+    refresh thread after each round."""
+
+    def __init__(self, engine: int) -> None:
+        multiprocess_dir()
+        label = str(engine)
+        requests = Counter(PREFIX + "exact_requests_total", "exact requests answered, by source: "
+                           "a gather from the table, or the on-the-fly path (a stale row)",
+                           ["engine", "source"], registry=None)
+        self.from_table = requests.labels(label, "table")
+        self.on_the_fly = requests.labels(label, "on_the_fly")
+        self.version = Gauge(PREFIX + "exact_table_version", "graph version every non-stale row "
+                             "of the table is exact for", ["engine"], multiprocess_mode="max",
+                             registry=None).labels(label)
+        self.rows = Counter(PREFIX + "exact_table_rows_refreshed_total", "table rows recomputed "
+                            "by refresh rounds (every layer)", ["engine"], registry=None).labels(label)
+        self.backlog = Gauge(PREFIX + "exact_table_backlog_rows", "rows of the running refresh "
+                             "round not recomputed yet", ["engine"], multiprocess_mode="max",
+                             registry=None).labels(label)
+        self.staleness = Histogram(
+            PREFIX + "exact_table_staleness_seconds", "per refresh round: oldest change it covers, "
+            "acknowledged -> servable from the table", ["engine"],
+            buckets=_STALENESS_BUCKETS_S, registry=None).labels(label)
+        self.full = Counter(PREFIX + "exact_table_full_recomputes_total", "refresh rounds that "
+                            "recomputed a layer whole", ["engine"], registry=None).labels(label)
+        self.failures = Counter(PREFIX + "exact_table_refresh_failures_total", "refresh rounds "
+                                "that failed (retried as a full recompute)", ["engine"],
+                                registry=None).labels(label)
+        self.build_s = Gauge(PREFIX + "exact_table_build_seconds", "time to materialise the "
+                             "table at start-up", ["engine"], multiprocess_mode="max",
+                             registry=None).labels(label)
+        self.bytes = Gauge(PREFIX + "exact_table_bytes", "bytes of the table (every layer)",
+                           ["engine"], multiprocess_mode="max", registry=None).labels(label)
+        self._seen = (0, 0, 0, 0)
+
+    def started(self, build_s: float, num_bytes: int, version: int) -> None:
+        self.build_s.set(build_s)
+        self.bytes.set(num_bytes)
+        self.version.set(version)
+
+    def on_round(self, rows: int, staleness_s: float, version: int) -> None:
+        self.staleness.observe(staleness_s)
+        self.version.set(version)
+        self.backlog.set(0)
+
+    def sync(self, counters: object, backlog_rows: int) -> None:
+        now = (counters.from_table, counters.on_the_fly,  # type: ignore[attr-defined]
+               counters.rows_refreshed, counters.full_recomputes)  # type: ignore[attr-defined]
+        if now == self._seen:
+            return
+        for metric, new, old in zip((self.from_table, self.on_the_fly, self.rows, self.full),
+                                    now, self._seen, strict=True):
+            if new > old:
+                metric.inc(new - old)
+        self._seen = now
+        self.backlog.set(backlog_rows)
+
+    def failed(self) -> None:
+        self.failures.inc()
 
 
 class GraphWriterMetrics:

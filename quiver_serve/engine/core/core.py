@@ -511,11 +511,15 @@ class EngineCore:
                 start += n_alive
             done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
             replies.append(Reply(part.mb.client, done, chunk))
+        self.record_stats(stats)
+        return replies
+
+    def record_stats(self, stats: BatchStats) -> None:
+        """Hand a finished batch's stats to ``on_stats`` (now, or at ``flush_stats``)."""
         if self.on_stats is not None:
             self._stats_held.append(stats)
             if not self.defer_stats:
                 self.flush_stats()
-        return replies
 
     def flush_stats(self) -> None:
         """Hand held batch stats to ``on_stats`` (metrics: off the replies' path)."""

@@ -9,11 +9,13 @@ both paths answer for the version the engine core serves.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from quiver_serve.engine.core.micro_batch import MicroBatch, Part, Reply, prune
+from quiver_serve.messages import BatchStats
 from quiver_serve.wire import MicroBatchDone
 
 #: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
@@ -40,13 +42,27 @@ def answer(core: EngineCore, now_s: float) -> list[Reply]:
         return replies
     ids = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
         [p.alive_ids() for p in parts])
+    t0 = time.perf_counter()
     rows = table.lookup(ids)
-    table.counters.from_table += sum(p.num_alive for p in parts)
+    stats = _stats(core, parts, int(ids.size), time.perf_counter() - t0, now_s)
+    table.counters.from_table += stats.num_requests
     start, dim = 0, table.dim
-    for part in parts:
+    for i, part in enumerate(parts):
         chunk, start = _rows_of(part, rows, start, dim)
-        replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, dim, part.errors), chunk))
+        done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
+        replies.append(Reply(part.mb.client, done, chunk))
+    core.record_stats(stats)
     return replies
+
+
+def _stats(core: EngineCore, parts: list[Part], num_ids: int, gather_s: float,
+           now_s: float) -> BatchStats:
+    """The table answers of one step, reported as a batch of route ``table``."""
+    oldest = min(p.mb.received_s for p in parts)
+    return BatchStats(batch_id=-1, route="table", worker=core.index,
+                      num_requests=sum(p.num_alive for p in parts), num_seeds=num_ids,
+                      queue_s=max(now_s - oldest, 0.0), gather_s=gather_s, compute_s=gather_s,
+                      received_s=parts[0].mb.received_s)
 
 
 def _rows_of(part: Part, rows: np.ndarray, start: int, dim: int) -> tuple[np.ndarray, int]:

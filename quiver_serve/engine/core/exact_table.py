@@ -101,7 +101,10 @@ class ExactTable:
         self.version = 0  # graph version every non-stale row is exact for (at least)
         self.marked_version = 0
         self.counters = TableCounters()
+        #: chunks run on ``stream``; marks and round snapshots (under ``lock``) on ``mark_stream``,
+        #: so a mark never waits behind a chunk
         self.stream = torch.cuda.Stream(device, priority=0) if self.on_gpu else None
+        self.mark_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.serve_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
         self._map = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
         self.out_index: OutIndex | None = None
@@ -200,9 +203,9 @@ class ExactTable:
         edges added). The graph the engine serves already holds them."""
         if self.out_index is None:
             return
-        with self.lock, self.on_stream(self.stream):
-            if self.stream is not None and sample_stream is not None:
-                self.stream.wait_stream(sample_stream)  # the device overlay's patches first
+        with self.lock, self.on_stream(self.mark_stream):
+            if self.mark_stream is not None and sample_stream is not None:
+                self.mark_stream.wait_stream(sample_stream)  # the device overlay's patches first
             if added is not None and added.size:
                 pairs = torch.from_numpy(np.ascontiguousarray(added)).to(self.device)
                 self.out_index.add_edges(pairs[:, 0], pairs[:, 1], self.graph_of())

@@ -102,9 +102,11 @@ class Refresher:
 
     def _mark_all(self) -> None:
         t = self.table
-        with t.lock:
+        with t.lock, t.on_stream(t.mark_stream):
             for p in t.pending:
                 p.fill_(True)
+            if t.mark_stream is not None:
+                t.mark_stream.synchronize()
             if t.pending_since_s is None:
                 t.pending_since_s = time.time()
 
@@ -112,7 +114,7 @@ class Refresher:
         """Recompute every row marked so far; see the module docstring."""
         t = self.table
         self._last_round_s = time.monotonic()
-        with t.lock, t.on_stream(t.stream):
+        with t.lock, t.on_stream(t.mark_stream):
             if t.pending_since_s is None:
                 return
             self.busy = True
@@ -121,10 +123,10 @@ class Refresher:
                 p.zero_()
             version, since_s = t.marked_version, t.pending_since_s
             t.pending_since_s = None
-            if t.stream is not None:
-                t.stream.synchronize()
+            if t.mark_stream is not None:
+                t.mark_stream.synchronize()
         rows = self._recompute(sets)
-        with t.lock, t.on_stream(t.stream):
+        with t.lock, t.on_stream(t.mark_stream):
             stale = t.pending[-1].cpu().numpy().copy()  # pending changes in place
             t.stale = stale
             t.version = version

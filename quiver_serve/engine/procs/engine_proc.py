@@ -147,6 +147,7 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
             graph_metrics = GraphApplyMetrics(index)
             sync = core.graph_sync
             sync.on_applied = lambda kind, s: graph_metrics.on_applied(kind, s, sync.version)
+        table_sync = _table_metrics(core, index)
         core.defer_stats = True  # the loop records metrics after the replies are sent
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
@@ -164,7 +165,41 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
                   features_on=str(core.features.device), gc_frozen_objects=gc_watch.frozen_objects,
                   **core.features.describe())
     EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3,
-               gc_watch.flush).run()
+               gc_watch.flush, table_sync).run()
+
+
+def _table_metrics(core: EngineCore, index: int) -> Callable[[], None] | None:
+    """The exact table's metrics; returns what the loop calls after its replies."""
+    table = core.exact_table
+    if table is None:
+        return None
+    from quiver_serve.metrics.prometheus import TableMetrics
+
+    metrics = TableMetrics(index)
+    metrics.started(table.counters.build_s, table.nbytes, table.version)
+    refresher = table.refresher
+    if refresher is None:
+        return lambda: metrics.sync(table.counters, 0)
+    failures = [0]
+
+    def on_round(rows: int, staleness_s: float, version: int) -> None:
+        metrics.on_round(rows, staleness_s, version)
+
+    state = core.graph_sync.state
+
+    def sync() -> None:
+        metrics.sync(table.counters, refresher.backlog_rows)
+        if state is not None:
+            state.publish_table(index, table.version,
+                                int(table.stale[:core.num_nodes].sum()),
+                                table.counters.last_staleness_s)
+        if table.counters.failures > failures[0]:
+            failures[0] = table.counters.failures
+            metrics.failed()
+
+    refresher.on_round = on_round
+    sync()
+    return sync
 
 
 class EngineLoop:
@@ -172,10 +207,12 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore, front: zmq.Socket, pool: ZmqSamplerPool | None,
                  poller: zmq.Poller, reporter: Reporter, spin_s: float = 0.0,
-                 flush_gc: Callable[[], int] | None = None) -> None:
+                 flush_gc: Callable[[], int] | None = None,
+                 table_sync: Callable[[], None] | None = None) -> None:
         self.core, self.front, self.pool, self.poller = core, front, pool, poller
         self.reporter, self.spin_s = reporter, spin_s
         self.flush_gc = flush_gc or (lambda: 0)
+        self.table_sync = table_sync or (lambda: None)
 
     def run(self) -> None:
         core = self.core
@@ -188,6 +225,7 @@ class EngineLoop:
                     return
                 next_check_s = now_s + PARENT_CHECK_S
                 self.flush_gc()
+                self.table_sync()
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
             # and for ``spin_s`` after the last answer (the next request is likely near)
             if core.in_flight or core.sampled or (core.waiting and not core.fill.holding) \

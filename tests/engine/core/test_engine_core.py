@@ -56,9 +56,11 @@ def full_output(cora: GraphData) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("table", ["on", "off"])  # from the exact table, or computed on the fly
 def test_merged_micro_batches_each_get_their_rows_in_order(cora: GraphData, full_output: torch.Tensor,
-                                                           device: str) -> None:
-    core = make_core(cora, device)
+                                                           device: str, table: str) -> None:
+    core = make_core(cora, device, exact__materialize=table)
+    assert (core.exact_table is not None) == (table == "on")
     mbs = [mb(i, [[i, 2707 - i], [5, 5, 9]], exact=True) for i in range(6)]
     replies = run(core, *mbs)
     for m in mbs:
