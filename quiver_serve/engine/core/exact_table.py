@@ -171,6 +171,10 @@ class ExactTable:
         """Every layer of every node, layer by layer (progress bar; time in the log)."""
         from tqdm import tqdm
 
+        if not hasattr(tqdm, "_lock"):
+            # tqdm's default lock holds a multiprocessing semaphore, which leaks (and warns at
+            # the daemon's exit) when this process is killed; a thread lock is all bars need
+            tqdm.set_lock(threading.RLock())
         t0 = time.perf_counter()
         with self.work_lock, self.on_stream(self.stream):
             graph = self.graph_of()
