@@ -162,7 +162,8 @@ async def run_point(index: int, procs: int, cmd: dict, cmds: Any, out: Any) -> d
     probe = process_probe(cmd.get("probe"))
     limit = cmd["max_inflight"] if cmd["mode"] == "open" else max(1, cmd["callers"])
     observer = probe.observer() if probe is not None else None
-    async with make_caller(cmd["target"], reqs, limit, observer) as caller:
+    exact = bool(cmd["spec"].get("exact", False))
+    async with make_caller(cmd["target"], reqs, limit, observer, exact) as caller:
         out.put({"prepared": index})
         go = await asyncio.get_running_loop().run_in_executor(None, cmds.get, True, PREPARE_TIMEOUT_S)
         if "t_start" not in go:

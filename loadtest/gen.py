@@ -169,7 +169,8 @@ def probe(url: str, timeout_s: float = 10.0) -> tuple[str | None, int | None]:
 
 def build_spec(args: argparse.Namespace, num_nodes: int | None, degree: np.ndarray | None) -> dict:
     spec: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "hot": None,
-                            "num_nodes": num_nodes, "ids_per_request": args.ids_per_request}
+                            "num_nodes": num_nodes, "ids_per_request": args.ids_per_request,
+                            "exact": args.exact}
     if args.workload == "trace":
         if not args.trace:
             raise SystemExit("--workload trace needs --trace FILE.npy")
@@ -218,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--hot-set", help="workload a's hot set, an int .npy (default: from --graph-config)")
     w.add_argument("--graph-config", help="serve config whose graph gives the degrees / node count")
     w.add_argument("--seed", type=int, default=0, help="seed of requests and arrival times")
+    w.add_argument("--exact", action="store_true",
+                   help="exact requests (every neighbour; the exact table when the daemon has one)")
     lo = ap.add_argument_group("load")
     lo.add_argument("--mode", default="closed", choices=["open", "closed"])
     lo.add_argument("--rate", type=float, nargs="+", help="open loop: total requests/s per point")

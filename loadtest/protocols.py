@@ -7,6 +7,10 @@ Statuses are strings: HTTP codes (``"200"``, ``"503"``), ``"grpc:UNAVAILABLE"``,
 HTTP with ``target["retry_cut"] = N``: a request whose connection was cut (``conn:...``, e.g. its
 front-end process killed) is sent again, up to N times, as a client behind a balancer would;
 ``retried`` counts those sends (the fault drill reports them).
+
+``exact=True`` (the workload spec's ``"exact"``, default false) asks for exact embeddings: HTTP
+bodies carry ``"exact": true`` (KServe: the request parameter ``exact``), gRPC the parameter
+``exact``, the queue API ``submit_async(ids, exact=True)``. Without it the bodies are unchanged.
 """
 
 from __future__ import annotations
@@ -22,21 +26,25 @@ HTTP_CLIENTS = ("aiohttp", "httpx")
 OK = "200"
 
 
-def encode_http(protocol: str, ids: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    """(body, headers) of one request of an HTTP protocol."""
+def encode_http(protocol: str, ids: np.ndarray,
+                exact: bool = False) -> tuple[bytes, dict[str, str]]:
+    """(body, headers) of one request of an HTTP protocol (``exact``: exact embeddings asked)."""
     if protocol in ("http-json", "http-npy"):
         headers = {"Content-Type": "application/json"}
         if protocol == "http-npy":
             headers["Accept"] = "application/x-npy"
-        return json.dumps({"node_ids": ids.tolist()}).encode(), headers
+        body: dict[str, Any] = {"node_ids": ids.tolist(), **({"exact": True} if exact else {})}
+        return json.dumps(body).encode(), headers
     inp: dict[str, Any] = {"name": "node_ids", "datatype": "INT64", "shape": [int(ids.size)]}
+    params = {"parameters": {"exact": True}} if exact else {}
     if protocol == "kserve-json":
         inp["data"] = ids.tolist()
-        return json.dumps({"inputs": [inp]}).encode(), {"Content-Type": "application/json"}
+        return (json.dumps({"inputs": [inp], **params}).encode(),
+                {"Content-Type": "application/json"})
     raw = np.ascontiguousarray(ids, dtype="<i8").tobytes()
     inp["parameters"] = {"binary_data_size": len(raw)}
     head = json.dumps({"inputs": [inp], "outputs": [
-        {"name": "embeddings", "parameters": {"binary_data": True}}]}).encode()
+        {"name": "embeddings", "parameters": {"binary_data": True}}], **params}).encode()
     return head + raw, {"Content-Type": "application/octet-stream",
                         "Inference-Header-Content-Length": str(len(head))}
 
@@ -48,10 +56,11 @@ def http_path(protocol: str, model: str) -> str:
 class HttpCaller:
     """aiohttp (default) or httpx; one connection pool per load process, ``limit`` connections."""
 
-    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
+                 exact: bool = False) -> None:
         self.url = target["url"].rstrip("/") + http_path(target["protocol"], target.get("model", ""))
         self.timeout_s = target["timeout_s"]
-        self.bodies = [encode_http(target["protocol"], r) for r in reqs]
+        self.bodies = [encode_http(target["protocol"], r, exact) for r in reqs]
         self.kind, self.limit = target.get("http_client", "aiohttp"), limit
         self.retry_cut = int(target.get("retry_cut", 0))
         self.retried = 0 if self.retry_cut else None
@@ -108,7 +117,8 @@ class GrpcCaller:
 
     METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
-    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int) -> None:
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
+                 exact: bool = False) -> None:
         from quiver_serve.frontend.grpc_proto import message
 
         req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
@@ -117,6 +127,8 @@ class GrpcCaller:
             inp = inp_cls(name="node_ids", datatype="INT64", shape=[int(ids.size)])
             msg = req_cls(model_name=target["model"], inputs=[inp],
                           raw_input_contents=[np.ascontiguousarray(ids, "<i8").tobytes()])
+            if exact:
+                msg.parameters["exact"].bool_param = True
             self.bodies.append(msg.SerializeToString())
         self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
         self.channel: Any = None
@@ -156,7 +168,7 @@ class QueueCaller:
     clients: dict[str, Any] = {}  # the current engine client of this process
 
     def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
-                 observer: Any = None) -> None:
+                 observer: Any = None, exact: bool = False) -> None:
         import asyncio
 
         from quiver_serve.engine.client.pipeline import connect_async
@@ -167,7 +179,7 @@ class QueueCaller:
                 old.stop()
             self.clients.clear()
             self.clients[key] = connect_async(target["endpoints"], observer)
-        self.client, self.reqs = self.clients[key], reqs
+        self.client, self.reqs, self.exact = self.clients[key], reqs, exact
 
     async def __aenter__(self) -> QueueCaller:
         return self
@@ -179,7 +191,7 @@ class QueueCaller:
         from quiver_serve.errors import ServeError
 
         try:
-            res = await self.client.submit_async(self.reqs[i])
+            res = await self.client.submit_async(self.reqs[i], self.exact)
         except ServeError as exc:  # refused at admission (pending full, shutting down)
             return str(exc.info.status)
         return OK if res.ok else str(res.error.status)
@@ -191,14 +203,16 @@ class QueueCaller:
         cls.clients.clear()
 
 
-def make_caller(target: dict, reqs: list[np.ndarray], limit: int, observer: Any = None) -> Any:
+def make_caller(target: dict, reqs: list[np.ndarray], limit: int, observer: Any = None,
+                exact: bool = False) -> Any:
     """The caller of ``target['protocol']`` for this process's requests; ``observer``: a
-    ``PipelineObserver`` for the queue API's client (a probe's, ``loadtest/driver.py``)."""
+    ``PipelineObserver`` for the queue API's client (a probe's, ``loadtest/driver.py``);
+    ``exact``: every request asks for exact embeddings."""
     protocol = target["protocol"]
     if protocol == "grpc":
-        return GrpcCaller(target, reqs, limit)
+        return GrpcCaller(target, reqs, limit, exact)
     if protocol == "queue":
-        return QueueCaller(target, reqs, limit, observer)
+        return QueueCaller(target, reqs, limit, observer, exact)
     if protocol in PROTOCOLS:
-        return HttpCaller(target, reqs, limit)
+        return HttpCaller(target, reqs, limit, exact)
     raise ValueError(f"unknown protocol {protocol!r}; one of {PROTOCOLS}")

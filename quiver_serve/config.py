@@ -209,6 +209,12 @@ class ExactConfig(_Section):
     full_recompute_fraction: float = Field(
         0.25, gt=0, le=1.0, description="a layer whose dirty rows exceed this fraction of the nodes is recomputed whole")
 
+    @field_validator("materialize", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: object) -> object:
+        """YAML reads a bare ``on`` as true and ``off`` as false."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 class ServerConfig(_Section):
     """HTTP front-end and admission limits."""

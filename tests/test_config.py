@@ -62,3 +62,16 @@ def test_environment_overrides_single_fields_and_names_bad_ones(tmp_path: Path) 
         ServeConfig.load(environ={"QUIVER_SERVE__SERVER__PORT": "eighty"})
     with pytest.raises(ConfigError, match="sampling.fanouts"):  # validators still run
         ServeConfig.load(environ={"QUIVER_SERVE__SAMPLING__FANOUTS": "[5]"})
+
+
+def test_exact_materialize_takes_bare_yaml_on_and_off(tmp_path) -> None:
+    """YAML reads ``on`` / ``off`` as booleans: the file, ``--set`` and the environment all
+    still mean the words."""
+    for word in ("on", "off", "auto"):
+        path = tmp_path / f"{word}.yaml"
+        path.write_text(f"exact:\n  materialize: {word}\n")
+        assert ServeConfig.from_yaml(path).exact.materialize == word
+        assert ServeConfig.default().with_overrides([f"exact.materialize={word}"]) \
+            .exact.materialize == word
+        env = {"QUIVER_SERVE__EXACT__MATERIALIZE": word}
+        assert ServeConfig.load(environ=env).exact.materialize == word

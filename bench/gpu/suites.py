@@ -18,6 +18,7 @@ BENCH_CONFIG = "configs/bench_reddit.yaml"
 #: console filters (the logs keep every line): log records, progress bars, blank lines
 QUIET = r" INFO |WARNING"
 QUIET_PIPELINE = r" INFO |proc/s|^\s*$"
+QUIET_EXACT = r" INFO |proc/s|chunk/s|^\s*$"
 QUIET_FEATURES = r" INFO |WARNING|^\s*$"
 QUIET_MODEL = r" INFO |WARNING|weights is null|adj = |invariant"
 QUIET_ROUTING = r" INFO |node/s|size/s|proc/s|^\s*$"
@@ -239,6 +240,17 @@ def updates(a: argparse.Namespace) -> list[Step]:
                        kill_after_s=30.0)]
 
 
+def exact(a: argparse.Namespace) -> list[Step]:
+    """The exact table vs exact embeddings on the fly (HTTP npy and the queue API), sampled
+    requests beside, the table's build (and a products-scale one), its refresh under updates."""
+    res = result(a, "exact_table", "smoke" if "--smoke" in a.extra else None)
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+            bench_step("exact table vs on the fly", "bench.graph.exact_table",
+                       ["--out", str(res), "--machine", a.machine, *a.extra],
+                       a.bench_timeout_s or 560.0, "exact_table.log", res, QUIET_EXACT,
+                       kill_after_s=30.0)]
+
+
 #: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
 MAIN_BENCH = {
     "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
@@ -246,10 +258,11 @@ MAIN_BENCH = {
     "features_e2e": "bench.features.features_e2e", "routing": "bench.routing.routing",
     "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
+    "exact": "bench.graph.exact_table",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
-    "front_door": front_door, "updates": updates,
+    "front_door": front_door, "updates": updates, "exact": exact,
 }

@@ -116,7 +116,11 @@ class BatchGraph:
 
 def aggregate(g: LayerGraph, values: Tensor | None, dense: Tensor) -> Tensor:
     """``out[v] = sum over in-edges e of v: values[e] * dense[col[e]]`` for the layer's targets."""
-    if g.batch.use_sparse:
+    if g.num_edges == 0:  # no in-edge at all (isolated targets): cuSPARSE refuses an empty CSR
+        return dense.new_zeros((g.num_dst, dense.size(1)))
+    # cuSPARSE also refuses more entries than rows x columns, which repeated edges (a multigraph)
+    # reach in small layers; the gather + index_add path takes any
+    if g.batch.use_sparse and g.num_edges <= g.num_dst * dense.size(0):
         vals = values if values is not None else dense.new_ones(g.num_edges)
         adj = torch.sparse_csr_tensor(g.rowptr, g.col, vals.to(dense.dtype),
                                       (g.num_dst, dense.size(0)), check_invariants=False)

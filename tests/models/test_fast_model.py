@@ -124,3 +124,37 @@ def test_fast_equals_pyg_on_gpu(cls: str, precision: str) -> None:
     tol = 1e-5 if precision == "fp32" else 2e-2
     rel = ((fast - ref).norm() / ref.norm()).item()
     assert rel < tol, f"{precision}: relative error {rel:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", ["GraphSAGE", "GCN", "GAT"])
+def test_a_batch_without_edges_on_gpu(cls: str) -> None:
+    """An isolated seed (no in-edge, so every hop is empty): cuSPARSE refuses an empty CSR, so
+    the aggregation of nothing is zeros without it, as PyG's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    graph, served, _ = _setup(cls, {}, 2, 0)
+    served.to(torch.device("cuda"))
+    out = ReferenceSampler(graph.indptr, graph.indices).sample(
+        torch.tensor([NUM_NODES - 1]), [-1, -1], 5)
+    assert out.edge_index.size(1) == 0
+    dev = torch.device("cuda")
+    args = (graph.x[out.n_id].to(dev), out.n_id.to(dev), out.edge_index.to(dev),
+            out.num_sampled_nodes, out.num_sampled_edges, True)
+    torch.testing.assert_close(served(*args), served.pyg(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_more_repeated_edges_than_rows_times_columns_on_gpu() -> None:
+    """One target with 12 in-edges from 3 sources (repeated edges): cuSPARSE refuses a CSR with
+    more entries than rows x columns, so the aggregation takes the index_add path there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from quiver_serve.models.fast import BatchGraph, aggregate
+
+    dev = torch.device("cuda")
+    edge_index = torch.tensor([[1, 2, 3] * 4, [0] * 12], device=dev)
+    g = BatchGraph(edge_index, [1, 3], [12], use_sparse=True).layer(0)
+    dense = torch.arange(8.0, device=dev).view(4, 2)
+    got = aggregate(g, None, dense)
+    torch.testing.assert_close(got.cpu(), torch.tensor([[4.0 * (2 + 4 + 6), 4.0 * (3 + 5 + 7)]]))
