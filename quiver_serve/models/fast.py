@@ -122,9 +122,11 @@ def aggregate(g: LayerGraph, values: Tensor | None, dense: Tensor) -> Tensor:
     # reach in small layers; the gather + index_add path takes any
     if g.batch.use_sparse and g.num_edges <= g.num_dst * dense.size(0):
         vals = values if values is not None else dense.new_ones(g.num_edges)
-        adj = torch.sparse_csr_tensor(g.rowptr, g.col, vals.to(dense.dtype),
+        # cuSPARSE reads values and rows with unit stride: a head's column of GAT's [E, H]
+        # weights (or [N, H, C] rows) must be made contiguous first
+        adj = torch.sparse_csr_tensor(g.rowptr, g.col, vals.to(dense.dtype).contiguous(),
                                       (g.num_dst, dense.size(0)), check_invariants=False)
-        return torch.sparse.mm(adj, dense)
+        return torch.sparse.mm(adj, dense.contiguous())
     msg = dense.index_select(0, g.col)
     if values is not None:
         msg = msg * values.to(dense.dtype).unsqueeze(-1)

@@ -158,3 +158,22 @@ def test_more_repeated_edges_than_rows_times_columns_on_gpu() -> None:
     dense = torch.arange(8.0, device=dev).view(4, 2)
     got = aggregate(g, None, dense)
     torch.testing.assert_close(got.cpu(), torch.tensor([[4.0 * (2 + 4 + 6), 4.0 * (3 + 5 + 7)]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [False, True])
+def test_gat_with_several_heads_on_gpu(exact: bool) -> None:
+    """Each head aggregates with its own column of the [E, heads] attention weights: a strided
+    view, which cuSPARSE must not read as if it were contiguous."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    graph, served, seeds = _setup("GAT", {"heads": 4}, 2, 0)
+    served.to(torch.device("cuda"))
+    fanouts = [-1, -1] if exact else [3, 3]
+    out = ReferenceSampler(graph.indptr, graph.indices).sample(seeds, fanouts, 5)
+    dev = torch.device("cuda")
+    args = (graph.x[out.n_id].to(dev), out.n_id.to(dev), out.edge_index.to(dev),
+            out.num_sampled_nodes, out.num_sampled_edges, exact)
+    seed_rows = out.seed_index.to(dev)
+    torch.testing.assert_close(served(*args)[seed_rows], served.pyg(*args)[seed_rows],
+                               atol=1e-5, rtol=1e-5)
