@@ -241,12 +241,15 @@ class EngineCore:
         if self.replacer is not None:
             self.replacer.poll(self)  # a finished re-placement switches here, between batches
         replies = self._finish(block=False)
-        if self.graph_sync is not None:  # updates apply between batches
-            replies += self.graph_sync.poll(self)
+        if self.exact_waiting:  # first: rows a finished refresh round made clean
+            replies += exact_answers.answer(self, time.time())
+        if self.graph_sync is not None and not (  # updates apply between batches ...
+                self.exact_table is not None and self.exact_table.holds_updates()):
+            replies += self.graph_sync.poll(self)  # ... and refresh rounds (stale_rows: wait)
             if self.parked:
                 replies += versions.unpark(self, time.time())
-        if self.exact_waiting:
-            replies += exact_answers.answer(self, time.time())
+            if self.exact_waiting:
+                replies += exact_answers.answer(self, time.time())
         while self.sampled:
             replies += self._launch(self.sampled.popleft())
         if self.waiting and self._may_form():

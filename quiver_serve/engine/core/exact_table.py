@@ -239,6 +239,13 @@ class ExactTable:
         return mask
 
     # ---- serving -------------------------------------------------------------------------------
+    def holds_updates(self) -> bool:
+        """With ``exact.stale_rows: wait``, the engine core applies no update while a refresh
+        round runs, so the round ends with no stale row and waiting requests are answered
+        before the next updates mark rows again."""
+        return self.cfg.stale_rows == "wait" and self.refresher is not None \
+            and self.refresher.busy
+
     def servable(self, ids: np.ndarray) -> bool:
         return self.ready and not bool(self.stale[ids].any())
 

@@ -232,7 +232,8 @@ class EngineLoop:
                     or now_s - last_answer_s < self.spin_s:
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers
-                timeout_ms = 1 if core.sampling or core.waiting else IDLE_POLL_MS
+                timeout_ms = 1 if core.sampling or core.waiting or core.exact_waiting \
+                    else IDLE_POLL_MS
             events = dict(self.poller.poll(timeout_ms))
             replies = self._take_input() if events.get(self.front) else []
             if self.pool is not None:

@@ -9,6 +9,7 @@ out-edges far enough and no further than they must; the refresh thread survives 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -254,3 +255,55 @@ def test_auto_builds_the_table_only_within_its_budget(tmp_path: Path) -> None:
     assert placement(cfg, torch.device("cpu"), 1001) == "host"
     cfg.materialize = "off"
     assert placement(cfg, torch.device("cpu"), 1) is None
+
+
+def test_wait_policy_answers_stale_rows_from_the_table_after_the_round(tmp_path: Path) -> None:
+    """``exact.stale_rows: wait``: a request naming stale rows waits for the refresh round (no
+    on-the-fly work), updates acknowledged meanwhile are applied only after the round, and the
+    answer equals PyG's on the version served."""
+    base = awkward_graph(8)
+    cfg = table_cfg(tmp_path, "GraphSAGE", {})
+    cfg.exact.stale_rows = "wait"
+    h = Harness(tmp_path, cfg, base)
+    try:
+        gate = threading.Event()
+        real = h.table.compute_rows
+
+        def slow(*args: object) -> None:
+            gate.wait(30)  # the round holds until the test lets it go
+            real(*args)  # type: ignore[arg-type]
+
+        h.table.compute_rows = slow  # type: ignore[method-assign]
+        first = {"op": "edges", "add": [[0, 7], [3, 7]]}
+        v1 = h.apply(first)
+        h.follow(v1)
+        end = time.monotonic() + 10
+        while not h.table.refresher.busy:
+            assert time.monotonic() < end, "no refresh round started"
+            time.sleep(0.005)
+        v2 = h.apply({"op": "features", "node_ids": [7], "features": [[3.0] * NUM_FEATURES]})
+        ids = list(range(NUM_NODES))
+        assert h.core.add(mb(1, [ids], exact=True)) is None
+        for _ in range(20):  # the round runs: no answer, and the engine holds v2 back
+            assert not h.core.step()
+        assert h.core.graph_sync.version == v1 and v2 == v1 + 1
+        gate.set()
+        replies: list = []
+        end = time.monotonic() + 30
+        while not replies:
+            replies = h.core.step()
+            assert time.monotonic() < end, "the waiting request was never answered"
+        # exact for the version served when it was answered: v1 if it was answered as the
+        # round ended, v2 if the engine applied v2 first (then a second round covered it)
+        edge_index, x, _ = apply_reference(base.edge_index(), base.x.clone(), first)
+        at_v1 = pyg_rows(cfg, x, edge_index).numpy()
+        edge_index, x, _ = apply_reference(edge_index, x, {
+            "op": "features", "node_ids": [7], "features": [[3.0] * NUM_FEATURES]})
+        at_v2 = pyg_rows(cfg, x, edge_index).numpy()
+        got = replies[0].rows
+        assert np.allclose(got, at_v1, atol=1e-5, rtol=1e-5) or \
+            np.allclose(got, at_v2, atol=1e-5, rtol=1e-5), "not exact for v1 nor for v2"
+        assert h.table.counters.on_the_fly == 0
+        h.follow(v2)  # applied once the round is over
+    finally:
+        h.close()
