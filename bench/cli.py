@@ -94,13 +94,15 @@ def results_dir() -> Path:
 def result_path(bench: str, args: argparse.Namespace | None = None,
                 variant: str | None = None) -> Path:
     """Where a bench writes its JSON: ``args.out`` when given, else the default name (with
-    ``args.machine`` and ``args.variant``, or ``variant``, when set)."""
+    ``args.machine`` and ``args.variant``, or ``variant``, when set) in ``args.out_dir`` or
+    :func:`results_dir`."""
     out = getattr(args, "out", None) or getattr(args, "json", None)
     if out:
         return Path(out)
     machine = getattr(args, "machine", None)
     variant = getattr(args, "variant", None) or variant
-    return results_dir() / result_name(bench, machine, variant)
+    folder = getattr(args, "out_dir", None)
+    return (Path(folder) if folder else results_dir()) / result_name(bench, machine, variant)
 
 
 def portable(path: str | Path | None) -> str | None:

@@ -46,8 +46,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.cli import add_result_options, add_set_option, afford, git_head, load_config, result_name
-from bench.cli import results_dir as default_results_dir
+from bench.cli import (
+    add_result_options,
+    add_set_option,
+    afford,
+    git_head,
+    load_config,
+    result_path,
+)
 from bench.graph import table_watch as tw
 from bench.graph import watch
 from bench.graph.exact_refresh import add_refresh_options, refresh_step
@@ -411,14 +417,6 @@ def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
             "command": "python -m bench.graph.exact_table " + " ".join(sys.argv[1:])}
 
 
-def result_file(args: argparse.Namespace) -> Path:
-    if args.out:
-        return Path(args.out)
-    folder = Path(args.out_dir) if args.out_dir else default_results_dir()
-    return folder / result_name("exact_table", args.machine,
-                                args.variant or ("smoke" if args.smoke else None))
-
-
 def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float) -> None:
     """The JSON, then the tables printed last."""
     series = run.series if run else []
@@ -444,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         os.environ["QUIVER_SERVE_DISABLE_CPP"] = "1"  # the daemons and the in-process Pipeline
     cfg = load_config(args.config, args.sets)
-    out = result_file(args)
+    out = result_path("exact_table", args, "smoke" if args.smoke else None)
     folder = Path(tempfile.mkdtemp(prefix="qs-exact-"))
     t0 = time.perf_counter()
     gen = run = None

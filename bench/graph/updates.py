@@ -39,8 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import add_result_options, add_set_option, afford, git_head, load_config, result_name
-from bench.cli import results_dir as default_results_dir
+from bench.cli import (
+    add_result_options,
+    add_set_option,
+    afford,
+    git_head,
+    load_config,
+    result_path,
+)
 from bench.graph import watch
 from bench.graph.updater import UpdaterPool
 from loadtest.gen import Generator, jsonable
@@ -359,14 +365,6 @@ def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
             "command": "python -m bench.graph.updates " + " ".join(sys.argv[1:])}
 
 
-def result_file(args: argparse.Namespace) -> Path:
-    if args.out:
-        return Path(args.out)
-    folder = Path(args.out_dir) if args.out_dir else default_results_dir()
-    return folder / result_name("updates", args.machine,
-                                args.variant or ("smoke" if args.smoke else None))
-
-
 def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float) -> None:
     """The JSON, then the table printed last."""
     rows = run.rows if run else []
@@ -412,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (the runner's limit) unwinds like an exception: processes stopped, results written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = load_config(args.config, args.sets)
-    out = result_file(args)
+    out = result_path("updates", args, "smoke" if args.smoke else None)
     folder = Path(tempfile.mkdtemp(prefix="qs-updates-"))
     t0 = time.perf_counter()
     gen = updaters = daemon = run = None

@@ -173,19 +173,23 @@ def test_table_answers_equal_the_on_the_fly_path(tmp_path: Path, cls: str, kwarg
         h.close()
 
 
+def marked_after(tmp_path: Path, cls: str, op: dict) -> Harness:
+    """A chain 0 -> 1 -> 2 -> 3 (and isolated nodes up to 9), no refresh, after ``op``."""
+    chain = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    base = GraphData.from_edge_index(chain, torch.randn(10, NUM_FEATURES), "chain")
+    h = Harness(tmp_path, table_cfg(tmp_path, cls, {}), base)
+    h.table.refresher.stop()
+    h.follow(h.apply(op))
+    return h
+
+
 def test_marks_reach_out_neighbours_up_to_the_model_depth(tmp_path: Path) -> None:
     """A chain a -> b -> c -> d: writing a's features changes a, b at layer 1 and a, b, c at
     layer 2 (two layers), never d."""
     n = 10
-    chain = torch.tensor([[0, 1, 2], [1, 2, 3]])
-    base = GraphData.from_edge_index(chain, torch.randn(n, NUM_FEATURES), "chain")
-    cfg = table_cfg(tmp_path, "GraphSAGE", {})
-    h = Harness(tmp_path, cfg, base)
+    h = marked_after(tmp_path, "GraphSAGE", {"op": "features", "node_ids": [0],
+                                             "features": [[1.0] * NUM_FEATURES]})
     try:
-        h.table.refresher.stop()
-        version = h.apply({"op": "features", "node_ids": [0],
-                           "features": [[1.0] * NUM_FEATURES]})
-        h.follow(version)
         assert torch.nonzero(h.table.pending[0]).flatten().tolist() == [0, 1]
         assert torch.nonzero(h.table.pending[1]).flatten().tolist() == [0, 1, 2]
         assert np.flatnonzero(h.table.stale[:n]).tolist() == [0, 1, 2]
@@ -196,15 +200,8 @@ def test_marks_reach_out_neighbours_up_to_the_model_depth(tmp_path: Path) -> Non
 def test_gcn_marks_the_out_neighbours_of_a_node_whose_degree_changed(tmp_path: Path) -> None:
     """GCN weighs edge u -> w by u's degree: an edge into b changes b's out-neighbour c at
     layer 1 already (SAGE would change only b there)."""
-    n = 10
-    chain = torch.tensor([[0, 1, 2], [1, 2, 3]])
-    base = GraphData.from_edge_index(chain, torch.randn(n, NUM_FEATURES), "chain")
-    cfg = table_cfg(tmp_path, "GCN", {})
-    h = Harness(tmp_path, cfg, base)
+    h = marked_after(tmp_path, "GCN", {"op": "edges", "add": [[5, 1]]})
     try:
-        h.table.refresher.stop()
-        version = h.apply({"op": "edges", "add": [[5, 1]]})
-        h.follow(version)
         assert torch.nonzero(h.table.pending[0]).flatten().tolist() == [1, 2]
         assert torch.nonzero(h.table.pending[1]).flatten().tolist() == [1, 2, 3]
     finally:
