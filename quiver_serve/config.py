@@ -206,8 +206,8 @@ class ExactConfig(_Section):
         1 << 23, ge=1024, description="in-edges per materialisation or refresh chunk (bounds the chunk's memory and its time on the device)")
     refresh_interval_ms: float = Field(
         5.0, ge=0, description="a refresh round starts at most this often, so changes arriving together are refreshed together")
-    stale_rows: Literal["on_the_fly", "wait"] = Field(
-        "on_the_fly", description="an exact request naming a row an update changed and the refresh has not recomputed yet: on_the_fly = computed at once on the full neighbourhood (exact, but every neighbour of every hop: slow on dense graphs); wait = answered from the table when the refresh round ends (the engine core applies updates only between rounds, so rounds end clean)")
+    stale_rows: Literal["auto", "on_the_fly", "wait"] = Field(
+        "auto", description="an exact request naming a row an update changed and the refresh has not recomputed yet: on_the_fly = computed at once on the full neighbourhood (exact, but every neighbour of every hop: seconds on dense graphs); wait = answered from the table when the refresh round ends (the engine core applies updates only between rounds, so rounds end clean); auto = wait while more than full_recompute_fraction of the rows are stale, else on_the_fly")
     full_recompute_fraction: float = Field(
         0.25, gt=0, le=1.0, description="a layer whose dirty rows exceed this fraction of the nodes is recomputed whole")
 

@@ -245,7 +245,7 @@ class EngineCore:
             replies += exact_answers.answer(self, time.time())
         if self.graph_sync is not None and not (  # updates apply between batches ...
                 self.exact_table is not None and self.exact_table.holds_updates()):
-            replies += self.graph_sync.poll(self)  # ... and refresh rounds (stale_rows: wait)
+            replies += self.graph_sync.poll(self)  # ... and rounds requests wait for
             if self.parked:
                 replies += versions.unpark(self, time.time())
             if self.exact_waiting:

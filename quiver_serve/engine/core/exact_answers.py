@@ -2,8 +2,9 @@
 
 Every exact micro-batch waiting at a step whose requests name only non-stale rows is answered
 by one gather for all of them (one copy to the host, one sync); the others go on to the
-on-the-fly exact path, as every exact request did before the table, or, with
-``exact.stale_rows: wait``, wait (within their deadline) for the refresh round to end. A stale row is one an
+on-the-fly exact path, as every exact request did before the table, or wait (within their
+deadline) for the refresh round to end (``exact.stale_rows``: ``wait``, or ``auto`` while a full
+recompute is due). A stale row is one an
 applied update may have changed and the refresh has not recomputed yet (``exact_table.py``), so
 both paths answer for the version the engine core serves.
 """
@@ -36,7 +37,7 @@ def answer(core: EngineCore, now_s: float) -> list[Reply]:
             continue
         if table.servable(part.alive_ids()):
             parts.append(part)
-        elif table.cfg.stale_rows == "wait":
+        elif table.waits():
             core.exact_waiting.append(mb)  # answered when the refresh round ends
         else:
             table.counters.on_the_fly += part.num_alive

@@ -90,6 +90,7 @@ class ExactTable:
         self.on_gpu = device.type == "cuda"
         #: rows of the last layer that must not be served (host: read on every exact request)
         self.stale = np.ones(self.capacity, dtype=bool)
+        self.saturated = False  # more than exact.full_recompute_fraction of the rows stale
         self.ready = False
         #: marks (engine thread) and round snapshots (refresh thread) take turns under this
         self.lock = threading.Lock()
@@ -216,6 +217,7 @@ class ExactTable:
             changed = self._propagate(struct_nodes, feature_nodes)
             ids = torch.nonzero(changed).flatten().cpu().numpy()
             self.stale[ids] = True
+            self.set_stale(self.stale)
             self.marked_version = version
             if ids.size and self.pending_since_s is None:
                 self.pending_since_s = accepted_s
@@ -239,12 +241,25 @@ class ExactTable:
         return mask
 
     # ---- serving -------------------------------------------------------------------------------
+    def waits(self) -> bool:
+        """Whether a request naming a stale row waits for the refresh round (else it is
+        computed on the fly): ``exact.stale_rows`` ``wait``, or ``auto`` while more than
+        ``exact.full_recompute_fraction`` of the rows are stale (a full recompute is due, and
+        on-the-fly answers would each cost about as much)."""
+        policy = self.cfg.stale_rows
+        return policy == "wait" or (policy == "auto" and self.saturated)
+
     def holds_updates(self) -> bool:
-        """With ``exact.stale_rows: wait``, the engine core applies no update while a refresh
-        round runs, so the round ends with no stale row and waiting requests are answered
-        before the next updates mark rows again."""
-        return self.cfg.stale_rows == "wait" and self.refresher is not None \
-            and self.refresher.busy
+        """While requests wait for a round, the engine core applies no update during it, so
+        the round ends with no stale row and they are answered before the next updates mark
+        rows again."""
+        return self.refresher is not None and self.refresher.busy and self.waits()
+
+    def set_stale(self, stale: np.ndarray) -> None:
+        """The stale mask (host), and whether it is over the full-recompute fraction."""
+        self.stale = stale
+        n = self.graph_of().num_nodes
+        self.saturated = int(stale[:n].sum()) > self.cfg.full_recompute_fraction * n
 
     def servable(self, ids: np.ndarray) -> bool:
         return self.ready and not bool(self.stale[ids].any())

@@ -127,8 +127,7 @@ class Refresher:
                 t.mark_stream.synchronize()
         rows = self._recompute(sets)
         with t.lock, t.on_stream(t.mark_stream):
-            stale = t.pending[-1].cpu().numpy().copy()  # pending changes in place
-            t.stale = stale
+            t.set_stale(t.pending[-1].cpu().numpy().copy())  # pending changes in place
             t.version = version
         staleness_s = max(0.0, time.time() - since_s)
         c = t.counters

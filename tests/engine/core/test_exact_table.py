@@ -160,6 +160,7 @@ def test_clean_requests_come_from_the_table_and_stale_ones_on_the_fly(tmp_path: 
 def test_table_answers_equal_the_on_the_fly_path(tmp_path: Path, cls: str, kwargs: dict) -> None:
     base = awkward_graph(7)
     cfg = table_cfg(tmp_path, cls, kwargs)
+    cfg.exact.stale_rows = "on_the_fly"
     h = Harness(tmp_path, cfg, base)
     try:
         ids = [[int(i) for i in np.random.default_rng(0).integers(0, NUM_NODES, 40)], [0, 0, 149]]
@@ -302,5 +303,31 @@ def test_wait_policy_answers_stale_rows_from_the_table_after_the_round(tmp_path:
             np.allclose(got, at_v2, atol=1e-5, rtol=1e-5), "not exact for v1 nor for v2"
         assert h.table.counters.on_the_fly == 0
         h.follow(v2)  # applied once the round is over
+    finally:
+        h.close()
+
+
+def test_auto_policy_waits_only_while_a_full_recompute_is_due(tmp_path: Path) -> None:
+    """``exact.stale_rows: auto``: a few stale rows are computed on the fly; more stale rows
+    than ``exact.full_recompute_fraction`` make requests wait for the round instead."""
+    h = Harness(tmp_path, table_cfg(tmp_path, "GraphSAGE", {}), awkward_graph(9))
+    try:
+        assert h.table.cfg.stale_rows == "auto"
+        h.table.refresher.stop()
+        few = np.zeros(h.table.capacity, dtype=bool)
+        few[:5] = True
+        h.table.set_stale(few)
+        assert not h.table.waits()
+        run(h.core, mb(1, [[0, 1]], exact=True))
+        assert h.table.counters.on_the_fly == 1
+        h.table.set_stale(np.ones(h.table.capacity, dtype=bool))
+        assert h.table.waits()
+        assert h.core.add(mb(2, [[0, 1]], exact=True)) is None
+        for _ in range(10):
+            assert not h.core.step()  # waiting: no on-the-fly work
+        assert h.table.counters.on_the_fly == 1
+        h.table.set_stale(np.zeros(h.table.capacity, dtype=bool))  # the round ended
+        assert h.core.step()[0].done.seq == 2
+        assert h.table.counters.from_table >= 2
     finally:
         h.close()
