@@ -74,6 +74,15 @@ def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
     return graph, path
 
 
+def saved_graph_facts(cfg: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
+    """:func:`save_graph`, keeping only what load and updater processes need of the graph
+    (the daemons load their own copies from the .npz)."""
+    graph, npz = save_graph(cfg, folder)
+    facts = {"num_nodes": graph.num_nodes, "indptr": graph.indptr.numpy().copy(),
+             "model": cfg.model.name, "graph": graph.describe()}
+    return npz, facts
+
+
 def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None,
                    fast_routes: bool = True) -> Path:
     """The run's config for one route: the saved .npz as graph, everything else from --config."""

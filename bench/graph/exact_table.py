@@ -384,13 +384,9 @@ def phases(run: Run) -> None:
 def prepare(cfg: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
     """The graph built once and saved as an .npz every daemon loads; what the load and the
     updaters need of it."""
-    from bench.frontdoor.headline import save_graph
+    from bench.frontdoor.headline import saved_graph_facts
 
-    graph, npz = save_graph(cfg, folder)
-    facts = {"num_nodes": graph.num_nodes, "indptr": graph.indptr.numpy().copy(),
-             "model": cfg.model.name, "graph": graph.describe()}
-    del graph  # the daemons hold their own copies
-    return npz, facts
+    return saved_graph_facts(cfg, folder)
 
 
 def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:

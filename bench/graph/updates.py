@@ -330,12 +330,9 @@ def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dic
     (its update log in ``folder``); what the load and the updaters need of the graph."""
     import yaml
 
-    from bench.frontdoor.headline import save_graph
+    from bench.frontdoor.headline import saved_graph_facts
 
-    graph, npz = save_graph(cfg, folder)
-    facts = {"num_nodes": graph.num_nodes, "indptr": graph.indptr.numpy().copy(),
-             "model": cfg.model.name, "graph": graph.describe()}
-    del graph  # the daemon holds its own copy: leave the memory to it
+    npz, facts = saved_graph_facts(cfg, folder)
     c = cfg.model_copy(deep=True)
     c.graph.format, c.graph.path = "npz", str(npz)
     c.graph.update_log_dir = str(folder / "graph-state")
