@@ -58,7 +58,7 @@ def placement(cfg: ExactConfig, device: torch.device, num_bytes: int) -> str | N
 
 @dataclass
 class TableCounters:
-    """What the table did, read by metrics and ``graph_info``."""
+    """What the table did, read by its metrics and ``GET /v1/graph`` (``GraphState``)."""
 
     build_s: float = 0.0
     rows_refreshed: int = 0
@@ -281,15 +281,6 @@ class ExactTable:
     def stop(self) -> None:
         if self.refresher is not None:
             self.refresher.stop()
-
-    def describe(self) -> dict[str, Any]:
-        c = self.counters
-        return {"ready": self.ready, "where": self.where, "bytes": self.nbytes,
-                "version": self.version, "marked_version": self.marked_version,
-                "stale_rows": int(self.stale[:self.graph_of().num_nodes].sum()),
-                "build_s": round(c.build_s, 3), "rows_refreshed": c.rows_refreshed,
-                "rounds": c.rounds, "full_recomputes": c.full_recomputes,
-                "from_table": c.from_table, "on_the_fly": c.on_the_fly}
 
 
 def current_graph(core: Any, device: torch.device, static: tuple[Tensor, Tensor]) -> CurrentGraph:
