@@ -107,6 +107,27 @@ def pyg_rows(cfg: ServeConfig, x: torch.Tensor, edge_index: torch.Tensor) -> tor
         return model(x, edge_index)
 
 
+def check_each_version(h: Harness, cfg: ServeConfig, edge_index: torch.Tensor, x: torch.Tensor,
+                       ops: list[dict]) -> tuple[np.ndarray, torch.Tensor]:
+    """Apply ``ops`` one by one; after each, an exact request for every node (stale rows on the
+    fly, the rest from the table) and, once the refresh settles, every table row equal PyG's
+    output on that version. Returns the last ids and PyG rows."""
+    for op in ops:
+        edge_index, x, _ = apply_reference(edge_index, x, op)
+        version = h.apply(op)
+        h.follow(version)
+        want = pyg_rows(cfg, x, edge_index)
+        ids = np.arange(x.size(0))
+        got = run(h.core, mb(version, [ids.tolist()], exact=True))[version].rows
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=1e-5)
+        h.settle()
+        assert h.table.version == version
+        assert not h.table.stale[:x.size(0)].any()
+        torch.testing.assert_close(h.table.layers[-1][:x.size(0)].cpu(), want,
+                                   atol=1e-5, rtol=1e-5)
+    return ids, want
+
+
 @pytest.mark.parametrize(("cls", "kwargs"), MODELS)
 def test_every_row_equals_pyg_after_every_update(tmp_path: Path, cls: str, kwargs: dict) -> None:
     base, stream = hold_out(awkward_graph(3), 0.3, seed=4,
@@ -117,19 +138,7 @@ def test_every_row_equals_pyg_after_every_update(tmp_path: Path, cls: str, kwarg
         edge_index, x = base.edge_index(), base.x.clone()
         torch.testing.assert_close(h.table.layers[-1][:base.num_nodes],
                                    pyg_rows(cfg, x, edge_index), atol=1e-5, rtol=1e-5)
-        for op in list(stream)[:12]:
-            edge_index, x, _ = apply_reference(edge_index, x, op)
-            version = h.apply(op)
-            h.follow(version)
-            want = pyg_rows(cfg, x, edge_index)
-            ids = np.arange(x.size(0))
-            # answered at once: stale rows on the fly, the rest from the table; all exact
-            got = run(h.core, mb(version, [ids.tolist()], exact=True))[version].rows
-            np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=1e-5)
-            h.settle()
-            assert h.table.version == version
-            assert not h.table.stale[:x.size(0)].any()
-            torch.testing.assert_close(h.table.layers[-1][:x.size(0)], want, atol=1e-5, rtol=1e-5)
+        check_each_version(h, cfg, edge_index, x, list(stream)[:12])
         assert h.table.counters.rows_refreshed > 0
     finally:
         h.close()

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from quiver_serve.graph.stream import StreamMix, apply_reference, hold_out
+from quiver_serve.graph.stream import StreamMix, hold_out
 from tests.engine.core.test_engine_core import mb, run
-from tests.engine.core.test_exact_table import MODELS, Harness, awkward_graph, pyg_rows, table_cfg
+from tests.engine.core.test_exact_table import (
+    MODELS,
+    Harness,
+    awkward_graph,
+    check_each_version,
+    table_cfg,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,19 +33,8 @@ def test_gpu_table_rows_equal_pyg_after_every_update(tmp_path: Path, cls: str, k
     h = Harness(tmp_path, cfg, base)
     try:
         assert h.table.where == "gpu" and h.table.layers[-1].is_cuda
-        edge_index, x = base.edge_index(), base.x.clone()
-        for op in list(stream)[:10]:
-            edge_index, x, _ = apply_reference(edge_index, x, op)
-            version = h.apply(op)
-            h.follow(version)
-            want = pyg_rows(cfg, x, edge_index)
-            ids = np.arange(x.size(0))
-            got = run(h.core, mb(version, [ids.tolist()], exact=True))[version].rows
-            np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=1e-5)
-            h.settle()
-            assert h.table.version == version and not h.table.stale[:x.size(0)].any()
-            torch.testing.assert_close(h.table.layers[-1][:x.size(0)].cpu(), want,
-                                       atol=1e-5, rtol=1e-5)
+        ids, want = check_each_version(h, cfg, base.edge_index(), base.x.clone(),
+                                       list(stream)[:10])
         got = run(h.core, mb(999, [ids.tolist()], exact=True))[999].rows
         np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=1e-5)
         assert h.table.counters.from_table >= 1
