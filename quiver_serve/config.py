@@ -66,8 +66,8 @@ class ModelConfig(_Section):
     """The PyG model served, rebuilt from its class name and kwargs and loaded weights-only."""
 
     name: str = Field("cora-graphsage", description="model name in URLs and responses")
-    pyg_class: Literal["GraphSAGE", "GCN", "GAT"] = Field(
-        "GraphSAGE", description="class in torch_geometric.nn.models"
+    pyg_class: str = Field(
+        "GraphSAGE", description="a class of torch_geometric.nn.models (GraphSAGE, GCN, GAT, GIN, ...; the fast layers serve GraphSAGE, GCN and GAT) or an import path package.module:Class of a torch.nn.Module whose forward takes (x, edge_index)"
     )
     kwargs: dict[str, Any] = Field(
         default_factory=lambda: {"hidden_channels": 128, "num_layers": 2, "out_channels": 64},
@@ -81,6 +81,22 @@ class ModelConfig(_Section):
     @property
     def num_layers(self) -> int:
         return int(self.kwargs.get("num_layers", 2))
+
+
+class ModelsConfig(_Section):
+    """The model repository (DESIGN §9): several models and versions, loaded and unloaded while
+    serving. Without a repository the ``model:`` section is the one model served (version 1)."""
+
+    repository: str | None = Field(
+        None, description="model repository folder: one sub-folder per model (config.yaml, and one sub-folder per version holding model.pt, a weights-only state_dict); null: serve the model: section")
+    default: str | None = Field(
+        None, description="the model that answers requests naming none; null: model.name when the repository has it, else the repository's first model")
+    load_at_start: list[str] | None = Field(
+        None, description="models loaded at start-up (each per its version_policy); null: every model in the repository")
+    load_timeout_s: float = Field(
+        300.0, gt=0, description="longest a load may take in every engine core (build, CUDA graphs, warm-up) before it is abandoned and the old versions keep serving")
+    unload_drain_s: float = Field(
+        30.0, ge=0, description="longest an unloaded version's queued and in-flight requests are waited for before it is released (what is left is answered 503)")
 
 
 class SamplingConfig(_Section):
@@ -251,7 +267,7 @@ class ServerConfig(_Section):
         None, description="bearer token required on every endpoint but liveness; env QUIVER_SERVE_TOKEN overrides"
     )
     admin_token: str | None = Field(
-        None, description="bearer token of the admin routes (graph updates, compaction, feature re-placement); null: those answer loopback clients only; env QUIVER_SERVE_ADMIN_TOKEN overrides")
+        None, description="bearer token of the admin routes (graph updates, compaction, feature re-placement, the model repository); null: those answer loopback clients only; env QUIVER_SERVE_ADMIN_TOKEN overrides")
 
 
 def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
@@ -270,6 +286,7 @@ class ServeConfig(_Section):
 
     graph: GraphConfig = Field(default_factory=GraphConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -279,7 +296,7 @@ class ServeConfig(_Section):
 
     @model_validator(mode="after")
     def _check_layers(self) -> ServeConfig:
-        if len(self.sampling.fanouts) != self.model.num_layers:
+        if self.models.repository is None and len(self.sampling.fanouts) != self.model.num_layers:
             raise ValueError(
                 f"sampling.fanouts has {len(self.sampling.fanouts)} hops but model.kwargs.num_layers "
                 f"is {self.model.num_layers}: they must match (one hop per layer)"

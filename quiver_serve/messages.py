@@ -67,6 +67,9 @@ class EmbedRequest(_InlineSmallTensors):
     seed: int | None = None
     deadline_s: float | None = None
     submitted_s: float = field(default_factory=time.time)
+    #: the model ("": the default) and version (0: by its traffic split) asked for
+    model: str = ""
+    version: int = 0
 
 
 @dataclass
@@ -94,6 +97,9 @@ class BatchStats:
     #: transport back
     received_s: float = 0.0
     replied_s: float = 0.0
+    #: the model and version the batch ran ("" for batches of no model, e.g. the table's)
+    model: str = ""
+    version: int = 0
 
 
 @dataclass
@@ -103,6 +109,9 @@ class EmbedResult(_InlineSmallTensors):
     request_id: str
     embeddings: Tensor | None = None
     error: ErrorInfo | None = None
+    #: the model and version that computed ``embeddings``
+    model: str = ""
+    version: int = 0
 
     @property
     def ok(self) -> bool:

@@ -40,6 +40,10 @@ class RunAddresses:
     def control(self) -> str:
         return f"ipc://{self.run_dir}/control.sock"
 
+    def engine_admin(self, i: int) -> str:
+        """Engine core ``i``'s model calls from the main process (``ModelCall`` / ``ModelReply``)."""
+        return f"ipc://{self.run_dir}/engine-{i}-admin.sock"
+
 
 @dataclass(frozen=True)
 class FrontDoorAddresses:
@@ -85,6 +89,10 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     #: inductive rows (``new_nodes`` of one request, which then travels alone): their rows
     #: follow the ids' rows in the reply
     new_nodes: int = 0
+    #: the model every request here asks for ("": the default model) and its version (0: the
+    #: engine core picks one by the model's traffic split)
+    model: str = ""
+    version: int = 0
 
 
 #: frames an inductive micro-batch carries after ids, lengths and deadlines
@@ -149,6 +157,9 @@ class MicroBatchDone(msgspec.Struct, array_like=True):
     #: ids the engine core holds from all its clients when it sends this (waiting, sampling,
     #: computing): lets each client spread load by what every client sent, not only its own
     engine_ids: int = 0
+    #: the model and version that computed the rows ("" and 0 when none did)
+    model: str = ""
+    version: int = 0
 
 
 class SampleTask(msgspec.Struct, array_like=True, frozen=True):
@@ -211,6 +222,8 @@ class FrontDoorState(msgspec.Struct, frozen=True):
     num_nodes: int | None = None
     node_capacity: int | None = None
     graph_version: int | None = None
+    #: every model and version and its state (``ModelManager.published``); None before start
+    models: dict[str, Any] | None = None
 
 
 # ---- graph calls: front-end process → main process (the graph writer) ------------------------------
@@ -221,6 +234,10 @@ GRAPH_OPS: dict[str, tuple[str, ...]] = {
     "put_features": ("<i8", "<f4"),  # node_ids [n], features [n, F]
     "info": (),
     "compact": (),
+    # the model repository (``ModelManager``): JSON parameters in ``GraphCall.params``
+    "model_index": (),
+    "model_load": (),
+    "model_unload": (),
 }
 
 
@@ -233,6 +250,8 @@ class GraphCall(msgspec.Struct, array_like=True, frozen=True):
     shapes: list[list[int]] = []
     #: ``time.time()`` after which the caller no longer waits: not started after it
     deadline_s: float = 0.0
+    #: JSON-safe parameters (model calls)
+    params: dict[str, Any] = {}
 
 
 class GraphError(msgspec.Struct, array_like=True, frozen=True):
@@ -275,6 +294,29 @@ def graph_arrays(call: GraphCall, frames: list[Any]) -> list[np.ndarray]:
     return out
 
 
+# ---- model calls: main process → one engine core (its admin socket) ------------------------------
+class ModelCall(msgspec.Struct, array_like=True, frozen=True):
+    """``op``: load (``spec``: ``ModelSpec.to_dict()``), activate (``traffic``: version ->
+    weight of model ``name``; versions not named take no unpinned requests), unload (``name``,
+    ``version``: drained, then released), list."""
+
+    call_id: int
+    op: str
+    name: str = ""
+    version: int = 0
+    spec: dict[str, Any] = {}
+    traffic: dict[str, float] = {}
+    default: str = ""
+    timeout_s: float = 0.0
+
+
+class ModelReply(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    ok: bool
+    result: dict[str, Any] = {}
+    error: str = ""
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -293,6 +335,8 @@ class Decoders:
     front_door = msgspec.msgpack.Decoder(FrontDoorState)
     graph_call = msgspec.msgpack.Decoder(GraphCall)
     graph_reply = msgspec.msgpack.Decoder(GraphReply)
+    model_call = msgspec.msgpack.Decoder(ModelCall)
+    model_reply = msgspec.msgpack.Decoder(ModelReply)
 
 
 def view(frame: Any, dtype: Any) -> np.ndarray:

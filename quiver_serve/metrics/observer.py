@@ -23,6 +23,11 @@ class PipelineObserver:
         """One micro-batch's trip, ``time.time()`` instants: the client sent it, the engine core
         took it in, the engine core built its reply, the client read the reply."""
 
+    def on_model_answers(self, model: str, version: str, ok: int, failed: int,
+                         round_trip_s: float) -> None:
+        """One micro-batch's answers: the model and version that served them (as asked, when
+        none did), how many requests succeeded and failed, and its round trip."""
+
     def on_round_trip(self, sent_s: float, received_s: float) -> None:
         """Every micro-batch's round trip as the client saw it (``time.time()`` instants), with
         or without batch stats (only a batch's first micro-batch carries them)."""

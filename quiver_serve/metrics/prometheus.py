@@ -159,6 +159,14 @@ class Metrics(PipelineObserver):
             "to read)", ["direction"], buckets=_TRANSPORT_BUCKETS_S, registry=None)
         self._to_engine = self.transport.labels("to_engine")
         self._to_client = self.transport.labels("to_client")
+        self.model_requests = Counter(
+            PREFIX + "model_requests", "requests answered, by the model and version that served "
+            "them (as asked for, when none did) and outcome (ok, error)",
+            ["model", "version", "outcome"], registry=None)
+        self.model_latency = Histogram(
+            PREFIX + "model_batch_round_trip_seconds", "micro-batch round trip (front-end "
+            "client -> engine core -> client), by model and version", ["model", "version"],
+            buckets=_LATENCY_BUCKETS_S, registry=None)
         # Known label values start at 0, so rates and alerts work before the first event.
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
@@ -176,6 +184,14 @@ class Metrics(PipelineObserver):
 
     def on_restart(self, role: str) -> None:
         self.restarts.labels(role).inc()
+
+    def on_model_answers(self, model: str, version: str, ok: int, failed: int,
+                         round_trip_s: float) -> None:
+        if ok:
+            self.model_requests.labels(model, version, "ok").inc(ok)
+        if failed:
+            self.model_requests.labels(model, version, "error").inc(failed)
+        self.model_latency.labels(model, version).observe(round_trip_s)
 
     def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
                      received_s: float) -> None:

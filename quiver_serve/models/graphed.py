@@ -246,10 +246,13 @@ class GraphedForward:
 
     @classmethod
     def capture(cls, model: ModelFn, gather: GatherFn, device: torch.device, fanouts: list[int],
-                max_seeds: int, check: Callable[[int], SamplerOutput]) -> GraphedForward:
+                max_seeds: int, check: Callable[[int], SamplerOutput],
+                thread_local: bool = False) -> GraphedForward:
         """Capture one graph per bucket (largest first, one shared memory pool) and check each
         against the eager forward on a real sample of that size (``check(num_seeds)``).
-        Returns an empty object (eager everywhere) when capture fails or results differ."""
+        Returns an empty object (eager everywhere) when capture fails or results differ.
+        ``thread_local``: other threads keep launching work meanwhile (a model loaded beside
+        the serving loop); only this thread's calls are checked for capture safety."""
         buckets = [1 << i for i in range(max(max_seeds, 1).bit_length()) if 1 << i <= max_seeds]
         if max_seeds < 1 or device.type != "cuda" or any(f < 1 for f in fanouts):
             return cls()
@@ -258,7 +261,8 @@ class GraphedForward:
         try:
             for s in reversed(buckets):
                 graphs.append(_capture_one(model, gather, device,
-                                           PaddedLayout.for_fanouts(s, fanouts), pool))
+                                           PaddedLayout.for_fanouts(s, fanouts), pool,
+                                           thread_local))
             graphed = cls(list(reversed(graphs)))
             for s in buckets:
                 _check_bucket(graphed, model, gather, device, check(s))
@@ -271,18 +275,21 @@ class GraphedForward:
 
 
 def _capture_one(model: ModelFn, gather: GatherFn, dev: torch.device, layout: PaddedLayout,
-                 pool: object) -> _Graph:
+                 pool: object, thread_local: bool = False) -> _Graph:
     first = layout.new_flat()
     flat = torch.from_numpy(first).to(dev)
     buf = layout.views(flat)
-    side = torch.cuda.Stream(dev)
+    # beside a serving loop (thread_local) the caller's stream is already its own; a new
+    # stream per capture would also leave a cuBLAS workspace behind per load
+    side = torch.cuda.current_stream(dev) if thread_local else torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, allocator)
         for _ in range(2):
             padded_forward(model, gather, layout, buf)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool,
+                          capture_error_mode="thread_local" if thread_local else "global"):
         out = padded_forward(model, gather, layout, buf)
     ring = []
     for _ in range(HOST_RING):

@@ -24,6 +24,8 @@ from quiver_serve.models.served import ServedModel
 def unsupported(served: ServedModel) -> str | None:
     """Why layer-wise inference cannot reproduce this model, or None."""
     model = served.model
+    if not served.basic_gnn:
+        return f"{type(model).__name__} is not a PyG BasicGNN"
     convs = getattr(model, "convs", None)
     if convs is None or not len(convs):
         return f"{type(model).__name__} is not a PyG BasicGNN (no convs)"

@@ -122,30 +122,32 @@ class EngineClient:
 
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                deadline_s: float | None = None, request_id: str | None = None,
-               min_version: int = 0,
-               inductive: InductiveNodes | None = None) -> Future[EmbedResult]:
+               min_version: int = 0, inductive: InductiveNodes | None = None,
+               model: str = "", version: int = 0) -> Future[EmbedResult]:
         """Admit one request (ids already validated by the caller, or checked by the engine).
         ``min_version``: the graph version it must see; ``inductive``: nodes embedded as if
-        added (their rows follow the ids' rows)."""
+        added (their rows follow the ids' rows); ``model`` ("": the default) and ``version``
+        (0: the model's traffic split picks)."""
         fut: Future[EmbedResult] = Future()
         self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None, min_version,
-                    inductive)
+                    inductive, model, version)
         return fut
 
     def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                      deadline_s: float | None = None, request_id: str | None = None,
-                     min_version: int = 0,
-                     inductive: InductiveNodes | None = None) -> asyncio.Future[EmbedResult]:
+                     min_version: int = 0, inductive: InductiveNodes | None = None,
+                     model: str = "", version: int = 0) -> asyncio.Future[EmbedResult]:
         """The same from a coroutine: the returned future resolves on the running loop."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[EmbedResult] = loop.create_future()
         self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop, min_version,
-                    inductive)
+                    inductive, model, version)
         return fut
 
     def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
                request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None,
-               min_version: int = 0, inductive: InductiveNodes | None = None) -> None:
+               min_version: int = 0, inductive: InductiveNodes | None = None,
+               model: str = "", version: int = 0) -> None:
         if self._stopping.is_set():
             raise errors.unavailable("shutting_down", "the server is shutting down")
         ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
@@ -163,7 +165,8 @@ class EngineClient:
                 self._pending -= 1
             raise errors.ServeError("duplicate_request_id",
                                     f"request_id {rid!r} is already in flight", 409)
-        req = Admitted(rid, ids, exact, seed, deadline_s, fut, loop, min_version, inductive)
+        req = Admitted(rid, ids, exact, seed, deadline_s, fut, loop, min_version, inductive,
+                       model, version)
         with self._lock:
             self._pending_ids += req.rows
         self._by_id[rid] = req
@@ -290,8 +293,8 @@ class EngineClient:
         alone."""
         cap = self.endpoints.max_batch_nodes
         planned = self._estimated_load()
-        groups: dict[tuple[int, bool], list[Admitted]] = {}
-        sizes: dict[tuple[int, bool], int] = {}
+        groups: dict[tuple[int, bool, str, int], list[Admitted]] = {}
+        sizes: dict[tuple[int, bool, str, int], int] = {}
         for req in self._take_inbox():
             if req.done:
                 continue
@@ -300,7 +303,7 @@ class EngineClient:
             if req.alone:
                 self._send([req], req.exact, NO_SEED if req.seed is None else req.seed, engine)
                 continue
-            key = (engine, req.exact)
+            key = (engine, req.exact, req.model, req.version)
             group = groups.setdefault(key, [])
             if group and sizes[key] + req.rows > cap:
                 self._send(group, req.exact, NO_SEED, engine)
@@ -308,7 +311,7 @@ class EngineClient:
                 sizes[key] = 0
             group.append(req)
             sizes[key] = sizes.get(key, 0) + req.rows
-        for (engine, exact), group in groups.items():
+        for (engine, exact, _, _), group in groups.items():
             if group:
                 self._send(group, exact, NO_SEED, engine)
 
@@ -348,7 +351,8 @@ class EngineClient:
         self._load[engine] += rows
         self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
-                                inductive.count if inductive is not None else 0)
+                                inductive.count if inductive is not None else 0,
+                                reqs[0].model, reqs[0].version)
         frames: list[Any] = [encode(head), ids, lengths, deadlines]
         if inductive is not None:
             frames += inductive.frames()
@@ -386,7 +390,13 @@ class EngineClient:
         if flight is None:
             self.observer.on_late_result()  # answered already (a retried copy came back first)
             return
-        self.observer.on_round_trip(flight.sent_wall_s, time.time())
+        now_s = time.time()
+        self.observer.on_round_trip(flight.sent_wall_s, now_s)
+        first = flight.requests[0]
+        failed_n = len(done.errors) if done.dim else len(flight.requests)
+        self.observer.on_model_answers(
+            done.model or first.model or "default", str(done.version or first.version or ""),
+            len(flight.requests) - failed_n, failed_n, now_s - flight.sent_wall_s)
         self._load[flight.engine] -= flight.num_rows
         self.answered[flight.engine] += 1
         self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),
@@ -404,7 +414,8 @@ class EngineClient:
                     "internal", "engine reply carried no rows", 500)
                 out.append((req, EmbedResult(req.request_id, error=info)))
             else:
-                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end])))
+                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end],
+                                             model=done.model, version=done.version)))
             start = end
         self._resolve(out)
 

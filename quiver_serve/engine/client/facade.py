@@ -109,10 +109,11 @@ class ClientFacade:
 
     def submit_ids_async(self, ids: np.ndarray, exact: bool, seed: int | None,
                          timeout_s: float | None, min_version: int = 0,
-                         inductive: InductiveNodes | None = None) -> tuple[str, Any]:
+                         inductive: InductiveNodes | None = None, model: str = "",
+                         version: int = 0) -> tuple[str, Any]:
         """The hot path of a front-end: ids (and inductive nodes) already checked (int64, in
         range, not too many). Returns the request id (to cancel it) and an asyncio future of
-        its EmbedResult."""
+        its EmbedResult (which names the model and version that computed it)."""
         if not self.ready:
             raise self.refusal()
         client = self.async_client()
@@ -120,7 +121,8 @@ class ClientFacade:
         limit = self.cfg.server.request_timeout_s
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         rid = f"{self._rid_prefix}{next(self._rids)}"
-        return rid, client.submit_async(ids, exact, seed, deadline_s, rid, min_version, inductive)
+        return rid, client.submit_async(ids, exact, seed, deadline_s, rid, min_version, inductive,
+                                        model, version)
 
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
         """Forget a request nobody waits for; not computed if it has not been sent yet."""

@@ -45,6 +45,11 @@ def graph_timeout_s(request_timeout_s: float) -> float:
     return max(request_timeout_s, MIN_GRAPH_TIMEOUT_S)
 
 
+def model_timeout_s(cfg: Any) -> float:
+    """How long a model call waits: a load in every engine core, then the old versions' drain."""
+    return float(cfg.models.load_timeout_s + cfg.models.unload_drain_s + MIN_GRAPH_TIMEOUT_S)
+
+
 def timed_out(op: str, timeout_s: float) -> errors.ServeError:
     return errors.ServeError(
         "graph_timeout", f"graph {op}: the graph writer did not answer within {timeout_s:.1f} s; "
@@ -69,8 +74,21 @@ class _GraphOps:
     async def compact(self) -> dict[str, Any]:
         return await self._call("compact", [])
 
-    async def _call(self, op: str, arrays: list[Any]) -> dict[str, Any]:
+    async def _call(self, op: str, arrays: list[Any],
+                    params: dict[str, Any] | None = None) -> dict[str, Any]:
         raise NotImplementedError
+
+
+class ModelOps:
+    """The model repository's calls (``pipeline.model_ops``): ``await call(op, params)`` with
+    op ``index`` / ``load`` / ``unload`` (``engine/procs/model_manager.py``), over the same
+    channel as the graph calls."""
+
+    def __init__(self, channel: _GraphOps) -> None:
+        self.channel = channel
+
+    async def call(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.channel._call(f"model_{op}", [], params)
 
 
 class LocalGraph(_GraphOps):
@@ -80,11 +98,12 @@ class LocalGraph(_GraphOps):
     def __init__(self, calls: Callable[[], WriterCalls], timeout_s: float) -> None:
         self.calls, self.timeout_s = calls, timeout_s
 
-    async def _call(self, op: str, arrays: list[Any]) -> dict[str, Any]:
+    async def _call(self, op: str, arrays: list[Any],
+                    params: dict[str, Any] | None = None) -> dict[str, Any]:
         calls = self.calls()
         if op == "info":  # counters only: never queued behind an update's sync
             return calls.run("info", [])
-        future = calls.submit(op, arrays, time.time() + self.timeout_s)
+        future = calls.submit(op, arrays, time.time() + self.timeout_s, params)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except TimeoutError:
@@ -102,7 +121,8 @@ class GraphClient:
         self._waiting: dict[int, asyncio.Future[GraphReply]] = {}
         self._ids = itertools.count()
 
-    async def call(self, op: str, arrays: list[Any]) -> dict[str, Any]:
+    async def call(self, op: str, arrays: list[Any],
+                   params: dict[str, Any] | None = None) -> dict[str, Any]:
         """The writer's answer to one call, or a ServeError (the writer's, 503, or 504)."""
         if len(self._waiting) >= self.max_in_flight:
             raise errors.overloaded(f"{len(self._waiting)} graph calls are in flight; retry later")
@@ -113,7 +133,7 @@ class GraphClient:
         call_id = next(self._ids)
         waiter: asyncio.Future[GraphReply] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = waiter
-        head = GraphCall(call_id, op, shapes, time.time() + self.timeout_s)
+        head = GraphCall(call_id, op, shapes, time.time() + self.timeout_s, params or {})
         try:
             await self._socket().send_multipart([encode(head), *frames], zmq.NOBLOCK, copy=False)
             reply = await asyncio.wait_for(waiter, self.timeout_s)
@@ -203,7 +223,8 @@ class RemoteGraph(_GraphOps):
         self.check, self.on_result = check, on_result
         self._clients: dict[asyncio.AbstractEventLoop, GraphClient] = {}
 
-    async def _call(self, op: str, arrays: list[Any]) -> dict[str, Any]:
+    async def _call(self, op: str, arrays: list[Any],
+                    params: dict[str, Any] | None = None) -> dict[str, Any]:
         self.check()
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
@@ -211,7 +232,7 @@ class RemoteGraph(_GraphOps):
             for old in [lp for lp in self._clients if lp.is_closed()]:
                 self._clients.pop(old)  # its sockets went with its loop's tasks
             client = self._clients[loop] = GraphClient(self.address, self.timeout_s)
-        result = await client.call(op, arrays)
+        result = await client.call(op, arrays, params)
         self.on_result(op, result)
         return result
 

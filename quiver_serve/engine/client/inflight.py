@@ -20,12 +20,14 @@ class Admitted:
     (its ids, then its inductive nodes)."""
 
     __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
-                 "arrived_s", "min_version", "inductive", "rows")
+                 "arrived_s", "min_version", "inductive", "rows", "model", "version")
 
     def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
                  deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None,
-                 min_version: int = 0, inductive: InductiveNodes | None = None) -> None:
+                 min_version: int = 0, inductive: InductiveNodes | None = None,
+                 model: str = "", version: int = 0) -> None:
         self.request_id, self.ids, self.exact, self.seed = request_id, ids, exact, seed
+        self.model, self.version = model, version
         self.deadline_s, self.future, self.loop = deadline_s, future, loop
         self.min_version, self.inductive = min_version, inductive
         self.rows = int(ids.size) + (inductive.count if inductive is not None else 0)

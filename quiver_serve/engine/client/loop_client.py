@@ -74,12 +74,12 @@ class LoopClient(EngineClient):
 
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                deadline_s: float | None = None, request_id: str | None = None,
-               min_version: int = 0,
-               inductive: InductiveNodes | None = None) -> Future[EmbedResult]:
+               min_version: int = 0, inductive: InductiveNodes | None = None,
+               model: str = "", version: int = 0) -> Future[EmbedResult]:
         if not self._on_home_thread():
             raise RuntimeError("a LoopClient takes requests only on its event loop's thread")
         return super().submit(node_ids, exact, seed, deadline_s, request_id, min_version,
-                              inductive)
+                              inductive, model, version)
 
     def _wake(self) -> None:
         """Send at the end of this loop iteration, with whatever else it submits."""

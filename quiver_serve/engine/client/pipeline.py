@@ -30,7 +30,12 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.checks import check_min_version, check_rows, inductive_from_dicts
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
-from quiver_serve.engine.client.graph_client import LocalGraph, graph_timeout_s
+from quiver_serve.engine.client.graph_client import (
+    LocalGraph,
+    ModelOps,
+    graph_timeout_s,
+    model_timeout_s,
+)
 from quiver_serve.engine.client.loop_client import connect_async
 from quiver_serve.engine.client.queue_bridge import QueueBridge
 from quiver_serve.engine.procs.graph_service import WriterCalls, unavailable
@@ -85,6 +90,8 @@ class Pipeline(ClientFacade):
         #: the graph updates as coroutines (the HTTP routes): the writer on worker threads
         self.graph_ops = LocalGraph(self.writer_calls,
                                     graph_timeout_s(self.cfg.server.request_timeout_s))
+        #: the model repository's calls as coroutines (``model_manager.py``, worker threads)
+        self.model_ops = ModelOps(LocalGraph(self._calls, model_timeout_s(self.cfg)))
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start(self) -> Pipeline:
@@ -203,7 +210,8 @@ class Pipeline(ClientFacade):
         client = self._client_or_refuse()
         inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
         return client.submit(request.node_ids.numpy(), request.exact, request.seed,
-                             request.deadline_s, request.request_id, min_version, inductive)
+                             request.deadline_s, request.request_id, min_version, inductive,
+                             request.model, request.version)
 
     def submit_async(self, request: EmbedRequest, min_version: int = 0,
                      new_nodes: Any = None) -> Any:
@@ -213,46 +221,79 @@ class Pipeline(ClientFacade):
         client = self.async_client()
         inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
         return client.submit_async(request.node_ids.numpy(), request.exact, request.seed,
-                                   request.deadline_s, request.request_id, min_version, inductive)
+                                   request.deadline_s, request.request_id, min_version, inductive,
+                                   request.model, request.version)
 
     def new_request(self, node_ids: Any, exact: bool = False, seed: int | None = None,
-                    timeout_s: float | None = None) -> EmbedRequest:
+                    timeout_s: float | None = None, model: str = "",
+                    version: int = 0) -> EmbedRequest:
         ids = torch.as_tensor(node_ids)
         now = time.time()
         limit = self.cfg.server.request_timeout_s
         deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
         return EmbedRequest(request_id=f"p-{next(self._ids)}", node_ids=ids, exact=exact, seed=seed,
-                            deadline_s=deadline, submitted_s=now)
+                            deadline_s=deadline, submitted_s=now, model=model, version=version)
 
     def embed(self, node_ids: Any, exact: bool = False, seed: int | None = None,
               timeout_s: float | None = None, min_version: int = 0,
-              new_nodes: Any = None) -> Tensor:
+              new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
         """Embeddings [len(node_ids) + len(new_nodes), dim] (one row per requested position,
-        then one per new node); raises ServeError."""
-        request = self.new_request(node_ids, exact, seed, timeout_s)
+        then one per new node) from ``model`` ("": the default) at ``version`` (0: by the
+        model's traffic split); raises ServeError."""
+        request = self.new_request(node_ids, exact, seed, timeout_s, model, version)
         future = self.submit(request, min_version, new_nodes)
         return _unwrap(future.result(timeout=self.cfg.server.request_timeout_s + 5.0))
 
     async def embed_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                           timeout_s: float | None = None, min_version: int = 0,
-                          new_nodes: Any = None) -> Tensor:
+                          new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
         """``embed`` for coroutines: thousands in flight from one thread."""
-        request = self.new_request(node_ids, exact, seed, timeout_s)
+        request = self.new_request(node_ids, exact, seed, timeout_s, model, version)
         return _unwrap(await self.submit_async(request, min_version, new_nodes))
 
     # ---- the living graph (DESIGN §7): the writer's calls, in the caller's thread ----------------
     def writer_calls(self) -> WriterCalls:
         """The writer's calls; 503 while not serving, 501 when this daemon has no writer."""
+        calls = self._calls()
+        if calls.writer is None:
+            raise unavailable(calls.read_only_reason)
+        return calls
+
+    def _calls(self) -> WriterCalls:
+        """The graph writer's and the model manager's calls; 503 while not serving."""
         if not self.ready or self.supervisor is None:
             raise self.refusal()
         if self._writer_calls is None:
-            writer = getattr(self.supervisor, "graph_writer", None)
-            if writer is None:
-                raise unavailable(getattr(self.supervisor, "graph_read_only_reason", None))
+            sup = self.supervisor
             with self._writer_lock:
                 if self._writer_calls is None:
-                    self._writer_calls = WriterCalls(writer, len(self.supervisor.engines))
+                    self._writer_calls = WriterCalls(
+                        getattr(sup, "graph_writer", None), len(sup.engines),
+                        models=sup.models, read_only_reason=sup.graph_read_only_reason)
         return self._writer_calls
+
+    # ---- the model repository (DESIGN §9), in the caller's thread --------------------------------
+    @property
+    def models_state(self) -> dict[str, Any] | None:
+        """Every model and version with its state (what the front-ends publish)."""
+        return self.supervisor.models.published() if self.supervisor is not None else None
+
+    def load_model(self, name: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load the versions of ``name`` its repository policy names (``config`` may override
+        ``version_policy`` and ``traffic``) while the others keep serving; returns the
+        versions' states. Raises ServeError (400 ``model_load_failed`` names the cause; the
+        old versions then keep serving)."""
+        return self._calls().run("model_load", [], params={"name": name, "config": config})
+
+    def unload_model(self, name: str) -> dict[str, Any]:
+        """Drain and release every version of ``name``."""
+        return self._calls().run("model_unload", [], params={"name": name})
+
+    def model_index(self, ready: bool = False) -> list[dict[str, Any]]:
+        """Every model and version of the repository with its state and why."""
+        rows: list[dict[str, Any]] = self._calls().run(
+            "model_index", [], params={"ready": ready})["models"]
+        return rows
 
     def add_edges(self, add: Any = None, remove: Any = None) -> dict[str, Any]:
         """Add (a repeat is a second copy) and remove (every copy) directed edges src -> dst,

@@ -42,6 +42,8 @@ class Batch:
     sampler: int = -1
     sent_s: float = 0.0
     sent_idle: bool = False
+    #: the ``ModelSlot`` (model version) every micro-batch of it asked for
+    slot: Any = None
 
 
 class SamplerPool:
@@ -68,7 +70,9 @@ def batch_stats(batch: Batch, compute_s: float, index: int, features: FeatureSto
         num_sampled_edges=int(sb.edge_index.size(1)),
         queue_s=max(batch.formed_s - oldest, 0.0), sample_s=batch.sample_s, gather_s=0.0,
         compute_s=compute_s, cache_hits=hits, cache_misses=misses, psgs=batch.psgs,
-        predicted_s=batch.predicted_s, received_s=batch.parts[0].mb.received_s), now
+        predicted_s=batch.predicted_s, received_s=batch.parts[0].mb.received_s,
+        model=batch.slot.name if batch.slot is not None else "",
+        version=batch.slot.version if batch.slot is not None else 0), now
 
 
 def _batch_counts(batch: Batch, features: FeatureStore,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,8 @@ from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import Capacities, LiveGraphArgs
 from quiver_serve.models.served import ServedModel, build_model
+from quiver_serve.models.spec import ModelSpec
+from quiver_serve.models.startup import StartPlan, start_plan
 from quiver_serve.routing.router import EngineRouter
 from quiver_serve.sampling import make_cpu_sampler
 from quiver_serve.wire import NO_SEED
@@ -31,25 +34,30 @@ log = logging.getLogger(__name__)
 
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
                pool: SamplerPool | None, calibration: str | None = None,
-               progress: bool = True, live: LiveGraphArgs | None = None) -> EngineCore:
+               progress: bool = True, live: LiveGraphArgs | None = None,
+               plan: StartPlan | None = None) -> EngineCore:
     """Device, model (weights-only), samplers, feature placement, a warm-up batch, then the
     PSGS table and the cost model (``engine/core/calibrate.py``; ``calibration`` overrides
-    ``sampling.calibration``); with ``live``, the updates acknowledged so far are applied."""
+    ``sampling.calibration``); with ``live``, the updates acknowledged so far are applied;
+    ``plan``: the models to serve (default: ``models/startup.start_plan``)."""
     from quiver_serve.engine.core.calibrate import prepare_routing
-
     caps = live.caps if live is not None else None
-    device, model, features = place_model_and_features(cfg, graph, index, caps)
+    plan = plan or start_plan(cfg)
+    spec = plan.primary()
+    device, model, features = place_model_and_features(cfg, graph, index, caps, spec)
     core = EngineCore(
         model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
                                                   cfg.sampling.implementation),
-        cfg.sampling.fanouts, graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
+        spec.fanouts_or(cfg.sampling.fanouts), graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
         router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
         index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
         gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
-        request_log_size=cfg.features.request_log_size)
+        request_log_size=cfg.features.request_log_size, spec=spec)
     from quiver_serve.features.replace import Replacer
 
     core.replacer = Replacer(cfg, graph, core.features)
+    core.current_degrees = degree_source(core, graph, caps.node_capacity if caps is not None
+                                         else graph.num_nodes)
     if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
         from quiver_serve.engine.core.overlap import PoolOverlap
 
@@ -62,12 +70,47 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         follow_updates(core, cfg, graph, live, index)
     from quiver_serve.engine.core.exact_table import build_exact_table
 
-    core.exact_table = build_exact_table(core, cfg.exact, (graph.indptr, graph.indices),
-                                         caps.node_capacity if caps is not None
-                                         else graph.num_nodes, progress)
+    core.table_args = (cfg.exact, (graph.indptr, graph.indices),
+                       caps.node_capacity if caps is not None else graph.num_nodes)
+    core.exact_table = build_exact_table(core, *core.table_args, progress)
+    core.table_model = spec.name  # a new version of it gets a table of its own
     if core.exact_table is not None:
         _warm_batches(core, exact_only=True)  # the table's answer path, once
+    load_other_models(core, cfg, plan)
     return core
+
+
+def load_other_models(core: EngineCore, cfg: ServeConfig, plan: StartPlan) -> None:
+    """Every start-up version but the primary, built as a load builds them, and each model's
+    traffic split (``models/startup.py``)."""
+    from quiver_serve.engine.core.model_load import ModelLoads, build_slot
+
+    inf = cfg.inference
+    core.loads = ModelLoads(core, inf.precision, inf.fast_model, inf.cuda_graph_max_seeds,
+                            cfg.models.unload_drain_s)
+    for spec in plan.others():
+        slot = build_slot(core, spec, inf.precision, inf.fast_model, inf.cuda_graph_max_seeds)
+        core.models.add(slot)
+        log.info("engine %d: %s version %d loaded (%s)", core.index, spec.name, spec.version,
+                 {k: round(v, 3) for k, v in slot.load_s.items()})
+    for model in plan.models:
+        core.models.set_traffic(model.name, model.traffic)
+
+
+def degree_source(core: EngineCore, graph: GraphData,
+                  rows: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+    """() -> in-degree and self-loop count of every node (``rows`` of them) on the graph the
+    core serves now: a GCN loaded later normalises by them."""
+
+    def current() -> tuple[torch.Tensor, torch.Tensor | None]:
+        sync = core.graph_sync
+        if sync is None:
+            return _padded(graph.degree(), rows), _padded(graph.self_loop_count(), rows)
+        nodes = np.arange(sync.overlay.num_nodes, dtype=np.int64)
+        return (_padded(torch.from_numpy(sync.overlay.degree(nodes)), rows),
+                _padded(torch.from_numpy(sync.overlay.self_loops(nodes)), rows))
+
+    return current
 
 
 def follow_updates(core: EngineCore, cfg: ServeConfig, graph: GraphData, live: LiveGraphArgs,
@@ -120,7 +163,7 @@ def _warm_batches(core: EngineCore, exact_only: bool = False) -> None:
 
 
 def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
-                             caps: Capacities | None = None,
+                             caps: Capacities | None = None, spec: ModelSpec | None = None,
                              ) -> tuple[torch.device, ServedModel, FeatureStore]:
     """Worker ``index``'s device, its model there (weights-only), and its feature store: the
     hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory.
@@ -130,8 +173,9 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rows = caps.node_capacity if caps is not None else graph.num_nodes
-    self_loops = _padded(graph.self_loop_count(), rows) if cfg.model.pyg_class == "GCN" else None
-    model = ServedModel(build_model(cfg.model, graph.num_features),
+    spec = spec or ModelSpec.from_config(cfg.model)
+    self_loops = _padded(graph.self_loop_count(), rows) if spec.pyg_class == "GCN" else None
+    model = ServedModel(build_model(spec, graph.num_features),
                         _padded(graph.degree(), rows), self_loops,
                         precision=cfg.inference.precision,
                         fast=cfg.inference.fast_model).to(device)

@@ -49,7 +49,7 @@ def calibration_sizes(num_nodes: int, max_batch_nodes: int) -> list[int]:
 
 def _time_compute(core: EngineCore, seeds: torch.Tensor, sampled) -> float:
     """Gather + model of one sampled batch, timed as the engine times it."""
-    batch = Batch(-1, [], seeds, False, 0, sampled=sampled)
+    batch = Batch(-1, [], seeds, False, 0, sampled=sampled, slot=core.primary)
     if core._compute_stream is None:
         t0 = time.perf_counter()
         core._forward(batch)
@@ -124,13 +124,14 @@ def calibrate_paths(core: EngineCore, budget_s: float = 20.0, progress: bool = T
 
 def engine_cost_key(cfg: ServeConfig, table: PsgsTable, core: EngineCore) -> dict:
     gpu = getattr(core.gpu_sampler, "name", None)
-    model = {"class": cfg.model.pyg_class, "kwargs": cfg.model.kwargs,
+    spec = core.primary.spec
+    model = {"class": spec.pyg_class, "kwargs": spec.kwargs,
              "precision": cfg.inference.precision, "fast": cfg.inference.fast_model,
              "graphs": cfg.inference.cuda_graph_max_seeds,
              # where feature rows live changes the gather's cost
              "gpu_cache_bytes": cfg.inference.gpu_cache_bytes,
              "features": cfg.features.model_dump(mode="json")}
-    return cost_key(table.key, cfg.sampling.fanouts, str(core.device),
+    return cost_key(table.key, core.fanouts, str(core.device),
                     {"gpu_sampler": gpu, "cpu_sampler": core.local_sampler.name,
                      "torch_threads": cfg.inference.torch_threads,
                      "max_batch_nodes": cfg.batching.max_batch_nodes, "model": model})
@@ -143,7 +144,7 @@ def prepare_routing(core: EngineCore, cfg: ServeConfig, graph: GraphData,
     time now and save; ``off``: priors, refined online)."""
     mode = calibration or cfg.sampling.calibration
     device = core.device if core.on_gpu else None
-    table = load_or_build(graph.indptr, graph.indices, cfg.sampling.fanouts,
+    table = load_or_build(graph.indptr, graph.indices, core.fanouts,
                           cfg.sampling.psgs_rounds, device=device, progress=progress)
     calibrate_union(table, core.local_sampler)
     core.psgs = table

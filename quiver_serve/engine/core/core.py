@@ -37,11 +37,13 @@ from quiver_serve.engine.core.micro_batch import (
     check_ids,
     prune,
 )
+from quiver_serve.engine.core.model_slots import ModelSlot, ModelTable, Refusal
 from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.messages import BatchStats
 from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.models.served import ServedModel
+from quiver_serve.models.spec import ModelSpec
 from quiver_serve.routing.cost import CostModel, LatencyModel
 from quiver_serve.routing.psgs import PsgsTable
 from quiver_serve.routing.router import EngineRouter, EngineRouteState, PoolClock
@@ -65,8 +67,25 @@ class EngineCore:
                  local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
                  max_batch_nodes: int, router: EngineRouter, index: int = 0,
                  pool: SamplerPool | None = None, max_waiting: int = 4096,
-                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0) -> None:
+                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0,
+                 spec: ModelSpec | None = None) -> None:
         self.model, self.features, self.device = model, features, device
+        spec = spec or ModelSpec("model", 1, type(model.model).__name__,
+                                 num_layers=len(fanouts))
+        #: every loaded (model, version) (``model_slots.py``); ``primary`` is the one built at
+        #: start-up, whose model ``self.model`` is (the exact table's, the calibration's)
+        self.primary = ModelSlot(spec, model, spec.fanouts_or(fanouts))
+        self.models = ModelTable(spec.name)
+        self.models.add(self.primary)
+        #: loads building and unloads draining (``model_load.ModelLoads``); None: fixed models
+        self.loads: Any = None
+        #: while above 0, no update is applied (a new version's exact table is being built)
+        self.updates_held = 0
+        #: (exact config, base CSC, node capacity): what a new version's exact table is built from
+        self.table_args: Any = None
+        self.table_model = ""  # the model whose versions the exact table follows
+        #: () -> (in-degree, self-loop counts) of every node now, for a GCN loaded later
+        self.current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None = None
         #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
         self.request_log = RequestLog(request_log_size)
         self.replacer: Any = None  # a ``features.replace.Replacer`` when re-placement is wired
@@ -93,8 +112,6 @@ class EngineCore:
         self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
-        #: CUDA graphs for small sampled batches (``GraphedForward.capture``); None: always eager
-        self.graphed: GraphedForward | None = None
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
         #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
@@ -111,38 +128,70 @@ class EngineCore:
         #: exact micro-batches taken in since the last step (``exact_answers.py``)
         self.exact_waiting: list[MicroBatch] = []
 
-    def capture_graphs(self, max_seeds: int) -> None:
-        """CUDA graphs of gather + model for sampled batches of up to ``max_seeds`` seeds (GPU,
-        features on the device); each is checked against the eager forward on a real sample."""
+    @property
+    def graphed(self) -> GraphedForward | None:
+        """The primary model's CUDA graphs for small sampled batches; None: always eager."""
+        return self.primary.graphed
+
+    @graphed.setter
+    def graphed(self, value: GraphedForward | None) -> None:
+        self.primary.graphed = value
+
+    def capture_graphs(self, max_seeds: int, slot: ModelSlot | None = None,
+                       sampler: BaseSampler | None = None, stream: Any = None) -> None:
+        """CUDA graphs of gather + model for ``slot``'s (default: the primary's) sampled batches
+        of up to ``max_seeds`` seeds (GPU, features on the device); each is checked against the
+        eager forward on a real sample. ``stream``: captured on it, beside a serving loop in
+        another thread (``model_load.py``; thread-local capture mode)."""
+        slot = slot or self.primary
         if not (self.on_gpu and self.features.capturable and max_seeds > 0):
             return
-        sampler = self.gpu_sampler or self.local_sampler
+        sampler = sampler or self.gpu_sampler or self.local_sampler
+        fanouts = slot.fanouts
 
         def sample(num_seeds: int) -> SamplerOutput:
-            seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
-            return sampler.sample(seeds, self.fanouts, new_batch_seed())
+            n = min(self.num_nodes, sampler.num_nodes)
+            seeds = torch.randint(0, n, (num_seeds,), dtype=torch.int64)
+            return sampler.sample(seeds, fanouts, new_batch_seed())
 
         def model(x: Tensor, n_id: Tensor, edges: Tensor, nodes: list[int],
                   edge_counts: list[int]) -> Tensor:
-            return self.model(x, n_id, edges, nodes, edge_counts, False)
+            return slot.served(x, n_id, edges, nodes, edge_counts, False)
 
-        with torch.cuda.stream(self._compute_stream):
+        thread_local = stream is not None
+        with torch.cuda.stream(stream if thread_local else self._compute_stream):
             graphed = GraphedForward.capture(model, self.features.gather, self.device,
-                                             self.fanouts, max_seeds, sample)
-        torch.cuda.synchronize(self.device)
-        self.graphed = graphed if graphed.graphs else None
-        if self.graphed is not None:
-            log.info("engine %d: CUDA graphs for sampled batches of 1..%d seeds", self.index,
-                     self.graphed.max_seeds)
+                                             fanouts, max_seeds, sample, thread_local)
+        stream.synchronize() if thread_local else torch.cuda.synchronize(self.device)
+        slot.graphed = graphed if graphed.graphs else None
+        if slot.graphed is not None:
+            log.info("engine %d: %s version %d: CUDA graphs for sampled batches of 1..%d seeds",
+                     self.index, slot.name, slot.version, slot.graphed.max_seeds)
 
-    def check_fast_model(self, num_seeds: int = 64) -> float | None:
-        """Check the fast model path against PyG's layers on one real sampled batch (start-up)."""
-        seeds = torch.randint(0, self.num_nodes, (num_seeds,), dtype=torch.int64)
-        sb = self.local_sampler.sample(seeds, self.fanouts, new_batch_seed())
+    def check_fast_model(self, num_seeds: int = 64, slot: ModelSlot | None = None,
+                         sampler: BaseSampler | None = None) -> float | None:
+        """Check ``slot``'s (default: the primary's) fast model path against PyG's layers on
+        one real sampled batch (start-up, and each load)."""
+        slot = slot or self.primary
+        sampler = sampler or self.local_sampler
+        n = min(self.num_nodes, sampler.num_nodes)
+        seeds = torch.randint(0, n, (num_seeds,), dtype=torch.int64)
+        sb = sampler.sample(seeds, slot.fanouts, new_batch_seed())
         n_id = sb.n_id.to(self.device)
         x = self.features.gather(n_id)
-        return self.model.check_fast(x, n_id, sb.edge_index.to(self.device),
-                                     sb.num_sampled_nodes, sb.num_sampled_edges)
+        return slot.served.check_fast(x, n_id, sb.edge_index.to(self.device),
+                                      sb.num_sampled_nodes, sb.num_sampled_edges)
+
+    def degree_weighted(self) -> bool:
+        """Whether any loaded model normalises by full-graph degrees (GCN in exact mode)."""
+        return any(slot.served.gcn_norm is not None for slot in self.models.each())
+
+    def update_degrees(self, nodes: Tensor, in_degree: Tensor,
+                       self_loops: Tensor | None = None) -> None:
+        """New in-degrees (and self-loop counts) of ``nodes`` for every loaded model that
+        normalises by them (``ServedModel.update_degrees``); between batches."""
+        for slot in self.models.each():
+            slot.served.update_degrees(nodes, in_degree, self_loops)
 
     def reset_feature_counts(self) -> None:
         self.features.reset_counts()
@@ -165,6 +214,13 @@ class EngineCore:
     def add(self, mb: MicroBatch) -> Reply | None:
         """Queue a micro-batch; a reply at once when it is refused (bad ids, engine overloaded).
         One that needs a graph version not applied here yet waits in ``parked``."""
+        if mb.slot is None:
+            slot = self.models.resolve(mb.model, mb.version, mb.num_requests)
+            if isinstance(slot, Refusal):
+                errs = [RequestError(i, slot.code, slot.message, slot.status)
+                        for i in range(max(mb.num_requests, 1))]
+                return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+            mb.slot = slot
         if self.graph_sync is not None and versions.must_wait(self, mb):
             return versions.park(self, mb)
         n_req = mb.num_requests
@@ -179,7 +235,8 @@ class EngineCore:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
-        if mb.exact and self.exact_table is not None:
+        if mb.exact and self.exact_table is not None \
+                and self.exact_table.model.served is mb.slot.served:
             self.exact_waiting.append(mb)  # answered from the table at the next step
             return None
         self.enqueue(mb)
@@ -229,6 +286,19 @@ class EngineCore:
         return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked
                     or self.exact_waiting)
 
+    def drop_exact_table(self, why: str) -> None:
+        """Stop serving from the exact table (its model left): exact requests waiting for it
+        go to the on-the-fly path."""
+        table, self.exact_table = self.exact_table, None
+        if table is None:
+            return
+        log.info("engine %d: exact table dropped: %s", self.index, why)
+        if table.refresher is not None:
+            table.refresher.stop()
+        waiting, self.exact_waiting = self.exact_waiting, []
+        for mb in waiting:
+            self.enqueue(mb)
+
     def table_paused(self) -> Any:
         """A block during which no exact-table chunk runs (swap what chunks read inside it)."""
         import contextlib
@@ -241,11 +311,14 @@ class EngineCore:
         if self.replacer is not None:
             self.replacer.poll(self)  # a finished re-placement switches here, between batches
         replies = self._finish(block=False)
+        if self.loads is not None and self.loads.pending:
+            replies += self.loads.poll()  # a built version joins, a drained one leaves
         if self.exact_waiting:  # first: rows a finished refresh round made clean
             replies += exact_answers.answer(self, time.time())
-        if self.graph_sync is not None and not (  # updates apply between batches ...
-                self.exact_table is not None and self.exact_table.holds_updates()):
-            replies += self.graph_sync.poll(self)  # ... and rounds requests wait for
+        if self.graph_sync is not None and not self.updates_held and not (  # updates apply
+                self.exact_table is not None and self.exact_table.holds_updates()):  # between
+            # batches, and not while requests wait for a refresh round
+            replies += self.graph_sync.poll(self)
             if self.parked:
                 replies += versions.unpark(self, time.time())
             if self.exact_waiting:
@@ -299,7 +372,7 @@ class EngineCore:
         while self.waiting:
             mb = self.waiting[0]
             if parts and (mb.exact != first.exact or mb.seed != NO_SEED or first.seed != NO_SEED
-                          or taken + mb.num_ids > cap):
+                          or mb.slot is not first.slot or taken + mb.num_ids > cap):
                 break
             self.waiting.popleft()
             self._waiting_ids -= mb.num_ids
@@ -317,7 +390,7 @@ class EngineCore:
             [p.alive_ids() for p in parts])
         seed = first.seed if first.seed != NO_SEED else new_batch_seed()
         batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
-                      formed_s=now_s)
+                      formed_s=now_s, slot=first.slot)
         self.request_log.record(seeds)
         return batch, refused
 
@@ -343,7 +416,7 @@ class EngineCore:
         outstanding = self.pool.outstanding() if self.pool is not None else []
         state = EngineRouteState(n, len(self.waiting), outstanding, self.gpu_sampler is not None,
                                  len(self.in_flight), waiting_batches=self._waiting_ids / max(n, 1))
-        if self.psgs is not None and not batch.exact:
+        if self.psgs is not None and not batch.exact and batch.slot.fanouts == self.fanouts:
             ids = batch.seeds.numpy()
             state.psgs = batch.psgs = float(self.psgs.estimate(ids))
             if self.router.forced == "quiver":
@@ -414,12 +487,14 @@ class EngineCore:
     def _stage(self, batch: Batch) -> None:
         """Pack a small sampled batch for its CUDA graph; always right before ``_launch``, so a
         host buffer is never packed twice before its copy is queued."""
-        if self.graphed is not None and not batch.exact and batch.sampled is not None \
+        graphed = batch.slot.graphed
+        if graphed is not None and not batch.exact and batch.sampled is not None \
                 and batch.staged is None:
-            batch.staged = self.graphed.stage(batch.sampled)
+            batch.staged = graphed.stage(batch.sampled)
 
     def _fanouts(self, batch: Batch) -> list[int]:
-        return [-1] * len(self.fanouts) if batch.exact else self.fanouts
+        fanouts: list[int] = batch.slot.fanouts
+        return [-1] * len(fanouts) if batch.exact else fanouts
 
     def _launch(self, batch: Batch) -> list[Reply]:
         """Gather and run the model; on a GPU asynchronously (finished by ``_finish``)."""
@@ -440,8 +515,8 @@ class EngineCore:
         n_id = sb.n_id
         x = self.features.gather(n_id)  # GPU hits, zero-copy host misses, counted on the device
         edge_index = sb.edge_index.to(self.device, torch.int64, non_blocking=True)
-        out = self.model(x, n_id.to(self.device, non_blocking=True), edge_index,
-                         sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
+        out = batch.slot.served(x, n_id.to(self.device, non_blocking=True), edge_index,
+                                sb.num_sampled_nodes, sb.num_sampled_edges, batch.exact)
         return out.index_select(0, sb.seed_index.to(self.device, non_blocking=True))
 
     def _run_sync(self, batch: Batch) -> list[Reply]:
@@ -512,7 +587,8 @@ class EngineCore:
                 chunk = np.zeros((part.mb.num_ids, dim), np.float32)
                 chunk[alive_pos] = rows[start:start + n_alive]
                 start += n_alive
-            done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
+            done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None,
+                                  model=batch.slot.name, version=batch.slot.version)
             replies.append(Reply(part.mb.client, done, chunk))
         self.record_stats(stats)
         return replies

@@ -53,7 +53,8 @@ def answer(core: EngineCore, now_s: float) -> list[Reply]:
     start, dim = 0, table.dim
     for i, part in enumerate(parts):
         chunk, start = _rows_of(part, rows, start, dim)
-        done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None)
+        done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None,
+                              model=part.mb.slot.name, version=part.mb.slot.version)
         replies.append(Reply(part.mb.client, done, chunk))
     core.record_stats(stats)
     return replies

@@ -323,15 +323,36 @@ def build_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor]
                       capacity: int, progress: bool = True) -> ExactTable | None:
     """The engine core's exact table, built, with its refresh thread; None when the config or
     the model says no (logged)."""
+    table = new_exact_table(core, cfg, static, capacity, core.model, progress)
+    if table is not None:
+        start_refresh(core, table)
+    return table
+
+
+def start_refresh(core: Any, table: ExactTable) -> None:
+    """The table serves the version the core serves now, and its refresh thread runs."""
+    if core.graph_sync is not None:
+        from quiver_serve.engine.core.table_refresh import Refresher
+
+        table.version = table.marked_version = core.graph_sync.version
+        table.refresher = Refresher(table)
+        table.refresher.start()
+
+
+def new_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
+                    capacity: int, served: Any, progress: bool = True) -> ExactTable | None:
+    """An exact table of ``served`` over the graph the core serves now, built (no refresh
+    thread yet); None when the config or the model says no (logged). The graph must not change
+    while it builds (start-up, or updates held: ``model_load.py``)."""
     if cfg.materialize == "off":
         return None
-    why = unsupported(core.model)
+    why = unsupported(served)
     if why is not None:
         if cfg.materialize == "on":
             raise ValueError(f"exact.materialize=on but {why}")
         log.info("exact table off: %s", why)
         return None
-    model = LayerwiseModel(core.model)
+    model = LayerwiseModel(served)
     num_bytes = table_bytes(capacity, model.out_dims())
     where = placement(cfg, core.device, num_bytes)
     if where is None:
@@ -341,10 +362,4 @@ def build_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor]
     table = ExactTable(cfg, model, core.features, core.device, capacity, where,
                        lambda: current_graph(core, core.device, static))
     table.build(progress)
-    if core.graph_sync is not None:
-        from quiver_serve.engine.core.table_refresh import Refresher
-
-        table.version = table.marked_version = core.graph_sync.version
-        table.refresher = Refresher(table)
-        table.refresher.start()
     return table

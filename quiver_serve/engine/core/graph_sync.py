@@ -190,8 +190,8 @@ class GraphSync:
     def _degrees_changed(self, core: EngineCore, nodes: np.ndarray) -> None:
         degree = torch.from_numpy(self.overlay.degree(nodes))
         t_nodes = torch.from_numpy(nodes)
-        if core.model.gcn_norm is not None:
-            core.model.update_degrees(t_nodes, degree, torch.from_numpy(self.overlay.self_loops(nodes)))
+        if core.degree_weighted():
+            core.update_degrees(t_nodes, degree, torch.from_numpy(self.overlay.self_loops(nodes)))
         if core.psgs is not None:
             core.psgs.update_nodes(t_nodes, degree)
 
@@ -200,8 +200,8 @@ class GraphSync:
         core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
         zeros = torch.zeros(ids.size, dtype=torch.int64)
         t_ids = torch.from_numpy(ids)
-        if core.model.gcn_norm is not None:
-            core.model.update_degrees(t_ids, zeros, zeros)
+        if core.degree_weighted():
+            core.update_degrees(t_ids, zeros, zeros)
         if core.psgs is not None:
             core.psgs.update_nodes(t_ids, zeros)
         self.set_num_nodes(core, self.overlay.num_nodes)
@@ -254,9 +254,9 @@ class GraphSync:
                       np.empty(0, np.int64), np.empty(0, np.int64), ov.num_nodes)
         self._write_patch(core, patch)
         core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
-        if core.model.gcn_norm is not None:
-            core.model.update_degrees(torch.from_numpy(ids), torch.from_numpy(counts),
-                                      torch.zeros(ids.size, dtype=torch.int64))
+        if core.degree_weighted():
+            core.update_degrees(torch.from_numpy(ids), torch.from_numpy(counts),
+                                torch.zeros(ids.size, dtype=torch.int64))
         self.set_num_nodes(core, patch.num_nodes)
         try:
             yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,11 @@ class MicroBatch:
     new_features: np.ndarray | None = None
     new_offsets: np.ndarray | None = None
     new_neighbors: np.ndarray | None = None
+    #: the model asked for ("": the default) and its version (0: by the traffic split)
+    model: str = ""
+    version: int = 0
+    #: the ``ModelSlot`` it runs on, resolved at intake (``model_slots.py``)
+    slot: Any = None
 
     @property
     def num_new_nodes(self) -> int:

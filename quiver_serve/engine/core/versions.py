@@ -97,7 +97,9 @@ def run_inductive(core: EngineCore, mb: MicroBatch) -> list[Reply]:
             rows = _forward(core, np.concatenate([mb.ids, virtual]), mb)
     except errors.ServeError as exc:
         return replies + [refuse_all(mb, exc.info.code, exc.info.message, exc.info.status)]
-    return replies + [Reply(mb.client, MicroBatchDone(mb.seq, int(rows.shape[1])), rows)]
+    done = MicroBatchDone(mb.seq, int(rows.shape[1]), model=mb.slot.name,
+                          version=mb.slot.version)
+    return replies + [Reply(mb.client, done, rows)]
 
 
 def _check_inductive(core: EngineCore, mb: MicroBatch) -> tuple[str, str, int] | None:
@@ -119,14 +121,14 @@ def _check_inductive(core: EngineCore, mb: MicroBatch) -> tuple[str, str, int] |
 
 def _forward(core: EngineCore, seeds: np.ndarray, mb: MicroBatch) -> np.ndarray:
     sampler = core.gpu_sampler or core.local_sampler
-    fanouts = [-1] * len(core.fanouts) if mb.exact else core.fanouts
+    fanouts = [-1] * len(mb.slot.fanouts) if mb.exact else mb.slot.fanouts
     seed = mb.seed if mb.seed != NO_SEED else new_batch_seed()
     stream = core.sample_stream
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         sb = sampler.sample(torch.from_numpy(seeds), fanouts, seed)
         n_id = sb.n_id.to(core.device)
         x = core.features.gather(n_id)
-        out = core.model(x, n_id, sb.edge_index.to(core.device, torch.int64),
+        out = mb.slot.served(x, n_id, sb.edge_index.to(core.device, torch.int64),
                          sb.num_sampled_nodes, sb.num_sampled_edges, mb.exact)
         rows = out.index_select(0, sb.seed_index.to(core.device)).float().cpu()
     return rows.numpy()

@@ -33,10 +33,13 @@ from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling.base import SamplerOutput
 from quiver_serve.wire import (
     Decoders,
     MicroBatchDone,
+    ModelCall,
+    ModelReply,
     RunAddresses,
     SampleTask,
     encode,
@@ -139,7 +142,13 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
             from quiver_serve.graph.living import newest_base
 
             graph, live = newest_base(live, graph, copy=True)
-        core = build_core(cfg, graph, index, pool, live=live)
+        from pathlib import Path
+
+        from quiver_serve.engine.procs.model_manager import PLAN_FILE
+        from quiver_serve.models.startup import current_plan
+
+        plan = current_plan(cfg, Path(addrs.run_dir) / PLAN_FILE)
+        core = build_core(cfg, graph, index, pool, live=live, plan=plan)
         from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 
         core.on_stats = EngineMetrics().observe
@@ -154,6 +163,10 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
         front.setsockopt(zmq.RCVHWM, 0)
         bind_fresh(front, addrs.engine(index))
         poller.register(front, zmq.POLLIN)
+        admin = ctx.socket(zmq.ROUTER)
+        admin.setsockopt(zmq.LINGER, 0)
+        bind_fresh(admin, addrs.engine_admin(index))
+        poller.register(admin, zmq.POLLIN)
     except Exception as exc:  # noqa: BLE001 - reported on the control line, then exit 1
         exit_failed(reporter, exc)
     import signal
@@ -164,8 +177,10 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
                   gpu_sampler=getattr(core.gpu_sampler, "name", None), dim=core.model.out_dim,
                   features_on=str(core.features.device), gc_frozen_objects=gc_watch.frozen_objects,
                   **core.features.describe())
-    EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3,
-               gc_watch.flush, table_sync).run()
+    loop = EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3,
+                      gc_watch.flush, table_sync)
+    loop.admin = ModelCalls(core, admin)
+    loop.run()
 
 
 def _table_metrics(core: EngineCore, index: int) -> Callable[[], None] | None:
@@ -213,6 +228,8 @@ class EngineLoop:
         self.reporter, self.spin_s = reporter, spin_s
         self.flush_gc = flush_gc or (lambda: 0)
         self.table_sync = table_sync or (lambda: None)
+        #: the main process's model calls (``ModelCalls``); None: models fixed at start-up
+        self.admin: ModelCalls | None = None
 
     def run(self) -> None:
         core = self.core
@@ -236,6 +253,8 @@ class EngineLoop:
                     else IDLE_POLL_MS
             events = dict(self.poller.poll(timeout_ms))
             replies = self._take_input() if events.get(self.front) else []
+            if self.admin is not None and events.get(self.admin.sock):
+                self.admin.take()
             if self.pool is not None:
                 replies += self.pool.drain(core, events)
             replies += core.step()
@@ -271,7 +290,8 @@ class EngineLoop:
                             view(frames[2], np.int64), view(frames[3], np.int64),
                             view(frames[4], np.float64),
                             outstanding_ids=head.outstanding_ids,
-                            min_version=getattr(head, "min_version", 0))
+                            min_version=head.min_version, model=head.model,
+                            version=head.version)
             if getattr(head, "new_nodes", 0):
                 from quiver_serve.wire import decode_inductive
 
@@ -298,6 +318,61 @@ class EngineLoop:
             self.front.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # the client went away: nobody to answer
             log.debug("reply to %s dropped: %s", reply.client.hex(), exc)
+
+
+class ModelCalls:
+    """The main process's model calls to this engine core (``wire.ModelCall``), answered on the
+    same socket; loads and unloads answer when they are done (``engine/core/model_load.py``),
+    always from the loop thread."""
+
+    def __init__(self, core: EngineCore, sock: zmq.Socket) -> None:
+        self.core, self.sock = core, sock
+
+    def take(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                call = Decoders.model_call.decode(frames[1])
+            except Exception as exc:  # noqa: BLE001 - no call id to answer: logged, dropped
+                log.error("engine %d: unreadable model call dropped: %s", self.core.index, exc)
+                continue
+            self._run(frames[0], call)
+
+    def _run(self, ident: bytes, call: ModelCall) -> None:
+        core = self.core
+
+        def done(result: dict[str, Any] | None, error: str | None) -> None:
+            reply = ModelReply(call.call_id, error is None, result or {}, error or "")
+            try:
+                self.sock.send_multipart([ident, encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the main process went away
+                log.debug("model reply dropped: %s", exc)
+
+        try:
+            if call.op == "load":
+                core.loads.load(ModelSpec.from_dict(call.spec), done)
+            elif call.op == "unload":
+                core.loads.unload(call.name, call.version, done)
+            elif call.op == "activate":
+                core.models.set_traffic(call.name, {int(v): w for v, w in call.traffic.items()})
+                if call.default:
+                    core.models.default = call.default
+                core.loads.follow_table(call.name)  # the exact table follows the main version
+                done(self.describe(), None)
+            elif call.op == "list":
+                done(self.describe(), None)
+            else:
+                done(None, f"unknown model op {call.op!r}")
+        except Exception as exc:  # noqa: BLE001 - answered, never fatal to the engine
+            log.exception("engine %d: model call %s failed", core.index, call.op)
+            done(None, f"{type(exc).__name__}: {exc}")
+
+    def describe(self) -> dict[str, Any]:
+        return {"default": self.core.models.default,
+                "slots": [s.describe() for s in self.core.models.each()]}
 
 
 def _peek_seq(frames: list[Any]) -> int | None:

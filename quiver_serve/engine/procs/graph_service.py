@@ -80,20 +80,32 @@ class WriterCalls:
     """The writer's operations by name, bounded; see the module docstring."""
 
     def __init__(self, writer: Any, num_engines: int, max_queued: int = MAX_QUEUED_CALLS,
-                 workers: int = WORKER_THREADS) -> None:
+                 workers: int = WORKER_THREADS, models: Any = None,
+                 read_only_reason: str | None = None) -> None:
         self.writer, self.num_engines, self.max_queued = writer, num_engines, max_queued
+        #: the model repository's calls (``model_manager.ModelManager``); None: none
+        self.models, self.read_only_reason = models, read_only_reason
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="quiver-graph")
         self._lock = threading.Lock()
         self.queued = 0
 
-    def run(self, op: str, arrays: list[Any], deadline_s: float = 0.0) -> dict[str, Any]:
-        """One call, in this thread: the writer's answer, or a ServeError."""
+    def run(self, op: str, arrays: list[Any], deadline_s: float = 0.0,
+            params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One call, in this thread: the writer's (or the model manager's) answer, or a
+        ServeError."""
         if deadline_s and time.time() > deadline_s:
-            raise errors.ServeError("deadline_exceeded", f"graph {op}: the caller stopped "
+            raise errors.ServeError("deadline_exceeded", f"{op}: the caller stopped "
                                     "waiting before it started; nothing was changed", 504)
         writer = self.writer
         try:
-            if op == "add_edges":
+            if op.startswith("model_"):
+                if self.models is None:
+                    raise errors.ServeError("model_repository_unavailable",
+                                            "this daemon has no model manager", 400)
+                result = self.models.call(op, params or {})
+            elif writer is None:
+                raise unavailable(self.read_only_reason)
+            elif op == "add_edges":
                 result = writer.add_edges(arrays[0], arrays[1])
             elif op == "add_nodes":
                 result = writer.add_nodes(arrays[0])
@@ -111,14 +123,15 @@ class WriterCalls:
             raise errors.internal_error(exc, f"graph {op}", log) from None
         return plain(result)  # type: ignore[no-any-return]
 
-    def submit(self, op: str, arrays: list[Any], deadline_s: float = 0.0) -> Future[dict[str, Any]]:
+    def submit(self, op: str, arrays: list[Any], deadline_s: float = 0.0,
+               params: dict[str, Any] | None = None) -> Future[dict[str, Any]]:
         """``run`` on a worker thread; 503 at once when ``max_queued`` calls are admitted."""
         with self._lock:
             if self.queued >= self.max_queued:
                 raise errors.overloaded(f"{self.queued} graph calls are in progress; retry later")
             self.queued += 1
         try:
-            future = self._pool.submit(self.run, op, arrays, deadline_s)
+            future = self._pool.submit(self.run, op, arrays, deadline_s, params)
         except RuntimeError:  # the pool is shut down: the daemon is stopping
             self._release(None)
             raise errors.unavailable("shutting_down", "the server is shutting down") from None
@@ -154,8 +167,10 @@ class GraphService:
     """The writer's calls for the front-end processes; see the module docstring."""
 
     def __init__(self, writer: Any, address: str, num_engines: int,
-                 max_queued: int = MAX_QUEUED_CALLS) -> None:
-        self.calls = WriterCalls(writer, num_engines, max_queued)
+                 max_queued: int = MAX_QUEUED_CALLS, models: Any = None,
+                 read_only_reason: str | None = None) -> None:
+        self.calls = WriterCalls(writer, num_engines, max_queued, models=models,
+                                 read_only_reason=read_only_reason)
         self.address = address
         self._outbox: deque[tuple[bytes, GraphReply]] = deque()
         self._outbox_lock = threading.Lock()
@@ -203,7 +218,7 @@ class GraphService:
                 continue
             try:
                 arrays = graph_arrays(call, frames[2:])
-                future = self.calls.submit(call.op, arrays, call.deadline_s)
+                future = self.calls.submit(call.op, arrays, call.deadline_s, call.params)
             except ValueError as exc:
                 self._reply(ident, GraphReply(call.call_id, error=GraphError(
                     "invalid_request", f"graph {call.op}: {exc}", 400)))

@@ -183,6 +183,8 @@ class ChildSet:
         self.limit, self.hang_timeout_s = start_failure_limit, hang_timeout_s
         self.on_restart, self.on_death, self.may_restart = on_restart, on_death, may_restart
         self.on_fatal: Callable[[str], None] = _nothing
+        #: sees each child that reports ready (after a restart too)
+        self.on_ready: Callable[[Child], None] = _nothing
         #: the give-up line, once a child reached the start-failure limit (nothing restarts then)
         self.fatal: str | None = None
 
@@ -213,6 +215,8 @@ class ChildSet:
         """One turn: read the control line, then kill the hung, note the dead, restart those
         due; returns the children that became ready."""
         became = self.read_control(timeout_ms)
+        for child in became:
+            self.on_ready(child)
         for child in self.children:
             if self.fatal is None:
                 self.check(child, time.monotonic())
@@ -316,6 +320,12 @@ class Supervisor:
                              on_restart=lambda role: self.on_restart(role))
         self._started = False
         self.kids.on_fatal = self._on_fatal
+        from quiver_serve.engine.procs.model_manager import ModelManager
+        from quiver_serve.models.startup import start_plan
+
+        #: the model repository's calls (DESIGN §9); the plan is checked before any child starts
+        self.models = ModelManager(cfg, self.addrs, len(self.engines), start_plan(cfg),
+                                   graph.num_features, self._engine_up)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -342,6 +352,8 @@ class Supervisor:
             for child in group:
                 child.start()
             self._wait_ready(group, what)
+        self.models.refresh_dims()
+        self.kids.on_ready = self._child_ready
         self._started = True
         self._thread = threading.Thread(target=self.kids.watch, args=(self._stop,),
                                         name="quiver-supervisor", daemon=True)
@@ -373,6 +385,14 @@ class Supervisor:
     @property
     def graph_read_only_reason(self) -> str | None:
         return self.owner.read_only_reason
+
+    def _engine_up(self, i: int) -> bool:
+        child = self.engines[i]
+        return child.ready and child.alive()
+
+    def _child_ready(self, child: Child) -> None:
+        if child.role == "engine":
+            self.models.engine_ready(child.index)
 
     def _live_readers(self) -> list[tuple[str, int]]:
         """(role, index) of every live engine core and CPU sampler (they apply the updates)."""
@@ -406,6 +426,7 @@ class Supervisor:
         for child in self.engines + self.samplers:
             child.stop(timeout_s)
         self._control.close(linger=0)
+        self.models.stop()
         self._ctx.term()
         shutil.rmtree(self.addrs.run_dir, ignore_errors=True)
         self.owner.stop()

@@ -200,14 +200,14 @@ def test_malformed_micro_batch_is_refused(cora: GraphData) -> None:
 def test_a_failing_batch_answers_500_with_an_error_id_and_the_engine_goes_on(
         cora: GraphData, caplog: pytest.LogCaptureFixture) -> None:
     core = make_core(cora)
-    real = core.model
+    real = core.primary.served
 
     def broken(*args: object, **kwargs: object) -> None:
         raise ValueError("secret internal detail")
 
-    core.model = broken  # type: ignore[assignment]
+    core.primary.served = broken  # type: ignore[assignment]
     reply = run(core, mb(0, [[1], [2]]))[0]
-    core.model = real
+    core.primary.served = real
     errs = reply.done.errors
     assert [e.status for e in errs] == [500, 500]
     assert "secret" not in errs[0].message and "id " in errs[0].message

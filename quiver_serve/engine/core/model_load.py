@@ -1,0 +1,322 @@
+"""Loads and unloads of model versions while the engine core serves (DESIGN §9).
+
+A load builds the new version in a thread beside the serving loop: the module from its spec and
+its weights-only ``state_dict`` (``models/served.py`` names what is wrong: a missing file, a
+shape mismatch, an import error, NaN weights), the fast layers and their check against PyG's,
+the CUDA graphs (captured thread-locally on their own stream, so the loop's kernels go on), and
+one sampled and one exact warm-up forward whose rows must be finite. Only then does the loop
+thread take it in (:meth:`ModelLoads.poll`, between two steps): GCN's degrees are brought up to
+the graph the core serves now and the slot joins the table, serving pinned requests at once and
+unpinned ones once the main process sets its traffic weight. A failed build leaves nothing
+behind: its tensors and graphs are dropped and the CUDA cache is emptied.
+
+An unload marks the slot draining (no new requests resolve to it); what it holds finishes on it,
+then it is released. Requests still waiting after ``unload_drain_s`` are answered 503.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from quiver_serve.engine.core import model_tables
+from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.engine.core.model_slots import DRAINING, ModelSlot
+from quiver_serve.models.served import ServedModel, build_model
+from quiver_serve.models.spec import ModelSpec
+from quiver_serve.sampling import make_cpu_sampler
+from quiver_serve.sampling.base import BaseSampler, new_batch_seed
+from quiver_serve.wire import MicroBatchDone, RequestError
+
+log = logging.getLogger(__name__)
+
+#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
+EngineCore = Any
+#: called once with the loaded slot's description, or with the error that stopped the load
+Done = Callable[[dict[str, Any] | None, str | None], None]
+WARM_SEEDS = 8
+#: loads one engine core takes at once (more are refused, named)
+MAX_QUEUED_LOADS = 16
+#: the loader thread wakes this often when idle
+LOADER_IDLE_S = 1.0
+
+
+class ModelLoads:
+    """Builds in flight and slots draining, for one engine core; see the module docstring."""
+
+    def __init__(self, core: EngineCore, precision: str, fast: bool,
+                 cuda_graph_max_seeds: int, unload_drain_s: float) -> None:
+        self.core, self.precision, self.fast = core, precision, fast
+        self.cuda_graph_max_seeds = cuda_graph_max_seeds
+        self.unload_drain_s = unload_drain_s
+        self._built: deque[tuple[ModelSlot | None, str | None, Done]] = deque()
+        self._draining: dict[int, tuple[ModelSlot, Done]] = {}
+        self._queue: queue.Queue[tuple[ModelSpec, Done]] = queue.Queue(MAX_QUEUED_LOADS)
+        self._thread: threading.Thread | None = None
+        self._stream: Any = None  # the loader thread's CUDA stream
+        self._lock = threading.Lock()
+        self._asked: list[model_tables.Hold] = []  # holds on updates loaders wait for
+        self._dead: list[ModelSlot] = []  # failed builds whose hold the loop gives back
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._built or self._draining or self._asked or self._dead
+                    or self.core.updates_held)
+
+    def _ask(self, hold: model_tables.Hold) -> None:
+        with self._lock:
+            self._asked.append(hold)
+
+    # ---- load ----------------------------------------------------------------------------------
+    def load(self, spec: ModelSpec, done: Done) -> None:
+        """Build ``spec`` on the loader thread; ``done`` is called from the loop thread once it
+        serves (or failed)."""
+        if self.core.models.get(spec.name, spec.version) is not None:
+            done(None, f"model {spec.name!r} version {spec.version} is loaded already")
+            return
+        try:
+            self._queue.put_nowait((spec, done))
+        except queue.Full:
+            done(None, f"{MAX_QUEUED_LOADS} loads are queued in engine {self.core.index}; "
+                 "retry when they are done")
+            return
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"quiver-model-loader-{self.core.index}")
+            self._thread.start()
+
+    def _run(self) -> None:
+        """The loader thread: one for the core's life, so its CUDA streams (and the cuBLAS
+        workspaces kept per thread and stream) are made once, not per load."""
+        if self.core.on_gpu:
+            torch.cuda.set_device(self.core.device)  # per thread: this one builds there
+            self._stream = torch.cuda.Stream(self.core.device)
+        while True:
+            try:
+                spec, done = self._queue.get(timeout=LOADER_IDLE_S)
+            except queue.Empty:
+                continue
+            self._build(spec, done)
+
+    def _build(self, spec: ModelSpec, done: Done) -> None:
+        slot: ModelSlot | None = None
+        try:
+            slot = build_slot(self.core, spec, self.precision, self.fast,
+                              self.cuda_graph_max_seeds, self._stream)
+            if model_tables.wants_table(self.core, slot):
+                model_tables.build_pending_table(self.core, slot, self._ask)
+            result: tuple[ModelSlot | None, str | None, Done] = (slot, None, done)
+        except Exception as exc:  # noqa: BLE001 - a failed load is answered, never fatal
+            log.warning("engine %d: loading %s version %d failed: %s", self.core.index,
+                        spec.name, spec.version, exc)
+            if slot is not None:
+                release(slot)
+                with self._lock:
+                    self._dead.append(slot)
+            release_cache(self.core.device)
+            result = (None, f"{type(exc).__name__}: {exc}", done)
+        with self._lock:
+            self._built.append(result)
+
+    # ---- unload --------------------------------------------------------------------------------
+    def unload(self, name: str, version: int, done: Done) -> None:
+        """Drain, then release, ``name`` version ``version``."""
+        slot = self.core.models.get(name, version)
+        if slot is None:
+            done(None, f"model {name!r} version {version} is not loaded")
+            return
+        slot.state, slot.weight = DRAINING, 0.0
+        slot.drain_since_s = time.monotonic()
+        model_tables.discard_pending(self.core, slot)
+        self._draining[id(slot)] = (slot, done)
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def poll(self) -> list[Reply]:
+        """Between two steps: take finished builds in, release drained slots."""
+        replies: list[Reply] = []
+        with self._lock:
+            asked, self._asked = self._asked, []
+            dead, self._dead = self._dead, []
+        model_tables.give_holds(self.core, asked)
+        for slot in dead:
+            model_tables.discard_pending(self.core, slot)
+        if self.core.updates_held:
+            model_tables.expire_holds(self.core)
+        while self._built:
+            with self._lock:
+                slot, error, done = self._built.popleft()
+            if slot is not None:
+                error = self._install(slot)
+            done(slot.describe() if slot is not None and error is None else None, error)
+        for key, (slot, done) in list(self._draining.items()):
+            replies += self._drain(slot)
+            if not in_use(self.core, slot):
+                del self._draining[key]
+                self._release_slot(slot)
+                done({"name": slot.name, "version": slot.version, "released": True}, None)
+        return replies
+
+    def _install(self, slot: ModelSlot) -> str | None:
+        core = self.core
+        if core.models.get(slot.name, slot.version) is not None:
+            model_tables.discard_pending(core, slot)
+            release(slot)
+            return f"model {slot.name!r} version {slot.version} is loaded already"
+        if slot.served.gcn_norm is not None and core.current_degrees is not None:
+            degree, loops = core.current_degrees()
+            nodes = torch.arange(degree.numel(), dtype=torch.int64)
+            slot.served.update_degrees(nodes, degree, loops)
+        core.models.add(slot)
+        log.info("engine %d: %s version %d serving (load %s)", core.index, slot.name,
+                 slot.version, {k: round(v, 3) for k, v in slot.load_s.items()})
+        return None
+
+    def _drain(self, slot: ModelSlot) -> list[Reply]:
+        """Past the drain limit: answer the slot's waiting requests 503 (batches already
+        sampling or computing finish)."""
+        if time.monotonic() - slot.drain_since_s < self.unload_drain_s:
+            return []
+        core = self.core
+        mine = [mb for mb in core.waiting if mb.slot is slot]
+        if not mine and not any(mb.slot is slot for mb in core.exact_waiting) \
+                and not any(mb.slot is slot for mb in core.parked):
+            return []
+        keep = [mb for mb in core.waiting if mb.slot is not slot]
+        core.waiting.clear()
+        core.waiting.extend(keep)
+        core._waiting_ids = sum(mb.num_ids for mb in keep)
+        core._waiting_draws = sum(mb.draws for mb in keep)
+        gone = mine + [mb for mb in core.exact_waiting if mb.slot is slot] \
+            + [mb for mb in core.parked if mb.slot is slot]
+        core.exact_waiting = [mb for mb in core.exact_waiting if mb.slot is not slot]
+        parked = [mb for mb in core.parked if mb.slot is not slot]
+        core.parked.clear()
+        core.parked.extend(parked)
+        return [_refuse(mb, slot) for mb in gone]
+
+    def follow_table(self, name: str) -> None:
+        """``name``'s traffic split changed: the exact table follows its main version."""
+        model_tables.follow_table(self.core, name)
+
+    def _release_slot(self, slot: ModelSlot) -> None:
+        core = self.core
+        core.models.remove(slot)
+        model_tables.discard_pending(core, slot)
+        if core.exact_table is not None and core.exact_table.model.served is slot.served:
+            core.drop_exact_table(f"{slot.name} version {slot.version} was unloaded")
+        if slot is core.primary:
+            rest = core.models.of(core.models.default) or core.models.each()
+            if rest:
+                core.primary = rest[-1]
+                core.model = core.primary.served
+        release(slot)
+        release_cache(core.device)
+        log.info("engine %d: %s version %d released", core.index, slot.name, slot.version)
+
+
+def _refuse(mb: MicroBatch, slot: ModelSlot) -> Reply:
+    msg = (f"model {slot.name!r} version {slot.version} was unloaded before this request ran "
+           "(it waited past models.unload_drain_s)")
+    errs = [RequestError(i, "model_version_unavailable", msg, 503) for i in range(mb.num_requests)]
+    return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+
+
+def in_use(core: EngineCore, slot: ModelSlot) -> bool:
+    """Whether any work the core holds runs on ``slot``."""
+    if any(mb.slot is slot for group in (core.waiting, core.exact_waiting, core.parked)
+           for mb in group):
+        return True
+    return any(b.slot is slot for group in (core.sampling.values(), core.sampled, core.in_flight)
+               for b in group)
+
+
+def release(slot: ModelSlot) -> None:
+    """Drop the slot's tensors and CUDA graphs (it is unusable after)."""
+    slot.graphed = None
+    slot.served.release()
+
+
+def release_cache(device: torch.device) -> None:
+    """Return freed blocks to the device, so an unloaded version's memory is free for others."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ---- building one version (the loader thread) ------------------------------------------------------
+def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
+               cuda_graph_max_seeds: int, stream: Any = None) -> ModelSlot:
+    """The slot of ``spec`` on the core's device, checked and warmed up; raises naming what is
+    wrong. ``stream``: the CUDA stream to build on (default: a new one)."""
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fanouts = spec.fanouts_or(core.fanouts)
+    if len(fanouts) != spec.num_layers:
+        raise ValueError(f"{spec.name}: {len(fanouts)} fanouts for {spec.num_layers} layers")
+    module = build_model(spec, core.features.dim)
+    degree, loops = core.current_degrees() if core.current_degrees is not None else (None, None)
+    served = ServedModel(module, degree, loops, precision=precision, fast=fast,
+                         capacity=None if degree is None else int(degree.numel()),
+                         in_channels=core.features.dim)
+    served.to(core.device)
+    slot = ModelSlot(spec, served, fanouts)
+    times["build_s"] = time.perf_counter() - t0
+    sampler = loader_sampler(core)
+    if stream is None and core.on_gpu:
+        stream = torch.cuda.Stream(core.device)
+    with torch.cuda.stream(stream) if stream is not None else _null():
+        t1 = time.perf_counter()
+        if served.fast is not None:
+            core.check_fast_model(slot=slot, sampler=sampler)
+        warm_up(core, slot, sampler)
+        times["warm_up_s"] = time.perf_counter() - t1
+    if stream is not None:
+        stream.synchronize()
+        t2 = time.perf_counter()
+        core.capture_graphs(cuda_graph_max_seeds, slot, sampler, stream=stream)
+        times["cuda_graphs_s"] = time.perf_counter() - t2
+    slot.load_s = times
+    return slot
+
+
+def loader_sampler(core: EngineCore) -> BaseSampler:
+    """A sampler of its own over the base graph (the loop's samplers are not shared across
+    threads); its samples only check and warm the new version."""
+    ref = core.local_sampler
+    return make_cpu_sampler(ref.indptr, ref.indices, "reference")
+
+
+@torch.no_grad()
+def warm_up(core: EngineCore, slot: ModelSlot, sampler: BaseSampler) -> None:
+    """One sampled and one exact forward of a few seeds; their rows must be finite."""
+    n = max(min(sampler.num_nodes, core.num_nodes), 1)
+    seeds = torch.from_numpy(np.random.default_rng().integers(0, n, WARM_SEEDS))
+    for exact in (False, True):
+        fanouts = [-1] * len(slot.fanouts) if exact else slot.fanouts
+        sb = sampler.sample(seeds, fanouts, new_batch_seed())
+        n_id = sb.n_id.to(core.device)
+        x = core.features.gather(n_id)
+        out = slot.served(x, n_id, sb.edge_index.to(core.device, torch.int64),
+                          sb.num_sampled_nodes, sb.num_sampled_edges, exact)
+        rows = out.index_select(0, sb.seed_index.to(core.device)).float()
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"{slot.name} version {slot.version} answers NaN or inf "
+                             f"({'exact' if exact else 'sampled'} warm-up)")
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,135 @@
+"""The exact table across a model change (DESIGN §8): a new version of the table's model gets
+its own table, built beside the old one while the load builds the version, and the two swap
+when the new version takes the model's traffic.
+
+The table must be exact for the version the core serves, so while the new table builds (and
+until the swap or until the version is dropped) the core applies no update: the load asks the
+loop thread for a :class:`Hold` and builds once it is given, so the graph it reads does not move.
+The swap (:func:`follow_table`) happens in the loop thread when the main process sets the new
+traffic split: the version with the largest weight keeps a table; the new table's refresh thread
+starts at the version the core serves, the old table's stops, and exact requests waiting for the
+old table go to the on-the-fly path. A hold is given back at the swap, when its version is
+dropped or failed, and at the latest after ``HOLD_LIMIT_S`` (the pending table is then
+discarded: a table may never be served stale).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from quiver_serve.engine.core.model_slots import ModelSlot
+
+log = logging.getLogger(__name__)
+
+EngineCore = Any
+#: the longest updates are held for a pending table (its version never took the traffic)
+HOLD_LIMIT_S = 60.0
+
+
+class Hold:
+    """One hold on the core's updates, asked for by a loader thread, given by the loop."""
+
+    def __init__(self) -> None:
+        self.given = threading.Event()
+        self.since_s = 0.0
+        self.active = False
+
+
+def wants_table(core: EngineCore, slot: ModelSlot) -> bool:
+    """Whether ``slot`` is a version of the model the exact table serves."""
+    table = core.exact_table
+    return table is not None and core.table_args is not None \
+        and getattr(core, "table_model", None) == slot.name
+
+
+def build_pending_table(core: EngineCore, slot: ModelSlot, ask: Any) -> None:
+    """In the loader thread: hold updates (``ask(hold)`` queues it for the loop), then build
+    ``slot``'s table. A failure leaves the slot without one (its exact requests are computed
+    on the fly) and the hold to be given back by the loop."""
+    from quiver_serve.engine.core.exact_table import new_exact_table
+
+    hold = Hold()
+    slot.hold = hold
+    ask(hold)
+    if not hold.given.wait(HOLD_LIMIT_S):
+        log.warning("engine %d: no hold on updates for %s version %d's exact table: built "
+                    "without one", core.index, slot.name, slot.version)
+        return
+    cfg, static, capacity = core.table_args
+    t0 = time.perf_counter()
+    try:
+        slot.pending_table = new_exact_table(core, cfg, static, capacity, slot.served,
+                                             progress=False)
+    except Exception as exc:  # noqa: BLE001 - the version serves; its exact answers on the fly
+        log.warning("engine %d: exact table of %s version %d failed: %s", core.index, slot.name,
+                    slot.version, exc)
+    slot.load_s["exact_table_s"] = time.perf_counter() - t0
+
+
+def give_holds(core: EngineCore, asked: list[Hold]) -> None:
+    """In the loop thread: hold updates for every loader that asked."""
+    while asked:
+        hold = asked.pop()
+        core.updates_held += 1
+        hold.active, hold.since_s = True, time.monotonic()
+        hold.given.set()
+
+
+def release_hold(core: EngineCore, slot: ModelSlot) -> None:
+    hold, slot.hold = slot.hold, None
+    if hold is not None and hold.active:
+        hold.active = False
+        core.updates_held -= 1
+
+
+def discard_pending(core: EngineCore, slot: ModelSlot) -> None:
+    """Drop ``slot``'s pending table and give back its hold."""
+    table, slot.pending_table = slot.pending_table, None
+    if table is not None:
+        table.stop()
+    release_hold(core, slot)
+
+
+def expire_holds(core: EngineCore) -> None:
+    """Give back holds kept past ``HOLD_LIMIT_S`` (their tables are discarded)."""
+    now = time.monotonic()
+    for slot in core.models.each():
+        if slot.hold is not None and slot.hold.active and now - slot.hold.since_s > HOLD_LIMIT_S:
+            log.warning("engine %d: %s version %d did not take the traffic within %.0f s: its "
+                        "exact table is discarded", core.index, slot.name, slot.version,
+                        HOLD_LIMIT_S)
+            discard_pending(core, slot)
+
+
+def follow_table(core: EngineCore, name: str) -> None:
+    """In the loop thread, after ``name``'s traffic split changed: the version with the largest
+    weight takes the table (swapped in if it has a pending one); other pending tables go."""
+    slots = core.models.of(name)
+    active = [s for s in slots if s.weight > 0]
+    main = max(active, key=lambda s: (s.weight, s.version)) if active else None
+    for slot in slots:
+        if slot.pending_table is not None and slot is not main:
+            discard_pending(core, slot)
+    if main is None or main.pending_table is None:
+        if main is not None:
+            release_hold(core, main)
+        return
+    new, main.pending_table = main.pending_table, None
+    from quiver_serve.engine.core.exact_table import start_refresh
+
+    start_refresh(core, new)
+    old, core.exact_table = core.exact_table, new
+    if old is not None:
+        old.stop()
+    waiting, core.exact_waiting = core.exact_waiting, []
+    for mb in waiting:
+        if mb.slot is main:
+            core.exact_waiting.append(mb)
+        else:
+            core.enqueue(mb)  # its version no longer has the table
+    release_hold(core, main)
+    log.info("engine %d: exact table now serves %s version %d", core.index, main.name,
+             main.version)

@@ -1,0 +1,380 @@
+"""The model repository's calls, in the main process (DESIGN §9): which versions of which models
+every engine core serves, and the state the front-ends publish.
+
+* ``load(name, config)``: the versions the model's policy names (``config`` may change only
+  ``version_policy`` and ``traffic``) that are not loaded yet are built in every engine core
+  beside the serving versions (``engine/core/model_load.py``). When every core has them, the
+  traffic split moves to the new weights in each core at its next batch boundary, then versions
+  the policy no longer names are unloaded (drained first). If any core fails to build a version,
+  the cores that built it drop it again, the old versions keep serving, and the call answers 400
+  ``model_load_failed`` naming the version, the core and the cause.
+* ``unload(name)``: every version drains and is released.
+* ``index()``: every model and version in the repository with its state (READY, LOADING,
+  UNLOADING, UNAVAILABLE) and why.
+
+One call per model at a time (another gets 503); calls of different models run together. The
+engine cores are reached on their admin sockets (``wire.ModelCall``); a core that restarts comes
+up with the start-up plan and is brought to the current versions and splits when it reports
+ready (:meth:`ModelManager.engine_ready`). Every call that changes something is logged with what
+it changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig, resolve_path
+from quiver_serve.models.served import weights_label
+from quiver_serve.models.spec import ModelSpec
+from quiver_serve.models.startup import ModelPlan, StartPlan, save_plan
+from quiver_serve.wire import Decoders, ModelCall, ModelReply, RunAddresses, encode
+
+log = logging.getLogger(__name__)
+
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+#: the serving plan in the run directory, read by engine cores when they (re)start
+PLAN_FILE = "models-plan.json"
+#: a call that only reads or sets weights waits this long for an engine core
+QUICK_CALL_S = 10.0
+
+
+@dataclass
+class VersionState:
+    spec: ModelSpec
+    state: str
+    reason: str = ""
+    dim: int = 0
+
+
+@dataclass
+class ModelState:
+    versions: dict[int, VersionState] = field(default_factory=dict)
+    traffic: dict[int, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ModelManager:
+    """See the module docstring. ``alive(i)``: engine core ``i`` is up and ready."""
+
+    def __init__(self, cfg: ServeConfig, addrs: RunAddresses, num_engines: int, plan: StartPlan,
+                 num_features: int, alive: Callable[[int], bool]) -> None:
+        self.cfg, self.addrs, self.num_engines = cfg, addrs, num_engines
+        self.num_features, self.alive = num_features, alive
+        self.default = plan.default
+        self.repo: Any = None
+        if cfg.models.repository is not None:
+            from quiver_serve.models.repository import ModelRepository
+
+            self.repo = ModelRepository(resolve_path(cfg.models.repository))
+        self.models: dict[str, ModelState] = {}
+        for model in plan.models:
+            state = self.models[model.name] = ModelState(traffic=dict(model.traffic))
+            for spec in model.specs:
+                state.versions[spec.version] = VersionState(spec, READY)
+        #: what a restarted engine core starts with (``models/startup.current_plan``)
+        self.plan_path = Path(addrs.run_dir) / PLAN_FILE
+        self.save_plan()
+        self._ids = itertools.count()
+        self._ctx = zmq.Context()
+        self._io = threading.Lock()  # the engine sockets are used by one call at a time
+        self._socks: dict[int, zmq.Socket] = {}
+
+    def note_dims(self, slots: list[dict[str, Any]]) -> None:
+        """Output widths from an engine core's slot list (``ModelCalls.describe``)."""
+        for s in slots:
+            vs = self.models.get(s["name"], ModelState()).versions.get(int(s["version"]))
+            if vs is not None and isinstance(s.get("dim"), int):
+                vs.dim = s["dim"]
+
+    def refresh_dims(self) -> None:
+        """Ask one engine core for every loaded version's width (after start-up)."""
+        for i in range(self.num_engines):
+            if self.alive(i):
+                self.note_dims(self._one(i, "list", QUICK_CALL_S).result.get("slots", []))
+                return
+
+    # ---- the calls ------------------------------------------------------------------------------
+    def call(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        """``model_index`` / ``model_load`` / ``model_unload`` (``wire.GRAPH_OPS``)."""
+        if op == "model_index":
+            return {"models": self.index(bool(params.get("ready", False)))}
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise errors.ServeError("invalid_request", f"{op} needs a model name", 400)
+        if op == "model_load":
+            config = params.get("config")
+            if config is not None and not isinstance(config, dict):
+                raise errors.ServeError("invalid_model_config",
+                                        "load config must be a JSON object", 400)
+            return self.load(name, config)
+        if op == "model_unload":
+            return self.unload(name)
+        raise errors.ServeError("invalid_request", f"unknown model op {op!r}", 400)
+
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        seen: set[tuple[str, int | None]] = set()
+        for name, state in sorted(self.models.items()):
+            for v, vs in sorted(state.versions.items()):
+                rows.append({"name": name, "version": v, "state": vs.state, "reason": vs.reason})
+                seen.add((name, v))
+        if self.repo is not None:
+            for row in self.repo.index():
+                key = (row["name"], row["version"])
+                if key not in seen:
+                    rows.append({"name": row["name"], "version": row["version"],
+                                 "state": UNAVAILABLE, "reason": "unloaded"})
+        rows.sort(key=lambda r: (r["name"], r["version"] or 0))
+        return [r for r in rows if r["state"] == READY] if ready_only else rows
+
+    def load(self, name: str, config: dict[str, Any] | None) -> dict[str, Any]:
+        specs, traffic = self._plan(name, config)
+        state = self.models.setdefault(name, ModelState())
+        if not state.lock.acquire(blocking=False):
+            raise errors.unavailable("model_busy", f"a load or unload of model {name!r} is "
+                                     "in progress; retry when it is done")
+        try:
+            t0 = time.monotonic()
+            new = [s for s in specs if s.version not in state.versions
+                   or state.versions[s.version].state != READY]
+            self._build_all(name, state, new)
+            self._activate(name, traffic)
+            state.traffic = dict(traffic)
+            keep = {s.version for s in specs}
+            dropped = [v for v, vs in state.versions.items()
+                       if v not in keep and vs.state == READY]
+            self._unload_versions(name, state, dropped)
+            self.save_plan()
+            log.info("admin: model load %s (config %s): loaded versions %s, unloaded %s, "
+                     "traffic %s, %.2f s", name, config, [s.version for s in new], dropped,
+                     traffic, time.monotonic() - t0)
+            return self._describe(name)
+        finally:
+            state.lock.release()
+
+    def unload(self, name: str) -> dict[str, Any]:
+        state = self.models.get(name)
+        if state is None or not any(v.state == READY for v in state.versions.values()):
+            if self.repo is not None and name in self.repo.names():
+                return {"name": name, "versions": {}, "traffic": {}}  # nothing loaded: done
+            raise errors.ServeError("model_not_found", f"no model named {name!r}", 404)
+        if not state.lock.acquire(blocking=False):
+            raise errors.unavailable("model_busy", f"a load or unload of model {name!r} is "
+                                     "in progress; retry when it is done")
+        try:
+            versions = [v for v, vs in state.versions.items() if vs.state == READY]
+            self._activate(name, {})
+            self._unload_versions(name, state, versions)
+            state.traffic = {}
+            self.save_plan()
+            log.info("admin: model unload %s: versions %s drained and released", name, versions)
+            return self._describe(name)
+        finally:
+            state.lock.release()
+
+    def _plan(self, name: str, config: dict[str, Any] | None) -> tuple[list[ModelSpec],
+                                                                         dict[int, float]]:
+        if self.repo is None:
+            raise errors.ServeError("model_repository_unavailable",
+                                    "this daemon has no model repository (models.repository); "
+                                    "its model is fixed at start-up", 400)
+        from quiver_serve.models.repository import RepositoryError
+
+        if name not in self.repo.names():
+            raise errors.ServeError("model_not_found",
+                                    f"no model named {name!r} in the repository", 404)
+        try:
+            specs, traffic = self.repo.specs(name, config)
+        except (RepositoryError, ValueError) as exc:
+            raise errors.ServeError("invalid_model_config", str(exc), 400) from None
+        if not specs:
+            raise errors.ServeError("invalid_model_config",
+                                    f"model {name!r}: its version policy names no version", 400)
+        return specs, {int(v): float(w) for v, w in traffic.items()}
+
+    def save_plan(self) -> None:
+        """The versions and splits serving now, for engine cores that restart."""
+        models = []
+        for name, state in self.models.items():
+            specs = [vs.spec for _, vs in sorted(state.versions.items()) if vs.state == READY]
+            if specs:
+                models.append(ModelPlan(name, specs, dict(state.traffic)))
+        if any(m.name == self.default for m in models):
+            save_plan(StartPlan(self.default, models), self.plan_path)
+        else:  # the default model was unloaded: restarted cores serve what is loaded
+            fallback = models[0].name if models else self.default
+            if models:
+                save_plan(StartPlan(fallback, models), self.plan_path)
+
+    # ---- engine work ---------------------------------------------------------------------------
+    def _build_all(self, name: str, state: ModelState, specs: list[ModelSpec]) -> None:
+        """Build every spec in every engine core; on any failure undo the built ones and raise."""
+        built: list[tuple[int, int]] = []
+        for spec in specs:
+            state.versions[spec.version] = VersionState(spec, LOADING)
+            replies = self._all("load", timeout_s=self.cfg.models.load_timeout_s,
+                                spec=spec.to_dict())
+            failed = {i: r for i, r in replies.items() if not r.ok}
+            for i, r in replies.items():
+                if r.ok:
+                    built.append((i, spec.version))
+                    state.versions[spec.version].dim = _dim_of(r.result, spec) or \
+                        state.versions[spec.version].dim
+            if failed:
+                i, reply = next(iter(failed.items()))
+                for j, v in built:
+                    self._one(j, "unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
+                              name=name, version=v)
+                for s in specs:
+                    vs = state.versions.get(s.version)
+                    if vs is not None and vs.state == LOADING:
+                        vs.state = UNAVAILABLE
+                        vs.reason = f"load failed: {reply.error}" if s is spec else "not loaded"
+                log.warning("admin: model load %s version %d failed on engine %d: %s; the "
+                            "versions serving before keep serving", name, spec.version, i,
+                            reply.error)
+                raise errors.ServeError(
+                    "model_load_failed", f"failed to load model {name!r} version "
+                    f"{spec.version} (engine {i}): {reply.error}; the versions serving before "
+                    "keep serving", 400)
+        for spec in specs:
+            state.versions[spec.version].state = READY
+            state.versions[spec.version].reason = ""
+
+    def _activate(self, name: str, traffic: dict[int, float]) -> None:
+        weights = {str(v): w for v, w in traffic.items()}
+        self._all("activate", timeout_s=QUICK_CALL_S, name=name, traffic=weights,
+                  default=self.default)
+
+    def _unload_versions(self, name: str, state: ModelState, versions: list[int]) -> None:
+        for v in versions:
+            state.versions[v].state = UNLOADING
+        for v in versions:
+            self._all("unload", timeout_s=self.cfg.models.unload_drain_s + QUICK_CALL_S,
+                      name=name, version=v)
+            state.versions[v].state, state.versions[v].reason = UNAVAILABLE, "unloaded"
+
+    def _all(self, op: str, timeout_s: float, **fields: Any) -> dict[int, ModelReply]:
+        """One call to every live engine core, answered or timed out (a timeout is a failed
+        reply naming it)."""
+        engines = [i for i in range(self.num_engines) if self.alive(i)]
+        with self._io:
+            ids = {}
+            for i in engines:
+                call_id = next(self._ids)
+                ids[call_id] = i
+                self._sock(i).send(encode(ModelCall(call_id, op, timeout_s=timeout_s,
+                                                    **fields)))
+            return self._gather(ids, timeout_s, op)
+
+    def _one(self, i: int, op: str, timeout_s: float, **fields: Any) -> ModelReply:
+        with self._io:
+            call_id = next(self._ids)
+            self._sock(i).send(encode(ModelCall(call_id, op, timeout_s=timeout_s, **fields)))
+            return self._gather({call_id: i}, timeout_s, op)[i]
+
+    def _gather(self, ids: dict[int, int], timeout_s: float, op: str) -> dict[int, ModelReply]:
+        replies: dict[int, ModelReply] = {}
+        end = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for i in set(ids.values()):
+            poller.register(self._sock(i), zmq.POLLIN)
+        while len(replies) < len(ids) and time.monotonic() < end:
+            for sock, _ in poller.poll(max(int((end - time.monotonic()) * 1000), 1)):
+                reply = Decoders.model_reply.decode(sock.recv())
+                if reply.call_id in ids:
+                    replies[ids[reply.call_id]] = reply
+        for call_id, i in ids.items():
+            if i not in replies:
+                replies[i] = ModelReply(call_id, False, {}, f"engine {i} did not answer the "
+                                        f"{op} within {timeout_s:.0f} s")
+        return replies
+
+    def _sock(self, i: int) -> zmq.Socket:
+        sock = self._socks.get(i)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.addrs.engine_admin(i))
+            self._socks[i] = sock
+        return sock
+
+    # ---- a restarted engine core ------------------------------------------------------------------
+    def engine_ready(self, i: int) -> None:
+        """Bring a (re)started engine core to the versions and splits served now (it started
+        with the start-up plan); in a thread, so supervision goes on."""
+        threading.Thread(target=self._reconcile, args=(i,), daemon=True,
+                         name=f"quiver-models-engine-{i}").start()
+
+    def _reconcile(self, i: int) -> None:
+        try:
+            have = self._one(i, "list", QUICK_CALL_S).result.get("slots", [])
+            loaded = {(s["name"], int(s["version"])) for s in have}
+            self.note_dims(have)
+            for name, state in list(self.models.items()):
+                for v, vs in state.versions.items():
+                    if vs.state == READY and (name, v) not in loaded:
+                        r = self._one(i, "load", self.cfg.models.load_timeout_s,
+                                      spec=vs.spec.to_dict())
+                        if not r.ok:
+                            log.error("engine %d: reloading %s version %d after its restart "
+                                      "failed: %s", i, name, v, r.error)
+                self._one(i, "activate", QUICK_CALL_S, name=name, default=self.default,
+                          traffic={str(v): w for v, w in state.traffic.items()})
+            wanted = {(n, v) for n, st in self.models.items() for v, vs in st.versions.items()
+                      if vs.state == READY}
+            for name, v in loaded - wanted:
+                self._one(i, "unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
+                          name=name, version=v)
+        except Exception:  # noqa: BLE001 - logged; the core serves its start-up plan meanwhile
+            log.exception("engine %d: bringing its models up to date failed", i)
+
+    # ---- what the front-ends publish ---------------------------------------------------------------
+    def _describe(self, name: str) -> dict[str, Any]:
+        state = self.models[name]
+        return {"name": name,
+                "versions": {str(v): {"state": vs.state, "reason": vs.reason}
+                             for v, vs in sorted(state.versions.items())},
+                "traffic": {str(v): w for v, w in state.traffic.items()}}
+
+    def published(self) -> dict[str, Any]:
+        """Every model and version, as ``FrontDoorState.models`` carries it."""
+        out: dict[str, Any] = {}
+        for name, state in sorted(self.models.items()):
+            if not state.versions:
+                continue
+            spec = max(state.versions.values(), key=lambda v: v.spec.version).spec
+            total = sum(state.traffic.values()) or 1.0
+            out[name] = {
+                "platform": "pytorch_geometric", "class": spec.pyg_class,
+                "kwargs": dict(spec.kwargs),
+                "in_channels": self.num_features,
+                "num_layers": spec.num_layers,
+                "fanouts": spec.fanouts_or(self.cfg.sampling.fanouts),
+                "versions": {str(v): {"state": vs.state, "reason": vs.reason, "dim": vs.dim,
+                                      "traffic": state.traffic.get(v, 0.0) / total,
+                                      "state_dict": weights_label(vs.spec)}
+                             for v, vs in sorted(state.versions.items())}}
+        return {"default": self.default, "models": out}
+
+    def stop(self) -> None:
+        with self._io:
+            for sock in self._socks.values():
+                sock.close(linger=0)
+            self._socks.clear()
+        self._ctx.term()
+
+
+def _dim_of(result: dict[str, Any], spec: ModelSpec) -> int:
+    dim = result.get("dim")
+    return int(dim) if isinstance(dim, int) else 0
