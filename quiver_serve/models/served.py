@@ -1,113 +1,348 @@
-"""PyG models built from the config and loaded weights-only."""
+"""The served model: any PyG model (a class of ``torch_geometric.nn.models`` or the operator's
+``package.module:Class``), built from a :class:`ModelSpec`, loaded weights-only, and run on
+sampled subgraphs (:class:`ServedModel`).
+
+Specs come only from the operator's files (the ``model:`` config section or the model
+repository), never from a request: building one imports the operator's code.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import itertools
 import logging
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from quiver_serve.config import REPO_ROOT, ModelConfig, resolve_path
+from quiver_serve.config import REPO_ROOT, ModelConfig
 from quiver_serve.models.exact_gcn import ExactGcnNorm
 from quiver_serve.models.fast import FastGNN
+from quiver_serve.models.spec import IMPORT_PATH, ModelSpec
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_CLASSES = ("GraphSAGE", "GCN", "GAT")
+#: PyG's message-passing GNNs (``BasicGNN``): every one takes ``in_channels``
+BASIC_GNN_CLASSES = ("EdgeCNN", "GAT", "GCN", "GIN", "GraphSAGE", "PNA")
+#: the forward argument that marks PyG's per-layer trimming (``BasicGNN``)
+TRIM_ARG = "num_sampled_nodes_per_hop"
+_IMPORT_LOCK = threading.Lock()
 
 
-def model_kwargs(cfg: ModelConfig, in_channels: int) -> dict[str, Any]:
-    """Constructor kwargs of the served model, ``in_channels`` filled from the graph."""
-    kwargs = dict(cfg.kwargs)
-    given = kwargs.setdefault("in_channels", in_channels)
-    if given != in_channels:
-        raise ValueError(
-            f"model.kwargs.in_channels={given} but the graph has {in_channels} features per node"
-        )
+# ---- the model class ---------------------------------------------------------------------------
+def resolve_model_class(spec: ModelSpec | ModelConfig) -> type[nn.Module]:
+    """The ``torch.nn.Module`` subclass ``spec.pyg_class`` names: a class of
+    ``torch_geometric.nn.models`` by name, or ``package.module:Class`` imported from
+    ``spec.module_dir`` first, else by the normal import system. Operator files only (imports
+    their code). ValueError naming the class and the cause when it cannot be had."""
+    spec = ModelSpec.coerce(spec)
+    if spec.is_import_path:
+        return _import_class(spec.pyg_class, spec.module_dir)
+    return _pyg_class(spec.pyg_class)
+
+
+def _pyg_class(name: str) -> type[nn.Module]:
+    from torch_geometric.nn import models as pyg_models
+
+    found = getattr(pyg_models, name, None) if not name.startswith("_") else None
+    if not (inspect.isclass(found) and issubclass(found, nn.Module)):
+        raise ValueError(f"model class {name!r} is not in torch_geometric.nn.models (its "
+                         f"message-passing GNNs: {', '.join(BASIC_GNN_CLASSES)}); name a class "
+                         "of your own as 'package.module:Class'")
+    return found
+
+
+def _import_class(path: str, module_dir: str | None) -> type[nn.Module]:
+    if not IMPORT_PATH.fullmatch(path):
+        raise ValueError(f"model class {path!r} is not an import path 'package.module:Class'")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = import_model_module(module_name, module_dir)
+    except Exception as exc:
+        origin = "the model's folder, then sys.path" if module_dir else "sys.path"
+        raise ValueError(f"cannot import {path!r} ({module_name!r} from {origin}): "
+                         f"{type(exc).__name__}: {exc}") from exc
+    found: Any = module
+    for part in attr.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise ValueError(f"cannot import {path!r}: module {module_name!r} has no "
+                             f"attribute {attr!r}")
+    if not (inspect.isclass(found) and issubclass(found, nn.Module)):
+        raise ValueError(f"{path!r} is not a torch.nn.Module subclass (got {found!r})")
+    return found
+
+
+def import_model_module(module_name: str, module_dir: str | None = None) -> ModuleType:
+    """``module_name`` from ``module_dir`` when that folder holds its top-level module (a
+    ``<top>.py`` file or a ``<top>/`` package), else from the normal import system.
+
+    A module from a model's folder is executed under a name unique to its folder and contents
+    (``_quiver_model_<hash>_<top>``): two models' folders may each hold a ``custom_gnn.py``, and
+    an edited file is imported afresh on the next load (PyG caches code it generates for a
+    message-passing class by module and class name). The folder is first on ``sys.path`` while
+    the module runs, so it may import its siblings by plain name; ``sys.path`` is restored
+    afterwards. Same contents, same folder: the module is imported once per process."""
+    top = module_name.split(".")[0]
+    source = _top_module_source(Path(module_dir), top) if module_dir else None
+    if source is None:
+        return importlib.import_module(module_name)
+    unique = f"_quiver_model_{_fingerprint(source)}_{top}"
+    with _IMPORT_LOCK, _first_on_path(source.parent):
+        importlib.invalidate_caches()
+        if unique not in sys.modules:
+            _exec_top_module(unique, source)
+        return importlib.import_module(unique + module_name[len(top):])
+
+
+def _top_module_source(folder: Path, top: str) -> Path | None:
+    if (folder / f"{top}.py").is_file():
+        return folder / f"{top}.py"
+    if (folder / top / "__init__.py").is_file():
+        return folder / top
+    return None
+
+
+def _fingerprint(source: Path) -> str:
+    """Hash of the module's resolved path and of every ``.py`` file it consists of."""
+    digest = hashlib.sha256(str(source.resolve()).encode())
+    files = [source] if source.is_file() else sorted(source.rglob("*.py"))
+    for path in files:
+        digest.update(str(path.relative_to(source.parent)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@contextmanager
+def _first_on_path(folder: Path) -> Iterator[None]:
+    entry = str(folder)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if sys.path and sys.path[0] == entry:
+            del sys.path[0]
+        elif entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _exec_top_module(unique: str, source: Path) -> None:
+    if source.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            unique, source / "__init__.py", submodule_search_locations=[str(source)])
+    else:
+        spec = importlib.util.spec_from_file_location(unique, source)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no loader for {source}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = module  # PyG's inspector reads sys.modules[cls.__module__]
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[unique]
+        raise
+
+
+# ---- building ----------------------------------------------------------------------------------
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def model_kwargs(spec: ModelSpec | ModelConfig, in_channels: int,
+                 model_cls: type[nn.Module] | None = None) -> dict[str, Any]:
+    """Constructor kwargs of the served model: ``in_channels`` filled from the graph when the
+    class takes it (``model_cls``; default: resolved from the spec, PyG's GNNs by name)."""
+    spec = ModelSpec.coerce(spec)
+    kwargs = dict(spec.kwargs)
+    if model_cls is not None:
+        takes = _accepts(model_cls, "in_channels")
+    elif not spec.is_import_path and spec.pyg_class in BASIC_GNN_CLASSES:
+        takes = True  # without importing PyG (front-end processes)
+    else:
+        takes = _accepts(resolve_model_class(spec), "in_channels")
+    if takes or "in_channels" in kwargs:
+        given = kwargs.setdefault("in_channels", in_channels)
+        if given != in_channels:
+            raise ValueError(f"{spec.label}: kwargs.in_channels={given} but the graph has "
+                             f"{in_channels} features per node")
     return kwargs
 
 
-def build_model(cfg: ModelConfig, in_channels: int) -> nn.Module:
-    """Build ``torch_geometric.nn.models.<pyg_class>(**kwargs)`` and load its weights-only state."""
-    from torch_geometric.nn import models as pyg_models
+def build_model(spec: ModelSpec | ModelConfig, in_channels: int) -> nn.Module:
+    """``<class>(**kwargs)`` with its weights-only ``state_dict`` loaded, in eval mode.
 
-    if cfg.pyg_class not in SUPPORTED_CLASSES:
-        raise ValueError(f"model.pyg_class must be one of {SUPPORTED_CLASSES}, got {cfg.pyg_class!r}")
-    kwargs = model_kwargs(cfg, in_channels)
-    torch.manual_seed(cfg.random_init_seed)
+    ``spec`` comes from the operator's files (a ``ModelConfig`` is taken as version 1 of the
+    ``model:`` section), never from a request body: an import path runs the operator's code.
+    Every way it can fail is a ValueError (FileNotFoundError for missing weights) naming the
+    model, the class or the file, and what is wrong."""
+    spec = ModelSpec.coerce(spec)
+    cls = resolve_model_class(spec)
+    kwargs = model_kwargs(spec, in_channels, cls)
+    torch.manual_seed(spec.random_init_seed)
     try:
-        model = getattr(pyg_models, cfg.pyg_class)(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"model.kwargs do not fit {cfg.pyg_class}: {exc}") from exc
-    if cfg.weights is not None:
-        path = resolve_path(cfg.weights)
-        if not path.exists():
-            raise FileNotFoundError(f"model.weights {path} does not exist")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{path} does not match {cfg.pyg_class}({kwargs}): missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
+        model = cls(**kwargs)
+    except Exception as exc:
+        raise ValueError(f"{spec.label}: {spec.pyg_class}(**{kwargs}) failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if spec.weights is not None:
+        load_weights(model, Path(spec.weights), f"{spec.pyg_class}({kwargs})",
+                     weights_label(spec))
     else:
-        log.warning("model.weights is null: serving randomly initialised weights (seed %d)",
-                    cfg.random_init_seed)
+        log.warning("%s: no weights, serving randomly initialised weights (seed %d)",
+                    spec.label, spec.random_init_seed)
     return model.eval()
 
 
-def model_metadata(cfg: ModelConfig, in_channels: int) -> dict[str, Any]:
-    """How to rebuild the served model in plain PyG (KServe ``parameters``).
+def load_weights(model: nn.Module, path: Path, what: str, name_as: str | None = None) -> None:
+    """Load the weights-only ``state_dict`` at ``path`` into ``model`` (described by ``what``
+    in errors), strictly: every key present, none unexpected, shapes equal, values finite.
+    Errors name the file as ``name_as`` (default: ``path``)."""
+    shown = name_as or str(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights {shown} do not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{shown} cannot be loaded weights-only: {type(exc).__name__}: "
+                         f"{exc}") from exc
+    check_state_dict(state, shown)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes; PyG lists one per line
+        lines = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise ValueError(f"{shown} does not match {what}: {lines}") from exc
+    if missing or unexpected:
+        raise ValueError(f"{shown} does not match {what}: missing keys {missing}, "
+                         f"unexpected keys {unexpected}")
 
-    The weights file is named relative to the repository, or by its file name alone when it lies
-    outside: clients learn which file, never the server's directory layout.
-    """
-    weights = None
-    if cfg.weights is not None:
-        path = resolve_path(cfg.weights).resolve()
-        try:
-            weights = path.relative_to(REPO_ROOT.resolve()).as_posix()
-        except ValueError:
-            weights = path.name
+
+def check_state_dict(state: Any, path: str) -> None:
+    """``state`` maps names to tensors, every floating tensor finite (names the first bad key)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is not a state_dict: it holds a {type(state).__name__} "
+                         "(save model.state_dict())")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, Tensor):
+            raise ValueError(f"{path} is not a state_dict: key {key!r} holds a "
+                             f"{type(value).__name__}, not a tensor (save model.state_dict())")
+        if (value.is_floating_point() or value.is_complex()) and \
+                not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{path}: tensor {key!r} holds NaN or infinite values")
+
+
+def weights_label(spec: ModelSpec) -> str | None:
+    """The weights file as clients may see it: the spec's relative label, else the path
+    relative to the checkout, else the file name alone (never the server's directories)."""
+    if spec.weights is None:
+        return None
+    label = spec.weights_label
+    if label and not PurePosixPath(label).is_absolute() and ".." not in PurePosixPath(label).parts \
+            and "\\" not in label:
+        return PurePosixPath(label).as_posix()
+    path = Path(spec.weights).resolve()
+    try:
+        return path.relative_to(REPO_ROOT.resolve()).as_posix()
+    except ValueError:
+        return path.name
+
+
+def model_metadata(spec: ModelSpec | ModelConfig, in_channels: int) -> dict[str, Any]:
+    """How to rebuild the served model (KServe ``parameters``): its class, kwargs and weights
+    file (:func:`weights_label`). An import path is resolved (its module imported) to learn
+    whether it takes ``in_channels``; PyG's GNNs by name are not."""
+    spec = ModelSpec.coerce(spec)
     return {
-        "pyg_model": {"class": cfg.pyg_class, "kwargs": model_kwargs(cfg, in_channels)},
-        "state_dict": weights,
+        "pyg_model": {"class": spec.pyg_class, "kwargs": model_kwargs(spec, in_channels)},
+        "state_dict": weights_label(spec),
     }
 
 
+def probe_out_dim(model: nn.Module, in_channels: int) -> int:
+    """Width of ``model(x, edge_index)``'s rows, from one forward (in eval mode) on a graph of
+    2 nodes and the edge 0 -> 1; ValueError when the forward fails or returns no
+    ``[num_nodes, dim]``."""
+    device = _device_of(model)
+    x = torch.zeros(2, in_channels, device=device)
+    edge_index = torch.tensor([[0], [1]], device=device)
+    name, training = type(model).__name__, model.training
+    try:
+        with torch.no_grad():
+            out = model.eval()(x, edge_index)  # eval: no running statistics change
+    except Exception as exc:
+        raise ValueError(f"{name}.forward(x, edge_index) failed on a probe graph (2 nodes, "
+                         f"1 edge, {in_channels} features): {type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(training)
+    if not isinstance(out, Tensor) or out.dim() != 2 or out.size(0) != 2:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"{name}.forward(x, edge_index) must return one row per node "
+                         f"[num_nodes, dim], got {got} for 2 nodes")
+    return int(out.size(1))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    ref = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return ref.device if ref is not None else torch.device("cpu")
+
+
+def _drop_tensors(obj: object) -> None:
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, Tensor):
+            setattr(obj, name, None)
+
+
 class ServedModel:
-    """The model as served: forward on a sampled subgraph, trimmed per layer (PyG).
+    """The model as served: forward on a sampled subgraph.
+
+    Any ``torch.nn.Module`` whose ``forward(x, edge_index)`` returns one row per node is served.
+    PyG's ``BasicGNN`` (GraphSAGE, GCN, GAT, GIN, ...) runs with its per-layer trimming
+    (``num_sampled_nodes_per_hop``); any other module runs ``model(x, edge_index)`` on the whole
+    sampled subgraph. Exact mode's subgraph holds every in-edge of every node within ``L - 1``
+    hops of a seed, so the seed rows are exact for any ``L``-layer model whose outputs depend on
+    in-edges only.
 
     GCN normalises by node degree. On a subgraph the boundary nodes have truncated degrees, so in
-    exact mode the edge weights are PyG's full-graph ``gcn_norm`` weights (:class:`ExactGcnNorm`,
-    built from the graph's in-degrees and per-node self-loop counts) and the convs' own
-    normalisation is switched off for that call. Sampled mode keeps PyG's mini-batch behaviour
-    (normalise on the subgraph).
+    exact mode a BasicGNN GCN's edge weights are PyG's full-graph ``gcn_norm`` weights
+    (:class:`ExactGcnNorm`, built from the graph's in-degrees and per-node self-loop counts) and
+    the convs' own normalisation is switched off for that call. Sampled mode keeps PyG's
+    mini-batch behaviour (normalise on the subgraph). A normalising ``GCNConv`` inside any other
+    module is not corrected (logged).
 
     ``self_loops`` (int64 [num_nodes], :meth:`GraphData.self_loop_count`) matters only for GCN
     with ``add_self_loops``; None means the graph has no self loops. ``capacity`` sizes the
     degrees for nodes appended while serving (DESIGN §7; default: the nodes given), and
     :meth:`update_degrees` keeps them current as edges change.
+
+    ``in_channels`` (the graph's feature width) lets the output width of a module that is not a
+    BasicGNN be found by :func:`probe_out_dim` at construction, which also checks its forward;
+    without it ``model.in_channels`` is used, else ``model.out_channels``.
     """
 
     def __init__(self, model: nn.Module, in_degree: Tensor | None = None,
                  self_loops: Tensor | None = None, precision: str = "fp32",
-                 fast: bool = True, capacity: int | None = None) -> None:
-        from torch_geometric.nn import GCNConv
+                 fast: bool = True, capacity: int | None = None,
+                 in_channels: int | None = None) -> None:
+        from torch_geometric.nn.models.basic_gnn import BasicGNN
 
         self.model = model
-        gcn = [m for m in model.modules() if isinstance(m, GCNConv)]
-        for conv in gcn:
-            if conv.cached:
-                # The cache holds the first request's subgraph; every later request has another.
-                log.warning("GCN kwarg cached=True ignored: each request has its own subgraph")
-                conv.cached = False
-                conv._cached_edge_index = None
-                conv._cached_adj_t = None
-        # Only convs that normalise themselves need full-graph degrees; the rest sum over
-        # in-edges, which an exact-mode subgraph holds in full.
-        self.gcn_convs = [c for c in gcn if c.normalize]
+        self.basic_gnn = isinstance(model, BasicGNN)
+        #: whether the forward takes PyG's per-hop counts (trimming); else model(x, edge_index)
+        self.trims = _accepts(model.forward, TRIM_ARG)
+        self.released = False
+        self.gcn_convs = self._gcn_convs(model)
         self.gcn_norm: ExactGcnNorm | None = None
         if self.gcn_convs:
             if in_degree is None:
@@ -118,17 +353,55 @@ class ServedModel:
                             "(no self-loop counts given)")
             self.gcn_norm = ExactGcnNorm(in_degree, self_loops, conv.improved, conv.add_self_loops,
                                          capacity)
+        self._out_dim = self._find_out_dim(in_channels)
         self.precision = precision
         self.fast: FastGNN | None = None
-        if fast:
-            self.fast = FastGNN.from_pyg(model, precision, self.gcn_norm,
-                                         next(model.parameters()).device)
+        if fast and self.basic_gnn:
+            self.fast = FastGNN.from_pyg(model, precision, self.gcn_norm, _device_of(model))
+        elif fast:
+            log.info("fast model path off, serving with the module's own forward: %s is not a "
+                     "PyG BasicGNN", type(model).__name__)
         elif precision != "fp32":
             raise ValueError("inference.precision other than fp32 needs inference.fast_model")
 
+    def _gcn_convs(self, model: nn.Module) -> list[Any]:
+        """The GCN convs exact mode renormalises: those of a BasicGNN that normalise themselves
+        (the rest sum over in-edges, which an exact-mode subgraph holds in full)."""
+        from torch_geometric.nn import GCNConv
+
+        gcn = [m for m in model.modules() if isinstance(m, GCNConv)]
+        for conv in gcn:
+            if conv.cached:
+                # The cache holds the first request's subgraph; every later request has another.
+                log.warning("GCN kwarg cached=True ignored: each request has its own subgraph")
+                conv.cached = False
+                conv._cached_edge_index = None
+                conv._cached_adj_t = None
+        normalising = [c for c in gcn if c.normalize]
+        if normalising and not self.basic_gnn:
+            log.warning("%s: its GCNConv normalises by subgraph degrees, so exact mode is not "
+                        "exact for it (only PyG's GCN model gets full-graph degrees)",
+                        type(model).__name__)
+            return []
+        return normalising
+
+    def _find_out_dim(self, in_channels: int | None) -> int:
+        out_channels = getattr(self.model, "out_channels", None)
+        if self.basic_gnn:
+            return int(out_channels)  # type: ignore[arg-type]
+        width = in_channels if in_channels is not None else getattr(self.model, "in_channels",
+                                                                    None)
+        if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+            return probe_out_dim(self.model, width)
+        if isinstance(out_channels, int) and not isinstance(out_channels, bool):
+            return out_channels
+        raise ValueError(f"{type(self.model).__name__}: its output width is unknown (no int "
+                         "out_channels attribute): pass in_channels to probe it")
+
     @property
     def out_dim(self) -> int:
-        return int(self.model.out_channels)  # type: ignore[arg-type]
+        """Width of the served rows."""
+        return self._out_dim
 
     def to(self, device: torch.device) -> ServedModel:
         self.model.to(device)
@@ -186,12 +459,39 @@ class ServedModel:
         self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int],
         num_edges: list[int], exact: bool,
     ) -> Tensor:
-        """The forward with PyG's own layers (the reference the fast path is checked against)."""
+        """The forward with the module's own layers (the reference the fast path is checked
+        against): trimmed per layer for a BasicGNN, else ``model(x, edge_index)``."""
+        if self.released:
+            raise RuntimeError("this ServedModel was released")
         x = x.float()  # features stored in fp16/bf16: PyG's layers hold fp32 weights
         if exact and self.gcn_norm is not None:
             return self._gcn_exact(x, n_id, edge_index, num_nodes, num_edges)
-        return self.model(x, edge_index, num_sampled_nodes_per_hop=num_nodes,
-                          num_sampled_edges_per_hop=num_edges)
+        if self.trims:
+            return self.model(x, edge_index, num_sampled_nodes_per_hop=num_nodes,
+                              num_sampled_edges_per_hop=num_edges)
+        return self.model(x, edge_index)
+
+    def release(self) -> None:
+        """Free every tensor this model holds on its device: the module's parameters and
+        buffers go to the meta device (in place, so other holders of the module free theirs
+        too), the fast layers and GCN degrees are dropped. The object is unusable afterwards
+        (calls raise RuntimeError); CUDA graphs captured over it must be dropped first."""
+        if self.released:
+            return
+        self.released = True
+        if self.fast is not None:
+            for layer in {id(x): x for x in [*self.fast.layers, *self.fast.exact_layers]}.values():
+                _drop_tensors(layer)
+            self.fast = None
+        if self.gcn_norm is not None:
+            _drop_tensors(self.gcn_norm)
+            self.gcn_norm = None
+        self.gcn_convs = []
+        try:
+            self.model.to("meta")
+        except (RuntimeError, NotImplementedError) as exc:
+            log.warning("%s: its tensors could not be moved off the device on release: %s",
+                        type(self.model).__name__, exc)
 
     def _gcn_exact(
         self, x: Tensor, n_id: Tensor, edge_index: Tensor, num_nodes: list[int], num_edges: list[int]
