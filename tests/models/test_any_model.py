@@ -13,13 +13,8 @@ import torch
 from torch import nn
 
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.models.served import (
-    ServedModel,
-    build_model,
-    import_model_module,
-    model_metadata,
-    probe_out_dim,
-)
+from quiver_serve.models.classes import import_model_module
+from quiver_serve.models.served import ServedModel, build_model, model_metadata, probe_out_dim
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling.reference import ReferenceSampler
 from tests.models import custom_gnn
