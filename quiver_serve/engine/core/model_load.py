@@ -58,13 +58,15 @@ class ModelLoads:
         self.core, self.precision, self.fast = core, precision, fast
         self.cuda_graph_max_seeds = cuda_graph_max_seeds
         self.unload_drain_s = unload_drain_s
-        self._built: deque[tuple[ModelSlot | None, str | None, Done]] = deque()
+        self._built: deque[tuple[tuple[str, int], ModelSlot | None, str | None, Done]] = deque()
         self._draining: dict[int, tuple[ModelSlot, Done]] = {}
         self._queue: queue.Queue[tuple[ModelSpec, Done]] = queue.Queue(MAX_QUEUED_LOADS)
         self._thread: threading.Thread | None = None
         self._stream: Any = None  # the loader thread's CUDA stream
         self._lock = threading.Lock()
         self._asked: list[model_tables.Hold] = []  # holds on updates loaders wait for
+        self._building: set[tuple[str, int]] = set()  # queued or building (loop thread's view)
+        self._cancelled: set[tuple[str, int]] = set()  # unloaded before they were installed
         self._dead: list[ModelSlot] = []  # failed builds whose hold the loop gives back
 
     @property
@@ -83,8 +85,10 @@ class ModelLoads:
         if self.core.models.get(spec.name, spec.version) is not None:
             done(None, f"model {spec.name!r} version {spec.version} is loaded already")
             return
+        self._cancelled.discard(spec.key)
         try:
             self._queue.put_nowait((spec, done))
+            self._building.add(spec.key)
         except queue.Full:
             done(None, f"{MAX_QUEUED_LOADS} loads are queued in engine {self.core.index}; "
                  "retry when they are done")
@@ -114,7 +118,8 @@ class ModelLoads:
                               self.cuda_graph_max_seeds, self._stream)
             if model_tables.wants_table(self.core, slot):
                 model_tables.build_pending_table(self.core, slot, self._ask)
-            result: tuple[ModelSlot | None, str | None, Done] = (slot, None, done)
+            result: tuple[tuple[str, int], ModelSlot | None, str | None, Done] = (
+                spec.key, slot, None, done)
         except Exception as exc:  # noqa: BLE001 - a failed load is answered, never fatal
             log.warning("engine %d: loading %s version %d failed: %s", self.core.index,
                         spec.name, spec.version, exc)
@@ -123,7 +128,7 @@ class ModelLoads:
                 with self._lock:
                     self._dead.append(slot)
             release_cache(self.core.device)
-            result = (None, f"{type(exc).__name__}: {exc}", done)
+            result = (spec.key, None, f"{type(exc).__name__}: {exc}", done)
         with self._lock:
             self._built.append(result)
 
@@ -131,6 +136,10 @@ class ModelLoads:
     def unload(self, name: str, version: int, done: Done) -> None:
         """Drain, then release, ``name`` version ``version``."""
         slot = self.core.models.get(name, version)
+        if slot is None and (name, version) in self._building:
+            self._cancelled.add((name, version))  # dropped when its build ends
+            done({"name": name, "version": version, "released": True}, None)
+            return
         if slot is None:
             done(None, f"model {name!r} version {version} is not loaded")
             return
@@ -153,7 +162,15 @@ class ModelLoads:
             model_tables.expire_holds(self.core)
         while self._built:
             with self._lock:
-                slot, error, done = self._built.popleft()
+                key, slot, error, done = self._built.popleft()
+            self._building.discard(key)
+            cancelled = key in self._cancelled
+            self._cancelled.discard(key)
+            if slot is not None:
+                if cancelled:
+                    model_tables.discard_pending(self.core, slot)
+                    release(slot)
+                    slot, error = None, "the load was cancelled (the version was unloaded)"
             if slot is not None:
                 error = self._install(slot)
             done(slot.describe() if slot is not None and error is None else None, error)

@@ -86,8 +86,6 @@ class ModelManager:
         self.save_plan()
         self._ids = itertools.count()
         self._ctx = zmq.Context()
-        self._io = threading.Lock()  # the engine sockets are used by one call at a time
-        self._socks: dict[int, zmq.Socket] = {}
 
     def note_dims(self, slots: list[dict[str, Any]]) -> None:
         """Output widths from an engine core's slot list (``ModelCalls.describe``)."""
@@ -232,8 +230,8 @@ class ModelManager:
                         state.versions[spec.version].dim
             if failed:
                 i, reply = next(iter(failed.items()))
-                for j, v in built:
-                    self._one(j, "unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
+                for v in {v for _, v in built} | {spec.version}:  # a timed-out build too
+                    self._all("unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
                               name=name, version=v)
                 for s in specs:
                     vs = state.versions.get(s.version)
@@ -267,46 +265,31 @@ class ModelManager:
     def _all(self, op: str, timeout_s: float, **fields: Any) -> dict[int, ModelReply]:
         """One call to every live engine core, answered or timed out (a timeout is a failed
         reply naming it)."""
-        engines = [i for i in range(self.num_engines) if self.alive(i)]
-        with self._io:
-            ids = {}
-            for i in engines:
-                call_id = next(self._ids)
-                ids[call_id] = i
-                self._sock(i).send(encode(ModelCall(call_id, op, timeout_s=timeout_s,
-                                                    **fields)))
-            return self._gather(ids, timeout_s, op)
+        return self._calls([i for i in range(self.num_engines) if self.alive(i)], op,
+                           timeout_s, fields)
 
     def _one(self, i: int, op: str, timeout_s: float, **fields: Any) -> ModelReply:
-        with self._io:
-            call_id = next(self._ids)
-            self._sock(i).send(encode(ModelCall(call_id, op, timeout_s=timeout_s, **fields)))
-            return self._gather({call_id: i}, timeout_s, op)[i]
+        return self._calls([i], op, timeout_s, fields)[i]
 
-    def _gather(self, ids: dict[int, int], timeout_s: float, op: str) -> dict[int, ModelReply]:
-        replies: dict[int, ModelReply] = {}
-        end = time.monotonic() + timeout_s
-        poller = zmq.Poller()
-        for i in set(ids.values()):
-            poller.register(self._sock(i), zmq.POLLIN)
-        while len(replies) < len(ids) and time.monotonic() < end:
-            for sock, _ in poller.poll(max(int((end - time.monotonic()) * 1000), 1)):
-                reply = Decoders.model_reply.decode(sock.recv())
-                if reply.call_id in ids:
-                    replies[ids[reply.call_id]] = reply
-        for call_id, i in ids.items():
-            if i not in replies:
-                replies[i] = ModelReply(call_id, False, {}, f"engine {i} did not answer the "
-                                        f"{op} within {timeout_s:.0f} s")
-        return replies
+    def _calls(self, engines: list[int], op: str, timeout_s: float,
+               fields: dict[str, Any]) -> dict[int, ModelReply]:
+        """Sockets of this call's own (calls of different models run in different threads)."""
+        socks = {i: self._connect(i) for i in engines}
+        try:
+            ids = {}
+            for i, sock in socks.items():
+                call_id = next(self._ids)
+                ids[call_id] = i
+                sock.send(encode(ModelCall(call_id, op, timeout_s=timeout_s, **fields)))
+            return _gather(socks, ids, timeout_s, op)
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)
 
-    def _sock(self, i: int) -> zmq.Socket:
-        sock = self._socks.get(i)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.addrs.engine_admin(i))
-            self._socks[i] = sock
+    def _connect(self, i: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.addrs.engine_admin(i))
         return sock
 
     # ---- a restarted engine core ------------------------------------------------------------------
@@ -368,11 +351,26 @@ class ModelManager:
         return {"default": self.default, "models": out}
 
     def stop(self) -> None:
-        with self._io:
-            for sock in self._socks.values():
-                sock.close(linger=0)
-            self._socks.clear()
         self._ctx.term()
+
+
+def _gather(socks: dict[int, zmq.Socket], ids: dict[int, int], timeout_s: float,
+            op: str) -> dict[int, ModelReply]:
+    replies: dict[int, ModelReply] = {}
+    end = time.monotonic() + timeout_s
+    poller = zmq.Poller()
+    for sock in socks.values():
+        poller.register(sock, zmq.POLLIN)
+    while len(replies) < len(ids) and time.monotonic() < end:
+        for sock, _ in poller.poll(max(int((end - time.monotonic()) * 1000), 1)):
+            reply = Decoders.model_reply.decode(sock.recv())
+            if reply.call_id in ids:
+                replies[ids[reply.call_id]] = reply
+    for call_id, i in ids.items():
+        if i not in replies:
+            replies[i] = ModelReply(call_id, False, {}, f"engine {i} did not answer the "
+                                    f"{op} within {timeout_s:.0f} s")
+    return replies
 
 
 def _dim_of(result: dict[str, Any], spec: ModelSpec) -> int:

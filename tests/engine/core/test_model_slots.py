@@ -291,3 +291,21 @@ def test_the_exact_table_follows_a_new_version_of_its_model(cora: GraphData,
     np.testing.assert_allclose(reply.rows, want.numpy(), atol=1e-4, rtol=1e-4)
     pinned_v1 = run(core, pinned(1, [0, 5], name, 1, exact=True))[1]
     assert pinned_v1.done.version == 1 and pinned_v1.done.stats.route != "table"
+
+
+def test_an_unload_during_the_build_cancels_the_load(cora: GraphData, tmp_path: Path) -> None:
+    """The main process gave up on a slow load and unloads it: the version never serves."""
+    core = make_core(cora, exact__materialize="off")
+    name = core.primary.name
+    path, _ = save_weights(tmp_path, "GraphSAGE", SAGE_KW, cora.num_features, 12)
+    loaded: list[tuple[object, object]] = []
+    unloaded: list[tuple[object, object]] = []
+    core.loads.load(spec(name, 2, "GraphSAGE", SAGE_KW, path), lambda r, e: loaded.append((r, e)))
+    core.loads.unload(name, 2, lambda r, e: unloaded.append((r, e)))
+    assert unloaded and unloaded[0][1] is None
+    end = time.monotonic() + 30
+    while not loaded and time.monotonic() < end:
+        core.step()
+        time.sleep(0.001)
+    assert loaded and loaded[0][0] is None and "cancelled" in str(loaded[0][1])
+    assert core.models.get(name, 2) is None
