@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,32 +23,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.pipeline import Pipeline
-from quiver_serve.frontend import graph_routes, kserve
+from quiver_serve.frontend import graph_routes, kserve, model_routes, repository_routes
 from quiver_serve.frontend.bodies import parse_embed, validation_message
 from quiver_serve.frontend.fastpath import (
     EMBED_PATH,
-    INFER_TEMPLATE,
+    HOT_TEMPLATES,
+    Answer,
     HotRoutes,
-    model_or_404,
+    embed_response_parts,
     serve_embed,
     serve_ids,
 )
 from quiver_serve.frontend.guards import Guards, resolve_admin_token, resolve_token
+from quiver_serve.frontend.model_routes import server_not_ready
+from quiver_serve.frontend.model_view import Views
 from quiver_serve.frontend.responses import (
     NPY_MEDIA_TYPE,
-    embed_answer,
     error_response,
     serve_error_response,
 )
-from quiver_serve.frontend.schemas import (
-    EmbedBody,
-    EmbedResponse,
-    ErrorBody,
-    InferBody,
-    InferResponse,
-)
+from quiver_serve.frontend.schemas import EmbedBody, EmbedResponse, ErrorBody
 from quiver_serve.metrics.prometheus import Metrics
-from quiver_serve.models.served import model_metadata
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +64,8 @@ class ServerState:
         self.cfg = cfg
         self.pipeline = pipeline
         self.metrics = metrics
+        #: the models served, as the routes see them (``frontend/model_view.py``)
+        self.views = Views(cfg, pipeline)
         self.start_error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
         #: run once the pipeline has started (the daemon's main process freezes its heap there)
@@ -117,6 +113,8 @@ def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
     _add_embed_routes(app, state)
     graph_routes.add_graph_routes(app, state, _ADMIN_ERRORS)
     _add_kserve_routes(app, state)
+    model_routes.add_model_routes(app, state, _ERRORS)
+    repository_routes.add_repository_routes(app, state, _ADMIN_ERRORS)
     return app
 
 
@@ -128,10 +126,12 @@ async def _start_grpc(state: ServerState) -> Any:
     from quiver_serve.frontend import grpc_server
 
     async def serve(ids: np.ndarray, exact: bool, seed: int | None, timeout_ms: float | None,
-                    min_version: int = 0) -> torch.Tensor:
-        return await serve_ids(state, None, ids, exact, seed, timeout_ms, min_version)
+                    min_version: int = 0, model: str = "", version: int = 0) -> Answer:
+        return await serve_ids(state, None, ids, exact, seed, timeout_ms, min_version, None,
+                               model, version)
 
-    return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token))
+    return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token),
+                                   resolve_admin_token(s.admin_token))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -173,7 +173,7 @@ def _install_timing(app: FastAPI, state: ServerState, token: str | None,
         asgi = inner()
         if state.cfg.server.fast_routes:
             routes = {r.path: r for r in app.routes
-                      if isinstance(r, APIRoute) and r.path in (EMBED_PATH, INFER_TEMPLATE)}
+                      if isinstance(r, APIRoute) and r.path in HOT_TEMPLATES}
             asgi = app.state.hot_routes = HotRoutes(asgi, state, routes)
         asgi = Guards(asgi, token, max_body_bytes, admin_token)
 
@@ -212,9 +212,9 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
         # (frontend/bodies.py); EmbedBody stays the documented schema and words the 422s.
         body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
-        emb = (await serve_embed(state, request.receive, body)).numpy()
-        content, media_type = embed_answer(state.cfg.model.name, emb, request.headers.get("accept"))
-        return Response(content, media_type=media_type)
+        answer = await serve_embed(state, request.receive, body)
+        content, media_type, headers = embed_response_parts(answer, request.headers.get("accept"))
+        return Response(content, media_type=media_type, headers=headers)
 
     @app.get("/v1/workers", summary="Worker processes (front-ends included): role, index, pid, "
                                     "alive, ready, restarts; and the front-end that answered")
@@ -249,45 +249,7 @@ def _add_kserve_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2/health/ready", summary="Readiness: 503 until graph and model are loaded, and when draining",
              responses={503: {"model": ErrorBody}})
     async def ready() -> Response:
-        if state.pipeline.ready and state.pipeline.engines_ready:
-            return JSONResponse({"ready": True})
-        refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
-            "engines_not_ready", "no engine core is ready (restarting after a failure)")
-        message = "start-up failed" if state.start_error else refusal.info.message
-        return error_response(503, refusal.info.code, message,
-                              {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
-
-    @app.get("/v2/models/{name}", summary="Model metadata, with how to rebuild it in plain PyG",
-             responses={404: {"model": ErrorBody}})
-    async def metadata(name: str) -> dict[str, Any]:
-        model_or_404(state, name)
-        in_ch = state.pipeline.num_features or state.cfg.model.kwargs.get("in_channels", -1)
-        dim = state.pipeline.out_dim or state.cfg.model.kwargs.get("out_channels", -1)
-        return {
-            "name": name, "versions": ["1"], "platform": "pytorch_geometric",
-            "inputs": [{"name": "node_ids", "datatype": "INT64", "shape": [-1]}],
-            "outputs": [{"name": "embeddings", "datatype": "FP32", "shape": [-1, dim]}],
-            "parameters": model_metadata(state.cfg.model, in_ch),
-        }
-
-    @app.get("/v2/models/{name}/ready", summary="Model readiness", responses={404: {"model": ErrorBody}})
-    async def model_ready(name: str) -> Response:
-        model_or_404(state, name)
-        return await ready()
-
-    @app.post(INFER_TEMPLATE, response_model=InferResponse, responses=_ERRORS,
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": InferBody.model_json_schema()},
-                  kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
-              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
-                      "[n, dim]; JSON or the binary tensor extension")
-    async def infer(name: str, request: Request) -> Response:
-        model_or_404(state, name)
-        req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
-        emb = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
-                              req.timeout_ms, req.min_version)
-        body, headers = kserve.infer_response(name, req, emb.numpy())
-        return Response(body, headers=headers)
+        return server_not_ready(state) or JSONResponse({"ready": True})
 
     @app.get("/v2", summary="KServe v2 server metadata")
     async def server_metadata() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from quiver_serve import errors
 from quiver_serve.engine.client.checks import MAX_VERSION, check_rows
+from quiver_serve.frontend.model_view import parse_version
 from quiver_serve.frontend.schemas import EmbedBody
 
 
@@ -36,6 +37,8 @@ class _Embed(msgspec.Struct, forbid_unknown_fields=True):
     timeout_ms: float | None = None
     min_version: int = 0
     new_nodes: list[_NewNode] | None = None
+    model: str = ""
+    version: int | str | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Embed)
@@ -51,6 +54,20 @@ class EmbedArgs:
     #: inductive nodes, unchecked: per node its feature row and its in-neighbours
     new_features: list[Any] | None = None
     new_neighbors: list[Any] | None = None
+    #: the model asked for ("": the default) and its version (0: by the traffic split)
+    model: str = ""
+    version: int = 0
+
+
+def body_version(value: int | str | None) -> int | None:
+    """The version a body names (0: none), or None when it names no valid one: a positive
+    integer, or a string of its digits."""
+    if value is None:
+        return 0
+    try:
+        return parse_version(value)
+    except errors.ServeError:
+        return None
 
 
 def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
@@ -63,7 +80,7 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
     else:
         if (not body.node_ids and not body.new_nodes) or not errors.seed_ok(body.seed) or (
                 body.timeout_ms is not None and not body.timeout_ms > 0) or \
-                not 0 <= body.min_version <= MAX_VERSION:
+                not 0 <= body.min_version <= MAX_VERSION or body_version(body.version) is None:
             body = _slow(raw)
     ids = body.node_ids
     new = body.new_nodes or []
@@ -76,7 +93,8 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
     except OverflowError:  # Python ints: a huge id is named exactly
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise errors.invalid(f"node id {bad} is out of range (beyond int64)") from None
-    args = EmbedArgs(arr, body.exact, body.seed, body.timeout_ms, body.min_version)
+    args = EmbedArgs(arr, body.exact, body.seed, body.timeout_ms, body.min_version,
+                     model=body.model or "", version=body_version(body.version) or 0)
     if new:
         args.new_features = [n.features for n in new]
         args.new_neighbors = [n.in_neighbors for n in new]

@@ -1,6 +1,7 @@
 """The hot routes in plain ASGI, answered in front of FastAPI.
 
-``POST /v1/embed`` and ``POST /v2/models/{name}/infer`` are answered here: read the body off
+``POST /v1/embed``, ``POST /v2/models/{name}/infer`` and
+``POST /v2/models/{name}/versions/{version}/infer`` are answered here: read the body off
 ``receive``, parse it with the same code as before (``frontend/bodies.py``, ``frontend/kserve.py``),
 submit to the event loop's engine client, and ``send()`` the answer's bytes. FastAPI's routing,
 its request object, its exception middleware and its response classes are not on this path;
@@ -19,10 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from quiver_serve import errors
 from quiver_serve.engine.client.checks import (
@@ -33,11 +33,13 @@ from quiver_serve.engine.client.checks import (
 )
 from quiver_serve.frontend import kserve
 from quiver_serve.frontend.bodies import EmbedArgs, parse_embed
+from quiver_serve.frontend.model_view import parse_version
 from quiver_serve.frontend.responses import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
     embed_answer,
     error_response,
+    model_headers,
 )
 from quiver_serve.messages import EmbedResult
 
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 
 EMBED_PATH = "/v1/embed"
 INFER_TEMPLATE = "/v2/models/{name}/infer"
+VERSIONED_INFER_TEMPLATE = "/v2/models/{name}/versions/{version}/infer"
+HOT_TEMPLATES = (EMBED_PATH, INFER_TEMPLATE, VERSIONED_INFER_TEMPLATE)
 _INFER_HEAD, _INFER_TAIL = "/v2/models/", "/infer"
 _ACCEPT = b"accept"
 _HEADER_LENGTH = kserve.HEADER_LENGTH.encode("latin-1")
@@ -107,13 +111,23 @@ async def _result_or_disconnect(state: Any, receive: Any, request_id: str,
     raise errors.ServeError("client_disconnected", "client went away", 499)
 
 
+class Answer(NamedTuple):
+    """Rows served, and the model version that computed them."""
+
+    rows: np.ndarray  # float32 [n, dim]
+    model: str
+    version: int
+
+
 async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
                     timeout_ms: float | None, min_version: int = 0,
-                    new_nodes: tuple[list[Any], list[Any]] | None = None) -> torch.Tensor:
-    """Check (NumPy), submit, await: the embeddings, or a ServeError with the right status.
+                    new_nodes: tuple[list[Any], list[Any]] | None = None,
+                    model: str = "", version: int = 0) -> Answer:
+    """Check (NumPy), submit, await: the rows, or a ServeError with the right status.
     ``receive`` is the HTTP request's (a disconnect cancels the request); None for gRPC, whose
     channel's own cancellation ends the call. ``new_nodes``: the inductive nodes' feature rows
-    and in-neighbour lists, unchecked; their rows follow the ids' rows."""
+    and in-neighbour lists, unchecked; their rows follow the ids' rows. ``model`` ("": the
+    default) and ``version`` (0: the traffic split's pick) say which model answers."""
     limit = state.cfg.server.max_request_nodes
     num_new = len(new_nodes[0]) if new_nodes else 0
     if ids.size + num_new > limit:
@@ -126,11 +140,13 @@ async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed
     num_nodes, capacity = pipeline.num_nodes, pipeline.node_capacity
     check_ids_at_door(ids, num_nodes, capacity)
     check_min_version(min_version)
+    view = state.views.current()
+    target_model, target_version = view.submit_target(model, version)
     inductive = None if not num_new else inductive_nodes(
         new_nodes[0], new_nodes[1], pipeline.num_features or 0, num_nodes, capacity)  # type: ignore[index]
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s, min_version,
-                                                   inductive)
+                                                   inductive, target_model, target_version)
     if receive is None:
         result = await future
     else:
@@ -138,14 +154,22 @@ async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
-    return result.embeddings
+    return Answer(result.embeddings.numpy(), result.model or model or view.default,
+                  result.version or version or 1)
 
 
-async def serve_embed(state: Any, receive: Any, body: EmbedArgs) -> torch.Tensor:
+async def serve_embed(state: Any, receive: Any, body: EmbedArgs) -> Answer:
     """``serve_ids`` of one parsed ``/v1/embed`` body."""
     new = None if body.new_features is None else (body.new_features, body.new_neighbors or [])
     return await serve_ids(state, receive, body.node_ids, body.exact, body.seed, body.timeout_ms,
-                           body.min_version, new)
+                           body.min_version, new, body.model, body.version)
+
+
+def embed_response_parts(answer: Answer, accept: str | None) -> tuple[bytes, str,
+                                                                      dict[str, str] | None]:
+    """Body, media type and extra headers of a ``/v1/embed`` answer."""
+    body, media_type = embed_answer(answer.model, answer.rows, accept, answer.version)
+    return body, media_type, model_headers(media_type, answer.model, answer.version)
 
 
 def header(scope: Any, name: bytes) -> str | None:
@@ -156,13 +180,23 @@ def header(scope: Any, name: bytes) -> str | None:
     return None
 
 
-def infer_model(path: str) -> str | None:
-    """``name`` when ``path`` is ``/v2/models/{name}/infer`` (Starlette's ``[^/]+``), else None."""
-    if path.startswith(_INFER_HEAD) and path.endswith(_INFER_TAIL):
-        name = path[len(_INFER_HEAD):-len(_INFER_TAIL)]
-        if name and "/" not in name:
-            return name
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """``(name, None)`` when ``path`` is ``/v2/models/{name}/infer``, ``(name, version)`` when
+    it is ``/v2/models/{name}/versions/{version}/infer`` (Starlette's ``[^/]+`` per part), else
+    None."""
+    if not (path.startswith(_INFER_HEAD) and path.endswith(_INFER_TAIL)):
+        return None
+    parts = path[len(_INFER_HEAD):-len(_INFER_TAIL)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return parts[0], parts[2]
     return None
+
+
+def infer_version(raw: str | None) -> int:
+    """The version of a versioned infer path (0: none named); a 400 when it is no version."""
+    return 0 if raw is None else parse_version(raw)
 
 
 def _length(body: bytes) -> tuple[bytes, bytes]:
@@ -176,13 +210,6 @@ async def _respond(send: Any, body: bytes, headers: list[tuple[bytes, bytes]]) -
     await send({"type": "http.response.body", "body": body})
 
 
-def model_or_404(state: Any, name: str) -> None:
-    if name != state.cfg.model.name:
-        raise errors.ServeError(
-            "model_not_found",
-            f"no model named {name!r}; this server serves {state.cfg.model.name!r}", 404)
-
-
 class HotRoutes:
     """ASGI: the hot routes answered here, every other request passed on to ``app``."""
 
@@ -190,6 +217,7 @@ class HotRoutes:
         self.app, self.state = app, state
         self.embed_route = routes[EMBED_PATH]  # FastAPI's route objects: the metric's label
         self.infer_route = routes[INFER_TEMPLATE]
+        self.versioned_infer_route = routes[VERSIONED_INFER_TEMPLATE]
         #: requests this layer answered (tests check that the hot routes bypass FastAPI)
         self.answered = 0
 
@@ -200,11 +228,16 @@ class HotRoutes:
                 scope["route"] = self.embed_route
                 await self._answer(self._embed(scope, receive, send), scope, receive, send)
                 return
-            name = infer_model(path)
-            if name is not None:
-                scope["route"] = self.infer_route
-                scope["path_params"] = {"name": name}
-                await self._answer(self._infer(name, scope, receive, send), scope, receive, send)
+            target = infer_target(path)
+            if target is not None:
+                name, version = target
+                if version is None:
+                    scope["route"], scope["path_params"] = self.infer_route, {"name": name}
+                else:
+                    scope["route"] = self.versioned_infer_route
+                    scope["path_params"] = {"name": name, "version": version}
+                await self._answer(self._infer(name, version, scope, receive, send), scope,
+                                   receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -230,18 +263,21 @@ class HotRoutes:
     async def _embed(self, scope: Any, receive: Any, send: Any) -> None:
         state = self.state
         body = parse_embed(await read_body(receive), state.cfg.server.max_request_nodes)
-        emb = (await serve_embed(state, receive, body)).numpy()
-        body_bytes, media_type = embed_answer(state.cfg.model.name, emb, header(scope, _ACCEPT))
+        answer = await serve_embed(state, receive, body)
+        body_bytes, media_type, extra = embed_response_parts(answer, header(scope, _ACCEPT))
         content_type = _NPY if media_type == NPY_MEDIA_TYPE else _JSON
-        await _respond(send, body_bytes, [_length(body_bytes), (b"content-type", content_type)])
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra or {}).items()]
+        await _respond(send, body_bytes, [*raw, _length(body_bytes),
+                                          (b"content-type", content_type)])
 
-    async def _infer(self, name: str, scope: Any, receive: Any, send: Any) -> None:
+    async def _infer(self, name: str, version: str | None, scope: Any, receive: Any,
+                     send: Any) -> None:
         state = self.state
-        model_or_404(state, name)
+        pinned = infer_version(version)
         req = kserve.parse_infer(await read_body(receive), header(scope, _HEADER_LENGTH))
-        emb = await serve_ids(state, receive, req.node_ids, req.exact, req.seed, req.timeout_ms,
-                              req.min_version)
-        body, headers = kserve.infer_response(name, req, emb.numpy())
+        answer = await serve_ids(state, receive, req.node_ids, req.exact, req.seed,
+                                 req.timeout_ms, req.min_version, None, name, pinned)
+        body, headers = kserve.infer_response(answer.model, answer.version, req, answer.rows)
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append(_length(body))
         await _respond(send, body, raw)

@@ -119,9 +119,11 @@ class FrontDoor:
         call the graph writer, when the supervisor has one)."""
         supervisor = pipeline.supervisor
         writer = getattr(supervisor, "graph_writer", None)
-        if writer is not None and self.graph_service is None:
-            self.graph_service = GraphService(writer, self.addrs.graph,
-                                              len(supervisor.engines)).start()
+        models = getattr(supervisor, "models", None)
+        if (writer is not None or models is not None) and self.graph_service is None:
+            self.graph_service = GraphService(
+                writer, self.addrs.graph, len(supervisor.engines), models=models,
+                read_only_reason=getattr(supervisor, "graph_read_only_reason", None)).start()
         self.pipeline = pipeline
 
     def begin_drain(self) -> None:
@@ -183,7 +185,8 @@ class FrontDoor:
         return FrontDoorState(p.engines_ready and not self.draining, self.draining, workers,
                               msgspec.to_builtins(p.endpoints()), p.num_features,
                               p.num_nodes, p.node_capacity,
-                              p.graph_version if writer is not None else None)
+                              p.graph_version if writer is not None else None,
+                              p.models_state)
 
 
 def _forget_live_gauges(pid: int) -> None:

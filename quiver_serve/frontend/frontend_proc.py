@@ -25,7 +25,12 @@ import zmq
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
-from quiver_serve.engine.client.graph_client import RemoteGraph, graph_timeout_s
+from quiver_serve.engine.client.graph_client import (
+    ModelOps,
+    RemoteGraph,
+    graph_timeout_s,
+    model_timeout_s,
+)
 from quiver_serve.engine.procs.control import Reporter, exit_failed
 from quiver_serve.engine.procs.graph_service import unavailable
 from quiver_serve.engine.procs.heap import GcWatch, start_gc_watch
@@ -66,6 +71,11 @@ class RemotePipeline(ClientFacade):
         self.graph_ops = RemoteGraph(graph_address or "", graph_timeout_s(
             cfg.server.request_timeout_s), self._graph_check, self._on_graph_result)
         self._graph_address = graph_address
+        #: every model and version with its state, as the main process publishes it
+        self.models_state: dict[str, Any] | None = None
+        #: the model repository's calls, over the same channel as the graph's
+        self.model_ops = ModelOps(RemoteGraph(graph_address or "", model_timeout_s(cfg),
+                                              self._model_check, lambda op, result: None))
 
     def start(self) -> None:
         """Nothing to start: the client is built when the main process says the engines are up."""
@@ -75,6 +85,8 @@ class RemotePipeline(ClientFacade):
         self._workers = [msgspec.structs.asdict(w) for w in state.workers]
         self.engines_ready = state.engines_ready
         self._follow_graph(state)
+        if state.models is not None:
+            self.models_state = state.models
         if self.client_endpoints is None and state.engines is not None and not self._draining:
             endpoints = msgspec.convert(state.engines, EngineEndpoints)
             self.num_nodes = max(self.num_nodes, endpoints.num_nodes)
@@ -101,6 +113,11 @@ class RemotePipeline(ClientFacade):
             raise self.refusal()
         if self.graph_version is None or self._graph_address is None:
             raise unavailable()
+
+    def _model_check(self) -> None:
+        """Model calls can be made now (else the 503 to answer)."""
+        if not self.ready or self._graph_address is None:
+            raise self.refusal()
 
     def _on_graph_result(self, op: str, result: dict[str, Any]) -> None:
         if op == "add_nodes" and result.get("node_ids"):

@@ -1,7 +1,8 @@
 """KServe v2's ``inference.GRPCInferenceService`` messages, built at import from this spec.
 
 The published ``grpc_predict_v2.proto`` (KServe; Triton's ``grpc_service.proto`` uses the same
-package, names and field numbers for these messages) written as data and turned into a
+package, names and field numbers for these messages), plus the model-repository messages of
+Triton's ``grpc_service.proto``, written as data and turned into a
 ``FileDescriptorProto``: no protoc step and no generated module pinned to one protobuf version.
 tests/frontend/test_kserve_clients.py checks every field number and type against tritonclient's compiled
 descriptors, so the wire format is the published one.
@@ -23,6 +24,8 @@ CONTENTS_FIELDS = [("bool_contents", "repeated bool", 1), ("int_contents", "repe
                    ("uint64_contents", "repeated uint64", 5), ("fp32_contents", "repeated float", 6),
                    ("fp64_contents", "repeated double", 7), ("bytes_contents", "repeated bytes", 8)]
 TENSOR = [("name", "string", 1), ("datatype", "string", 2), ("shape", "repeated int64", 3)]
+REPOSITORY_MODEL = [("repository_name", "string", 1), ("model_name", "string", 2),
+                    ("parameters", "map<string,ModelRepositoryParameter>", 3)]
 
 #: message -> fields (name, type, number); "Outer.Inner" nests; oneofs are named in ONEOFS
 MESSAGES: dict[str, list[tuple[str, str, int]]] = {
@@ -57,11 +60,23 @@ MESSAGES: dict[str, list[tuple[str, str, int]]] = {
                        ("string_param", "string", 3), ("double_param", "double", 4),
                        ("uint64_param", "uint64", 5)],
     "InferTensorContents": CONTENTS_FIELDS,
+    # the model-repository extension (Triton's grpc_service.proto)
+    "RepositoryIndexRequest": [("repository_name", "string", 1), ("ready", "bool", 2)],
+    "RepositoryIndexResponse": [("models", "repeated ModelIndex", 1)],
+    "RepositoryIndexResponse.ModelIndex": [("name", "string", 1), ("version", "string", 2),
+                                           ("state", "string", 3), ("reason", "string", 4)],
+    "RepositoryModelLoadRequest": [*REPOSITORY_MODEL],
+    "RepositoryModelLoadResponse": [],
+    "RepositoryModelUnloadRequest": [*REPOSITORY_MODEL],
+    "RepositoryModelUnloadResponse": [],
+    "ModelRepositoryParameter": [("bool_param", "bool", 1), ("int64_param", "int64", 2),
+                                 ("string_param", "string", 3), ("bytes_param", "bytes", 4)],
 }
-ONEOFS = {"InferParameter": "parameter_choice"}
+ONEOFS = {"InferParameter": "parameter_choice", "ModelRepositoryParameter": "parameter_choice"}
 #: rpc name -> (request, response)
 RPCS = {name: (f"{name}Request", f"{name}Response") for name in
-        ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer")}
+        ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+         "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")}
 
 
 def _field(msg: descriptor_pb2.DescriptorProto, scope: str, name: str, kind: str,
@@ -71,12 +86,13 @@ def _field(msg: descriptor_pb2.DescriptorProto, scope: str, name: str, kind: str
     kind = kind.removeprefix("repeated ")
     f.label = _T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL
     if kind.startswith("map<"):  # a map is a repeated nested XxxEntry {key = 1; value = 2}
+        value = kind.removeprefix("map<string,").removesuffix(">")
         entry = msg.nested_type.add(name=_camel(name, upper=True) + "Entry")
         entry.options.map_entry = True
         entry.field.add(name="key", number=1, type=_T.TYPE_STRING, label=_T.LABEL_OPTIONAL,
                         json_name="key")
         entry.field.add(name="value", number=2, type=_T.TYPE_MESSAGE, label=_T.LABEL_OPTIONAL,
-                        type_name=f".{PACKAGE}.InferParameter", json_name="value")
+                        type_name=f".{PACKAGE}.{value}", json_name="value")
         f.label, f.type, f.type_name = _T.LABEL_REPEATED, _T.TYPE_MESSAGE, \
             f".{PACKAGE}.{scope}.{entry.name}"
     elif kind in _SCALARS:

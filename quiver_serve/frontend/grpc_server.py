@@ -3,9 +3,16 @@
 Same semantics as the HTTP routes: one input ``node_ids`` (INT64 [n]) as ``raw_input_contents`` or
 ``contents.int64_contents``; one output ``embeddings`` (FP32 [n, dim]) as ``raw_output_contents``;
 request parameters ``exact``, ``seed``, ``timeout_ms``, ``min_version`` (the graph version the
-answer must see); the daemon's errors mapped to gRPC status
-codes with the same messages. Off unless ``server.grpc_port`` is set; same bind address and bearer
-token as HTTP.
+answer must see); ``model_version`` pins a version (empty: the model's traffic split), and the
+answer names the version that computed it; ``ModelReady`` and ``ModelMetadata`` take a version
+too. The daemon's errors are mapped to gRPC status codes with the same messages. Off unless
+``server.grpc_port`` is set; same bind address and bearer token as HTTP.
+
+The model-repository RPCs (``RepositoryIndex``, ``RepositoryModelLoad``,
+``RepositoryModelUnload``; ``repository_routes.py`` does the work for both protocols) are admin
+calls, guarded as the HTTP admin routes are: the admin token in the ``authorization`` metadata
+(``Bearer <token>``; the data-plane token is PERMISSION_DENIED), or, with no admin token set,
+loopback peers only.
 """
 
 from __future__ import annotations
@@ -14,38 +21,65 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 import numpy as np
 
 from quiver_serve import errors
 from quiver_serve.frontend import grpc_proto as gp
+from quiver_serve.frontend import repository_routes
+from quiver_serve.frontend.guards import admin_refusal
 from quiver_serve.frontend.kserve import SERVER_METADATA
+from quiver_serve.frontend.model_view import parse_version
 
 log = logging.getLogger(__name__)
 
 #: daemon status -> gRPC status code
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-         404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
-         413: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
-         429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+         403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+         409: grpc.StatusCode.ALREADY_EXISTS, 413: grpc.StatusCode.INVALID_ARGUMENT,
+         422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+         499: grpc.StatusCode.CANCELLED, 501: grpc.StatusCode.UNIMPLEMENTED,
          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
-#: (node ids, exact, seed, timeout_ms, min_version) -> embeddings [n, dim]; raises
-#: errors.ServeError
-ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None", int], Awaitable[Any]]
+#: (node ids, exact, seed, timeout_ms, min_version, model, version) -> the rows and the model
+#: version that computed them (``fastpath.Answer``); raises errors.ServeError
+ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None", int, str, int],
+                   Awaitable[Any]]
 
 
 def _bad(message: str) -> errors.ServeError:
     return errors.ServeError("invalid_request", message, 400)
 
 
+async def _abort(ctx: Any, exc: errors.ServeError) -> None:
+    await ctx.abort(CODES.get(exc.info.status, grpc.StatusCode.INTERNAL), exc.info.message)
+
+
+def _version(raw: str) -> int | None:
+    """A request's ``version`` field: None when empty (any version), else a positive int."""
+    return parse_version(raw) if raw else None
+
+
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, its
+    URL-quoted form), None for anything else (a Unix socket)."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
 class KServeGrpc:
     """The servicer: each RPC is an ``async def (request, context)``."""
 
-    def __init__(self, state: Any, serve: ServeFn, token: str | None) -> None:
+    def __init__(self, state: Any, serve: ServeFn, token: str | None,
+                 admin_token: str | None = None) -> None:
         self.state, self.serve = state, serve
         self.expected = f"Bearer {token}" if token else None
+        self.admin_expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     async def ServerLive(self, req: Any, ctx: Any) -> Any:  # noqa: N802 - the RPC's name
         return gp.message("ServerLiveResponse")(live=True)
@@ -55,9 +89,15 @@ class KServeGrpc:
         return gp.message("ServerReadyResponse")(ready=self._ready())
 
     async def ModelReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
+        """As Triton answers it: ready false (not an error) for a model not loaded."""
         await self._auth(ctx)
-        await self._model(req.name, ctx)
-        return gp.message("ModelReadyResponse")(ready=self._ready())
+        try:
+            version = _version(req.version)
+        except errors.ServeError as exc:
+            await _abort(ctx, exc)
+        view = self.state.views.current()
+        ready = req.name in view.names and view.is_ready(req.name, version)
+        return gp.message("ModelReadyResponse")(ready=self._ready() and ready)
 
     async def ServerMetadata(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
@@ -65,16 +105,16 @@ class KServeGrpc:
 
     async def ModelMetadata(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
-        await self._model(req.name, ctx)
-        dim = self.state.pipeline.out_dim or -1
+        try:
+            meta = self.state.views.current().metadata(req.name, _version(req.version))
+        except errors.ServeError as exc:
+            await _abort(ctx, exc)
         return gp.message("ModelMetadataResponse")(
-            name=req.name, versions=["1"], platform="pytorch_geometric",
-            inputs=[{"name": "node_ids", "datatype": "INT64", "shape": [-1]}],
-            outputs=[{"name": "embeddings", "datatype": "FP32", "shape": [-1, dim]}])
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=meta["inputs"], outputs=meta["outputs"])
 
     async def ModelInfer(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
-        await self._model(req.model_name, ctx)
         try:
             ids = _node_ids(req)
             p = req.parameters
@@ -85,14 +125,41 @@ class KServeGrpc:
             for out in req.outputs:
                 if out.name != "embeddings":
                     raise _bad(f"unknown output {out.name!r}; this model has 'embeddings'")
-            emb = (await self.serve(ids, exact, seed, timeout_ms, min_version)).numpy()
+            answer = await self.serve(ids, exact, seed, timeout_ms, min_version, req.model_name,
+                                      _version(req.model_version) or 0)
         except errors.ServeError as exc:
-            await ctx.abort(CODES.get(exc.info.status, grpc.StatusCode.INTERNAL), exc.info.message)
-        rows = np.ascontiguousarray(emb, dtype="<f4")
+            await _abort(ctx, exc)
+        rows = np.ascontiguousarray(answer.rows, dtype="<f4")
         return gp.message("ModelInferResponse")(
-            model_name=req.model_name, model_version="1", id=req.id,
+            model_name=answer.model, model_version=str(answer.version), id=req.id,
             outputs=[{"name": "embeddings", "datatype": "FP32", "shape": list(rows.shape)}],
             raw_output_contents=[rows.tobytes()])
+
+    async def RepositoryIndex(self, req: Any, ctx: Any) -> Any:  # noqa: N802
+        who = await self._admin(ctx)
+        try:
+            rows = await repository_routes.repository_index(self.state, req.ready, who)
+        except errors.ServeError as exc:
+            await _abort(ctx, exc)
+        return gp.message("RepositoryIndexResponse")(models=rows)
+
+    async def RepositoryModelLoad(self, req: Any, ctx: Any) -> Any:  # noqa: N802
+        who = await self._admin(ctx)
+        try:
+            await repository_routes.load_model(self.state, req.model_name,
+                                               _repository_params(req.parameters), who)
+        except errors.ServeError as exc:
+            await _abort(ctx, exc)
+        return gp.message("RepositoryModelLoadResponse")()
+
+    async def RepositoryModelUnload(self, req: Any, ctx: Any) -> Any:  # noqa: N802
+        who = await self._admin(ctx)
+        try:
+            await repository_routes.unload_model(self.state, req.model_name,
+                                                 _repository_params(req.parameters), who)
+        except errors.ServeError as exc:
+            await _abort(ctx, exc)
+        return gp.message("RepositoryModelUnloadResponse")()
 
     def _ready(self) -> bool:
         return bool(self.state.pipeline.ready and self.state.pipeline.engines_ready)
@@ -104,11 +171,29 @@ class KServeGrpc:
         if not hmac.compare_digest(given.encode(), self.expected.encode()):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-    async def _model(self, name: str, ctx: Any) -> None:
-        served = self.state.cfg.model.name
-        if name != served:
-            await ctx.abort(grpc.StatusCode.NOT_FOUND,
-                            f"no model named {name!r}; this server serves {served!r}")
+    async def _admin(self, ctx: Any) -> str:
+        """The admin guard of HTTP (``guards.admin_refusal``) on gRPC metadata and the peer;
+        returns the peer, for the log."""
+        peer = ctx.peer() or ""
+        given = dict(ctx.invocation_metadata() or ()).get("authorization", "")
+        data = self.expected.encode() if self.expected else None
+        refused = admin_refusal(peer_address(peer), given.encode(), self.admin_expected, data)
+        if refused is not None:
+            status, code, message = refused
+            log.warning("admin call %s from %s refused: %s", code, peer or "unknown peer",
+                        message)
+            await ctx.abort(CODES[status], message)
+        address = peer_address(peer)
+        return f"{address[0]}:{address[1]}" if address else peer or "unknown peer"
+
+
+def _repository_params(params: Any) -> dict[str, Any]:
+    """A repository request's ``map<string, ModelRepositoryParameter>`` as plain values."""
+    out: dict[str, Any] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which else None
+    return out
 
 
 def _number(p: Any) -> float:
@@ -143,10 +228,10 @@ def _node_ids(req: Any) -> np.ndarray:
     return ids
 
 
-async def start(state: Any, serve: ServeFn, host: str, port: int,
-                token: str | None) -> grpc.aio.Server:
+async def start(state: Any, serve: ServeFn, host: str, port: int, token: str | None,
+                admin_token: str | None = None) -> grpc.aio.Server:
     """A grpc.aio server on the running loop, bound to ``host:port``."""
-    servicer = KServeGrpc(state, serve, token)
+    servicer = KServeGrpc(state, serve, token, admin_token)
     handlers = {
         rpc: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, rpc), request_deserializer=gp.message(req).FromString,

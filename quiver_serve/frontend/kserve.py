@@ -138,11 +138,13 @@ def _binary_output(body: InferBody, binary_all: bool) -> bool:
     return binary
 
 
-def infer_response(model: str, req: InferRequest, emb: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    """Body and headers of the answer: JSON, or JSON header + raw float32 rows."""
+def infer_response(model: str, version: int, req: InferRequest,
+                   emb: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of the answer: JSON, or JSON header + raw float32 rows; ``model`` and
+    ``version`` name the model version that computed them."""
     rows = np.ascontiguousarray(emb, dtype="<f4")
     out: dict[str, Any] = {"name": "embeddings", "datatype": "FP32", "shape": list(rows.shape)}
-    head: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": [out]}
+    head: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": [out]}
     if req.body.id is not None:
         head["id"] = req.body.id
     if not req.binary_output:

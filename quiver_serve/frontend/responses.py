@@ -46,10 +46,21 @@ def wants_npy(accept: str | None) -> bool:
     return accept is not None and NPY_MEDIA_TYPE in accept
 
 
-def embed_answer(model_name: str, emb: np.ndarray, accept: str | None) -> tuple[bytes, str]:
+def embed_answer(model_name: str, emb: np.ndarray, accept: str | None,
+                 version: int = 1) -> tuple[bytes, str]:
     """The ``/v1/embed`` answer: body and media type (``.npy`` when the client accepts it, else
-    ``{"model", "dim", "embeddings"}`` as JSON, NumPy rows serialised without ``tolist()``)."""
+    ``{"model", "model_version", "dim", "embeddings"}`` as JSON, NumPy rows serialised without
+    ``tolist()``). ``model_name`` and ``version``: the model version that computed the rows."""
     if wants_npy(accept):
         return npy_bytes(emb), NPY_MEDIA_TYPE
-    payload: dict[str, Any] = {"model": model_name, "dim": emb.shape[1], "embeddings": emb}
+    payload: dict[str, Any] = {"model": model_name, "model_version": str(version),
+                               "dim": emb.shape[1], "embeddings": emb}
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), JSON_MEDIA_TYPE
+
+
+def model_headers(media_type: str, model_name: str, version: int) -> dict[str, str] | None:
+    """The headers naming the model version of a ``.npy`` answer (a JSON answer names it in
+    its body)."""
+    if media_type != NPY_MEDIA_TYPE:
+        return None
+    return {"x-model-name": model_name, "x-model-version": str(version)}

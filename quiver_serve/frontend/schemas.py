@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from quiver_serve.engine.client.checks import MAX_VERSION
 from quiver_serve.errors import MAX_SEED
@@ -41,6 +49,19 @@ class EmbedBody(_Body):
     new_nodes: list[NewNode] | None = Field(
         None, description="inductive: nodes embedded as if added with these in-edges, without "
         "adding them; their rows follow the node_ids rows")
+    model: str = Field("", description="the model to ask (GET /v2/repository/index lists them); "
+                       "empty: the server's default model")
+    version: StrictInt | str | None = Field(
+        None, description="pin a version of the model (an integer, or a string of digits); "
+        "null: the model's traffic split picks one")
+
+    @field_validator("version")
+    @classmethod
+    def _positive_version(cls, value: int | str | None) -> int | str | None:
+        if value is not None and not (str(value).isascii() and str(value).isdigit()
+                                      and 1 <= int(value) <= MAX_VERSION):
+            raise ValueError("must be a positive integer, or a string of its digits")
+        return value
 
     @model_validator(mode="after")
     def _something_to_embed(self) -> EmbedBody:
@@ -50,7 +71,8 @@ class EmbedBody(_Body):
 
 
 class EmbedResponse(BaseModel):
-    model: str
+    model: str = Field(..., description="the model that computed the rows")
+    model_version: str = Field(..., description="its version")
     dim: int
     embeddings: list[list[float]]
 

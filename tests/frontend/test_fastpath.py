@@ -138,13 +138,31 @@ HOT_CASES = {
     "infer_unknown_output": infer_json([ids_tensor([1])], outputs=[{"name": "logits"}]),
     "infer_too_many_ids": infer_json([ids_tensor(list(range(513)))]),
     "infer_deadline_passed": infer_json([ids_tensor([1])], parameters={"timeout_ms": 0.001}),
+    "embed_model_and_version": embed({"node_ids": [2, 3], "exact": True, "model": MODEL,
+                                      "version": "1"}),
+    "embed_npy_named": embed({"node_ids": [3], "exact": True, "version": 1},
+                             accept="application/x-npy"),
+    "embed_unknown_model": embed({"node_ids": [1], "model": "nope"}),
+    "embed_version_not_loaded": embed({"node_ids": [1], "version": 2}),
+    "embed_bad_version": embed({"node_ids": [1], "version": "v1"}),
+    "infer_versioned": infer_json([ids_tensor([1])], path=f"/v2/models/{MODEL}/versions/1/infer",
+                                  parameters={"exact": True}),
+    "infer_version_not_loaded": infer_json([ids_tensor([1])],
+                                           path=f"/v2/models/{MODEL}/versions/2/infer"),
+    "infer_bad_version": infer_json([ids_tensor([1])], path=f"/v2/models/{MODEL}/versions/x/infer"),
+    "infer_versioned_unknown_model": infer_json([ids_tensor([1])],
+                                                path="/v2/models/nope/versions/1/infer"),
 }
 OTHER_CASES = {  # not the hot routes: FastAPI answers them in both apps
     "embed_get": ("GET", "/v1/embed", b"", {}),
     "embed_trailing_slash": embed({"node_ids": [1]})[:1] + ("/v1/embed/",) + embed({"node_ids": [1]})[2:],
-    "infer_versioned": infer_json([ids_tensor([1])], path=f"/v2/models/{MODEL}/versions/1/infer"),
     "infer_empty_name": infer_json([ids_tensor([1])], path="/v2/models//infer"),
+    "infer_empty_version": infer_json([ids_tensor([1])], path=f"/v2/models/{MODEL}/versions//infer"),
+    "infer_versions_no_version": infer_json([ids_tensor([1])],
+                                            path=f"/v2/models/{MODEL}/versions/infer"),
     "model_metadata": ("GET", f"/v2/models/{MODEL}", b"", {}),
+    "version_metadata": ("GET", f"/v2/models/{MODEL}/versions/1", b"", {}),
+    "version_ready": ("GET", f"/v2/models/{MODEL}/versions/1/ready", b"", {}),
     "server_metadata": ("GET", "/v2", b"", {}),
 }
 
@@ -245,7 +263,8 @@ def test_latency_metric_keeps_the_route_templates(apps: tuple) -> None:
         return 0.0
 
     cases = [(HOT_CASES["embed_json"], "/v1/embed", "200"),
-             (HOT_CASES["infer_unknown_model"], "/v2/models/{name}/infer", "404")]
+             (HOT_CASES["infer_unknown_model"], "/v2/models/{name}/infer", "404"),
+             (HOT_CASES["infer_versioned"], "/v2/models/{name}/versions/{version}/infer", "200")]
     for case, endpoint, status in cases:
         before = count(endpoint, status)
         method, path, body, headers = case
@@ -253,9 +272,27 @@ def test_latency_metric_keeps_the_route_templates(apps: tuple) -> None:
         assert count(endpoint, status) == before + 1, (endpoint, status)
 
 
+def test_answers_name_the_model_version(apps: tuple) -> None:
+    """JSON answers name the model and version in the body; .npy answers in headers."""
+    got, _ = both(apps, HOT_CASES["embed_model_and_version"])
+    body = orjson.loads(got["body"])
+    assert (body["model"], body["model_version"], body["dim"]) == (MODEL, "1", 64)
+    got, _ = both(apps, HOT_CASES["embed_npy_named"])
+    headers = dict(got["headers"])
+    assert (headers[b"x-model-name"], headers[b"x-model-version"]) == (MODEL.encode(), b"1")
+    got, _ = both(apps, HOT_CASES["infer_versioned"])
+    assert orjson.loads(got["body"])["model_version"] == "1"
+    for name, status in [("embed_unknown_model", 404), ("embed_version_not_loaded", 404),
+                         ("infer_version_not_loaded", 404), ("infer_bad_version", 400),
+                         ("infer_versioned_unknown_model", 404)]:
+        got, _ = both(apps, HOT_CASES[name])
+        assert got["status"] == status, (name, got["body"])
+
+
 def test_openapi_still_documents_the_hot_routes(apps: tuple) -> None:
     paths = apps[0].openapi()["paths"]
     assert "post" in paths["/v1/embed"] and "post" in paths["/v2/models/{name}/infer"]
+    assert "post" in paths["/v2/models/{name}/versions/{version}/infer"]
     body = paths["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/octet-stream"}
 

@@ -1,0 +1,110 @@
+"""KServe v2 model routes, per model and per version (DESIGN §5, §9).
+
+* ``GET /v2/models/{name}`` and ``GET /v2/models/{name}/versions/{version}``: metadata (the
+  ready versions, platform, inputs and outputs, and how to rebuild the model in plain PyG); a
+  version that is not loaded is a 404.
+* ``GET /v2/models/{name}/ready`` and ``.../versions/{version}/ready``: as Triton answers them,
+  200 when ready and 400 when not; 404 for an unknown model, and the server's own 503 while it
+  is not ready.
+* ``POST /v2/models/{name}/infer`` (the traffic split picks the version) and
+  ``POST /v2/models/{name}/versions/{version}/infer`` (pinned): answered by the raw-ASGI layer
+  (``fastpath.py``) when ``server.fast_routes`` is on; these definitions are the documented
+  schema and answer when it is off. The answer names the version that computed it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from quiver_serve import errors
+from quiver_serve.frontend import kserve
+from quiver_serve.frontend.fastpath import (
+    INFER_TEMPLATE,
+    VERSIONED_INFER_TEMPLATE,
+    infer_version,
+    serve_ids,
+)
+from quiver_serve.frontend.model_view import parse_version
+from quiver_serve.frontend.responses import error_response
+from quiver_serve.frontend.schemas import ErrorBody, InferBody, InferResponse
+
+_MODELS = "/v2/models"
+
+
+def server_not_ready(state: Any) -> JSONResponse | None:
+    """The 503 answering a readiness probe while the server is not ready, else None."""
+    if state.pipeline.ready and state.pipeline.engines_ready:
+        return None
+    refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
+        "engines_not_ready", "no engine core is ready (restarting after a failure)")
+    message = "start-up failed" if state.start_error else refusal.info.message
+    return error_response(503, refusal.info.code, message,
+                          {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
+
+
+def readiness(state: Any, name: str, version: int | None) -> Response:
+    """200 when ``name`` (``version``, or any version) is ready; 400 naming its state when not."""
+    view = state.views.current()
+    view.model(name)  # 404 for an unknown model, before the server's own readiness
+    refused = server_not_ready(state)
+    if refused is not None:
+        return refused
+    if not view.is_ready(name, version):
+        return error_response(400, "model_not_ready", view.not_ready_message(name, version),
+                              path=_MODELS)
+    return JSONResponse({"ready": True})
+
+
+async def infer(state: Any, name: str, version: str | None, request: Request) -> Response:
+    pinned = infer_version(version)
+    req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
+    answer = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
+                             req.timeout_ms, req.min_version, None, name, pinned)
+    body, headers = kserve.infer_response(answer.model, answer.version, req, answer.rows)
+    return Response(body, headers=headers)
+
+
+def add_model_routes(app: FastAPI, state: Any, responses: dict[int | str, Any]) -> None:
+    """Register the routes on ``app``; ``responses``: the error bodies to document."""
+    not_found = {404: {"model": ErrorBody}}
+    ready_doc = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 503: {"model": ErrorBody}}
+    infer_doc = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": InferBody.model_json_schema()},
+        kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}}
+
+    @app.get(_MODELS + "/{name}", responses=not_found,
+             summary="Model metadata: ready versions, and how to rebuild it in plain PyG")
+    async def metadata(name: str) -> dict[str, Any]:
+        return state.views.current().metadata(name)  # type: ignore[no-any-return]
+
+    @app.get(_MODELS + "/{name}/versions/{version}", responses={400: {"model": ErrorBody},
+                                                                **not_found},
+             summary="Metadata of one version (404 when it is not loaded)")
+    async def version_metadata(name: str, version: str) -> dict[str, Any]:
+        return state.views.current().metadata(name, parse_version(version))  # type: ignore[no-any-return]
+
+    @app.get(_MODELS + "/{name}/ready", responses=ready_doc,
+             summary="Model readiness: 200 when a version is ready, 400 when none is")
+    async def model_ready(name: str) -> Response:
+        return readiness(state, name, None)
+
+    @app.get(_MODELS + "/{name}/versions/{version}/ready", responses=ready_doc,
+             summary="Version readiness: 200 when ready, 400 when not (or not loaded)")
+    async def version_ready(name: str, version: str) -> Response:
+        return readiness(state, name, parse_version(version))
+
+    @app.post(INFER_TEMPLATE, response_model=InferResponse, responses=responses,
+              openapi_extra=infer_doc,
+              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
+                      "[n, dim]; JSON or the binary tensor extension; the model's traffic split "
+                      "picks the version")
+    async def infer_unpinned(name: str, request: Request) -> Response:
+        return await infer(state, name, None, request)
+
+    @app.post(VERSIONED_INFER_TEMPLATE, response_model=InferResponse, responses=responses,
+              openapi_extra=infer_doc, summary="KServe v2 inference on one version of the model")
+    async def infer_pinned(name: str, version: str, request: Request) -> Response:
+        return await infer(state, name, version, request)
