@@ -309,3 +309,31 @@ def test_an_unload_during_the_build_cancels_the_load(cora: GraphData, tmp_path: 
         time.sleep(0.001)
     assert loaded and loaded[0][0] is None and "cancelled" in str(loaded[0][1])
     assert core.models.get(name, 2) is None
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_a_custom_model_by_import_path_is_served_and_exact_equals_pyg(
+        cora: GraphData, tmp_path: Path, num_layers: int) -> None:
+    """A user's own MessagePassing model (``tests/models/custom_gnn.py``), named by import path,
+    loaded beside the default model: exact answers (the full L-hop subgraph, on the fly: no
+    table for it) equal its full-graph output to 1e-5."""
+    from tests.models.custom_gnn import WeightedGIN
+
+    torch.manual_seed(num_layers)
+    model = WeightedGIN(cora.num_features, 32, 16, num_layers=num_layers).eval()
+    path = tmp_path / "gin.pt"
+    torch.save(model.state_dict(), path)
+    core = make_core(cora, exact__materialize="on")
+    kwargs = {"hidden_channels": 32, "out_channels": 16, "num_layers": num_layers}
+    s = ModelSpec("gin", 1, "tests.models.custom_gnn:WeightedGIN", kwargs, num_layers,
+                  fanouts=[5] * num_layers, weights=str(path))
+    result, error = load(core, s)
+    assert error is None and result["dim"] == 16 and not result["fast_layers"]
+    ids = [0, 5, 2707, 1200, 5]
+    reply = run(core, pinned(0, ids, "gin", exact=True))[0]
+    assert (reply.done.model, reply.done.version) == ("gin", 1)
+    with torch.no_grad():
+        want = model(cora.x, cora.edge_index())[ids]
+    np.testing.assert_allclose(reply.rows, want.numpy(), atol=1e-5, rtol=1e-5)
+    sampled = run(core, pinned(1, ids, "gin"))[1]  # its own fanouts, the generic forward
+    assert not sampled.done.errors and np.isfinite(sampled.rows).all()
