@@ -319,6 +319,9 @@ def warm_up(core: EngineCore, slot: ModelSlot, sampler: BaseSampler) -> None:
     n = max(min(sampler.num_nodes, core.num_nodes), 1)
     seeds = torch.from_numpy(np.random.default_rng().integers(0, n, WARM_SEEDS))
     for exact in (False, True):
+        if exact:  # the full L-hop neighbourhood: of the sparsest of them (cheap on any graph)
+            degree = sampler.indptr[seeds + 1] - sampler.indptr[seeds]
+            seeds = seeds[degree.argmin()].reshape(1)
         fanouts = [-1] * len(slot.fanouts) if exact else slot.fanouts
         sb = sampler.sample(seeds, fanouts, new_batch_seed())
         n_id = sb.n_id.to(core.device)
