@@ -191,6 +191,16 @@ def test_unload_drains_in_flight_requests_on_their_version(cora: GraphData,
     assert unpinned.done.version == 2
 
 
+def cycle(core: EngineCore, name: str, version: int, path: Path) -> None:
+    """Load ``version``, answer one request pinned to it, unload it."""
+    assert load(core, spec(name, version, "GraphSAGE", SAGE_KW, path))[1] is None
+    assert run(core, pinned(version, [1, 2, 3], name, version))[version].done.version == version
+    done: list[object] = []
+    core.loads.unload(name, version, lambda r, e: done.append(r))
+    while not done:
+        core.step()
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -201,21 +211,12 @@ def test_load_unload_cycles_leave_host_memory_flat(cora: GraphData, tmp_path: Pa
     name = core.primary.name
     path, _ = save_weights(tmp_path, "GraphSAGE", SAGE_KW, cora.num_features, 5)
 
-    def cycle(version: int) -> None:
-        assert load(core, spec(name, version, "GraphSAGE", SAGE_KW, path))[1] is None
-        assert run(core, pinned(version, [1, 2, 3], name, version))[version].done.version \
-            == version
-        done: list[object] = []
-        core.loads.unload(name, version, lambda r, e: done.append(r))
-        while not done:
-            core.step()
-
     for v in range(2, 12):  # warm: allocator pools, lazy imports
-        cycle(v)
+        cycle(core, name, v, path)
     gc.collect()
     start = _rss_mb()
     for v in range(12, 112):
-        cycle(v)
+        cycle(core, name, v, path)
     gc.collect()
     grown = _rss_mb() - start
     assert grown < 40, f"host memory grew {grown:.1f} MiB over 100 load/unload cycles"
@@ -246,22 +247,13 @@ def test_gpu_loads_beside_serving_and_cycles_leave_gpu_memory_and_threads_flat(
     assert out[0][1] is None and out[0][0]["cuda_graphs"] > 0, out[0]
     assert run(core, pinned(seq, [1, 2], name, 2))[seq].done.version == 2
 
-    def cycle(version: int) -> None:
-        assert load(core, spec(name, version, "GraphSAGE", SAGE_KW, path))[1] is None
-        assert run(core, pinned(version, [1, 2, 3], name, version))[version].done.version \
-            == version
-        done: list[object] = []
-        core.loads.unload(name, version, lambda r, e: done.append(r))
-        while not done:
-            core.step()
-
     for v in range(3, 13):
-        cycle(v)
+        cycle(core, name, v, path)
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     threads = threading.active_count()
     for v in range(13, 113):
-        cycle(v)
+        cycle(core, name, v, path)
     torch.cuda.synchronize()
     grown_mb = (torch.cuda.memory_allocated() - allocated) / 2**20
     assert grown_mb < 1, f"GPU memory allocated grew {grown_mb:.1f} MiB over 100 cycles"
