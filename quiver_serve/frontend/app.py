@@ -233,7 +233,9 @@ def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
         supervisor = getattr(state.pipeline, "supervisor", None)
         if supervisor is None:
             raise errors.ServeError("not_ready", "no engine cores to re-place", 503)
-        return {"engines_asked": supervisor.replace_features()}
+        asked = supervisor.replace_features()
+        log.info("admin: feature re-placement asked of %d engine core(s)", asked)
+        return {"engines_asked": asked}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:

@@ -76,6 +76,41 @@ def unavailable(reason: str | None = None) -> errors.ServeError:
                              501)
 
 
+class UpdateLog:
+    """Admin calls that changed the graph, logged as one summary line per ``every_s`` (an
+    update stream makes hundreds of calls a second); a compaction is logged on its own."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._since_s = time.monotonic()
+        self._counts: dict[str, int] = {}
+        self._version = 0
+
+    def record(self, op: str, result: dict[str, Any]) -> None:
+        if op == "compact":
+            log.info("admin: graph compaction requested at version %s", result.get("version"))
+            return
+        changed = {"add_edges": ("added", "removed", "missing"), "add_nodes": ("node_ids",),
+                   "put_features": ()}.get(op)
+        if changed is None:
+            return
+        with self._lock:
+            self._counts[op + " calls"] = self._counts.get(op + " calls", 0) + 1
+            for key in changed:
+                value = result.get(key, 0)
+                n = len(value) if isinstance(value, list) else int(value or 0)
+                self._counts[key] = self._counts.get(key, 0) + n
+            self._version = max(self._version, int(result.get("version") or 0))
+            now = time.monotonic()
+            if now - self._since_s < self.every_s:
+                return
+            counts, self._counts = self._counts, {}
+            span_s, self._since_s = now - self._since_s, now
+        log.info("admin: graph updates in the last %.0f s: %s; acknowledged version %d", span_s,
+                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), self._version)
+
+
 class WriterCalls:
     """The writer's operations by name, bounded; see the module docstring."""
 
@@ -85,6 +120,7 @@ class WriterCalls:
         self.writer, self.num_engines, self.max_queued = writer, num_engines, max_queued
         #: the model repository's calls (``model_manager.ModelManager``); None: none
         self.models, self.read_only_reason = models, read_only_reason
+        self.update_log = UpdateLog()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="quiver-graph")
         self._lock = threading.Lock()
         self.queued = 0
@@ -121,7 +157,9 @@ class WriterCalls:
             raise
         except Exception as exc:  # noqa: BLE001 - a 500 with an error id; the traceback is logged
             raise errors.internal_error(exc, f"graph {op}", log) from None
-        return plain(result)  # type: ignore[no-any-return]
+        result = plain(result)
+        self.update_log.record(op, result)
+        return result  # type: ignore[no-any-return]
 
     def submit(self, op: str, arrays: list[Any], deadline_s: float = 0.0,
                params: dict[str, Any] | None = None) -> Future[dict[str, Any]]:
