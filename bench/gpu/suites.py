@@ -251,6 +251,17 @@ def exact(a: argparse.Namespace) -> list[Step]:
                        kill_after_s=30.0)]
 
 
+def reload(a: argparse.Namespace) -> list[Step]:
+    """A new model version loaded under load: capacity for (a), 80% of it steady, then the
+    load call: time to the new version's first answer, p99 during the swap, failed requests."""
+    res = result(a, "reload", "smoke" if "--smoke" in a.extra else None)
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+            bench_step("model reload under load", "bench.models.reload",
+                       ["--out", str(res), "--machine", a.machine, *a.extra],
+                       a.bench_timeout_s or 560.0, "reload.log", res, QUIET_PIPELINE,
+                       kill_after_s=30.0)]
+
+
 #: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
 MAIN_BENCH = {
     "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
@@ -258,11 +269,11 @@ MAIN_BENCH = {
     "features_e2e": "bench.features.features_e2e", "routing": "bench.routing.routing",
     "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
-    "exact": "bench.graph.exact_table",
+    "exact": "bench.graph.exact_table", "reload": "bench.models.reload",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
-    "front_door": front_door, "updates": updates, "exact": exact,
+    "front_door": front_door, "updates": updates, "exact": exact, "reload": reload,
 }
