@@ -293,8 +293,7 @@ class EngineCore:
         if table is None:
             return
         log.info("engine %d: exact table dropped: %s", self.index, why)
-        if table.refresher is not None:
-            table.refresher.stop()
+        table.stop(timeout_s=0.0)
         waiting, self.exact_waiting = self.exact_waiting, []
         for mb in waiting:
             self.enqueue(mb)

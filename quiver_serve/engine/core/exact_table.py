@@ -278,9 +278,11 @@ class ExactTable:
         self.serve_stream.synchronize()
         return host.numpy()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the refresh thread (waiting at most ``timeout_s`` for its chunk to end; 0: the
+        thread ends on its own, the table's memory with it)."""
         if self.refresher is not None:
-            self.refresher.stop()
+            self.refresher.stop(timeout_s)
 
 
 def current_graph(core: Any, device: torch.device, static: tuple[Tensor, Tensor]) -> CurrentGraph:

@@ -67,7 +67,7 @@ class ModelLoads:
         self._asked: list[model_tables.Hold] = []  # holds on updates loaders wait for
         self._building: set[tuple[str, int]] = set()  # queued or building (loop thread's view)
         self._cancelled: set[tuple[str, int]] = set()  # unloaded before they were installed
-        self._dead: list[ModelSlot] = []  # failed builds whose hold the loop gives back
+        self._dead: list[model_tables.Hold] = []  # holds of failed builds, given back by the loop
 
     @property
     def pending(self) -> bool:
@@ -112,21 +112,17 @@ class ModelLoads:
             self._build(spec, done)
 
     def _build(self, spec: ModelSpec, done: Done) -> None:
-        slot: ModelSlot | None = None
+        holds: list[model_tables.Hold] = []
         try:
             slot = build_slot(self.core, spec, self.precision, self.fast,
-                              self.cuda_graph_max_seeds, self._stream)
-            if model_tables.wants_table(self.core, slot):
-                model_tables.build_pending_table(self.core, slot, self._ask)
+                              self.cuda_graph_max_seeds, self._stream, self._ask, holds)
             result: tuple[tuple[str, int], ModelSlot | None, str | None, Done] = (
                 spec.key, slot, None, done)
         except Exception as exc:  # noqa: BLE001 - a failed load is answered, never fatal
             log.warning("engine %d: loading %s version %d failed: %s", self.core.index,
                         spec.name, spec.version, exc)
-            if slot is not None:
-                release(slot)
-                with self._lock:
-                    self._dead.append(slot)
+            with self._lock:
+                self._dead += holds
             release_cache(self.core.device)
             result = (spec.key, None, f"{type(exc).__name__}: {exc}", done)
         with self._lock:
@@ -156,8 +152,8 @@ class ModelLoads:
             asked, self._asked = self._asked, []
             dead, self._dead = self._dead, []
         model_tables.give_holds(self.core, asked)
-        for slot in dead:
-            model_tables.discard_pending(self.core, slot)
+        for hold in dead:
+            model_tables.give_back(self.core, hold)
         if self.core.updates_held:
             model_tables.expire_holds(self.core)
         while self._built:
@@ -188,11 +184,9 @@ class ModelLoads:
             model_tables.discard_pending(core, slot)
             release(slot)
             return f"model {slot.name!r} version {slot.version} is loaded already"
-        if slot.served.gcn_norm is not None and core.current_degrees is not None:
-            degree, loops = core.current_degrees()
-            nodes = torch.arange(degree.numel(), dtype=torch.int64)
-            slot.served.update_degrees(nodes, degree, loops)
         core.models.add(slot)
+        if slot.pending_table is None:  # degrees read under the hold are current: give it back
+            model_tables.release_hold(core, slot)
         log.info("engine %d: %s version %d serving (load %s)", core.index, slot.name,
                  slot.version, {k: round(v, 3) for k, v in slot.load_s.items()})
         return None
@@ -272,21 +266,30 @@ def release_cache(device: torch.device) -> None:
 
 # ---- building one version (the loader thread) ------------------------------------------------------
 def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
-               cuda_graph_max_seeds: int, stream: Any = None) -> ModelSlot:
+               cuda_graph_max_seeds: int, stream: Any = None, ask: Any = None,
+               holds: list[Any] | None = None) -> ModelSlot:
     """The slot of ``spec`` on the core's device, checked and warmed up; raises naming what is
-    wrong. ``stream``: the CUDA stream to build on (default: a new one)."""
+    wrong. ``stream``: the CUDA stream to build on (default: a new one). ``ask``: beside a
+    serving loop (``ModelLoads``), how to ask it to hold updates while the graph is read (a
+    GCN's degrees, a new exact table); the hold taken is appended to ``holds``."""
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     fanouts = spec.fanouts_or(core.fanouts)
     if len(fanouts) != spec.num_layers:
         raise ValueError(f"{spec.name}: {len(fanouts)} fanouts for {spec.num_layers} layers")
     module = build_model(spec, core.features.dim)
-    degree, loops = core.current_degrees() if core.current_degrees is not None else (None, None)
+    gcn = degree_weighted(module)
+    table = ask is not None and model_tables.wants_table(core, spec.name)
+    hold = model_tables.take_hold(ask) if ask is not None and (gcn or table) else None
+    if hold is not None and holds is not None:
+        holds.append(hold)
+    degree, loops = core.current_degrees() if gcn and core.current_degrees is not None \
+        else (None, None)
     served = ServedModel(module, degree, loops, precision=precision, fast=fast,
                          capacity=None if degree is None else int(degree.numel()),
                          in_channels=core.features.dim)
     served.to(core.device)
-    slot = ModelSlot(spec, served, fanouts)
+    slot = ModelSlot(spec, served, fanouts, hold=hold)
     times["build_s"] = time.perf_counter() - t0
     sampler = loader_sampler(core)
     if stream is None and core.on_gpu:
@@ -303,7 +306,16 @@ def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
         core.capture_graphs(cuda_graph_max_seeds, slot, sampler, stream=stream)
         times["cuda_graphs_s"] = time.perf_counter() - t2
     slot.load_s = times
+    if table:
+        model_tables.build_pending_table(core, slot)
     return slot
+
+
+def degree_weighted(module: torch.nn.Module) -> bool:
+    """Whether the module normalises by node degrees (GCN): it then needs the graph's."""
+    from torch_geometric.nn import GCNConv
+
+    return any(isinstance(m, GCNConv) and m.normalize for m in module.modules())
 
 
 def loader_sampler(core: EngineCore) -> BaseSampler:

@@ -38,25 +38,32 @@ class Hold:
         self.active = False
 
 
-def wants_table(core: EngineCore, slot: ModelSlot) -> bool:
-    """Whether ``slot`` is a version of the model the exact table serves."""
+def wants_table(core: EngineCore, name: str) -> bool:
+    """Whether ``name`` is the model the exact table serves."""
     table = core.exact_table
     return table is not None and core.table_args is not None \
-        and getattr(core, "table_model", None) == slot.name
+        and getattr(core, "table_model", None) == name
 
 
-def build_pending_table(core: EngineCore, slot: ModelSlot, ask: Any) -> None:
-    """In the loader thread: hold updates (``ask(hold)`` queues it for the loop), then build
-    ``slot``'s table. A failure leaves the slot without one (its exact requests are computed
-    on the fly) and the hold to be given back by the loop."""
-    from quiver_serve.engine.core.exact_table import new_exact_table
-
+def take_hold(ask: Any) -> Hold | None:
+    """In the loader thread: a hold on the core's updates (``ask(hold)`` queues it for the loop
+    thread, which gives it between two steps); None when none came in ``HOLD_LIMIT_S``."""
     hold = Hold()
-    slot.hold = hold
     ask(hold)
     if not hold.given.wait(HOLD_LIMIT_S):
-        log.warning("engine %d: no hold on updates for %s version %d's exact table: built "
-                    "without one", core.index, slot.name, slot.version)
+        log.warning("no hold on updates came within %.0f s", HOLD_LIMIT_S)
+        return None
+    return hold
+
+
+def build_pending_table(core: EngineCore, slot: ModelSlot) -> None:
+    """In the loader thread, with ``slot.hold`` given: build ``slot``'s table. A failure leaves
+    the slot without one (its exact requests are computed on the fly)."""
+    from quiver_serve.engine.core.exact_table import new_exact_table
+
+    if slot.hold is None:
+        log.warning("engine %d: %s version %d gets no exact table: updates could not be held",
+                    core.index, slot.name, slot.version)
         return
     cfg, static, capacity = core.table_args
     t0 = time.perf_counter()
@@ -80,6 +87,10 @@ def give_holds(core: EngineCore, asked: list[Hold]) -> None:
 
 def release_hold(core: EngineCore, slot: ModelSlot) -> None:
     hold, slot.hold = slot.hold, None
+    give_back(core, hold)
+
+
+def give_back(core: EngineCore, hold: Hold | None) -> None:
     if hold is not None and hold.active:
         hold.active = False
         core.updates_held -= 1
@@ -89,7 +100,7 @@ def discard_pending(core: EngineCore, slot: ModelSlot) -> None:
     """Drop ``slot``'s pending table and give back its hold."""
     table, slot.pending_table = slot.pending_table, None
     if table is not None:
-        table.stop()
+        table.stop(timeout_s=0.0)
     release_hold(core, slot)
 
 
@@ -123,7 +134,7 @@ def follow_table(core: EngineCore, name: str) -> None:
     start_refresh(core, new)
     old, core.exact_table = core.exact_table, new
     if old is not None:
-        old.stop()
+        old.stop(timeout_s=0.0)  # not waited for in the loop thread
     waiting, core.exact_waiting = core.exact_waiting, []
     for mb in waiting:
         if mb.slot is main:

@@ -329,3 +329,17 @@ def test_a_custom_model_by_import_path_is_served_and_exact_equals_pyg(
     np.testing.assert_allclose(reply.rows, want.numpy(), atol=1e-5, rtol=1e-5)
     sampled = run(core, pinned(1, ids, "gin"))[1]  # its own fanouts, the generic forward
     assert not sampled.done.errors and np.isfinite(sampled.rows).all()
+
+
+def test_a_gcn_loaded_later_normalises_by_the_graph_degrees(cora: GraphData,
+                                                            tmp_path: Path) -> None:
+    kwargs = {"hidden_channels": 16, "num_layers": 2, "out_channels": 8}
+    path, gcn = save_weights(tmp_path, "GCN", kwargs, cora.num_features, 13)
+    core = make_core(cora, exact__materialize="off")
+    assert load(core, spec("gcn", 1, "GCN", kwargs, path))[1] is None
+    assert core.updates_held == 0  # the hold for reading degrees was given back at install
+    ids = [0, 5, 2707, 1200]
+    reply = run(core, pinned(0, ids, "gcn", exact=True))[0]
+    with torch.no_grad():
+        want = gcn(cora.x, cora.edge_index())[ids]
+    np.testing.assert_allclose(reply.rows, want.numpy(), atol=1e-4, rtol=1e-4)
