@@ -109,8 +109,10 @@ class EngineCore:
         self.learn_costs = True
         self._ids = itertools.count()
         self.on_gpu = device.type == "cuda"
-        self._compute_stream = torch.cuda.Stream(device) if self.on_gpu else None
-        self._sample_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        # Serving streams at high priority: background work on the device (an exact table's
+        # build and refresh, a model version loading, a re-placement) yields to them.
+        self._compute_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
+        self._sample_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
