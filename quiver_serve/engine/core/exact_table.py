@@ -168,8 +168,11 @@ class ExactTable:
         return list(torch.tensor_split(targets, cuts[:-1]))
 
     # ---- building ------------------------------------------------------------------------------
-    def build(self, progress: bool = True) -> None:
-        """Every layer of every node, layer by layer (progress bar; time in the log)."""
+    def build(self, progress: bool = True, yield_fraction: float = 0.0) -> None:
+        """Every layer of every node, layer by layer (progress bar; time in the log).
+        ``yield_fraction``: beside serving (a new model version's table), after each chunk the
+        device and the interpreter are left to the serving loop for this fraction of the
+        chunk's time."""
         from tqdm import tqdm
 
         if not hasattr(tqdm, "_lock"):
@@ -185,8 +188,13 @@ class ExactTable:
                        disable=not progress, leave=False)
             for layer in range(len(self.layers)):
                 for chunk in pieces:
+                    t_chunk = time.perf_counter()
                     self.compute_rows(layer, chunk, graph)
                     bar.update()
+                    if yield_fraction > 0:
+                        if self.stream is not None:
+                            self.stream.synchronize()
+                        time.sleep((time.perf_counter() - t_chunk) * yield_fraction)
             bar.close()
             self.out_index = OutIndex(graph, self.capacity,
                                       max(1 << 16, int(graph.indices.numel()) // 4))
@@ -342,7 +350,8 @@ def start_refresh(core: Any, table: ExactTable) -> None:
 
 
 def new_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
-                    capacity: int, served: Any, progress: bool = True) -> ExactTable | None:
+                    capacity: int, served: Any, progress: bool = True,
+                    yield_fraction: float = 0.0) -> ExactTable | None:
     """An exact table of ``served`` over the graph the core serves now, built (no refresh
     thread yet); None when the config or the model says no (logged). The graph must not change
     while it builds (start-up, or updates held: ``model_load.py``)."""
@@ -363,5 +372,5 @@ def new_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
         return None
     table = ExactTable(cfg, model, core.features, core.device, capacity, where,
                        lambda: current_graph(core, core.device, static))
-    table.build(progress)
+    table.build(progress, yield_fraction)
     return table

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 EngineCore = Any
 #: the longest updates are held for a pending table (its version never took the traffic)
 HOLD_LIMIT_S = 60.0
+#: a pending table's build leaves the device to serving for this fraction of each chunk's time
+BUILD_YIELD = 1.0
 
 
 class Hold:
@@ -69,7 +71,7 @@ def build_pending_table(core: EngineCore, slot: ModelSlot) -> None:
     t0 = time.perf_counter()
     try:
         slot.pending_table = new_exact_table(core, cfg, static, capacity, slot.served,
-                                             progress=False)
+                                             progress=False, yield_fraction=BUILD_YIELD)
     except Exception as exc:  # noqa: BLE001 - the version serves; its exact answers on the fly
         log.warning("engine %d: exact table of %s version %d failed: %s", core.index, slot.name,
                     slot.version, exc)
