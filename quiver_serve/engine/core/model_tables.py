@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 EngineCore = Any
 #: the longest updates are held for a pending table (its version never took the traffic)
 HOLD_LIMIT_S = 60.0
-#: a pending table's build leaves the device to serving for this fraction of each chunk's time
+#: a pending table's build leaves the device to serving for this multiple of each chunk's time
 BUILD_YIELD = 1.0
 
 
