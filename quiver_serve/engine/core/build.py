@@ -18,6 +18,7 @@ from quiver_serve.engine.core.core import EngineCore
 from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
 from quiver_serve.engine.core.samplers import gpu_sampler_or_none
+from quiver_serve.engine.core.slot_checks import capture_graphs, check_fast_model
 from quiver_serve.features.build import build_feature_store
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
@@ -62,8 +63,8 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
         from quiver_serve.engine.core.overlap import PoolOverlap
 
         core.overlap = PoolOverlap(serial=cfg.sampling.pool_overlap == "serial")
-    core.check_fast_model()
-    core.capture_graphs(cfg.inference.cuda_graph_max_seeds)
+    check_fast_model(core)
+    capture_graphs(core, cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
     prepare_routing(core, cfg, graph, calibration, progress)
     if live is not None:

@@ -50,13 +50,13 @@ def calibration_sizes(num_nodes: int, max_batch_nodes: int) -> list[int]:
 def _time_compute(core: EngineCore, seeds: torch.Tensor, sampled) -> float:
     """Gather + model of one sampled batch, timed as the engine times it."""
     batch = Batch(-1, [], seeds, False, 0, sampled=sampled, slot=core.primary)
-    if core._compute_stream is None:
+    if core.compute_stream is None:
         t0 = time.perf_counter()
         core._forward(batch)
         return time.perf_counter() - t0
     core._stage(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(core._compute_stream):
+    with torch.cuda.stream(core.compute_stream):
         start.record()
         core._forward(batch)
         end.record()

@@ -70,20 +70,8 @@ class EngineCore:
                  gpu_sampler: BaseSampler | None = None, request_log_size: int = 0,
                  spec: ModelSpec | None = None) -> None:
         self.model, self.features, self.device = model, features, device
-        spec = spec or ModelSpec("model", 1, type(model.model).__name__,
-                                 num_layers=len(fanouts))
-        #: every loaded (model, version) (``model_slots.py``); ``primary`` is the one built at
-        #: start-up, whose model ``self.model`` is (the exact table's, the calibration's)
-        self.primary = ModelSlot(spec, model, spec.fanouts_or(fanouts))
-        self.models = ModelTable(spec.name)
-        self.models.add(self.primary)
-        #: loads building and unloads draining (``model_load.ModelLoads``); None: fixed models
-        self.loads: Any = None
-        #: while above 0, no update is applied (a new version's exact table is being built)
-        self.updates_held = 0
-        #: (exact config, base CSC, node capacity): what a new version's exact table is built from
-        self.table_args: Any = None
-        self.table_model = ""  # the model whose versions the exact table follows
+        self._init_models(model, spec or ModelSpec("model", 1, type(model.model).__name__,
+                                                   num_layers=len(fanouts)), fanouts)
         #: () -> (in-degree, self-loop counts) of every node now, for a GCN loaded later
         self.current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None = None
         #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
@@ -130,6 +118,20 @@ class EngineCore:
         #: exact micro-batches taken in since the last step (``exact_answers.py``)
         self.exact_waiting: list[MicroBatch] = []
 
+    def _init_models(self, model: ServedModel, spec: ModelSpec, fanouts: list[int]) -> None:
+        #: every loaded (model, version) (``model_slots.py``); ``primary`` is the one built at
+        #: start-up, whose model ``self.model`` is (the exact table's, the calibration's)
+        self.primary = ModelSlot(spec, model, spec.fanouts_or(fanouts))
+        self.models = ModelTable(spec.name)
+        self.models.add(self.primary)
+        #: loads building and unloads draining (``model_load.ModelLoads``); None: fixed models
+        self.loads: Any = None
+        #: while above 0, no update is applied (a GCN's degrees or a new exact table being read)
+        self.updates_held = 0
+        #: (exact config, base CSC, node capacity): what a new version's exact table is built from
+        self.table_args: Any = None
+        self.table_model = ""  # the model whose versions the exact table follows
+
     @property
     def graphed(self) -> GraphedForward | None:
         """The primary model's CUDA graphs for small sampled batches; None: always eager."""
@@ -138,51 +140,6 @@ class EngineCore:
     @graphed.setter
     def graphed(self, value: GraphedForward | None) -> None:
         self.primary.graphed = value
-
-    def capture_graphs(self, max_seeds: int, slot: ModelSlot | None = None,
-                       sampler: BaseSampler | None = None, stream: Any = None) -> None:
-        """CUDA graphs of gather + model for ``slot``'s (default: the primary's) sampled batches
-        of up to ``max_seeds`` seeds (GPU, features on the device); each is checked against the
-        eager forward on a real sample. ``stream``: captured on it, beside a serving loop in
-        another thread (``model_load.py``; thread-local capture mode)."""
-        slot = slot or self.primary
-        if not (self.on_gpu and self.features.capturable and max_seeds > 0):
-            return
-        sampler = sampler or self.gpu_sampler or self.local_sampler
-        fanouts = slot.fanouts
-
-        def sample(num_seeds: int) -> SamplerOutput:
-            n = min(self.num_nodes, sampler.num_nodes)
-            seeds = torch.randint(0, n, (num_seeds,), dtype=torch.int64)
-            return sampler.sample(seeds, fanouts, new_batch_seed())
-
-        def model(x: Tensor, n_id: Tensor, edges: Tensor, nodes: list[int],
-                  edge_counts: list[int]) -> Tensor:
-            return slot.served(x, n_id, edges, nodes, edge_counts, False)
-
-        thread_local = stream is not None
-        with torch.cuda.stream(stream if thread_local else self._compute_stream):
-            graphed = GraphedForward.capture(model, self.features.gather, self.device,
-                                             fanouts, max_seeds, sample, thread_local)
-        stream.synchronize() if thread_local else torch.cuda.synchronize(self.device)
-        slot.graphed = graphed if graphed.graphs else None
-        if slot.graphed is not None:
-            log.info("engine %d: %s version %d: CUDA graphs for sampled batches of 1..%d seeds",
-                     self.index, slot.name, slot.version, slot.graphed.max_seeds)
-
-    def check_fast_model(self, num_seeds: int = 64, slot: ModelSlot | None = None,
-                         sampler: BaseSampler | None = None) -> float | None:
-        """Check ``slot``'s (default: the primary's) fast model path against PyG's layers on
-        one real sampled batch (start-up, and each load)."""
-        slot = slot or self.primary
-        sampler = sampler or self.local_sampler
-        n = min(self.num_nodes, sampler.num_nodes)
-        seeds = torch.randint(0, n, (num_seeds,), dtype=torch.int64)
-        sb = sampler.sample(seeds, slot.fanouts, new_batch_seed())
-        n_id = sb.n_id.to(self.device)
-        x = self.features.gather(n_id)
-        return slot.served.check_fast(x, n_id, sb.edge_index.to(self.device),
-                                      sb.num_sampled_nodes, sb.num_sampled_edges)
 
     def degree_weighted(self) -> bool:
         """Whether any loaded model normalises by full-graph degrees (GCN in exact mode)."""
@@ -270,6 +227,11 @@ class EngineCore:
         return sum(ids for ids, _ in self._client_ids.values())
 
     @property
+    def compute_stream(self) -> Any:
+        """The CUDA stream batches are gathered and computed on (None on a CPU)."""
+        return self._compute_stream
+
+    @property
     def sample_stream(self) -> Any:
         """The CUDA stream samples are drawn on (None on a CPU)."""
         return self._sample_stream
@@ -287,18 +249,6 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked
                     or self.exact_waiting)
-
-    def drop_exact_table(self, why: str) -> None:
-        """Stop serving from the exact table (its model left): exact requests waiting for it
-        go to the on-the-fly path."""
-        table, self.exact_table = self.exact_table, None
-        if table is None:
-            return
-        log.info("engine %d: exact table dropped: %s", self.index, why)
-        table.stop(timeout_s=0.0)
-        waiting, self.exact_waiting = self.exact_waiting, []
-        for mb in waiting:
-            self.enqueue(mb)
 
     def table_paused(self) -> Any:
         """A block during which no exact-table chunk runs (swap what chunks read inside it)."""

@@ -31,6 +31,7 @@ import torch
 from quiver_serve.engine.core import model_tables
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
 from quiver_serve.engine.core.model_slots import DRAINING, ModelSlot
+from quiver_serve.engine.core.slot_checks import capture_graphs, check_fast_model
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling import make_cpu_sampler
@@ -223,7 +224,8 @@ class ModelLoads:
         core.models.remove(slot)
         model_tables.discard_pending(core, slot)
         if core.exact_table is not None and core.exact_table.model.served is slot.served:
-            core.drop_exact_table(f"{slot.name} version {slot.version} was unloaded")
+            model_tables.drop_exact_table(core, f"{slot.name} version {slot.version} was "
+                                          "unloaded")
         if slot is core.primary:
             rest = core.models.of(core.models.default) or core.models.each()
             if rest:
@@ -297,13 +299,13 @@ def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
     with torch.cuda.stream(stream) if stream is not None else _null():
         t1 = time.perf_counter()
         if served.fast is not None:
-            core.check_fast_model(slot=slot, sampler=sampler)
+            check_fast_model(core, slot=slot, sampler=sampler)
         warm_up(core, slot, sampler)
         times["warm_up_s"] = time.perf_counter() - t1
     if stream is not None:
         stream.synchronize()
         t2 = time.perf_counter()
-        core.capture_graphs(cuda_graph_max_seeds, slot, sampler, stream=stream)
+        capture_graphs(core, cuda_graph_max_seeds, slot, sampler, stream=stream)
         times["cuda_graphs_s"] = time.perf_counter() - t2
     slot.load_s = times
     if table:

@@ -117,6 +117,19 @@ def expire_holds(core: EngineCore) -> None:
             discard_pending(core, slot)
 
 
+def drop_exact_table(core: EngineCore, why: str) -> None:
+    """Stop serving from the exact table (its model left): exact requests waiting for it go to
+    the on-the-fly path."""
+    table, core.exact_table = core.exact_table, None
+    if table is None:
+        return
+    log.info("engine %d: exact table dropped: %s", core.index, why)
+    table.stop(timeout_s=0.0)
+    waiting, core.exact_waiting = core.exact_waiting, []
+    for mb in waiting:
+        core.enqueue(mb)
+
+
 def follow_table(core: EngineCore, name: str) -> None:
     """In the loop thread, after ``name``'s traffic split changed: the version with the largest
     weight takes the table (swapped in if it has a pending one); other pending tables go."""
