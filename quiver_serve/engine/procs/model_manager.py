@@ -122,8 +122,8 @@ class ModelManager:
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         seen: set[tuple[str, int | None]] = set()
-        for name, state in sorted(self.models.items()):
-            for v, vs in sorted(state.versions.items()):
+        for name, state in sorted(dict(self.models).items()):  # copies: calls change them
+            for v, vs in sorted(dict(state.versions).items()):
                 rows.append({"name": name, "version": v, "state": vs.state, "reason": vs.reason})
                 seen.add((name, v))
         if self.repo is not None:
@@ -333,11 +333,12 @@ class ModelManager:
     def published(self) -> dict[str, Any]:
         """Every model and version, as ``FrontDoorState.models`` carries it."""
         out: dict[str, Any] = {}
-        for name, state in sorted(self.models.items()):
-            if not state.versions:
+        for name, state in sorted(dict(self.models).items()):  # copies: calls change them
+            versions, traffic = dict(state.versions), dict(state.traffic)
+            if not versions:
                 continue
-            spec = max(state.versions.values(), key=lambda v: v.spec.version).spec
-            total = sum(state.traffic.values()) or 1.0
+            spec = versions[max(versions)].spec
+            total = sum(traffic.values()) or 1.0
             out[name] = {
                 "platform": "pytorch_geometric", "class": spec.pyg_class,
                 "kwargs": dict(spec.kwargs),
@@ -345,9 +346,9 @@ class ModelManager:
                 "num_layers": spec.num_layers,
                 "fanouts": spec.fanouts_or(self.cfg.sampling.fanouts),
                 "versions": {str(v): {"state": vs.state, "reason": vs.reason, "dim": vs.dim,
-                                      "traffic": state.traffic.get(v, 0.0) / total,
+                                      "traffic": traffic.get(v, 0.0) / total,
                                       "state_dict": weights_label(vs.spec)}
-                             for v, vs in sorted(state.versions.items())}}
+                             for v, vs in sorted(versions.items())}}
         return {"default": self.default, "models": out}
 
     def stop(self) -> None:
