@@ -186,7 +186,17 @@ class FrontDoor:
                               msgspec.to_builtins(p.endpoints()), p.num_features,
                               p.num_nodes, p.node_capacity,
                               p.graph_version if writer is not None else None,
-                              p.models_state)
+                              _models_state(p))
+
+
+def _models_state(pipeline: Any) -> dict[str, Any] | None:
+    """The models' published state; None (logged) rather than a failed watch thread."""
+    try:
+        state: dict[str, Any] | None = pipeline.models_state
+        return state
+    except Exception:  # noqa: BLE001 - the front-ends keep the last state they had
+        log.exception("front door: the models' state could not be read")
+        return None
 
 
 def _forget_live_gauges(pid: int) -> None:
