@@ -549,6 +549,11 @@ def test_daemon_serves_both_versions(daemon: ServerProcess) -> None:
         meta = client.get_model_metadata("sage", "2", headers=DATA)
         assert list(meta["versions"] if isinstance(meta, dict) else meta.versions) == ["2"]
         client.close()
+    metrics = httpx.get(daemon.url + "/metrics", headers=DATA, timeout=10).text
+    for version in ("1", "2"):  # requests counted per model and version that served them
+        assert f'quiver_serve_model_requests_total{{model="sage",outcome="ok",version="{version}"}}' \
+            in metrics, version
+    assert 'quiver_serve_model_batch_round_trip_seconds_count{model="sage",version="2"}' in metrics
 
 
 @pytest.mark.e2e
