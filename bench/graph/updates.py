@@ -159,11 +159,13 @@ class Run:
                 "timeout_s": a.timeout_s}
 
 
-def measure_capacity(run: Run) -> None:
-    """Closed-loop callers doubling; capacity = most req/s under the bound (or of any point)."""
+def measure_capacity(run: Any, workload: str = "(b)") -> None:
+    """Closed-loop callers doubling; capacity = most req/s under the bound (or of any point).
+    ``run``: this bench's ``Run``, or another's with the same fields (``bench.models.reload``)."""
     a, gen = run.args, run.gen
     gen.warm_s, gen.seconds = a.warmup, a.capacity_seconds
-    print(f"\n== capacity, workload (b), {a.protocol}, closed loop ==", flush=True)
+    protocol = getattr(a, "protocol", "http-npy")
+    print(f"\n== capacity, workload {workload}, {protocol}, closed loop ==", flush=True)
     res = gen.sweep(run.target, run.spec, "closed", a.capacity_callers, a.stop_p99_ms,
                     [a.capacity_bound_ms or a.stop_p99_ms], run.url)
     points = res["points"]

@@ -54,6 +54,7 @@ from bench.cli import (
     result_path,
 )
 from bench.graph import watch
+from bench.graph.updates import measure_capacity
 from bench.models.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
 from bench.models.reload_report import (
     NEW,
@@ -67,7 +68,7 @@ from bench.models.reload_report import (
 )
 from loadtest.gen import Generator, jsonable
 from loadtest.harness import Daemon
-from loadtest.stats import best_under, fmt
+from loadtest.stats import fmt
 
 MODEL = "sage"
 LOAD_PATH = f"/v2/repository/models/{MODEL}/load"
@@ -162,26 +163,6 @@ class Run:
 
     def rate(self) -> float:
         return self.args.load_fraction * self.capacity["req_per_s"]
-
-
-def measure_capacity(run: Run) -> None:
-    """Closed-loop callers doubling; capacity = most req/s under the bound (or of any point).
-    (``bench.graph.updates.measure_capacity``, for workload (a).)"""
-    a, gen = run.args, run.gen
-    gen.warm_s, gen.seconds = a.warmup, a.capacity_seconds
-    print("\n== capacity, workload (a), http-npy, closed loop ==", flush=True)
-    res = gen.sweep(run.target, run.spec, "closed", a.capacity_callers, a.stop_p99_ms,
-                    [a.capacity_bound_ms or a.stop_p99_ms], run.url)
-    points = res["points"]
-    best = best_under(points, a.capacity_bound_ms) if a.capacity_bound_ms else None
-    under = best is not None
-    best = best or max(points, key=lambda p: p["req_per_s"])
-    run.capacity = {"req_per_s": best["req_per_s"], "seed_nodes_per_s": best["seed_nodes_per_s"],
-                    "callers": best["level"], "p99_ms": best["p99_ms"],
-                    "bound_ms": a.capacity_bound_ms if under else None, "points": points}
-    print(f"capacity {best['req_per_s']:,.0f} req/s ({best['seed_nodes_per_s']:,.0f} seeds/s, "
-          f"{best['level']:g} callers, p99 {fmt(best['p99_ms'])} ms"
-          f"{'' if under else ', no point under the bound: the most of any point'})", flush=True)
 
 
 def steady_run(run: Run) -> None:
@@ -330,7 +311,7 @@ def phases(run: Run) -> None:
     a = run.args
     if not run.afford("capacity", len(a.capacity_callers) * run.run_cost_s(a.capacity_seconds)):
         return
-    measure_capacity(run)
+    measure_capacity(run, "(a)")
     if run.afford("steady", run.run_cost_s(a.steady_s)):
         steady_run(run)
     if run.afford("reload", run.run_cost_s(a.before_s + a.reload_window_s)):
