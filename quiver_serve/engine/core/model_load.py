@@ -232,7 +232,8 @@ class ModelLoads:
                 core.primary = rest[-1]
                 core.model = core.primary.served
         release(slot)
-        release_cache(core.device)
+        gc.collect()  # its memory goes back to the CUDA cache, for the next version (emptying
+        # the cache here would make the serving loop's next allocations wait on cudaMalloc)
         log.info("engine %d: %s version %d released", core.index, slot.name, slot.version)
 
 
@@ -259,7 +260,7 @@ def release(slot: ModelSlot) -> None:
 
 
 def release_cache(device: torch.device) -> None:
-    """Return freed blocks to the device, so an unloaded version's memory is free for others."""
+    """Return freed blocks to the device (after a failed build, in the loader thread)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
