@@ -232,8 +232,7 @@ class ModelLoads:
                 core.primary = rest[-1]
                 core.model = core.primary.served
         release(slot)
-        gc.collect()  # its memory goes back to the CUDA cache, for the next version (emptying
-        # the cache here would make the serving loop's next allocations wait on cudaMalloc)
+        release_cache(core.device)
         log.info("engine %d: %s version %d released", core.index, slot.name, slot.version)
 
 
@@ -260,7 +259,7 @@ def release(slot: ModelSlot) -> None:
 
 
 def release_cache(device: torch.device) -> None:
-    """Return freed blocks to the device (after a failed build, in the loader thread)."""
+    """Return freed blocks to the device, so an unloaded version's memory is free for others."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
