@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -47,8 +48,7 @@ Done = Callable[[dict[str, Any] | None, str | None], None]
 WARM_SEEDS = 8
 #: loads one engine core takes at once (more are refused, named)
 MAX_QUEUED_LOADS = 16
-#: the loader thread wakes this often when idle
-LOADER_IDLE_S = 1.0
+
 
 
 class ModelLoads:
@@ -61,7 +61,9 @@ class ModelLoads:
         self.unload_drain_s = unload_drain_s
         self._built: deque[tuple[tuple[str, int], ModelSlot | None, str | None, Done]] = deque()
         self._draining: dict[int, tuple[ModelSlot, Done]] = {}
-        self._queue: queue.Queue[tuple[ModelSpec, Done]] = queue.Queue(MAX_QUEUED_LOADS)
+        #: loads for the loader thread (None: end it); one more slot than loads, for that
+        self._queue: queue.Queue[tuple[ModelSpec, Done] | None] = queue.Queue(
+            MAX_QUEUED_LOADS + 1)
         self._thread: threading.Thread | None = None
         self._stream: Any = None  # the loader thread's CUDA stream
         self._lock = threading.Lock()
@@ -88,6 +90,8 @@ class ModelLoads:
             return
         self._cancelled.discard(spec.key)
         try:
+            if self._queue.qsize() >= MAX_QUEUED_LOADS:
+                raise queue.Full
             self._queue.put_nowait((spec, done))
             self._building.add(spec.key)
         except queue.Full:
@@ -95,22 +99,20 @@ class ModelLoads:
                  "retry when they are done")
             return
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name=f"quiver-model-loader-{self.core.index}")
+            self._thread = threading.Thread(
+                target=_loader_main, args=(weakref.ref(self), self._queue), daemon=True,
+                name=f"quiver-model-loader-{self.core.index}")
             self._thread.start()
 
-    def _run(self) -> None:
-        """The loader thread: one for the core's life, so its CUDA streams (and the cuBLAS
-        workspaces kept per thread and stream) are made once, not per load."""
-        if self.core.on_gpu:
-            torch.cuda.set_device(self.core.device)  # per thread: this one builds there
-            self._stream = torch.cuda.Stream(self.core.device)
-        while True:
-            try:
-                spec, done = self._queue.get(timeout=LOADER_IDLE_S)
-            except queue.Empty:
-                continue
-            self._build(spec, done)
+    def close(self) -> None:
+        """End the loader thread (after the build it is on)."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def __del__(self) -> None:
+        self.close()
 
     def _build(self, spec: ModelSpec, done: Done) -> None:
         holds: list[model_tables.Hold] = []
@@ -234,6 +236,28 @@ class ModelLoads:
         release(slot)
         release_cache(core.device)
         log.info("engine %d: %s version %d released", core.index, slot.name, slot.version)
+
+
+def _loader_main(ref: weakref.ref[ModelLoads],
+                 jobs: queue.Queue[tuple[ModelSpec, Done] | None]) -> None:
+    """The loader thread: one for the core's life, so its CUDA stream (and the cuBLAS
+    workspaces kept per thread and stream) is made once, not per load. It blocks on the queue
+    (no periodic wake-ups) and holds its ``ModelLoads`` only while it builds, so it ends when
+    that is closed or collected."""
+    loads = ref()
+    if loads is None:
+        return
+    if loads.core.on_gpu:
+        torch.cuda.set_device(loads.core.device)  # per thread: this one builds there
+        loads._stream = torch.cuda.Stream(loads.core.device)
+    del loads
+    while True:
+        job = jobs.get()
+        loads = ref()
+        if job is None or loads is None:
+            return
+        loads._build(*job)
+        del loads
 
 
 def _refuse(mb: MicroBatch, slot: ModelSlot) -> Reply:
