@@ -245,32 +245,33 @@ def load_main(index: int, cmds: Any, out: Any) -> None:
         QueueCaller.close_all()
 
 
-class LoadPool:
-    """P spawned load processes kept for a whole run; ``run`` measures one point."""
+class ProcessPool:
+    """P spawned worker processes kept for a whole run (``target(index, cmds, out)``, which says
+    ``{"ready": index}`` first); :meth:`run_parts` runs one command split over them."""
 
-    def __init__(self, procs: int, start_timeout_s: float = 120.0) -> None:
+    what = "worker process"
+
+    def __init__(self, procs: int, target: Callable[..., None], name: str,
+                 start_timeout_s: float = 120.0) -> None:
         if procs < 1:
-            raise ValueError(f"load processes must be >= 1, got {procs}")
+            raise ValueError(f"{self.what}es must be >= 1, got {procs}")
         ctx = mp.get_context("spawn")
         self.out = ctx.Queue()
         self.cmds = [ctx.Queue() for _ in range(procs)]
-        self.procs = [ctx.Process(target=load_main, name=f"loadgen-{i}", daemon=True,
+        self.procs = [ctx.Process(target=target, name=f"{name}-{i}", daemon=True,
                                   args=(i, self.cmds[i], self.out)) for i in range(procs)]
         for p in self.procs:
             p.start()
         for _ in self.procs:
             self.out.get(timeout=start_timeout_s)
 
-    def run(self, cmd: dict, on_start: Callable[[float], None] | None = None) -> list[dict]:
-        """Run ``cmd`` (mode open: ``rate`` is the total; closed: ``callers`` the total) on the
-        processes it needs: each prepares (connects, encodes), then all start at one wall-clock
-        instant, passed to ``on_start`` first; returns their reports."""
-        n = len(self.procs) if cmd["mode"] == "open" else max(1, min(len(self.procs), cmd["callers"]))
-        callers = split_evenly(cmd.get("callers") or 0, n)
-        for i in range(n):
-            part = dict(cmd, procs=n)
-            if cmd["mode"] == "closed":
-                part["callers"] = callers[i]
+    def run_parts(self, parts: list[dict], run_s: float,
+                  on_start: Callable[[float], None] | None = None) -> tuple[float, list[dict]]:
+        """Hand process ``i`` ``parts[i]``; once every one has prepared (connected, encoded)
+        all start at one wall-clock instant (passed to ``on_start`` first); their reports,
+        within ``run_s`` after the start. A failure in any one is raised, naming it."""
+        n = len(parts)
+        for i, part in enumerate(parts):
             self.cmds[i].put(part)
         ready = [self.out.get(timeout=PREPARE_TIMEOUT_S) for _ in range(n)]
         failed = [m["failed"] for m in ready if "failed" in m]
@@ -280,21 +281,44 @@ class LoadPool:
                 self.cmds[i].put({"abort": True})
             for _ in prepared:
                 self.out.get(timeout=PREPARE_TIMEOUT_S)
-            raise RuntimeError(f"load process failed: {failed[0]}")
+            raise RuntimeError(f"{self.what} failed: {failed[0]}")
         t_start = time.time() + START_DELAY_S
         if on_start is not None:
             on_start(t_start)
         for i in range(n):
             self.cmds[i].put({"t_start": t_start})
-        wait_s = START_DELAY_S + cmd["warm_s"] + cmd["seconds"] + cmd["target"]["timeout_s"] + 60
-        parts = [self.out.get(timeout=wait_s) for _ in range(n)]
-        failed = [p["failed"] for p in parts if "failed" in p]
+        reports = [self.out.get(timeout=START_DELAY_S + run_s) for _ in range(n)]
+        failed = [p["failed"] for p in reports if "failed" in p]
         if failed:
-            raise RuntimeError(f"load process failed: {failed[0]}")
-        return parts
+            raise RuntimeError(f"{self.what} failed: {failed[0]}")
+        return t_start, reports
 
     def close(self) -> None:
         close_processes(self.cmds, self.procs)
+
+
+class LoadPool(ProcessPool):
+    """P spawned load processes kept for a whole run; ``run`` measures one point."""
+
+    what = "load process"
+
+    def __init__(self, procs: int, start_timeout_s: float = 120.0) -> None:
+        super().__init__(procs, load_main, "loadgen", start_timeout_s)
+
+    def run(self, cmd: dict, on_start: Callable[[float], None] | None = None) -> list[dict]:
+        """Run ``cmd`` (mode open: ``rate`` is the total; closed: ``callers`` the total) on the
+        processes it needs: each prepares (connects, encodes), then all start at one wall-clock
+        instant, passed to ``on_start`` first; returns their reports."""
+        n = len(self.procs) if cmd["mode"] == "open" else max(1, min(len(self.procs), cmd["callers"]))
+        callers = split_evenly(cmd.get("callers") or 0, n)
+        parts = []
+        for i in range(n):
+            part = dict(cmd, procs=n)
+            if cmd["mode"] == "closed":
+                part["callers"] = callers[i]
+            parts.append(part)
+        run_s = cmd["warm_s"] + cmd["seconds"] + cmd["target"]["timeout_s"] + 60
+        return self.run_parts(parts, run_s, on_start)[1]
 
 
 def close_processes(cmds: Sequence[Any], procs: Sequence[Any]) -> None:

@@ -17,7 +17,6 @@ wall-clock seconds (``time.time()``) of this machine, comparable across processe
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,10 +27,9 @@ import numpy as np
 
 from loadtest.driver import (
     PREPARE_TIMEOUT_S,
-    START_DELAY_S,
     YIELD_EVERY,
+    ProcessPool,
     arrival_times,
-    close_processes,
 )
 from loadtest.stats import percentiles_ms
 
@@ -203,19 +201,13 @@ def record_main(index: int, cmds: Any, out: Any) -> None:
         out.put(res)
 
 
-class RecorderPool:
+class RecorderPool(ProcessPool):
     """P spawned recording processes kept for a whole bench; ``run`` is one open-loop run."""
 
+    what = "recording process"
+
     def __init__(self, procs: int, start_timeout_s: float = 120.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.out = ctx.Queue()
-        self.cmds = [ctx.Queue() for _ in range(procs)]
-        self.procs = [ctx.Process(target=record_main, name=f"recorder-{i}", daemon=True,
-                                  args=(i, self.cmds[i], self.out)) for i in range(procs)]
-        for p in self.procs:
-            p.start()
-        for _ in self.procs:
-            self.out.get(timeout=start_timeout_s)
+        super().__init__(procs, record_main, "recorder", start_timeout_s)
 
     def run(self, url: str, spec: dict, rate: float, warm_s: float, seconds: float,
             timeout_s: float = 10.0, on_start: Callable[[float], None] | None = None,
@@ -225,28 +217,6 @@ class RecorderPool:
         cmd = {"url": url, "spec": spec, "rate": float(rate), "warm_s": warm_s,
                "seconds": seconds, "timeout_s": timeout_s, "seed": seed,
                "max_inflight": max_inflight, "procs": len(self.procs)}
-        for q in self.cmds:
-            q.put(cmd)
-        ready = [self.out.get(timeout=PREPARE_TIMEOUT_S) for _ in self.procs]
-        failed = [m["failed"] for m in ready if "failed" in m]
-        if failed:
-            prepared = [m["prepared"] for m in ready if "prepared" in m]
-            for i in prepared:
-                self.cmds[i].put({"abort": True})
-            for _ in prepared:
-                self.out.get(timeout=PREPARE_TIMEOUT_S)
-            raise RuntimeError(f"recording process failed: {failed[0]}")
-        t_start = time.time() + START_DELAY_S
-        if on_start is not None:
-            on_start(t_start)
-        for q in self.cmds:
-            q.put({"t_start": t_start})
-        wait_s = START_DELAY_S + warm_s + seconds + timeout_s + 60
-        parts = [self.out.get(timeout=wait_s) for _ in self.procs]
-        failed = [p["failed"] for p in parts if "failed" in p]
-        if failed:
-            raise RuntimeError(f"recording process failed: {failed[0]}")
+        t_start, parts = self.run_parts([cmd] * len(self.procs),
+                                        warm_s + seconds + timeout_s + 60, on_start)
         return Records.merge(parts, t_start + warm_s, t_start + warm_s + seconds)
-
-    def close(self) -> None:
-        close_processes(self.cmds, self.procs)

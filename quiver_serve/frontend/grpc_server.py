@@ -144,22 +144,20 @@ class KServeGrpc:
         return gp.message("RepositoryIndexResponse")(models=rows)
 
     async def RepositoryModelLoad(self, req: Any, ctx: Any) -> Any:  # noqa: N802
-        who = await self._admin(ctx)
-        try:
-            await repository_routes.load_model(self.state, req.model_name,
-                                               _repository_params(req.parameters), who)
-        except errors.ServeError as exc:
-            await _abort(ctx, exc)
+        await self._repository_call(repository_routes.load_model, req, ctx)
         return gp.message("RepositoryModelLoadResponse")()
 
     async def RepositoryModelUnload(self, req: Any, ctx: Any) -> Any:  # noqa: N802
+        await self._repository_call(repository_routes.unload_model, req, ctx)
+        return gp.message("RepositoryModelUnloadResponse")()
+
+    async def _repository_call(self, call: Any, req: Any, ctx: Any) -> None:
+        """A load or unload (admin): ``call(state, name, params, who)``, its error as a status."""
         who = await self._admin(ctx)
         try:
-            await repository_routes.unload_model(self.state, req.model_name,
-                                                 _repository_params(req.parameters), who)
+            await call(self.state, req.model_name, _repository_params(req.parameters), who)
         except errors.ServeError as exc:
             await _abort(ctx, exc)
-        return gp.message("RepositoryModelUnloadResponse")()
 
     def _ready(self) -> bool:
         return bool(self.state.pipeline.ready and self.state.pipeline.engines_ready)

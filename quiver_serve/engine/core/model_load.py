@@ -48,6 +48,8 @@ Done = Callable[[dict[str, Any] | None, str | None], None]
 WARM_SEEDS = 8
 #: loads one engine core takes at once (more are refused, named)
 MAX_QUEUED_LOADS = 16
+#: an idle loader thread checks this often whether its engine core is gone
+LOADER_CHECK_S = 300.0
 
 
 
@@ -241,9 +243,10 @@ class ModelLoads:
 def _loader_main(ref: weakref.ref[ModelLoads],
                  jobs: queue.Queue[tuple[ModelSpec, Done] | None]) -> None:
     """The loader thread: one for the core's life, so its CUDA stream (and the cuBLAS
-    workspaces kept per thread and stream) is made once, not per load. It blocks on the queue
-    (no periodic wake-ups) and holds its ``ModelLoads`` only while it builds, so it ends when
-    that is closed or collected."""
+    workspaces kept per thread and stream) is made once, not per load. It waits on the queue
+    (waking only every ``LOADER_CHECK_S``, so almost nothing it holds is freed under a frozen
+    heap) and holds its ``ModelLoads`` only while it builds, so it ends when that is closed or
+    collected."""
     loads = ref()
     if loads is None:
         return
@@ -252,7 +255,12 @@ def _loader_main(ref: weakref.ref[ModelLoads],
         loads._stream = torch.cuda.Stream(loads.core.device)
     del loads
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=LOADER_CHECK_S)
+        except queue.Empty:
+            if ref() is None:  # the core went without closing it
+                return
+            continue
         loads = ref()
         if job is None or loads is None:
             return
