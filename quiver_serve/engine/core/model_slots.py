@@ -125,6 +125,10 @@ class ModelTable:
 
     def resolve(self, model: str, version: int, num_requests: int) -> ModelSlot | Refusal:
         """The slot a micro-batch of ``num_requests`` requests runs on, or why none."""
+        if not version and len(self.slots) == 1:  # one version served: nothing to choose
+            only = next(iter(self.slots.values()))
+            if only.name == (model or self.default) and only.state == READY:
+                return only
         name = model or self.default
         slots = self.of(name)
         if not slots:
