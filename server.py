@@ -88,14 +88,14 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
     from quiver_serve.engine.procs.heap import start_gc_watch
     from quiver_serve.engine.procs.supervisor import StartFailed
     from quiver_serve.frontend.app import create_app
-    from quiver_serve.frontend.listen import DrainingServer, uvicorn_speedups
+    from quiver_serve.frontend.listen import DrainingServer, uvicorn_options
 
     app = create_app(cfg)
     state = app.state.qs
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
         timeout_graceful_shutdown=max(int(cfg.server.drain_timeout_s), 1), access_log=False,
-        **uvicorn_speedups()), state.pipeline, cfg.server.drain_timeout_s)
+        **uvicorn_options(app)), state.pipeline, cfg.server.drain_timeout_s)
 
     gave_up: list[str] = []  # the line of a child that kept dying before it became ready
 

@@ -72,6 +72,15 @@ class ServerState:
         self.on_started: Callable[[], Callable[[], int] | None] | None = None
         #: this process's GC-pause flush, called on each /metrics scrape
         self.flush_gc: Callable[[], int] = lambda: 0
+        self._durations: dict[tuple[str, int], Any] = {}  # bound (endpoint, status) children
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        """One answered request in the latency metric (``endpoint``: the route template)."""
+        child = self._durations.get((endpoint, status))
+        if child is None:
+            child = self._durations.setdefault(
+                (endpoint, status), self.metrics.request_duration.labels(endpoint, str(status)))
+        child.observe(seconds)
 
     def start_pipeline(self) -> None:
         try:
@@ -160,14 +169,7 @@ def _install_timing(app: FastAPI, state: ServerState, token: str | None,
     the guards (token, body size) sit inside it so refusals are timed and counted too, and the
     hot routes' raw-ASGI layer (``frontend/fastpath.py``) inside them, in front of FastAPI."""
     inner = app.build_middleware_stack
-    duration = state.metrics.request_duration
-    children: dict[tuple[str, int], Any] = {}  # bound (endpoint, status) children, looked up once
-
-    def observe(endpoint: str, status: int, seconds: float) -> None:
-        child = children.get((endpoint, status))
-        if child is None:
-            child = children.setdefault((endpoint, status), duration.labels(endpoint, str(status)))
-        child.observe(seconds)
+    observe = state.observe_request
 
     def build() -> Any:
         asgi = inner()

@@ -123,9 +123,15 @@ def validation_message(errs: list) -> str:  # type: ignore[type-arg]
     return "; ".join(parts)
 
 
+def npy_header(shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header of a float32, little-endian, C-order array of ``shape``, as
+    ``np.save`` writes it (the data that follows starts 64-byte aligned)."""
+    head = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {tuple(shape)!r}, }}"
+    head += " " * (63 - (10 + len(head)) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(head).to_bytes(2, "little") + head.encode("latin1")
+
+
 def npy_bytes(rows: np.ndarray) -> bytes:
     """``rows`` as a ``.npy`` file (float32, little-endian, C order), as ``np.save`` writes it."""
     a = np.ascontiguousarray(rows, dtype="<f4")
-    head = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {a.shape!r}, }}"
-    head += " " * (63 - (10 + len(head)) % 64) + "\n"  # the data starts 64-byte aligned
-    return b"\x93NUMPY\x01\x00" + len(head).to_bytes(2, "little") + head.encode("latin1") + a.tobytes()
+    return npy_header(a.shape) + a.tobytes()

@@ -119,15 +119,25 @@ class Answer(NamedTuple):
     version: int
 
 
-async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
-                    timeout_ms: float | None, min_version: int = 0,
-                    new_nodes: tuple[list[Any], list[Any]] | None = None,
-                    model: str = "", version: int = 0) -> Answer:
-    """Check (NumPy), submit, await: the rows, or a ServeError with the right status.
-    ``receive`` is the HTTP request's (a disconnect cancels the request); None for gRPC, whose
-    channel's own cancellation ends the call. ``new_nodes``: the inductive nodes' feature rows
-    and in-neighbour lists, unchecked; their rows follow the ids' rows. ``model`` ("": the
-    default) and ``version`` (0: the traffic split's pick) say which model answers."""
+class Submitted(NamedTuple):
+    """A request handed to the engine client: its id (to cancel it), the future of its
+    ``EmbedResult``, and the model it asked for ("" and 0: the default, the split's pick)."""
+
+    request_id: str
+    future: Any
+    model: str
+    version: int
+    default_model: str
+
+
+def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
+               timeout_ms: float | None, min_version: int = 0,
+               new_nodes: tuple[list[Any], list[Any]] | None = None,
+               model: str = "", version: int = 0) -> Submitted:
+    """Check (NumPy) and submit on the running event loop's client; a ServeError with the
+    right status when the request is refused. ``new_nodes``: the inductive nodes' feature
+    rows and in-neighbour lists, unchecked; their rows follow the ids' rows. ``model`` ("":
+    the default) and ``version`` (0: the traffic split's pick) say which model answers."""
     limit = state.cfg.server.max_request_nodes
     num_new = len(new_nodes[0]) if new_nodes else 0
     if ids.size + num_new > limit:
@@ -147,15 +157,30 @@ async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s, min_version,
                                                    inductive, target_model, target_version)
-    if receive is None:
-        result = await future
-    else:
-        result = await _result_or_disconnect(state, receive, request_id, future)
+    return Submitted(request_id, future, model, version, view.default)
+
+
+def answer_of(result: EmbedResult, sub: Submitted) -> Answer:
+    """The rows of a finished request, or its refusal as a ServeError."""
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
     assert result.embeddings is not None
-    return Answer(result.embeddings.numpy(), result.model or model or view.default,
-                  result.version or version or 1)
+    return Answer(result.embeddings.numpy(), result.model or sub.model or sub.default_model,
+                  result.version or sub.version or 1)
+
+
+async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_ms: float | None, min_version: int = 0,
+                    new_nodes: tuple[list[Any], list[Any]] | None = None,
+                    model: str = "", version: int = 0) -> Answer:
+    """``submit_ids``, then the answer. ``receive`` is the ASGI request's (a disconnect
+    cancels the request); None for gRPC, whose channel's own cancellation ends the call."""
+    sub = submit_ids(state, ids, exact, seed, timeout_ms, min_version, new_nodes, model, version)
+    if receive is None:
+        result = await sub.future
+    else:
+        result = await _result_or_disconnect(state, receive, sub.request_id, sub.future)
+    return answer_of(result, sub)
 
 
 async def serve_embed(state: Any, receive: Any, body: EmbedArgs) -> Answer:

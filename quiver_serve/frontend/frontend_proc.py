@@ -213,7 +213,7 @@ def _build_server(cfg: ServeConfig, pipeline: RemotePipeline, log_level: str) ->
     import uvicorn
 
     from quiver_serve.frontend.app import create_app
-    from quiver_serve.frontend.listen import DrainingServer, reuseport_socket, uvicorn_speedups
+    from quiver_serve.frontend.listen import DrainingServer, reuseport_socket, uvicorn_options
 
     app = create_app(cfg, pipeline)
     s = cfg.server
@@ -222,5 +222,5 @@ def _build_server(cfg: ServeConfig, pipeline: RemotePipeline, log_level: str) ->
     # request still being read, so the graceful wait for connections is short.
     server = DrainingServer(uvicorn.Config(
         app, log_level=log_level, access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
-        **uvicorn_speedups()), pipeline, s.drain_timeout_s)
+        **uvicorn_options(app)), pipeline, s.drain_timeout_s)
     return server, sock

@@ -6,10 +6,18 @@ Triton's ``grpc_service.proto``, written as data and turned into a
 ``FileDescriptorProto``: no protoc step and no generated module pinned to one protobuf version.
 tests/frontend/test_kserve_clients.py checks every field number and type against tritonclient's compiled
 descriptors, so the wire format is the published one.
+
+The answers of ``ModelInfer`` and ``ModelStreamInfer`` are written by hand (``infer_response``,
+``stream_response``): the fixed fields of a model version are encoded once, and the rows go
+from the engine's array into the answer's bytes in one copy, with no message object built;
+tests/frontend/test_grpc_stream.py parses them back with the message classes.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 PACKAGE = "inference"
@@ -56,6 +64,8 @@ MESSAGES: dict[str, list[tuple[str, str, int]]] = {
                            ("raw_output_contents", "repeated bytes", 6)],
     "ModelInferResponse.InferOutputTensor": [*TENSOR, ("parameters", PARAMS, 4),
                                              ("contents", "InferTensorContents", 5)],
+    "ModelStreamInferResponse": [("error_message", "string", 1),
+                                 ("infer_response", "ModelInferResponse", 2)],
     "InferParameter": [("bool_param", "bool", 1), ("int64_param", "int64", 2),
                        ("string_param", "string", 3), ("double_param", "double", 4),
                        ("uint64_param", "uint64", 5)],
@@ -77,6 +87,8 @@ ONEOFS = {"InferParameter": "parameter_choice", "ModelRepositoryParameter": "par
 RPCS = {name: (f"{name}Request", f"{name}Response") for name in
         ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
          "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")}
+#: bidirectional streams: rpc name -> (request, response), as Triton's grpc_service.proto has them
+STREAMS = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 
 
 def _field(msg: descriptor_pb2.DescriptorProto, scope: str, name: str, kind: str,
@@ -129,6 +141,10 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     for rpc, (req, resp) in RPCS.items():
         service.method.add(name=rpc, input_type=f".{PACKAGE}.{req}",
                            output_type=f".{PACKAGE}.{resp}")
+    for rpc, (req, resp) in STREAMS.items():
+        service.method.add(name=rpc, input_type=f".{PACKAGE}.{req}",
+                           output_type=f".{PACKAGE}.{resp}", client_streaming=True,
+                           server_streaming=True)
     return fd
 
 
@@ -139,3 +155,74 @@ FILE = _POOL.Add(_file())
 def message(name: str) -> type:
     """The message class of ``name`` (``"ModelInferRequest"``, ``"ModelInferRequest.InferInputTensor"``)."""
     return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))
+
+
+# --- hand-encoded answers (proto3 wire format: tag = field << 3 | wire type; 2 = length-delimited)
+
+OUTPUT_NAME = "embeddings"
+
+
+def varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _delimited(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (string, bytes, message, packed repeated)."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+@functools.lru_cache(maxsize=256)
+def _head(model: str, version: str) -> bytes:
+    """``ModelInferResponse`` fields 1-2 (model_name, model_version) of one model version."""
+    return (_delimited(1, model.encode()) if model else b"") + \
+        (_delimited(2, version.encode()) if version else b"")
+
+
+@functools.lru_cache(maxsize=4096)
+def _output(num_rows: int, dim: int, raw_bytes: int) -> bytes:
+    """Field 5 (the ``embeddings`` FP32 [num_rows, dim] output tensor) and the tag and length
+    of field 6 (``raw_output_contents``), whose ``raw_bytes`` follow."""
+    shape = varint(num_rows) + varint(dim)
+    tensor = _delimited(1, OUTPUT_NAME.encode()) + _delimited(2, b"FP32") + _delimited(3, shape)
+    return _delimited(5, tensor) + varint(6 << 3 | 2) + varint(raw_bytes)
+
+
+def infer_response_parts(model: str, version: str, request_id: str,
+                         rows: np.ndarray) -> tuple[list, int]:
+    """A ``ModelInferResponse`` of ``rows`` (float32 [n, dim], C order) as byte parts (the rows
+    are the array itself, not a copy) and their total length."""
+    head = _head(model, version)
+    rid = _delimited(3, request_id.encode()) if request_id else b""
+    output = _output(rows.shape[0], rows.shape[1], rows.nbytes)
+    return [head, rid, output, rows], len(head) + len(rid) + len(output) + rows.nbytes
+
+
+def as_rows(rows: np.ndarray) -> np.ndarray:
+    """The rows as little-endian float32 [n, dim], C order (a no-op for the engine's answers)."""
+    rows = np.ascontiguousarray(rows, dtype="<f4")
+    return rows.reshape(rows.shape[0], -1) if rows.ndim != 2 else rows
+
+
+def infer_response(model: str, version: str, request_id: str, rows: np.ndarray) -> bytes:
+    """The serialised ``ModelInferResponse`` of one answer (one copy of the rows)."""
+    parts, _ = infer_response_parts(model, version, request_id, as_rows(rows))
+    return b"".join(parts)
+
+
+def stream_response(model: str, version: str, request_id: str, rows: np.ndarray) -> bytes:
+    """The serialised ``ModelStreamInferResponse`` of one answer (one copy of the rows)."""
+    parts, size = infer_response_parts(model, version, request_id, as_rows(rows))
+    return b"".join([varint(2 << 3 | 2), varint(size), *parts])
+
+
+def stream_error(message: str, model: str, version: str, request_id: str) -> bytes:
+    """A ``ModelStreamInferResponse`` carrying ``error_message`` and, in ``infer_response``,
+    the request's model, version and id (so a client can tell which request failed)."""
+    inner = _head(model, version) + (_delimited(3, request_id.encode()) if request_id else b"")
+    return _delimited(1, message.encode()) + _delimited(2, inner)

@@ -68,14 +68,21 @@ def admin_refusal(client: Any, authorization: bytes, admin_expected: bytes | Non
         f"is set (server.admin_token or {ADMIN_TOKEN_ENV})"
 
 
-async def _reject(send: Any, status: int, code: str, message: str, path: str,
-                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+def reject_parts(status: int, code: str, message: str, path: str,
+                 headers: list[tuple[bytes, bytes]] | None = None
+                 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and body of a guard's refusal (in the route's protocol's error body)."""
     from quiver_serve.frontend.kserve import error_payload
 
     body = json.dumps(error_payload(path, code, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    return status, [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()), *(headers or [])], body
+
+
+async def _reject(send: Any, status: int, code: str, message: str, path: str,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    status, raw, body = reject_parts(status, code, message, path, headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -142,6 +142,14 @@ def infer_response(model: str, version: int, req: InferRequest,
                    emb: np.ndarray) -> tuple[bytes, dict[str, str]]:
     """Body and headers of the answer: JSON, or JSON header + raw float32 rows; ``model`` and
     ``version`` name the model version that computed them."""
+    parts, headers = infer_response_parts(model, version, req, emb)
+    return b"".join(parts), headers
+
+
+def infer_response_parts(model: str, version: int, req: InferRequest,
+                         emb: np.ndarray) -> tuple[list[Any], dict[str, str]]:
+    """``infer_response`` as the parts to write one after another: a binary answer's rows are
+    a view of ``emb`` (no copy when it is float32 and C-ordered already)."""
     rows = np.ascontiguousarray(emb, dtype="<f4")
     out: dict[str, Any] = {"name": "embeddings", "datatype": "FP32", "shape": list(rows.shape)}
     head: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": [out]}
@@ -149,9 +157,9 @@ def infer_response(model: str, version: int, req: InferRequest,
         head["id"] = req.body.id
     if not req.binary_output:
         out["data"] = rows.reshape(-1)
-        return orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY), \
+        return [orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)], \
             {"content-type": "application/json"}
     out["parameters"] = {"binary_data_size": rows.nbytes}
     header = orjson.dumps(head)
-    return header + rows.tobytes(), {"content-type": OCTET_STREAM,
-                                     "inference-header-content-length": str(len(header))}
+    return [header, rows.reshape(-1).view(np.uint8)], {
+        "content-type": OCTET_STREAM, "inference-header-content-length": str(len(header))}

@@ -71,6 +71,20 @@ def uvicorn_speedups() -> dict[str, str]:
     return {"loop": loop, "http": http}
 
 
+def uvicorn_options(app: Any) -> dict[str, Any]:
+    """``uvicorn_speedups()``, with the hot routes answered in the HTTP protocol itself
+    (``frontend/hot_protocol.py``) when ``server.fast_routes`` is on and httptools imports."""
+    options: dict[str, Any] = dict(uvicorn_speedups())
+    state = app.state.qs
+    s = state.cfg.server
+    if options["http"] == "httptools" and s.fast_routes:
+        from quiver_serve.frontend.guards import resolve_token
+        from quiver_serve.frontend.hot_protocol import hot_protocol
+
+        options["http"] = hot_protocol(state, resolve_token(s.auth_token), s.max_body_bytes)
+    return options
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT (or :meth:`drain`) drains: readiness 503, new requests
     503, admitted ones finish (bounded by ``drain_timeout_s``), then it exits 0. A second signal
