@@ -100,11 +100,97 @@ async def measure(apps: dict[str, Any], reqs: dict, n: int, block: int) -> dict[
             for a in apps for r in reqs}
 
 
+class _Transport:
+    """What the protocol writes to: counts answers, and feeds the connection its next request
+    (a closed loop with no network in the way)."""
+
+    def __init__(self, loop: Any, wire: bytes, left: list[int], done: Any) -> None:
+        self.loop, self.wire, self.left, self.done = loop, wire, left, done
+        self.protocol: Any = None
+        self.statuses: dict[bytes, int] = {}
+
+    def writelines(self, parts: list[Any]) -> None:
+        status = bytes(parts[0][9:12])
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        self.left[0] -= 1
+        if self.left[0] > 0:
+            self.loop.call_soon(self.protocol.data_received, self.wire)
+        elif not self.done.done():
+            self.done.set_result(None)
+
+    def write(self, data: bytes) -> None:
+        self.writelines([data])
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+    def set_protocol(self, protocol: Any) -> None:
+        return None
+
+
+def wire_request(path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    head = [b"POST " + path.encode() + b" HTTP/1.1", b"host: 127.0.0.1:8000",
+            b"content-length: " + str(len(body)).encode()]
+    head += [k + b": " + v for k, v in headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def protocol_loop(app: Any, reqs: dict, n: int, connections: int) -> dict[str, dict]:
+    """The hot routes through the HTTP protocol itself (``frontend/hot_protocol.py``), with
+    ``connections`` closed-loop connections on fake transports: CPU per request of parsing,
+    admission, the hand-off to the engine client, the reply and the answer's write."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from quiver_serve.frontend.listen import uvicorn_options
+
+    loop = asyncio.get_running_loop()
+    config = uvicorn.Config(app, **uvicorn_options(app))
+    config.load()
+    rows = {}
+    for r, (path, body, headers) in reqs.items():
+        wire = wire_request(path, body, headers)
+        for rounds, count in ((0, max(20, connections)), (1, n)):
+            left, done = [count], loop.create_future()
+            statuses: dict[bytes, int] = {}
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(connections):
+                transport = _Transport(loop, wire, left, done)
+                proto = config.http_protocol_class(config, ServerState(), {}, loop)
+                transport.protocol = proto
+                proto.connection_made(transport)
+                transport.statuses = statuses
+                proto.data_received(wire)
+            await asyncio.wait_for(done, 120)
+            if rounds:
+                answered = count + connections - 1
+                rows[f"protocol/{r}/c{connections}"] = {
+                    "cpu_us_per_request": (time.process_time() - c0) / answered * 1e6,
+                    "requests_per_s": answered / (time.perf_counter() - t0),
+                    "statuses": {k.decode(): v for k, v in statuses.items()}}
+            await asyncio.sleep(0.2)  # the last connections' answers
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="YAML config (default: the embedded default)")
     p.add_argument("--requests", type=int, default=2000, help="requests per app and route")
     p.add_argument("--block", type=int, default=100, help="requests per block (apps alternate)")
+    p.add_argument("--connections", type=int, nargs="*", default=[1, 16, 64],
+                   help="closed-loop connections of the protocol path (fake transports)")
     p.add_argument("--label", default="run", help="the run's name (in the JSON and, unless "
                    "'run', the file name)")
     p.add_argument("--out", help="JSON file (default $OUT or bench/results/, "
@@ -124,16 +210,20 @@ def main() -> None:
     apps = {"fastapi": create_app(slow_cfg, pipeline), "fast_layer": create_app(cfg, pipeline)}
     pipeline.start()
     try:
-        rows = uvloop.run(measure(apps, requests(cfg.model.name), args.requests, args.block))
+        reqs = requests(cfg.model.name)
+        rows = uvloop.run(measure(apps, reqs, args.requests, args.block))
+        for c in args.connections:
+            rows.update(uvloop.run(protocol_loop(apps["fast_layer"], reqs, args.requests, c)))
     finally:
         pipeline.stop(drain_timeout_s=0.0)
     out = {"label": args.label, "requests": args.requests, "rows": rows}
     path = result_path("hot_routes", args, None if args.label == "run" else args.label)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
-    print(f"{'app/route':34s} {'CPU us/req':>10s} {'p50 ms':>8s}")
+    print(f"{'app/route':38s} {'CPU us/req':>10s} {'p50 ms':>8s} {'req/s':>8s}")
     for name, r in rows.items():
-        print(f"{name:34s} {r['cpu_us_per_request']:10.0f} {r['p50_ms']:8.3f}")
+        print(f"{name:38s} {r['cpu_us_per_request']:10.0f} {r.get('p50_ms', float('nan')):8.3f} "
+              f"{r.get('requests_per_s', float('nan')):8.0f} {r.get('statuses', '')}")
     print(f"written {path}")
 
 

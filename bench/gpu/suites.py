@@ -31,6 +31,9 @@ ROUTING_DAEMON_ARGS = [
     "--modes", "cpu", "gpu", "auto", "quiver", "auto:sampling.pool_overlap=serial@uva",
     "auto:sampling.pool_overlap=off@uva"]
 HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, aiohttp, matplotlib, grpc"
+LOAD_CLIENTS = ("from bench.frontdoor.load_clients import find_tool as f; import sys; "
+                "t = [(n, f(n)) for n in ('wrk', 'h2load')]; v = [(n, x and x.version()) for n, x "
+                "in t]; print(v); sys.exit(any(x is None or x.startswith('unknown') for _, x in v))")
 CPP_BUILD = ("from quiver_serve.sampling.cpu import cpp_sampler_available as a; "
              "print('C++ sampler', a())")
 
@@ -262,6 +265,25 @@ def reload(a: argparse.Namespace) -> list[Step]:
                        kill_after_s=30.0)]
 
 
+def frontdoor(a: argparse.Namespace) -> list[Step]:
+    """The front door with compiled load clients (wrk for HTTP, h2load for gRPC) beside the
+    project's generator and the queue API, CPU per request by process role (~7 minutes)."""
+    res = result(a, "wrk_bench", "smoke" if "--smoke" in a.extra else None)
+    return [
+        Step("server packages", ["{python}", "-c", HEADLINE_IMPORTS], 120.0, "imports.log",
+             required=True, on_fail="missing Python packages: carry them as wheels in .whl/ "
+                                    "(see the device README)"),
+        Step("wrk, h2load", ["{python}", "-c", LOAD_CLIENTS], 60.0, "load_clients.log",
+             counts=False, on_fail="WARNING: a load client is missing or does not run: its "
+                                   "paths are skipped (carry .tools/: bench/README.md)"),
+        info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no nvidia-smi: CPU only"),
+        bench_step("front door, compiled clients", "bench.frontdoor.wrk_bench",
+                   ["--out", str(res), "--machine", a.machine, "--budget-s", "400", *a.extra],
+                   a.bench_timeout_s or 470.0, "wrk_bench.log", res, QUIET_PIPELINE,
+                   kill_after_s=30.0),
+    ]
+
+
 #: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
 MAIN_BENCH = {
     "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
@@ -270,10 +292,12 @@ MAIN_BENCH = {
     "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
     "exact": "bench.graph.exact_table", "reload": "bench.models.reload",
+    "frontdoor": "bench.frontdoor.wrk_bench",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
     "front_door": front_door, "updates": updates, "exact": exact, "reload": reload,
+    "frontdoor": frontdoor,
 }

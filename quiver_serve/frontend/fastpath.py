@@ -150,7 +150,7 @@ def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
     num_nodes, capacity = pipeline.num_nodes, pipeline.node_capacity
     check_ids_at_door(ids, num_nodes, capacity)
     check_min_version(min_version)
-    view = state.views.current()
+    view = state.views.current(cached=True)
     target_model, target_version = view.submit_target(model, version)
     inductive = None if not num_new else inductive_nodes(
         new_nodes[0], new_nodes[1], pipeline.num_features or 0, num_nodes, capacity)  # type: ignore[index]

@@ -109,10 +109,25 @@ class HotHttpProtocol(HttpToolsProtocol):
     answered = 0
 
     # ---- parser callbacks ----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        """What the parser callbacks fill; the ASGI scope is built only for a request that
+        goes to the app (``_to_app``)."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _to_app(self) -> None:
+        """uvicorn's own handling, with the scope its ``on_message_begin`` would have built."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
+        super().on_headers_complete()
+
     def on_headers_complete(self) -> None:
         cycle = self._hot_cycle()
         if cycle is None:
-            super().on_headers_complete()
+            self._to_app()
             return
         self.cycle = cycle  # type: ignore[assignment]
         refused = self._guard(cycle)

@@ -20,6 +20,7 @@ knows a single model, is checked at the door (:meth:`ModelView.submit_target`).
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from quiver_serve import errors
@@ -55,6 +56,10 @@ def parse_version(raw: Any) -> int:
 
 def _version_key(version: str) -> tuple[int, str]:
     return (int(version), version) if version.isdigit() else (_MAX_VERSION, version)
+
+
+#: how long a front-end answers from one view of the models before it looks again
+VIEW_TTL_S = 0.05
 
 
 class ModelView:
@@ -176,16 +181,29 @@ class Views:
     def __init__(self, cfg: ServeConfig, pipeline: Any) -> None:
         self.cfg, self.pipeline = cfg, pipeline
         self._config: tuple[tuple[Any, Any], ModelView] | None = None
+        self._view: ModelView | None = None
+        self._fresh_until_s = 0.0
 
-    def current(self) -> ModelView:
+    def current(self, cached: bool = False) -> ModelView:
+        """The models as this front-end sees them; ``cached`` (the hot routes): the view of
+        at most ``VIEW_TTL_S`` ago, so a request costs no rebuild (the main process publishes
+        its state about ten times a second)."""
+        now_s = time.monotonic()
+        view = self._view
+        if view is not None and cached and now_s < self._fresh_until_s:
+            return view
         pipeline = self.pipeline
         published = getattr(pipeline, "models_state", None)
         if published:
-            return ModelView(published, True, pipeline.num_features)
-        key = (pipeline.out_dim, pipeline.num_features)
-        if self._config is None or self._config[0] != key:
-            self._config = (key, ModelView(config_state(self.cfg, *key), False, key[1]))
-        return self._config[1]
+            if view is None or view.state is not published:
+                view = ModelView(published, True, pipeline.num_features)
+        else:
+            key = (pipeline.out_dim, pipeline.num_features)
+            if self._config is None or self._config[0] != key:
+                self._config = (key, ModelView(config_state(self.cfg, *key), False, key[1]))
+            view = self._config[1]
+        self._view, self._fresh_until_s = view, now_s + VIEW_TTL_S
+        return view
 
 
 def config_state(cfg: ServeConfig, out_dim: int | None,

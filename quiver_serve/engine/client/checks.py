@@ -27,7 +27,10 @@ def check_ids_at_door(ids: np.ndarray, num_nodes: int, node_capacity: int,
     gives the range the caller knows (``num_nodes``)."""
     if ids.size == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    if ids.size == 1:
+        lo = hi = int(ids[0])
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= max(node_capacity, num_nodes):
         message = errors.out_of_range_message(lo if lo < 0 else hi, num_nodes)
         raise errors.invalid(f"{field}: {message}" if field else message)
