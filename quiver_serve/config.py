@@ -241,7 +241,7 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     http_workers: int = Field(
         0, ge=0, le=64,
-        description="HTTP front-end processes sharing server.port (SO_REUSEPORT), each a client of every engine core; 0 = max(1, min(8, CPUs // 4)); 1 = one front-end inside the main process")
+        description="HTTP front-end processes sharing server.port (SO_REUSEPORT), each a client of every engine core; 0 = max(1, min(8, CPUs // 2)); 1 = one front-end inside the main process")
     grpc_port: int | None = Field(
         None, ge=0, le=65535,
         description="KServe v2 gRPC port on the same host (Triton's default is 8001); null: no gRPC endpoint")
@@ -271,14 +271,15 @@ class ServerConfig(_Section):
 
 
 def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
-    """``server.http_workers``, with 0 resolved from the CPUs this process may use: a quarter of
-    them (a front-end parses, validates and encodes, about one core at full load; the engine
-    cores, the CPU sampler pool and the load balancer's other tenants need the rest), 1 to 8."""
+    """``server.http_workers``, with 0 resolved from the CPUs this process may use: half of
+    them, 1 to 8 (a front-end parses, validates and encodes, about half a core at full load on
+    one H200 box; the engine cores and the CPU sampler pool need the rest; 8 front-ends served
+    27% more than 4 on 16 vCPUs, docs/decisions/0029-front-door-hot-path.md)."""
     if configured > 0:
         return configured
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cpus // 4))
+    return max(1, min(8, cpus // 2))
 
 
 class ServeConfig(_Section):
