@@ -258,7 +258,7 @@ class ServerConfig(_Section):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
     fast_routes: bool = Field(
-        True, description="answer POST /v1/embed, /v2/models/{name}/infer and /v2/models/{name}/versions/{v}/infer in a raw-ASGI layer in front of FastAPI (same answers, less CPU per request); false: FastAPI's routes answer them")
+        True, description="answer POST /v1/embed, /v2/models/{name}/infer and /v2/models/{name}/versions/{v}/infer inside the HTTP protocol (uvicorn's httptools protocol, extended; a raw-ASGI layer in front of FastAPI where it cannot), with the same answers and less CPU per request; false: FastAPI's routes answer them")
     standby_processes: int = Field(
         1, ge=0, le=8, description="warm spare processes (torch and PyG imported) each supervisor keeps; a restarted engine core, sampler or HTTP front-end takes one instead of a fresh interpreter's imports (2-6 s); 0: spawn fresh")
     gc_freeze: bool = Field(
