@@ -5,8 +5,10 @@ Several spawned processes, each one asyncio loop with many concurrent callers, s
 not the bottleneck; each reports its own CPU use (cores). Open loop (Poisson arrivals at a total
 rate; latency from the scheduled send time: no coordinated omission) or closed loop (N callers).
 Protocols: http-json (POST /v1/embed), http-npy (Accept: application/x-npy), kserve-json,
-kserve-binary (binary tensor extension, binary_data_output), grpc (KServe v2 ModelInfer), queue
-(the queue API: starts the daemon in this process from --config, load processes connect to it).
+kserve-binary (binary tensor extension, binary_data_output), grpc (KServe v2 ModelInfer),
+grpc-stream (KServe v2 ModelStreamInfer: each process pipelines its callers' requests over up to 8
+bidirectional streams, one connection each), queue (the queue API: starts the daemon in this
+process from --config, load processes connect to it).
 Workloads (DESIGN §6): a (48 ids from the 1,500-node hot set), b (48 uniform), c (1 uniform), or
 trace (an .npy file, one row per request, sent in order; see loadtest/README.md).
 
@@ -267,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
     http = [p for p in args.protocol if p != "queue"]
     if http:
         check_loopback(args.url, args.allow_remote)
-    if "grpc" in args.protocol:
+    if any(p.startswith("grpc") for p in args.protocol):
         check_loopback(args.grpc_target, args.allow_remote)
     if "queue" in args.protocol and not args.config:
         raise SystemExit("--protocol queue needs --config (the daemon is started in this process)")

@@ -3,7 +3,8 @@ process's list and reads the whole answer.
 
 Bodies are encoded once before the run, so the generator's CPU goes to sending and receiving.
 Statuses are strings: HTTP codes (``"200"``, ``"503"``), ``"grpc:UNAVAILABLE"``, ``"timeout"``,
-``"conn:<Exception>"``; only ``"200"`` (and gRPC ``OK``, reported as ``"200"``) is a success.
+``"conn:<Exception>"``, ``"stream:error"`` (a ``ModelStreamInfer`` answer with an
+``error_message``); only ``"200"`` (and gRPC ``OK``, reported as ``"200"``) is a success.
 HTTP with ``target["retry_cut"] = N``: a request whose connection was cut (``conn:...``, e.g. its
 front-end process killed) is sent again, up to N times, as a client behind a balancer would;
 ``retried`` counts those sends (the fault drill reports them).
@@ -16,12 +17,15 @@ bodies carry ``"exact": true`` (KServe: the request parameter ``exact``), gRPC t
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import json
 from typing import Any
 
 import numpy as np
 
-PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "queue")
+PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "grpc-stream",
+             "queue")
 HTTP_CLIENTS = ("aiohttp", "httpx")
 OK = "200"
 
@@ -119,32 +123,13 @@ class GrpcCaller:
 
     def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
                  exact: bool = False) -> None:
-        from quiver_serve.frontend.grpc_proto import message
-
-        req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
-        self.bodies = []
-        for ids in reqs:
-            inp = inp_cls(name="node_ids", datatype="INT64", shape=[int(ids.size)])
-            msg = req_cls(model_name=target["model"], inputs=[inp],
-                          raw_input_contents=[np.ascontiguousarray(ids, "<i8").tobytes()])
-            if exact:
-                msg.parameters["exact"].bool_param = True
-            self.bodies.append(msg.SerializeToString())
+        self.bodies = encode_grpc(target["model"], reqs, exact)
         self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
         self.channel: Any = None
 
     async def __aenter__(self) -> GrpcCaller:
-        import grpc
-
-        self.channel = grpc.aio.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = await open_channel(self.target, self.timeout_s)
         self.stub = self.channel.unary_unary(self.METHOD)  # bytes in, bytes out
-        try:  # connect before the point starts, not inside its window
-            await asyncio.wait_for(self.channel.channel_ready(), timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            await self.channel.close()
-            raise ConnectionError(f"gRPC endpoint {self.target} not reachable in "
-                                  f"{self.timeout_s:g} s") from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -159,6 +144,193 @@ class GrpcCaller:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             return "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f"grpc:{code.name}"
+
+
+def encode_grpc(model: str, reqs: list[np.ndarray], exact: bool = False) -> list[bytes]:
+    """Serialised ``ModelInferRequest``s (no ``id``: a stream prepends one) of the requests."""
+    from quiver_serve.frontend.grpc_proto import message
+
+    req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
+    bodies = []
+    for ids in reqs:
+        inp = inp_cls(name="node_ids", datatype="INT64", shape=[int(ids.size)])
+        msg = req_cls(model_name=model, inputs=[inp],
+                      raw_input_contents=[np.ascontiguousarray(ids, "<i8").tobytes()])
+        if exact:
+            msg.parameters["exact"].bool_param = True
+        bodies.append(msg.SerializeToString())
+    return bodies
+
+
+async def open_channel(target: str, timeout_s: float, own_connection: bool = False) -> Any:
+    """A connected grpc.aio channel (ConnectionError when not ready in ``timeout_s``);
+    ``own_connection``: its own TCP connection, not one shared with this process's other
+    channels to the same target (the kernel then spreads them over the front-ends)."""
+    import grpc
+
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    channel = grpc.aio.insecure_channel(target, options=options)
+    try:  # connect before the point starts, not inside its window
+        await asyncio.wait_for(channel.channel_ready(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        await channel.close()
+        raise ConnectionError(f"gRPC endpoint {target} not reachable in {timeout_s:g} s") from None
+    return channel
+
+
+class _Stream:
+    """One ``ModelStreamInfer`` call on its own connection: a writer task (one write at a time,
+    as gRPC allows), a reader task that resolves the waiting requests by ``id``."""
+
+    METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+    def __init__(self, channel: Any) -> None:
+        from quiver_serve.frontend.grpc_proto import message
+
+        self.channel, self.parse = channel, message("ModelStreamInferResponse").FromString
+        self.call = channel.stream_stream(self.METHOD)()  # bytes in, bytes out
+        self.loop = asyncio.get_running_loop()
+        #: request id -> (future of its status, deadline in loop time); deadlines rise in order
+        self.waiting: dict[str, tuple[asyncio.Future[str], float]] = {}
+        self.out: collections.deque[bytes] = collections.deque()  # at most the callers' count
+        self.wake: asyncio.Future[None] | None = None
+        self.broken: str | None = None  # the status of every request once the stream ended
+        self.tasks = [self.loop.create_task(self._write()), self.loop.create_task(self._read())]
+
+    def send(self, request_id: str, body: bytes, timeout_s: float) -> asyncio.Future[str]:
+        fut = self.loop.create_future()
+        if self.broken is not None:
+            fut.set_result(self.broken)
+            return fut
+        self.waiting[request_id] = (fut, self.loop.time() + timeout_s)
+        self.out.append(body)
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+        return fut
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                while not self.out:
+                    self.wake = self.loop.create_future()
+                    await self.wake  # a request to send (or the caller's end cancels this)
+                await self.call.write(self.out.popleft())
+        except Exception as exc:  # noqa: BLE001 - the stream ended: every waiting request fails
+            self._end(f"conn:{type(exc).__name__}")
+
+    async def _read(self) -> None:
+        import grpc
+
+        try:
+            while True:
+                raw = await self.call.read()  # an answer, or EOF (the server ended the stream)
+                if raw is grpc.aio.EOF:
+                    self._end("conn:EOF")
+                    return
+                msg = self.parse(raw)
+                waiter = self.waiting.pop(msg.infer_response.id, None)
+                if waiter is not None and not waiter[0].done():
+                    waiter[0].set_result("stream:error" if msg.error_message else OK)
+        except grpc.aio.AioRpcError as exc:
+            self._end(f"grpc:{exc.code().name}")
+
+    def expire(self, now: float) -> None:
+        """Answer "timeout" for requests past their deadline (the oldest come first)."""
+        while self.waiting:
+            request_id, (fut, deadline) = next(iter(self.waiting.items()))
+            if deadline > now:
+                return
+            del self.waiting[request_id]
+            if not fut.done():
+                fut.set_result("timeout")
+
+    def _end(self, status: str) -> None:
+        self.broken = self.broken or status
+        waiting, self.waiting = self.waiting, {}
+        for fut, _ in waiting.values():
+            if not fut.done():
+                fut.set_result(self.broken)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.call.cancel()
+        self._end("conn:closed")
+        await self.channel.close()
+
+
+class GrpcStreamCaller:
+    """KServe v2 ``ModelStreamInfer``: this process's requests pipelined over
+    ``min(concurrency, target["grpc_streams"] or 8)`` bidirectional streams, each on its own
+    connection (so the kernel spreads them over the front-end processes), taken in turn. A
+    stream that ends (its front-end went away) is opened again by the next request on it."""
+
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
+                 exact: bool = False) -> None:
+        self.bodies = encode_grpc(target["model"], reqs, exact)
+        self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
+        self.num_streams = max(1, min(limit, int(target.get("grpc_streams") or 8)))
+        self.streams: list[_Stream] = []
+        self.turn, self.seq = itertools.count(), itertools.count()
+        self.sweeper: asyncio.Task[None] | None = None
+        self.reopening: dict[int, asyncio.Future[_Stream]] = {}
+
+    async def __aenter__(self) -> GrpcStreamCaller:
+        channels = await asyncio.gather(*[open_channel(self.target, self.timeout_s, True)
+                                          for _ in range(self.num_streams)])
+        self.streams = [_Stream(ch) for ch in channels]
+        self.sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        await asyncio.gather(*[s.close() for s in self.streams], return_exceptions=True)
+
+    async def call(self, i: int) -> str:
+        k = next(self.turn) % self.num_streams
+        stream = self.streams[k]
+        if stream.broken is not None:
+            try:
+                stream = await self._reopen(k)
+            except ConnectionError:
+                return "conn:ConnectionError"
+        request_id = str(next(self.seq))
+        return await stream.send(request_id, _id_field(request_id) + self.bodies[i],
+                                 self.timeout_s)
+
+    async def _reopen(self, k: int) -> _Stream:
+        """Stream ``k`` again, on a new connection (one attempt shared by its callers)."""
+        pending = self.reopening.get(k)
+        if pending is None:
+            pending = self.reopening[k] = asyncio.ensure_future(self._open_again(k))
+            pending.add_done_callback(lambda _: self.reopening.pop(k, None))
+        return await asyncio.shield(pending)
+
+    async def _open_again(self, k: int) -> _Stream:
+        old = self.streams[k]
+        self.streams[k] = _Stream(await open_channel(self.target, self.timeout_s, True))
+        await old.close()
+        return self.streams[k]
+
+    async def _sweep(self) -> None:
+        """Deadlines: every 0.1 s the requests past their timeout are answered "timeout"."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.1)
+            now = loop.time()
+            for stream in self.streams:
+                stream.expire(now)
+
+
+def _id_field(request_id: str) -> bytes:
+    """``ModelInferRequest.id`` (field 3) on the wire; prepended to a serialised request."""
+    from quiver_serve.frontend.grpc_proto import varint
+
+    raw = request_id.encode()
+    return b"\x1a" + varint(len(raw)) + raw
 
 
 class QueueCaller:
@@ -211,6 +383,8 @@ def make_caller(target: dict, reqs: list[np.ndarray], limit: int, observer: Any 
     protocol = target["protocol"]
     if protocol == "grpc":
         return GrpcCaller(target, reqs, limit, exact)
+    if protocol == "grpc-stream":
+        return GrpcStreamCaller(target, reqs, limit, exact)
     if protocol == "queue":
         return QueueCaller(target, reqs, limit, observer, exact)
     if protocol in PROTOCOLS:

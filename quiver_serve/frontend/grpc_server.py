@@ -8,6 +8,13 @@ answer names the version that computed it; ``ModelReady`` and ``ModelMetadata`` 
 too. The daemon's errors are mapped to gRPC status codes with the same messages. Off unless
 ``server.grpc_port`` is set; same bind address and bearer token as HTTP.
 
+``ModelStreamInfer`` (``grpc_stream.py``) takes the same requests on one bidirectional stream,
+many in flight at once. Both answer with bytes written by hand (``grpc_proto.infer_response``,
+``stream_response``): the rows are copied once, from the engine's array into the answer. Every
+front-end process binds the gRPC port (``grpc.so_reuseport``), so gRPC scales with
+``server.http_workers`` as HTTP does, per connection; the largest request accepted is
+``server.max_body_bytes``, as over HTTP.
+
 The model-repository RPCs (``RepositoryIndex``, ``RepositoryModelLoad``,
 ``RepositoryModelUnload``; ``repository_routes.py`` does the work for both protocols) are admin
 calls, guarded as the HTTP admin routes are: the admin token in the ``authorization`` metadata
@@ -20,7 +27,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import grpc
@@ -29,6 +36,7 @@ import numpy as np
 from quiver_serve import errors
 from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend import repository_routes
+from quiver_serve.frontend.grpc_stream import StreamSession
 from quiver_serve.frontend.guards import admin_refusal
 from quiver_serve.frontend.kserve import SERVER_METADATA
 from quiver_serve.frontend.model_view import parse_version
@@ -47,6 +55,30 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
 #: version that computed them (``fastpath.Answer``); raises errors.ServeError
 ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None", int, str, int],
                    Awaitable[Any]]
+
+
+#: server-wide gRPC options: keepalive pings find peers that are gone (an idle stream's wait
+#: for its next request ends with them); every front-end binds the port
+SERVER_OPTIONS = [("grpc.so_reuseport", 1), ("grpc.keepalive_time_ms", 60_000),
+                  ("grpc.keepalive_timeout_ms", 20_000),
+                  ("grpc.keepalive_permit_without_calls", 1)]
+#: RPCs whose handlers return the serialised answer (bytes), not a message
+RAW_ANSWERS = frozenset({"ModelInfer"})
+_LIVE = gp.message("ServerLiveResponse")
+_READY = gp.message("ServerReadyResponse")
+_MODEL_READY = gp.message("ModelReadyResponse")
+
+
+class InferArgs(NamedTuple):
+    """A ``ModelInferRequest`` checked and read: what ``fastpath.submit_ids`` takes."""
+
+    ids: np.ndarray
+    exact: bool
+    seed: int | None
+    timeout_ms: float | None
+    min_version: int
+    model: str
+    version: int  # 0: the model's traffic split
 
 
 def _bad(message: str) -> errors.ServeError:
@@ -82,11 +114,11 @@ class KServeGrpc:
         self.admin_expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     async def ServerLive(self, req: Any, ctx: Any) -> Any:  # noqa: N802 - the RPC's name
-        return gp.message("ServerLiveResponse")(live=True)
+        return _LIVE(live=True)
 
     async def ServerReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
-        return gp.message("ServerReadyResponse")(ready=self._ready())
+        return _READY(ready=self._ready())
 
     async def ModelReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         """As Triton answers it: ready false (not an error) for a model not loaded."""
@@ -97,7 +129,7 @@ class KServeGrpc:
             await _abort(ctx, exc)
         view = self.state.views.current()
         ready = req.name in view.names and view.is_ready(req.name, version)
-        return gp.message("ModelReadyResponse")(ready=self._ready() and ready)
+        return _MODEL_READY(ready=self._ready() and ready)
 
     async def ServerMetadata(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
@@ -113,27 +145,22 @@ class KServeGrpc:
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=meta["inputs"], outputs=meta["outputs"])
 
-    async def ModelInfer(self, req: Any, ctx: Any) -> Any:  # noqa: N802
-        await self._auth(ctx)
+    async def ModelInfer(self, req: Any, ctx: Any) -> bytes:  # noqa: N802
+        """One request, one answer (its serialised ``ModelInferResponse``)."""
+        if self.expected is not None:
+            await self._auth(ctx)
         try:
-            ids = _node_ids(req)
-            p = req.parameters
-            exact = p["exact"].bool_param if "exact" in p else False
-            seed = p["seed"].int64_param if "seed" in p else None
-            timeout_ms = _number(p["timeout_ms"]) if "timeout_ms" in p else None
-            min_version = _integer(p["min_version"], "min_version") if "min_version" in p else 0
-            for out in req.outputs:
-                if out.name != "embeddings":
-                    raise _bad(f"unknown output {out.name!r}; this model has 'embeddings'")
-            answer = await self.serve(ids, exact, seed, timeout_ms, min_version, req.model_name,
-                                      _version(req.model_version) or 0)
+            a = infer_args(req)
+            answer = await self.serve(a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
+                                      a.model, a.version)
         except errors.ServeError as exc:
             await _abort(ctx, exc)
-        rows = np.ascontiguousarray(answer.rows, dtype="<f4")
-        return gp.message("ModelInferResponse")(
-            model_name=answer.model, model_version=str(answer.version), id=req.id,
-            outputs=[{"name": "embeddings", "datatype": "FP32", "shape": list(rows.shape)}],
-            raw_output_contents=[rows.tobytes()])
+        return gp.infer_response(answer.model, str(answer.version), req.id, answer.rows)
+
+    async def ModelStreamInfer(self, requests: Any, ctx: Any) -> None:  # noqa: N802
+        """Many requests on one stream (``grpc_stream.py``); the token is checked once."""
+        await self._auth(ctx)
+        await StreamSession(self.state, ctx, infer_args).run(requests)
 
     async def RepositoryIndex(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         who = await self._admin(ctx)
@@ -165,7 +192,7 @@ class KServeGrpc:
     async def _auth(self, ctx: Any) -> None:
         if self.expected is None:
             return
-        given = dict(ctx.invocation_metadata() or ()).get("authorization", "")
+        given = _metadata(ctx, "authorization")
         if not hmac.compare_digest(given.encode(), self.expected.encode()):
             await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
@@ -173,7 +200,7 @@ class KServeGrpc:
         """The admin guard of HTTP (``guards.admin_refusal``) on gRPC metadata and the peer;
         returns the peer, for the log."""
         peer = ctx.peer() or ""
-        given = dict(ctx.invocation_metadata() or ()).get("authorization", "")
+        given = _metadata(ctx, "authorization")
         data = self.expected.encode() if self.expected else None
         refused = admin_refusal(peer_address(peer), given.encode(), self.admin_expected, data)
         if refused is not None:
@@ -183,6 +210,32 @@ class KServeGrpc:
             await ctx.abort(CODES[status], message)
         address = peer_address(peer)
         return f"{address[0]}:{address[1]}" if address else peer or "unknown peer"
+
+
+def _metadata(ctx: Any, key: str) -> str:
+    """The first value of the call's metadata ``key`` (lower case), "" when absent."""
+    for item in ctx.invocation_metadata() or ():
+        if item[0] == key:
+            return str(item[1])
+    return ""
+
+
+def infer_args(req: Any) -> InferArgs:
+    """A ``ModelInferRequest``'s ids, parameters, model and version; ServeError (400) naming
+    what is wrong with it."""
+    ids = _node_ids(req)
+    exact, seed, timeout_ms, min_version = False, None, None, 0
+    p = req.parameters
+    if p:
+        exact = p["exact"].bool_param if "exact" in p else False
+        seed = p["seed"].int64_param if "seed" in p else None
+        timeout_ms = _number(p["timeout_ms"]) if "timeout_ms" in p else None
+        min_version = _integer(p["min_version"], "min_version") if "min_version" in p else 0
+    for out in req.outputs:
+        if out.name != gp.OUTPUT_NAME:
+            raise _bad(f"unknown output {out.name!r}; this model has 'embeddings'")
+    return InferArgs(ids, exact, seed, timeout_ms, min_version, req.model_name,
+                     _version(req.model_version) or 0)
 
 
 def _repository_params(params: Any) -> dict[str, Any]:
@@ -226,20 +279,31 @@ def _node_ids(req: Any) -> np.ndarray:
     return ids
 
 
+def _handlers(servicer: KServeGrpc) -> dict[str, Any]:
+    """One method handler per RPC: message in; message out, or bytes for ``RAW_ANSWERS``."""
+    handlers = {
+        rpc: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, rpc), request_deserializer=gp.message(req).FromString,
+            response_serializer=None if rpc in RAW_ANSWERS else gp.message(resp).SerializeToString)
+        for rpc, (req, resp) in gp.RPCS.items()}
+    for rpc, (req, _) in gp.STREAMS.items():  # answers written by hand (bytes)
+        handlers[rpc] = grpc.stream_stream_rpc_method_handler(
+            getattr(servicer, rpc), request_deserializer=gp.message(req).FromString)
+    return handlers
+
+
 async def start(state: Any, serve: ServeFn, host: str, port: int, token: str | None,
                 admin_token: str | None = None) -> grpc.aio.Server:
     """A grpc.aio server on the running loop, bound to ``host:port``."""
     servicer = KServeGrpc(state, serve, token, admin_token)
-    handlers = {
-        rpc: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, rpc), request_deserializer=gp.message(req).FromString,
-            response_serializer=gp.message(resp).SerializeToString)
-        for rpc, (req, resp) in gp.RPCS.items()}
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gp.SERVICE, handlers),))
+    max_body_bytes = state.cfg.server.max_body_bytes
+    server = grpc.aio.server(options=[*SERVER_OPTIONS,
+                                      ("grpc.max_receive_message_length", max_body_bytes)])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(gp.SERVICE, _handlers(servicer)),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"gRPC: cannot bind {host}:{port}")
     await server.start()
-    log.info("KServe v2 gRPC on %s:%d", host, bound)
+    log.info("KServe v2 gRPC on %s:%d (ModelInfer, ModelStreamInfer)", host, bound)
     return server

@@ -153,8 +153,10 @@ def test_tritonclient_grpc(triton_grpc, server: ServerProcess) -> None:  # noqa:
     ids = np.array([4, 5, 2707, 4], dtype=np.int64)
     node_ids = grpcclient.InferInput("node_ids", [4], "INT64")
     node_ids.set_data_from_numpy(ids)
-    result = triton_grpc.infer(MODEL, [node_ids], parameters={"exact": True},
+    result = triton_grpc.infer(MODEL, [node_ids], parameters={"exact": True}, request_id="u1",
                                outputs=[grpcclient.InferRequestedOutput("embeddings")])
+    response = result.get_response()  # written by hand (grpc_proto.infer_response)
+    assert (response.id, response.model_name, response.model_version) == ("u1", MODEL, "1")
     direct = httpx.post(server.url + "/v1/embed", json={"node_ids": ids.tolist(), "exact": True})
     np.testing.assert_allclose(result.as_numpy("embeddings"),
                                np.array(direct.json()["embeddings"], dtype=np.float32), atol=1e-6)
@@ -185,6 +187,10 @@ def test_grpc_messages_match_the_published_proto() -> None:
             if f.message_type is not None:
                 assert f.message_type.name == t.message_type.name, f"{name}.{f.name}"
     service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    for rpc, (req, resp) in gp.RPCS.items():
-        m = service.methods_by_name[rpc]
+    ours = gp.FILE.services_by_name["GRPCInferenceService"]
+    for rpc, (req, resp) in {**gp.RPCS, **gp.STREAMS}.items():
+        m, o = service.methods_by_name[rpc], ours.methods_by_name[rpc]
         assert (m.input_type.name, m.output_type.name) == (req, resp)
+        assert (o.client_streaming, o.server_streaming) == (m.client_streaming,
+                                                            m.server_streaming), rpc
+    assert set(gp.STREAMS) == {"ModelStreamInfer"}
