@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -28,11 +27,9 @@ from quiver_serve.frontend.bodies import parse_embed, validation_message
 from quiver_serve.frontend.fastpath import (
     EMBED_PATH,
     HOT_TEMPLATES,
-    Answer,
     HotRoutes,
     embed_response_parts,
     serve_embed,
-    serve_ids,
 )
 from quiver_serve.frontend.guards import Guards, resolve_admin_token, resolve_token
 from quiver_serve.frontend.model_routes import server_not_ready
@@ -134,12 +131,7 @@ async def _start_grpc(state: ServerState) -> Any:
         return None
     from quiver_serve.frontend import grpc_server
 
-    async def serve(ids: np.ndarray, exact: bool, seed: int | None, timeout_ms: float | None,
-                    min_version: int = 0, model: str = "", version: int = 0) -> Answer:
-        return await serve_ids(state, None, ids, exact, seed, timeout_ms, min_version, None,
-                               model, version)
-
-    return await grpc_server.start(state, serve, s.host, s.grpc_port, resolve_token(s.auth_token),
+    return await grpc_server.start(state, s.host, s.grpc_port, resolve_token(s.auth_token),
                                    resolve_admin_token(s.admin_token))
 
 

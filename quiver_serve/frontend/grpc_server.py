@@ -24,9 +24,10 @@ loopback peers only.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+import time
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
@@ -36,6 +37,7 @@ import numpy as np
 from quiver_serve import errors
 from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend import repository_routes
+from quiver_serve.frontend.fastpath import answer_of, submit_ids
 from quiver_serve.frontend.grpc_stream import StreamSession
 from quiver_serve.frontend.guards import admin_refusal
 from quiver_serve.frontend.kserve import SERVER_METADATA
@@ -44,6 +46,8 @@ from quiver_serve.frontend.model_view import parse_version
 log = logging.getLogger(__name__)
 
 #: daemon status -> gRPC status code
+#: the request-latency metric's endpoint label of unary gRPC inference
+UNARY_ENDPOINT = "grpc ModelInfer"
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
          403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
          409: grpc.StatusCode.ALREADY_EXISTS, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,9 +57,6 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
 
 #: (node ids, exact, seed, timeout_ms, min_version, model, version) -> the rows and the model
 #: version that computed them (``fastpath.Answer``); raises errors.ServeError
-ServeFn = Callable[[np.ndarray, bool, "int | None", "float | None", int, str, int],
-                   Awaitable[Any]]
-
 
 #: server-wide gRPC options: keepalive pings find peers that are gone (an idle stream's wait
 #: for its next request ends with them); every front-end binds the port
@@ -107,9 +108,9 @@ def peer_address(peer: str) -> tuple[str, int] | None:
 class KServeGrpc:
     """The servicer: each RPC is an ``async def (request, context)``."""
 
-    def __init__(self, state: Any, serve: ServeFn, token: str | None,
+    def __init__(self, state: Any, token: str | None,
                  admin_token: str | None = None) -> None:
-        self.state, self.serve = state, serve
+        self.state = state
         self.expected = f"Bearer {token}" if token else None
         self.admin_expected = f"Bearer {admin_token}".encode() if admin_token else None
 
@@ -146,15 +147,30 @@ class KServeGrpc:
             inputs=meta["inputs"], outputs=meta["outputs"])
 
     async def ModelInfer(self, req: Any, ctx: Any) -> bytes:  # noqa: N802
-        """One request, one answer (its serialised ``ModelInferResponse``)."""
+        """One request, one answer (its serialised ``ModelInferResponse``); a call the client
+        cancels is cancelled in the engine client too. Timed in the request-latency metric
+        (endpoint ``grpc ModelInfer``, the HTTP status of the answer)."""
         if self.expected is not None:
             await self._auth(ctx)
+        t0_s, status = time.perf_counter(), 499
         try:
             a = infer_args(req)
-            answer = await self.serve(a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
-                                      a.model, a.version)
+            sub = submit_ids(self.state, a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
+                             None, a.model, a.version)
+            try:
+                result = await sub.future
+            except asyncio.CancelledError:
+                self.state.pipeline.cancel(sub.request_id)  # nobody listens: do not compute it
+                raise
+            answer = answer_of(result, sub)
+            status = 200
         except errors.ServeError as exc:
+            status = exc.info.status
             await _abort(ctx, exc)
+        finally:
+            observe = getattr(self.state, "observe_request", None)
+            if observe is not None:
+                observe(UNARY_ENDPOINT, status, time.perf_counter() - t0_s)
         return gp.infer_response(answer.model, str(answer.version), req.id, answer.rows)
 
     async def ModelStreamInfer(self, requests: Any, ctx: Any) -> None:  # noqa: N802
@@ -292,10 +308,10 @@ def _handlers(servicer: KServeGrpc) -> dict[str, Any]:
     return handlers
 
 
-async def start(state: Any, serve: ServeFn, host: str, port: int, token: str | None,
+async def start(state: Any, host: str, port: int, token: str | None,
                 admin_token: str | None = None) -> grpc.aio.Server:
     """A grpc.aio server on the running loop, bound to ``host:port``."""
-    servicer = KServeGrpc(state, serve, token, admin_token)
+    servicer = KServeGrpc(state, token, admin_token)
     max_body_bytes = state.cfg.server.max_body_bytes
     server = grpc.aio.server(options=[*SERVER_OPTIONS,
                                       ("grpc.max_receive_message_length", max_body_bytes)])

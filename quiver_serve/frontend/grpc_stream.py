@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import Any
 
 from quiver_serve import errors
@@ -34,6 +35,8 @@ from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend.fastpath import Submitted, answer_of, submit_ids
 
 log = logging.getLogger(__name__)
+#: the request-latency metric's endpoint label of a streamed request
+STREAM_ENDPOINT = "grpc ModelStreamInfer"
 
 #: requests read from one stream and not yet answered; reading waits at this bound
 MAX_INFLIGHT_PER_STREAM = 1024
@@ -90,36 +93,52 @@ class StreamSession:
     def _start(self, req: Any) -> None:
         """Check and submit one request; a refusal is its answer at once."""
         rid, model, version = req.id, req.model_name, req.model_version
+        t0_s = time.perf_counter()
         try:
             a = self.parse(req)
             sub = submit_ids(self.state, a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
                              None, a.model, a.version)
         except errors.ServeError as exc:
             self._push(gp.stream_error(exc.info.message, model, version, rid))
+            self._observe(exc.info.status, t0_s)
             return
         except Exception as exc:  # noqa: BLE001 - one request's bug must not end the stream
             info = errors.internal_error(exc, "gRPC ModelStreamInfer", log).info
             self._push(gp.stream_error(info.message, model, version, rid))
+            self._observe(info.status, t0_s)
             return
         self.pending[sub.request_id] = sub
-        sub.future.add_done_callback(lambda fut: self._finished(fut, sub, rid, model, version))
+        sub.future.add_done_callback(
+            lambda fut: self._finished(fut, sub, rid, model, version, t0_s))
 
-    def _finished(self, fut: Any, sub: Submitted, rid: str, model: str, version: str) -> None:
+    def _finished(self, fut: Any, sub: Submitted, rid: str, model: str, version: str,
+                  t0_s: float) -> None:
         """The engine answered (or the request failed): encode the answer for the writer."""
         self.pending.pop(sub.request_id, None)
         if self.closed:
+            self._observe(499, t0_s)
             return
+        status = 200
         try:
             if fut.cancelled():
                 raise errors.ServeError("cancelled", "request cancelled", 499)
             answer = answer_of(fut.result(), sub)
             data = gp.stream_response(answer.model, str(answer.version), rid, answer.rows)
         except errors.ServeError as exc:
+            status = exc.info.status
             data = gp.stream_error(exc.info.message, model, version, rid)
         except Exception as exc:  # noqa: BLE001 - as in _start
             info = errors.internal_error(exc, "gRPC ModelStreamInfer", log).info
+            status = info.status
             data = gp.stream_error(info.message, model, version, rid)
         self._push(data)
+        self._observe(status, t0_s)
+
+    def _observe(self, status: int, t0_s: float) -> None:
+        """One streamed request in the request-latency metric (when the state keeps one)."""
+        observe = getattr(self.state, "observe_request", None)
+        if observe is not None:
+            observe(STREAM_ENDPOINT, status, time.perf_counter() - t0_s)
 
     def _push(self, data: bytes) -> None:
         self.out.append(data)

@@ -427,7 +427,7 @@ def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
         state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
                                       views=types.SimpleNamespace(current=lambda **_: view))
         port = free_port()
-        server = await grpc_server.start(state, None, "127.0.0.1", port, None)  # type: ignore[arg-type]
+        server = await grpc_server.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
         target = {"protocol": "grpc-stream", "grpc_target": f"127.0.0.1:{port}",
                   "model": MODEL, "timeout_s": 5.0}
         reqs = [np.array([k % 100, 3]) for k in range(40)] + [np.array([1, 100])]  # last: bad

@@ -9,6 +9,7 @@ and the gRPC messages' wire format against tritonclient's compiled proto.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import numpy as np
@@ -168,6 +169,10 @@ def test_tritonclient_grpc(triton_grpc, server: ServerProcess) -> None:  # noqa:
     with pytest.raises(InferenceServerException, match="no model named") as err:
         triton_grpc.get_model_metadata("nope")
     assert err.value.status() == "StatusCode.NOT_FOUND"
+    metrics = httpx.get(server.url + "/metrics").text  # gRPC inference is timed as HTTP is
+    for status in ("200", "400"):
+        assert re.search(r'quiver_serve_request_duration_seconds_count\{endpoint="grpc '
+                         rf'ModelInfer",status="{status}"\}} [1-9]', metrics), status
 
 
 def test_grpc_messages_match_the_published_proto() -> None:

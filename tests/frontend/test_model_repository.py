@@ -456,7 +456,7 @@ def test_grpc_admin_guard_mirrors_http(admin_token: str | None, peer: str,
                                        authorization: str | None, refused: str | None) -> None:
     from quiver_serve.frontend.grpc_server import KServeGrpc
 
-    servicer = KServeGrpc(None, None, DATA_TOKEN, admin_token)  # type: ignore[arg-type]
+    servicer = KServeGrpc(None, DATA_TOKEN, admin_token)  # type: ignore[arg-type]
     ctx = FakeContext(peer, authorization)
     if refused is None:
         assert asyncio.run(servicer._admin(ctx)) in ("127.0.0.1:5000", "::1:5000",
