@@ -24,6 +24,7 @@ dies, 503 and 504 answers) is the base class's, unchanged.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 import time
@@ -118,7 +119,10 @@ class LoopClient(EngineClient):
             self.observer.on_pending(self._pending)
 
     def _arm_timer(self, now_s: float) -> None:
-        due = [self._deadlines[0][0]] if self._deadlines else []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].done:  # answered: no deadline to keep
+            heapq.heappop(deadlines)
+        due = [deadlines[0][0]] if deadlines else []
         if self._held:
             due.append(now_s + self._held[0].arrived_s + self.endpoints.hold_s - time.monotonic())
         if not due:
