@@ -25,7 +25,8 @@ API, on one graph and model, in one run.
    throughput that needs more than about 1.0 of it is a measuring error, not a fast daemon.
 
 ``--cpu-efficiency`` measures the CPU-box target instead (64 callers x 48 ids vs 2 callers x 4,096
-ids, and single-id p50 with 1 caller), both from load processes and through ``Pipeline.embed``.
+ids, and single-id p50 with 1 caller) from load processes, from coroutines on
+``Pipeline.embed_async`` and from threads on ``Pipeline.embed`` (``bench/engine/cpu_efficiency.py``).
 
 Usage (from the repository root):
     python -m bench.engine.pipeline [--config configs/bench_reddit.yaml] [--scale 0.02]
@@ -36,14 +37,12 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
 import platform
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -60,7 +59,6 @@ from bench.cli import (
 )
 from bench.engine.probe import DaemonLoad, latency_ms, merge_point
 from bench.engine.tail_trace import print_tail
-from loadtest.driver import closed_loop
 from loadtest.workloads import (  # the workloads of DESIGN §6, shared with loadtest/
     IDS_PER_REQUEST,
     REQUEST_POOL,
@@ -259,83 +257,6 @@ def print_summary(summary: list[dict], p99_ms: float, engines: int) -> None:
               f"{fmt(s['efficiency'])} |")
 
 
-# ---- 5. the CPU-box target ----------------------------------------------------------------------------
-async def embed_callers(p: Any, reqs: np.ndarray, callers: int, warm_s: float, seconds: float) -> dict:
-    """Closed-loop callers of ``Pipeline.embed_async`` in this process (one asyncio loop; the
-    driver's closed loop)."""
-    win0 = time.time() + warm_s
-
-    from quiver_serve.errors import ServeError
-
-    async def call(i: int) -> str:
-        try:
-            await p.embed_async(reqs[i])
-        except ServeError as exc:  # refused at admission: counted by status
-            return str(exc.info.status)
-        return "200"
-
-    res = await closed_loop(call, np.full(len(reqs), reqs.shape[1]), callers, win0, win0 + seconds)
-    return {"lat": res["lat_s"], "status": {int(k) if k.isdigit() else k: n
-                                            for k, n in res["status"].items()}}
-
-
-def embed_single(p: Any, reqs: np.ndarray, warm_s: float, seconds: float) -> dict:
-    """One synchronous caller of ``Pipeline.embed``."""
-    end_warm = time.time() + warm_s
-    end = end_warm + seconds
-    lat, j = [], 0
-    while time.time() < end:
-        ids = reqs[j % len(reqs)]
-        j += 1
-        t0 = time.perf_counter()
-        p.embed(ids)
-        if time.time() >= end_warm:
-            lat.append(time.perf_counter() - t0)
-    return {"lat": np.asarray(lat), "status": {200: len(lat)}}
-
-
-def embed_point(p: Any, k: int, callers: int, args: argparse.Namespace) -> dict:
-    reqs = draw_requests("b", 256, k, p.num_nodes, np.zeros(1, np.int64), np.random.default_rng(k))
-    if callers == 1:
-        res = embed_single(p, reqs, args.warmup, args.seconds)
-    else:
-        res = asyncio.run(embed_callers(p, reqs, callers, args.warmup, args.seconds))
-    status = Counter(res["status"])
-    ok = status.pop(200, 0)
-    return {"ids_per_request": k, "callers": callers, "ok": ok, "seeds_per_s": ok * k / args.seconds,
-            "errors": {str(s): n for s, n in status.items()}, **latency_ms(res["lat"])}
-
-
-def cpu_efficiency(p: Any, pool: DaemonLoad, args: argparse.Namespace, timeout_s: float) -> dict:
-    """(i) 64 callers x 48 ids, (ii) 2 callers x 4,096 ids, (iii) 1 caller x 1 id; from the load
-    processes (fast-path clients) and through Pipeline.embed / embed_async in this process."""
-    points = [("small", 48, 64), ("large", 4096, 2), ("single", 1, 1)]
-    out: dict[str, dict] = {"load_procs": {}, "pipeline_embed": {}}
-    for name, k, callers in points:
-        parts = pool.run("b", k, callers, args.warmup, args.seconds, timeout_s)
-        out["load_procs"][name] = merge_point(parts, "b" if k > 1 else "c", k, callers, args.seconds, 1)
-        print_daemon_row(out["load_procs"][name])
-    for name, k, callers in points:
-        out["pipeline_embed"][name] = r = embed_point(p, k, callers, args)
-        print(f"embed   {k:4d} ids x {callers:3d} callers: {r['seeds_per_s']:11,.0f} seeds/s  p50 "
-              f"{fmt(r['p50_ms'])} p99 {fmt(r['p99_ms'])} ms  errors {r['errors'] or 0}", flush=True)
-    for path in out.values():
-        path["efficiency"] = path["small"]["seeds_per_s"] / max(path["large"]["seeds_per_s"], 1e-9)
-    return out
-
-
-def print_cpu_efficiency(res: dict) -> None:
-    print("\n| path | 64 callers x 48 ids, seeds/s | 2 callers x 4,096 ids, seeds/s | efficiency "
-          "(target >= 0.6) | single-id p50 / p99 ms (target p50 <= 1.5) |")
-    print("|---|---|---|---|---|")
-    names = {"load_procs": "load processes (connect + submit_async)",
-             "pipeline_embed": "Pipeline.embed_async (64, 2) / Pipeline.embed (1)"}
-    for key, label in names.items():
-        r = res[key]
-        print(f"| {label} | {r['small']['seeds_per_s']:,.0f} | {r['large']['seeds_per_s']:,.0f} | "
-              f"{r['efficiency']:.2f} | {fmt(r['single']['p50_ms'])} / {fmt(r['single']['p99_ms'])} |")
-
-
 # ---- run metadata, output --------------------------------------------------------------------------
 def run_meta(args: argparse.Namespace, cfg: ServeConfig, graph: Any) -> dict:
     cuda = torch.cuda.is_available()
@@ -422,21 +343,6 @@ def run_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Name
             "daemon": daemon, "summary": summary}
 
 
-def run_cpu_efficiency(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.Namespace) -> dict:
-    from quiver_serve.engine.client.pipeline import Pipeline
-
-    p = Pipeline(cfg, graph=graph).start()
-    pool = None
-    try:
-        pool = DaemonLoad(p.endpoints(), args.procs, hot, graph.num_nodes)
-        res = cpu_efficiency(p, pool, args, cfg.server.request_timeout_s)
-    finally:
-        if pool is not None:
-            pool.close()
-        p.stop()
-    return {"cpu_efficiency": res}
-
-
 def main() -> None:
     args = parse_args()
     from quiver_serve.graph.datasets import load_graph
@@ -450,6 +356,8 @@ def main() -> None:
     meta = run_meta(args, cfg, graph)
     print(f"{meta['graph']} (built in {time.perf_counter() - t0:.1f} s); device {meta['device']}, "
           f"{meta['gpus']} GPU(s), {meta['cpus']} CPUs, torch {meta['torch']}", flush=True)
+    from bench.engine.cpu_efficiency import print_cpu_efficiency, run_cpu_efficiency
+
     run = run_cpu_efficiency if args.cpu_efficiency else run_sweep
     result = {"meta": meta, **run(cfg, graph, hot, args)}
     out = result_path("pipeline", args, "cpu-efficiency" if args.cpu_efficiency else None)

@@ -3,11 +3,15 @@
 Requests cost O(1) small Python work here (validation, a future, an append); everything past this
 module is per micro-batch. One IO thread owns the ZeroMQ sockets (sockets are not thread-safe):
 each loop tick it takes every request submitted since the last tick, groups them into micro-batches
-(sampled / exact; a seeded request travels alone so its sample is reproducible, and so does an
-inductive one, whose ``new_nodes`` frames follow the usual ones), sends each to the engine core
-with the least outstanding work, resolves the futures of every reply that arrived, and
-answers expired requests with 504. A sync caller gets a ``concurrent.futures.Future``; an asyncio
-caller an ``asyncio.Future`` resolved on its own loop, one ``call_soon_threadsafe`` per reply.
+(``sending.py``: sampled / exact; a seeded request travels alone so its sample is reproducible,
+and so does an inductive one, whose ``new_nodes`` frames follow the usual ones), sends each to the
+engine core with the least outstanding work, reads every reply that arrived, then resolves their
+futures, and answers expired requests with 504. ``submit`` gives a ``concurrent.futures.Future``;
+``submit_async`` an ``asyncio.Future`` resolved on its own loop, one ``call_soon_threadsafe`` per
+reply; ``call`` blocks the calling thread on a :class:`~.inflight.Waiter` (``Pipeline.embed``).
+Blocked callers answered in one tick are woken in turn (``inflight.wake_in_turn``), and their next
+requests wake the IO thread only once all are back, or a quiet moment says no more are coming
+(``returns.py``), so each round of them leaves as one micro-batch.
 
 When an engine core's connection drops (kill -9, a sticky CUDA error), the micro-batches it held
 are sent again once (embedding is idempotent; ZeroMQ delivers them when the supervisor has
@@ -20,6 +24,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -29,31 +34,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from quiver_serve import errors
-from quiver_serve.engine.client.inflight import Admitted, Flight
+from quiver_serve.engine.client.inflight import Admitted, Flight, Waiter, wake_in_turn
+from quiver_serve.engine.client.returns import ReturnGate
+from quiver_serve.engine.client.sending import MicroBatchSender
 from quiver_serve.messages import EmbedResult, ErrorInfo
 from quiver_serve.metrics.observer import PipelineObserver
-from quiver_serve.wire import (
-    NO_SEED,
-    Decoders,
-    InductiveNodes,
-    MicroBatchDone,
-    MicroBatchHeader,
-    RunAddresses,
-    encode,
-    view,
-)
+from quiver_serve.wire import Decoders, InductiveNodes, MicroBatchDone, RunAddresses
 
 log = logging.getLogger(__name__)
 
 _MAX_SLEEP_S = 0.05
 _RETRIES = 1
-#: how long an engine core's report of other clients' ids counts (about a batch or two)
-_OTHERS_TTL_S = 0.02
+#: a blocking call gives up this long after its deadline (the client answers by the deadline)
+_WAIT_MARGIN_S = 5.0
+#: a chain of waiters woken in turn that has not reached its end by then is woken directly
+_CHAIN_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class EngineEndpoints:
     hold_s: float = 0.0
 
 
-class EngineClient:
+class EngineClient(MicroBatchSender):
     """Submit requests, get futures; see the module docstring. Thread-safe ``submit``."""
 
     def __init__(self, endpoints: EngineEndpoints, observer: PipelineObserver | None = None,
@@ -102,6 +101,13 @@ class EngineClient:
         self._tie = itertools.count()
         self._stopping = threading.Event()
         self._sleeping = False
+        #: when answered blocking callers' next requests wake the IO thread (``returns.py``)
+        self._gate = ReturnGate()
+        #: while the IO thread reads replies: the answers it sets once every reply is read
+        self._deferred: list[tuple[Any, EmbedResult]] | None = None
+        self._chains: deque[tuple[float, list[Waiter]]] = deque()  # (started, waiters)
+        self._callers = threading.local()  # per blocking thread: when it last got its answer
+        self._io_ident = 0
         #: the event loop that drives this client (``LoopClient``); None: the IO thread does
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._socks: list[zmq.Socket] = []
@@ -133,6 +139,32 @@ class EngineClient:
                     inductive, model, version)
         return fut
 
+    def call(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+             deadline_s: float | None = None, request_id: str | None = None,
+             min_version: int = 0, inductive: InductiveNodes | None = None,
+             model: str = "", version: int = 0, wait_s: float | None = None) -> EmbedResult:
+        """``submit`` for a thread that blocks on the answer (``Pipeline.embed``): a
+        :class:`Waiter` instead of a future. A thread that asked again within the gate's quiet
+        time of its last answer is expected to do so again (``returns.py``). The client answers
+        by the deadline; should it not (its IO thread gone), the request is forgotten after
+        ``wait_s`` (default: 5 s past the deadline) and answered 504."""
+        if self._home_loop is not None:
+            raise RuntimeError("a LoopClient's thread must not block on it: use submit_async")
+        caller = self._callers
+        waiter = Waiter(time.monotonic() - getattr(caller, "answered_s", -1e9) < self._gate.quiet_s)
+        req = self._admit(node_ids, exact, seed, deadline_s, request_id, waiter, None,
+                          min_version, inductive, model, version)
+        if wait_s is None:
+            wait_s = req.deadline_s - time.time() + _WAIT_MARGIN_S
+        result = waiter.wait(wait_s)
+        caller.answered_s = time.monotonic()
+        if result is None:
+            self._resolve([(req, EmbedResult(req.request_id, error=errors.deadline().info))])
+            result = waiter.wait(_WAIT_MARGIN_S)  # set now, or by the IO thread meanwhile
+        if result is None:
+            raise errors.deadline()
+        return result
+
     def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                      deadline_s: float | None = None, request_id: str | None = None,
                      min_version: int = 0, inductive: InductiveNodes | None = None,
@@ -147,7 +179,7 @@ class EngineClient:
     def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
                request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None,
                min_version: int = 0, inductive: InductiveNodes | None = None,
-               model: str = "", version: int = 0) -> None:
+               model: str = "", version: int = 0) -> Admitted:
         if self._stopping.is_set():
             raise errors.unavailable("shutting_down", "the server is shutting down")
         ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
@@ -172,10 +204,12 @@ class EngineClient:
         self._by_id[rid] = req
         self._inbox.append(req)
         self._wake()
+        return req
 
     def _wake(self) -> None:
-        """New requests wait in the inbox: wake the IO thread if it sleeps in its poll."""
-        if self._sleeping:
+        """New requests wait in the inbox: wake the IO thread if it sleeps in its poll (and
+        is not waiting for more answered callers to come back: ``returns.py``)."""
+        if self._sleeping and self._gate.wake_now(len(self._inbox)):
             self._sleeping = False
             os.write(self._wake_w, b"x")
 
@@ -224,6 +258,7 @@ class EngineClient:
             self._monitors.append(mon)
 
     def _run(self) -> None:
+        self._io_ident = threading.get_ident()
         self._open_sockets()
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
@@ -242,130 +277,46 @@ class EngineClient:
         last_gauge = 0.0
         while not self._stopping.is_set():
             self._sleeping = True
-            timeout_ms = 0 if self._inbox else self._sleep_ms()
-            events = dict(poller.poll(timeout_ms))
+            events = dict(poller.poll(self._poll_ms()))
             self._sleeping = False
             if events.get(self._wake_r):
                 _drain_pipe(self._wake_r)
-            self._send_new()
-            for e, sock in enumerate(self._socks):
-                if events.get(sock):
-                    self._receive(e, sock)
-                if events.get(self._monitors[e]):
-                    self._on_monitor(e)
+            # requests that wait for answered callers to come back stay in the inbox
+            if self._gate.release(len(self._inbox), time.monotonic()) or not self._inbox:
+                self._send_new()
+            self._deferred = []
+            try:
+                for e, sock in enumerate(self._socks):
+                    if events.get(sock):
+                        self._receive(e, sock)
+                    if events.get(self._monitors[e]):
+                        self._on_monitor(e)
+            finally:
+                self._set_deferred()
             self._sweep(time.time())
             now = time.monotonic()
+            self._check_chains(now)
             if now - last_gauge > 0.5:
                 last_gauge = now
                 self.observer.on_pending(self._pending)
 
-    def _sleep_ms(self) -> int:
-        wait_s = _MAX_SLEEP_S
-        if self._deadlines:
-            wait_s = min(wait_s, self._deadlines[0][0] - time.time())
-        if self._held:
-            wait_s = min(wait_s, self._held[0].arrived_s + self.endpoints.hold_s - time.monotonic())
-        return max(0, int(wait_s * 1000) + 1)
-
-    def _take_inbox(self) -> list[Admitted]:
-        """Requests to send now: every new one (adaptive), or the held ones once due."""
-        while self._inbox:
-            req = self._inbox.popleft()
-            if not req.done:
-                heapq.heappush(self._deadlines, (req.deadline_s, next(self._tie), req))
-                self._held.append(req)
-                self._held_ids += req.rows
-        if not self._held:
-            return []
-        hold_s = self.endpoints.hold_s
-        due = hold_s <= 0 or self._held_ids >= self.endpoints.max_batch_nodes \
-            or time.monotonic() - self._held[0].arrived_s >= hold_s
-        if not due:
-            return []
-        taken, self._held, self._held_ids = self._held, [], 0
-        return taken
-
-    def _send_new(self) -> None:
-        """Requests due to leave, as micro-batches to the engines: each request joins the engine
-        with the least estimated work, counting what this tick already gave it (so callers that
-        return together are spread over every engine core, not sent to one); one micro-batch per
-        engine and kind, split at ``max_batch_nodes``; a seeded or inductive request travels
-        alone."""
-        cap = self.endpoints.max_batch_nodes
-        planned = self._estimated_load()
-        groups: dict[tuple[int, bool, str, int], list[Admitted]] = {}
-        sizes: dict[tuple[int, bool, str, int], int] = {}
-        for req in self._take_inbox():
-            if req.done:
-                continue
-            engine = self._pick(planned)
-            planned[engine] += req.rows
-            if req.alone:
-                self._send([req], req.exact, NO_SEED if req.seed is None else req.seed, engine)
-                continue
-            key = (engine, req.exact, req.model, req.version)
-            group = groups.setdefault(key, [])
-            if group and sizes[key] + req.rows > cap:
-                self._send(group, req.exact, NO_SEED, engine)
-                group = groups[key] = []
-                sizes[key] = 0
-            group.append(req)
-            sizes[key] = sizes.get(key, 0) + req.rows
-        for (engine, exact, _, _), group in groups.items():
-            if group:
-                self._send(group, exact, NO_SEED, engine)
-
-    def _estimated_load(self) -> list[int]:
-        """Per engine core: the ids this client has there plus, for a short while after the
-        engine said so, the ids other clients have there."""
+    def _poll_ms(self) -> int:
+        """0 when requests are due to leave; else until the next deadline of a request not
+        yet answered, a held request's due time, or the gate's next look (``returns.py``)."""
         now_s = time.monotonic()
-        return [mine + (others if now_s - at_s < _OTHERS_TTL_S else 0)
-                for mine, (others, at_s) in zip(self._load, self._others, strict=True)]
-
-    def _pick(self, load: list[int]) -> int:
-        """The engine with the least load; ties go round-robin (never always to engine 0: with
-        callers in lock-step every engine is idle at once, and index order would starve the
-        rest)."""
-        n = len(load)
-        if n == 1:
+        gate_s = self._gate.wait_s(now_s)
+        if self._inbox and (gate_s is None or self._gate.wake_now(len(self._inbox))):
             return 0
-        best, start = -1, self._next_engine
-        for k in range(n):
-            e = (start + k) % n
-            if best < 0 or load[e] < load[best]:
-                best = e
-        self._next_engine = (best + 1) % n
-        return best
-
-    def _send(self, reqs: list[Admitted], exact: bool, seed: int, engine: int) -> None:
-        """One micro-batch: header, ids, lengths, deadlines (and an inductive request's
-        ``InductiveNodes`` frames); its ``min_version`` is the largest its requests asked."""
-        seq = next(self._seq)
-        ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
-        lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
-        deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
-        if len(reqs) == 1:
-            rows, min_version, inductive = reqs[0].rows, reqs[0].min_version, reqs[0].inductive
-        else:  # inductive requests travel alone: a group's rows are its ids
-            rows, min_version, inductive = int(ids.size), max(r.min_version for r in reqs), None
-        self._load[engine] += rows
-        self.sent[engine] += 1
-        head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
-                                inductive.count if inductive is not None else 0,
-                                reqs[0].model, reqs[0].version)
-        frames: list[Any] = [encode(head), ids, lengths, deadlines]
-        if inductive is not None:
-            frames += inductive.frames()
-        self._flights[seq] = Flight(engine, reqs, frames, rows)
-        self._socks[engine].send_multipart(frames, copy=False)
-
-    def _share(self, engine: int) -> int:
-        """Ids this client expects ``engine`` to see from it soon: those it has there now (a
-        caller that gets its answer sends its next request to the least loaded engine, which
-        is then usually the one that answered) plus an even share of those not sent yet. With
-        one engine this is every pending id."""
-        unsent = max(self._pending_ids - sum(self._load), 0)
-        return self._load[engine] + -(-unsent // len(self._load))
+        wait_s = _MAX_SLEEP_S
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].done:  # answered: no deadline to wake for
+            heapq.heappop(deadlines)
+        if deadlines:
+            wait_s = min(wait_s, deadlines[0][0] - time.time())
+        if self._held:
+            wait_s = min(wait_s, self._held[0].arrived_s + self.endpoints.hold_s - now_s)
+        wait_ms = max(0, int(wait_s * 1000) + 1)
+        return wait_ms if gate_s is None else min(wait_ms, math.ceil(gate_s * 1000))
 
     def _receive(self, engine: int, sock: zmq.Socket) -> None:
         while True:
@@ -401,23 +352,7 @@ class EngineClient:
         self.answered[flight.engine] += 1
         self._others[flight.engine] = (max(done.engine_ids - self._load[flight.engine], 0),
                                        time.monotonic())
-        rows = None
-        if done.dim and len(frames) > 1:
-            rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
-        failed = {e.index: e for e in done.errors}
-        out, start = [], 0
-        for i, req in enumerate(flight.requests):
-            end = start + req.rows
-            err = failed.get(i)
-            if err is not None or rows is None:
-                info = ErrorInfo(err.code, err.message, err.status) if err else ErrorInfo(
-                    "internal", "engine reply carried no rows", 500)
-                out.append((req, EmbedResult(req.request_id, error=info)))
-            else:
-                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end],
-                                             model=done.model, version=done.version)))
-            start = end
-        self._resolve(out)
+        self._resolve(flight.answers(done, frames))
 
     def _on_monitor(self, engine: int) -> None:
         while True:
@@ -463,7 +398,9 @@ class EngineClient:
             self._resolve([(r, EmbedResult(r.request_id, error=err)) for r in expired])
 
     def _resolve(self, results: list[tuple[Admitted, EmbedResult]]) -> None:
-        """Hand results to their futures: sync ones here, asyncio ones on their loop (batched)."""
+        """Hand results to their futures: sync ones here (the IO thread, while it reads
+        replies, sets them once every reply is read: one wave of woken callers, none of them
+        taking the GIL from the reading), asyncio ones on their loop (batched)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, EmbedResult]]] = {}
         mine = []
         with self._lock:  # cancel() resolves from other threads
@@ -473,10 +410,13 @@ class EngineClient:
                     mine.append((req, result))
                     self._pending_ids -= req.rows
             self._pending -= len(mine)
+        deferred = self._deferred if threading.get_ident() == self._io_ident else None
         for req, result in mine:
             self._by_id.pop(req.request_id, None)
             if req.loop is None:
-                if not req.future.done():
+                if deferred is not None:
+                    deferred.append((req.future, result))
+                elif not req.future.done():
                     req.future.set_result(result)
             else:
                 by_loop.setdefault(req.loop, []).append((req.future, result))
@@ -489,6 +429,30 @@ class EngineClient:
             except RuntimeError:  # that loop is closed: nobody waits
                 pass
 
+    def _set_deferred(self) -> None:
+        """The IO thread has read every reply: wake their callers (blocked ones in turn)."""
+        deferred, self._deferred = self._deferred, None
+        waiters, results = [], []
+        for fut, result in deferred or ():
+            if type(fut) is Waiter:
+                waiters.append(fut)
+                results.append(result)
+            elif not fut.done():
+                fut.set_result(result)
+        if waiters:
+            now_s = time.monotonic()
+            # before any of them can submit again
+            self._gate.answered(sum(w.returns for w in waiters), now_s)
+            self._chains.append((now_s, waiters))
+            wake_in_turn(waiters, results)
+
+    def _check_chains(self, now_s: float) -> None:
+        """Wake directly the waiters of a chain started ``_CHAIN_CHECK_S`` ago that are still
+        asleep (a caller that left its wait on an exception wakes nobody)."""
+        while self._chains and now_s - self._chains[0][0] > _CHAIN_CHECK_S:
+            for waiter in self._chains.popleft()[1]:
+                if not waiter.woken:
+                    waiter.wake()
 
     def _on_home_thread(self) -> bool:
         return False

@@ -239,10 +239,15 @@ class Pipeline(ClientFacade):
               new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
         """Embeddings [len(node_ids) + len(new_nodes), dim] (one row per requested position,
         then one per new node) from ``model`` ("": the default) at ``version`` (0: by the
-        model's traffic split); raises ServeError."""
-        request = self.new_request(node_ids, exact, seed, timeout_s, model, version)
-        future = self.submit(request, min_version, new_nodes)
-        return _unwrap(future.result(timeout=self.cfg.server.request_timeout_s + 5.0))
+        model's traffic split); raises ServeError. The calling thread blocks on its answer
+        (``EngineClient.call``: no future, no request object)."""
+        client = self._client_or_refuse()
+        ids = node_ids.detach().cpu().numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
+        inductive = self.validate(ids, seed, new_nodes, min_version)
+        limit = self.cfg.server.request_timeout_s
+        deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
+        return _unwrap(client.call(ids, exact, seed, deadline_s, f"p-{next(self._ids)}",
+                                   min_version, inductive, model, version))
 
     async def embed_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                           timeout_s: float | None = None, min_version: int = 0,

@@ -107,13 +107,33 @@ def test_expired_deadline_is_answered_504_and_not_computed(pipeline: Pipeline) -
 
 
 def test_stop_leaves_no_worker_processes(cora: GraphData) -> None:
+    """... and answers what is pending 503: no thread blocked in ``embed`` hangs."""
+    import threading
+
     p = Pipeline(small_config(model__weights=None), graph=cora).start()
     assert p.supervisor is not None
     children = p.supervisor.children
     assert {c.role for c in children} == {"engine", "sampler"}
     assert all(c.alive() for c in children)
+    statuses: list[int] = []
+
+    def blocked() -> None:  # waits for a graph version that never comes
+        try:
+            p.embed([3], min_version=2**62, timeout_s=30.0)
+        except ServeError as exc:
+            statuses.append(exc.info.status)
+
+    threads = [threading.Thread(target=blocked, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10.0
+    while p.pending_count < len(threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
     t0 = time.monotonic()
-    p.stop()
+    p.stop(drain_timeout_s=0.2)
+    for t in threads:
+        t.join(timeout=5.0)
+    assert statuses == [503] * len(threads)
     assert time.monotonic() - t0 < 10
     assert not any(c.alive() for c in children)
     with pytest.raises(ServeError) as e:
@@ -254,3 +274,158 @@ def test_transport_trip_is_reported(pipeline: Pipeline) -> None:
     for sent, taken, replied, back in trips:
         assert sent <= taken + 1e-3 and taken <= replied <= back + 1e-3  # one clock, in order
         assert back - sent < 5.0
+
+
+# ---- threads blocked in Pipeline.embed (EngineClient.call; test_sync_callers.py: its parts) ----
+def _in_threads(n: int, target: object) -> list[object]:
+    """Run ``target(i)`` in ``n`` threads at once; what each returned or raised, by index."""
+    import threading
+
+    out: list[object] = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            out[i] = target(i)  # type: ignore[operator]
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a caller thread hangs"
+    return out
+
+
+def test_64_threads_each_get_their_own_rows(pipeline: Pipeline, cora: GraphData) -> None:
+    """64 threads in closed loops, exact and sampled requests mixed in each round (so waves
+    of answers and of next requests hold both kinds): every exact answer equals PyG's
+    full-graph rows for that thread's own ids, every sampled one has its own shape."""
+    model = build_model(pipeline.cfg.model, cora.num_features)
+    with torch.no_grad():
+        full = model(cora.x, cora.edge_index())
+    n = cora.num_nodes
+
+    def caller(t: int) -> int:
+        for r in range(6):
+            ids = [(t * 41 + r * 7 + j * 13) % n for j in range(1 + (t + r) % 48)]
+            if (t + r) % 2:
+                torch.testing.assert_close(pipeline.embed(ids, exact=True), full[ids],
+                                           atol=1e-4, rtol=1e-4)
+            else:
+                assert pipeline.embed(ids).shape == (len(ids), 64)
+        return t
+
+    assert _in_threads(64, caller) == list(range(64))
+
+
+def test_blocked_callers_answered_together_send_their_next_requests_together(
+        pipeline: Pipeline) -> None:
+    """The batching property of the thread client, not its timing: 32 threads in closed loops
+    (each asks again as soon as it has its answer) send their requests in waves, about 32 to a
+    micro-batch, where each would otherwise leave alone or with a few others as it comes back.
+    Counted over a window in the middle of the run. The gate waits here as long as the callers
+    take (its quiet time raised to 0.1 s, the longest hold to 1 s), so a slow box cannot split
+    a wave."""
+    import itertools
+    import threading
+
+    client = pipeline.client
+    assert client is not None
+    gate = client._gate
+    saved = (gate.quiet_s, gate.max_hold_s)
+    gate.quiet_s, gate.max_hold_s, gate.hit_rate = 0.1, 1.0, 1.0
+    stop, answered = threading.Event(), itertools.count()
+
+    def caller(t: int) -> None:
+        while not stop.is_set():
+            pipeline.embed([t, t + 100, t + 200])
+            next(answered)
+
+    def window() -> tuple[int, int]:
+        return sum(client.sent), next(answered)
+
+    try:
+        callers = threading.Thread(target=_in_threads, args=(32, caller), daemon=True)
+        callers.start()
+        time.sleep(0.5)
+        (sent0, done0) = window()
+        time.sleep(0.5)
+        (sent1, done1) = window()
+    finally:
+        stop.set()
+        callers.join(timeout=30)
+        gate.quiet_s, gate.max_hold_s = saved
+    assert not callers.is_alive()
+    per_micro_batch = (done1 - done0) / max(sent1 - sent0, 1)
+    assert per_micro_batch >= 16 / client.endpoints.num_engines, (sent1 - sent0, done1 - done0)
+
+
+def test_threads_with_think_time_are_not_waited_for(pipeline: Pipeline) -> None:
+    """A thread that pauses (here 5 ms) before it asks again is not expected back at once:
+    answering it opens no hold, so its requests never wait for the others'."""
+    client = pipeline.client
+    assert client is not None
+    holds0 = client._gate.holds
+
+    def caller(t: int) -> None:
+        for _ in range(5):
+            pipeline.embed([t])
+            time.sleep(0.005)
+
+    assert _in_threads(8, caller) == [None] * 8
+    assert client._gate.holds == holds0
+
+
+def test_answered_requests_leave_no_deadline_to_wake_for(pipeline: Pipeline) -> None:
+    """The IO thread sleeps until the next deadline of a request still unanswered: answered
+    ones leave its deadline heap (else it would wake for each of them for
+    ``request_timeout_s`` after the load)."""
+    client = pipeline.client
+    assert client is not None
+    def caller(t: int) -> int:
+        for i in range(20):
+            pipeline.embed([t, i])
+        return t
+
+    assert _in_threads(8, caller) == list(range(8))
+    deadline = time.monotonic() + 5.0
+    while client._deadlines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not client._deadlines and client.pending_count == 0
+
+
+def test_blocked_callers_get_504_at_their_deadline_and_499_when_cancelled(
+        pipeline: Pipeline) -> None:
+    client = pipeline.client
+    assert client is not None
+
+    def late(t: int) -> int:
+        with pytest.raises(ServeError) as err:
+            pipeline.embed([t, t + 1], timeout_s=1e-6)
+        return err.value.info.status
+
+    assert _in_threads(16, late) == [504] * 16
+    # a read that waits for a graph version that never comes, cancelled from another thread
+    parked = 2**62
+
+    def wait_for_version(_: int) -> object:
+        with pytest.raises(ServeError) as err:
+            pipeline.embed([5], min_version=parked, timeout_s=5.0)
+        return err.value.info.status
+
+    import threading
+
+    statuses: list[object] = []
+    thread = threading.Thread(target=lambda: statuses.append(wait_for_version(0)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5.0
+    rid = None
+    while rid is None and time.monotonic() < deadline:
+        rid = next((r for r, req in list(client._by_id.items()) if req.min_version == parked), None)
+        time.sleep(0.01)
+    assert rid is not None and pipeline.cancel(rid)
+    thread.join(timeout=5.0)
+    assert statuses == [499]
+    assert pipeline.embed([1, 2]).shape == (2, 64)  # the client serves on
