@@ -112,6 +112,9 @@ class EmbedResult(_InlineSmallTensors):
     #: the model and version that computed ``embeddings``
     model: str = ""
     version: int = 0
+    #: the rows as a read-only NumPy view of the engine's reply, instead of ``embeddings``, for
+    #: callers that asked for them (``EngineClient.submit_async(numpy_rows=True)``: front-ends)
+    rows: np.ndarray | None = None
 
     @property
     def ok(self) -> bool:

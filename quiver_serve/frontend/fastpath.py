@@ -164,8 +164,8 @@ def answer_of(result: EmbedResult, sub: Submitted) -> Answer:
     """The rows of a finished request, or its refusal as a ServeError."""
     if result.error is not None:
         raise errors.ServeError.from_info(result.error)
-    assert result.embeddings is not None
-    return Answer(result.embeddings.numpy(), result.model or sub.model or sub.default_model,
+    rows = result.rows if result.rows is not None else result.embeddings.numpy()  # type: ignore[union-attr]
+    return Answer(rows, result.model or sub.model or sub.default_model,
                   result.version or sub.version or 1)
 
 

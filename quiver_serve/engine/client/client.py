@@ -168,18 +168,21 @@ class EngineClient(MicroBatchSender):
     def submit_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                      deadline_s: float | None = None, request_id: str | None = None,
                      min_version: int = 0, inductive: InductiveNodes | None = None,
-                     model: str = "", version: int = 0) -> asyncio.Future[EmbedResult]:
-        """The same from a coroutine: the returned future resolves on the running loop."""
+                     model: str = "", version: int = 0,
+                     numpy_rows: bool = False) -> asyncio.Future[EmbedResult]:
+        """The same from a coroutine: the returned future resolves on the running loop.
+        ``numpy_rows``: the answer's rows as ``EmbedResult.rows``, a read-only NumPy view of
+        the engine's reply (no copy, no tensor; what a front-end writes out)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[EmbedResult] = loop.create_future()
         self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop, min_version,
-                    inductive, model, version)
+                    inductive, model, version, numpy_rows)
         return fut
 
     def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
                request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None,
                min_version: int = 0, inductive: InductiveNodes | None = None,
-               model: str = "", version: int = 0) -> Admitted:
+               model: str = "", version: int = 0, numpy_rows: bool = False) -> Admitted:
         if self._stopping.is_set():
             raise errors.unavailable("shutting_down", "the server is shutting down")
         ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
@@ -198,7 +201,7 @@ class EngineClient(MicroBatchSender):
             raise errors.ServeError("duplicate_request_id",
                                     f"request_id {rid!r} is already in flight", 409)
         req = Admitted(rid, ids, exact, seed, deadline_s, fut, loop, min_version, inductive,
-                       model, version)
+                       model, version, numpy_rows)
         with self._lock:
             self._pending_ids += req.rows
         self._by_id[rid] = req

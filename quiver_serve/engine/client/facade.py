@@ -113,7 +113,8 @@ class ClientFacade:
                          version: int = 0) -> tuple[str, Any]:
         """The hot path of a front-end: ids (and inductive nodes) already checked (int64, in
         range, not too many). Returns the request id (to cancel it) and an asyncio future of
-        its EmbedResult (which names the model and version that computed it)."""
+        its EmbedResult (which names the model and version that computed it; its rows are
+        ``EmbedResult.rows``, a NumPy view of the reply)."""
         if not self.ready:
             raise self.refusal()
         client = self.async_client()
@@ -122,7 +123,7 @@ class ClientFacade:
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         rid = f"{self._rid_prefix}{next(self._rids)}"
         return rid, client.submit_async(ids, exact, seed, deadline_s, rid, min_version, inductive,
-                                        model, version)
+                                        model, version, numpy_rows=True)
 
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
         """Forget a request nobody waits for; not computed if it has not been sent yet."""

@@ -82,13 +82,16 @@ class Admitted:
     (its ids, then its inductive nodes)."""
 
     __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
-                 "arrived_s", "min_version", "inductive", "rows", "model", "version")
+                 "arrived_s", "min_version", "inductive", "rows", "model", "version",
+                 "numpy_rows")
 
     def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
                  deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None,
                  min_version: int = 0, inductive: InductiveNodes | None = None,
-                 model: str = "", version: int = 0) -> None:
+                 model: str = "", version: int = 0, numpy_rows: bool = False) -> None:
         self.request_id, self.ids, self.exact, self.seed = request_id, ids, exact, seed
+        #: answered with ``EmbedResult.rows`` (a NumPy view of the reply), not a tensor
+        self.numpy_rows = numpy_rows
         self.model, self.version = model, version
         self.deadline_s, self.future, self.loop = deadline_s, future, loop
         self.min_version, self.inductive = min_version, inductive
@@ -115,22 +118,29 @@ class Flight:
     sent_wall_s: float = field(default_factory=time.time)  # the same, comparable across processes
 
     def answers(self, done: MicroBatchDone, frames: list[Any]) -> list[tuple[Admitted, EmbedResult]]:
-        """Each request's answer from the engine core's reply: its rows (a view of one tensor
-        per micro-batch), or the error the reply names for it."""
-        rows = None
+        """Each request's answer from the engine core's reply, or the error the reply names
+        for it. Rows are views: of the reply's own buffer (read-only, no copy) for requests
+        that asked for NumPy rows (``Admitted.numpy_rows``: the front-ends), else of one
+        tensor copied from it per micro-batch."""
+        arr = tensor = None
         if done.dim and len(frames) > 1:
-            rows = torch.from_numpy(view(frames[1], np.float32).reshape(-1, done.dim).copy())
+            arr = view(frames[1], np.float32).reshape(-1, done.dim)
         failed = {e.index: e for e in done.errors}
         out, start = [], 0
         for i, req in enumerate(self.requests):
             end = start + req.rows
             err = failed.get(i)
-            if err is not None or rows is None:
+            if err is not None or arr is None:
                 info = ErrorInfo(err.code, err.message, err.status) if err else ErrorInfo(
                     "internal", "engine reply carried no rows", 500)
                 out.append((req, EmbedResult(req.request_id, error=info)))
+            elif req.numpy_rows:
+                out.append((req, EmbedResult(req.request_id, rows=arr[start:end],
+                                             model=done.model, version=done.version)))
             else:
-                out.append((req, EmbedResult(req.request_id, embeddings=rows[start:end],
+                if tensor is None:
+                    tensor = torch.from_numpy(arr.copy())
+                out.append((req, EmbedResult(req.request_id, embeddings=tensor[start:end],
                                              model=done.model, version=done.version)))
             start = end
         return out

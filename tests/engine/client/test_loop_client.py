@@ -44,3 +44,36 @@ def test_answered_requests_leave_no_deadline_and_no_timer_wakeups(pipeline: Pipe
     # at most the one timer armed while requests were pending (the earliest deadline, about
     # server.request_timeout_s away), never one chasing the deadlines of answered requests
     assert timer_in_s is None or timer_in_s > 1.0
+
+
+def test_front_end_requests_get_numpy_views_of_the_reply_and_others_tensors() -> None:
+    """A front-end's requests (``numpy_rows``) are answered with read-only views of the reply
+    buffer (no copy); the queue API's with tensors of one copy per micro-batch; both the same
+    rows, and a failed request its error."""
+    import numpy as np
+    import torch
+
+    from quiver_serve.engine.client.inflight import Admitted, Flight
+    from quiver_serve.wire import MicroBatchDone, RequestError
+
+    rows = np.arange(5 * 4, dtype=np.float32).reshape(5, 4)
+    reply = rows.tobytes()
+
+    def admitted(rid: str, n: int, numpy_rows: bool) -> Admitted:
+        return Admitted(rid, np.arange(n, dtype=np.int64), False, None, time.time() + 9, None,
+                        None, numpy_rows=numpy_rows)
+
+    reqs = [admitted("a", 2, True), admitted("b", 1, False), admitted("c", 2, True)]
+    done = MicroBatchDone(1, 4, [RequestError(1, "bad", "no", 400)], model="m", version=2)
+    out = Flight(0, reqs, [], 5).answers(done, [b"", reply])
+    a, b, c = (result for _, result in out)
+    assert a.embeddings is None and isinstance(a.rows, np.ndarray)
+    np.testing.assert_array_equal(a.rows, rows[0:2])
+    np.testing.assert_array_equal(c.rows, rows[3:5])
+    assert not a.rows.flags.writeable and np.shares_memory(a.rows, np.frombuffer(reply, np.float32))
+    assert (a.model, a.version) == ("m", 2)
+    assert b.error is not None and b.error.status == 400 and b.rows is None
+    tensor_req = admitted("d", 5, False)
+    (_, d), = Flight(0, [tensor_req], [], 5).answers(MicroBatchDone(2, 4), [b"", reply])
+    assert isinstance(d.embeddings, torch.Tensor) and d.rows is None
+    np.testing.assert_array_equal(d.embeddings.numpy(), rows)
