@@ -103,6 +103,8 @@ class HotHttpProtocol(HttpToolsProtocol):
     ``state`` (the app's ``ServerState``) is set on the subclass ``hot_protocol`` makes."""
 
     state: Any
+    #: this connection's hot request not yet answered (None: none)
+    hot: HotCycle | None = None
     expected_auth: bytes | None = None
     max_body_bytes = 0
     #: hot requests this protocol class answered (tests check the ASGI app was not entered)
@@ -129,7 +131,7 @@ class HotHttpProtocol(HttpToolsProtocol):
         if cycle is None:
             self._to_app()
             return
-        self.cycle = cycle  # type: ignore[assignment]
+        self.cycle = self.hot = cycle  # type: ignore[assignment]
         refused = self._guard(cycle)
         if refused is not None:
             status, headers, body = refused
@@ -160,8 +162,8 @@ class HotHttpProtocol(HttpToolsProtocol):
             self._dispatch(cycle)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
-        if isinstance(cycle, HotCycle) and not cycle.response_complete and not cycle.disconnected:
+        cycle = self.hot  # the current cycle, or one a pipelined request queued behind
+        if cycle is not None and not cycle.response_complete and not cycle.disconnected:
             cycle.disconnected = True
             if cycle.sub is not None:  # nobody listens: do not compute it
                 self.state.pipeline.cancel(cycle.sub.request_id)
@@ -285,7 +287,9 @@ class HotHttpProtocol(HttpToolsProtocol):
         """The whole response in one ``writelines``; then the cycle is complete, the metric
         observed, and uvicorn's keep-alive (or the next pipelined request) takes over."""
         cycle.response_complete = True
-        if cycle.disconnected:
+        if self.hot is cycle:
+            self.hot = None
+        if cycle.disconnected or self.transport.is_closing():
             return
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:

@@ -182,12 +182,13 @@ CASES = {
     "chunked body": embed([4, 5], chunked=True),
     "HTTP/1.0": embed([6], version="1.0"),
     "pipelined": embed([1]) + binary_infer([2]) + embed([3], "accept: application/x-npy"),
+    "pipelined, then a route of the app": embed([4]) + request("/v2", b"", method="GET"),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_protocol_answers_as_the_asgi_app_byte_for_byte(app: Any, name: str) -> None:
-    answers = 3 if name == "pipelined" else 1
+    answers = 3 if name == "pipelined" else 2 if name.startswith("pipelined") else 1
     before = HotHttpProtocol.answered
     hot, plain = both(app, CASES[name], answers)
     assert hot.count(b"HTTP/1.1 ") == answers, hot[:300]
@@ -228,11 +229,27 @@ def test_a_client_gone_before_its_answer_cancels_the_request(app: Any) -> None:
                    "content-type: application/json")
 
     async def run() -> tuple[bytes, int]:
-        data, _ = await exchange(HotHttpProtocol, app, slow, 1, close_after_s=0.0)
+        _, transport = await exchange(HotHttpProtocol, app, slow, 1, close_after_s=0.0)
         await asyncio.sleep(0.5)
-        return data, pipeline.pending_count
+        return bytes(transport.data), pipeline.pending_count
 
     data, pending = asyncio.run(run())
     assert data == b""  # nothing written to a closed connection
     assert pending == 0  # cancelled, not left in flight
     assert ("/v1/embed", 499) in app.state.qs._durations  # counted as the ASGI path counts it
+
+
+def test_a_client_gone_with_a_request_pipelined_behind_cancels_the_first(app: Any) -> None:
+    pipeline = app.state.qs.pipeline
+    slow = request("/v1/embed", orjson.dumps({"node_ids": list(range(200)), "exact": True}),
+                   "content-type: application/json")
+
+    async def run() -> tuple[bytes, int]:
+        wire = slow + request("/v2", b"", method="GET")
+        _, transport = await exchange(HotHttpProtocol, app, wire, 2, close_after_s=0.0)
+        await asyncio.sleep(0.5)
+        return bytes(transport.data), pipeline.pending_count
+
+    data, pending = asyncio.run(run())
+    assert data == b"", "an answer was written after the client went away"
+    assert pending == 0
