@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
 
 
+def doc_parser(prog: str | None, doc: str | None) -> argparse.ArgumentParser:
+    """A bench's parser from its module docstring: the first paragraph as the description, the
+    rest (usage, output) as the epilog, kept as written."""
+    text = doc or ""
+    head, _, rest = text.partition("\n\n")
+    return argparse.ArgumentParser(prog=prog, description=head, epilog=rest,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_set_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config field (YAML value), repeatable; e.g. "

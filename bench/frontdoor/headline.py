@@ -46,6 +46,7 @@ from bench.cli import (
     add_result_options,
     add_set_option,
     afford,
+    doc_parser,
     load_config,
     result_name,
     results_dir,
@@ -308,9 +309,7 @@ def write_plots(run: Run, stem: Path, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    doc = __doc__ or ""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser(None, __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
                     help="Cora (configs/default.yaml), short points, CPU routes: a check, not a figure")

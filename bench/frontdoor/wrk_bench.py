@@ -46,7 +46,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.cli import add_result_options, add_set_option, afford, load_config, result_path
+from bench.cli import (
+    add_result_options,
+    add_set_option,
+    afford,
+    doc_parser,
+    load_config,
+    result_path,
+)
 from bench.frontdoor import load_clients as lc
 from bench.frontdoor import wrk_report
 from bench.frontdoor.proc_cpu import TreeCpu, role_class
@@ -317,10 +324,7 @@ def queue_phase(run: Run, cfg: Any, graph: Any, work: Workloads) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    doc = __doc__ or ""
-    ap = argparse.ArgumentParser(prog="python -m bench.frontdoor.wrk_bench",
-                                 description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser("python -m bench.frontdoor.wrk_bench", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true", help="Cora (configs/default.yaml), short "
                     "points, workload a only: a check, not a figure")

@@ -50,6 +50,7 @@ from bench.cli import (
     add_result_options,
     add_set_option,
     afford,
+    doc_parser,
     git_head,
     load_config,
     result_path,
@@ -68,10 +69,7 @@ MODES = {"table": "on", "on_the_fly": "off"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    doc = __doc__ or ""
-    ap = argparse.ArgumentParser(prog="python -m bench.graph.exact_table",
-                                 description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser("python -m bench.graph.exact_table", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
                     help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")

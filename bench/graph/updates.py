@@ -43,6 +43,7 @@ from bench.cli import (
     add_result_options,
     add_set_option,
     afford,
+    doc_parser,
     git_head,
     load_config,
     result_path,
@@ -58,10 +59,7 @@ COMPACTION_LEAD_S = 0.5  # into the window before the compaction is asked for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    doc = __doc__ or ""
-    ap = argparse.ArgumentParser(prog="python -m bench.graph.updates",
-                                 description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser("python -m bench.graph.updates", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
                     help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")

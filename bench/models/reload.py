@@ -48,6 +48,7 @@ from bench.cli import (
     add_result_options,
     add_set_option,
     afford,
+    doc_parser,
     git_head,
     load_config,
     machine_name,
@@ -77,10 +78,7 @@ SERVER_GRACE_S = 8.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    doc = __doc__ or ""
-    ap = argparse.ArgumentParser(prog="python -m bench.models.reload",
-                                 description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser("python -m bench.models.reload", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
                     help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")
