@@ -9,7 +9,8 @@ Same results as PyG's own layers (fp32: to float rounding), less work:
   ``l``'s edges in frontier order, frontiers in ``n_id`` order), so the in-edges of the targets of
   every layer are a prefix of one CSR built once per batch, without a sort;
 * aggregation as a sparse-dense product over that CSR (cuSPARSE SpMM on the GPU): no ``E x F``
-  message tensor is materialised;
+  message tensor is materialised; sampled fp32 GraphSAGE layers on a GPU aggregate with one
+  kernel instead (``csr_kernel.py``: a batch's forward is bound by its host launch cost);
 * transform-then-aggregate where the algebra allows it (mean/sum aggregation and GCN are linear):
   projecting to the output width before aggregating moves ``out/in`` of the bytes; a node with no
   sampled neighbour still gets ``0`` from the aggregation and the bias is added after it, as in
@@ -27,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quiver_serve.models import csr_kernel
 from quiver_serve.models.exact_gcn import ExactGcnNorm, improved_applies_without_weights
 
 log = logging.getLogger(__name__)
@@ -83,20 +85,29 @@ class BatchGraph:
     """
 
     def __init__(self, edge_index: Tensor, num_nodes: list[int], num_edges: list[int],
-                 use_sparse: bool) -> None:
+                 use_sparse: bool, fused: Callable[..., Tensor] | None = None) -> None:
         self.num_nodes = num_nodes
         self.num_edges = num_edges
         self.num_layers = len(num_edges)
         self.use_sparse = use_sparse
+        #: the sampled layers' aggregation kernel (``csr_kernel.py``); None: ``aggregate``
+        self.fused = fused
         num_dst = sum(num_nodes[:-1])
-        dev = edge_index.device
         idx = torch.int32 if use_sparse else torch.int64  # cuSPARSE is fastest with 32-bit ids
         self.col = edge_index[0].to(idx)
         self.dst = edge_index[1]
-        self.in_count = torch.zeros(num_dst, dtype=torch.int64, device=dev).index_add_(
-            0, self.dst, torch.ones_like(self.dst))
-        self.rowptr = torch.cat([self.in_count.new_zeros(1), self.in_count.cumsum(0)]).to(idx)
+        # targets are non-decreasing: row v's edges start where the first target >= v is
+        bounds = torch.arange(num_dst + 1, dtype=self.dst.dtype, device=self.dst.device)
+        self.rowptr = torch.searchsorted(self.dst, bounds).to(idx)
+        self._in_count: Tensor | None = None
         self._loop: Tensor | None = None
+
+    @property
+    def in_count(self) -> Tensor:
+        """int64 [num_dst]: in-edges of each target."""
+        if self._in_count is None:
+            self._in_count = (self.rowptr[1:] - self.rowptr[:-1]).to(torch.int64)
+        return self._in_count
 
     @property
     def is_loop(self) -> Tensor:
@@ -176,22 +187,30 @@ class SageLayer:
         return None
 
     def __call__(self, x: Tensor, g: LayerGraph) -> Tensor:
+        if self._transform_first(x, g):
+            out = self._aggregate(g, x @ self.w_l)
+            if self.w_r is not None:
+                out = torch.addmm(out, x[:g.num_dst], self.w_r)
+        elif self.w_r is not None:  # one GEMM: [agg | x_dst] @ [W_l ; W_r]
+            agg = self._aggregate(g, x)
+            out = torch.cat([agg, x[:g.num_dst]], dim=1) @ self._w_lr()
+        else:
+            out = self._aggregate(g, x) @ self.w_l
+        if self.b is not None:
+            out = out + self.b
+        return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+
+    def _aggregate(self, g: LayerGraph, dense: Tensor) -> Tensor:
+        """Sum or mean of the in-neighbours' rows: one kernel for fp32 sampled layers on a GPU
+        (``g.batch.fused``), else per-edge weights through ``aggregate``."""
+        fused = g.batch.fused
+        if fused is not None and dense.dtype == torch.float32:
+            return fused(g.rowptr, g.col, dense, g.num_dst, self.mean)
         values = None
         if self.mean:
             inv = 1.0 / g.batch.in_count[:g.num_dst].clamp(min=1).to(torch.float32)
             values = inv.index_select(0, g.dst)
-        if self._transform_first(x, g):
-            out = aggregate(g, values, x @ self.w_l)
-            if self.w_r is not None:
-                out = torch.addmm(out, x[:g.num_dst], self.w_r)
-        elif self.w_r is not None:  # one GEMM: [agg | x_dst] @ [W_l ; W_r]
-            agg = aggregate(g, values, x)
-            out = torch.cat([agg, x[:g.num_dst]], dim=1) @ self._w_lr()
-        else:
-            out = aggregate(g, values, x) @ self.w_l
-        if self.b is not None:
-            out = out + self.b
-        return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+        return aggregate(g, values, dense)
 
     def _transform_first(self, x: Tensor, g: LayerGraph) -> bool:
         """Project then aggregate, or aggregate then project: whichever the device's rates say
@@ -334,6 +353,8 @@ class FastGNN:
         self.dtype, self.tf32 = PRECISIONS[precision]
         self.precision = precision
         self.sparse = sparse  # per dtype: does CSR x dense run here (else index_add)
+        #: sampled fp32 layers on a GPU aggregate with ``csr_kernel`` (benches turn it off)
+        self.fused_aggregation = True
 
     @classmethod
     def from_pyg(cls, model: nn.Module, precision: str = "fp32",
@@ -354,11 +375,15 @@ class FastGNN:
         sparse = {d: sparse_mm_works(dev, d) for d in dtypes}
         return cls(layers, model.act, precision, sparse).to(dev)
 
-    def to(self, device: torch.device) -> FastGNN:
+    def to(self, device: torch.device | str) -> FastGNN:
+        device = torch.device(device)
         for layer in {id(x): x for x in [*self.layers, *self.exact_layers]}.values():
             for name, value in vars(layer).items():
                 if isinstance(value, Tensor):
                     setattr(layer, name, value.to(device))
+        if device.type == "cuda" and self.fused_aggregation:  # compiled now, not in a capture
+            index = device.index
+            csr_kernel.kernel_for(torch.cuda.current_device() if index is None else index)
         return self  # a GCN layer's ExactGcnNorm is shared with ServedModel, which moves it
 
     def fits(self, num_nodes: list[int]) -> bool:
@@ -370,7 +395,10 @@ class FastGNN:
         """Rows of the batch's hop-0 nodes (the seeds), float32."""
         layers = self.exact_layers if exact else self.layers
         dtype = torch.float32 if exact else self.dtype
-        graph = BatchGraph(edge_index, num_nodes, num_edges, self.sparse[dtype])
+        fused = None
+        if self.fused_aggregation and x.is_cuda and dtype == torch.float32 and not exact:
+            fused = csr_kernel.kernel_for(x.device.index)  # sampled: in-degrees <= the fanout
+        graph = BatchGraph(edge_index, num_nodes, num_edges, self.sparse[dtype], fused)
         x = x.to(dtype)
         with tf32_matmul(self.tf32 and not exact):
             for i, layer in enumerate(layers):

@@ -177,3 +177,78 @@ def test_gat_with_several_heads_on_gpu(exact: bool) -> None:
     seed_rows = out.seed_index.to(dev)
     torch.testing.assert_close(served(*args)[seed_rows], served.pyg(*args)[seed_rows],
                                atol=1e-5, rtol=1e-5)
+
+
+def _sorted_edges(num_dst: int, num_src: int, degrees: list[int], seed: int) -> torch.Tensor:
+    """Edges grouped by target in order (as every sampler emits them), with the given
+    in-degree per target (zeros included), sources drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    dst = torch.repeat_interleave(torch.arange(num_dst), torch.tensor(degrees))
+    src = torch.randint(0, num_src, (dst.numel(),), generator=gen)
+    return torch.stack([src, dst])
+
+
+def test_batch_csr_row_pointers_count_each_targets_in_edges() -> None:
+    """Targets without in-edges (first, inner and last) keep empty rows."""
+    from quiver_serve.models.fast import BatchGraph
+
+    degrees = [0, 3, 0, 0, 2, 1, 0]
+    edge_index = _sorted_edges(len(degrees), 20, degrees, seed=0)
+    for sparse in (True, False):
+        g = BatchGraph(edge_index, [3, 4, 13], [6, 0], use_sparse=sparse)
+        expected = torch.tensor([0, 0, 3, 3, 3, 5, 6, 6])
+        assert torch.equal(g.rowptr.to(torch.int64), expected)
+        assert g.in_count.tolist() == degrees
+        assert g.layer(1).rowptr.tolist() == [0, 0, 3, 3]  # the last layer's 3 targets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("mean", [True, False])
+def test_csr_aggregation_kernel_equals_its_torch_twin(index_dtype: torch.dtype,
+                                                      mean: bool) -> None:
+    """Rows with no, one and many in-edges, widths that are and are not multiples of a warp."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from quiver_serve.models.csr_kernel import kernel_for
+    from quiver_serve.models.fast import BatchGraph, aggregate
+
+    kernel = kernel_for(0)
+    assert kernel is not None, "CuPy must build the kernel on a CUDA machine"
+    dev = torch.device("cuda")
+    degrees = [0, 1, 25, 0, 7, 3, 0, 40, 2, 0]
+    for width in (1, 31, 64, 602):
+        edge_index = _sorted_edges(len(degrees), 300, degrees, seed=width).to(dev)
+        g = BatchGraph(edge_index, [len(degrees), 290], [sum(degrees)],
+                       use_sparse=index_dtype == torch.int32).layer(0)
+        dense = torch.randn(300, width, device=dev)
+        values = None
+        if mean:
+            values = (1.0 / g.batch.in_count.clamp(min=1).float()).index_select(0, g.dst)
+        want = aggregate(g, values, dense)
+        got = kernel(g.rowptr, g.col, dense, g.num_dst, mean)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_graphsage_with_the_aggregation_kernel_equals_pyg_on_gpu(layers: int) -> None:
+    """Sampled fp32 GraphSAGE on a GPU aggregates with the kernel; exact mode keeps torch's path;
+    both equal PyG's layers, and the kernel's answer equals the torch path's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    graph, served, seeds = _setup("GraphSAGE", {}, layers, 0)
+    dev = torch.device("cuda")
+    served.to(dev)
+    assert served.fast is not None
+    for fanouts in ([3] * layers, [25, 10, 5][:layers], [-1] * layers):
+        out = ReferenceSampler(graph.indptr, graph.indices).sample(seeds, fanouts, 11)
+        args = (graph.x[out.n_id].to(dev), out.n_id.to(dev), out.edge_index.to(dev),
+                out.num_sampled_nodes, out.num_sampled_edges, fanouts[0] < 0)
+        rows = out.seed_index.to(dev)
+        with_kernel = served(*args)[rows]
+        served.fast.fused_aggregation = False
+        without = served(*args)[rows]
+        served.fast.fused_aggregation = True
+        torch.testing.assert_close(with_kernel, served.pyg(*args)[rows], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(with_kernel, without, atol=1e-5, rtol=1e-5)
