@@ -107,6 +107,9 @@ class EngineCore:
         #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
         self.defer_stats = False
         self._stats_held: list[BatchStats] = []
+        #: sends replies at once (the process loop's socket): a finished batch is then answered
+        #: before the next batch is sampled and launched, not after; None: ``step()`` returns them
+        self.send_now: Callable[[list[Reply]], None] | None = None
         #: route auto: batches for idle CPU samplers while the GPU is busy (``overlap.py``)
         self.overlap: Any = None
         #: the living graph's follower (``graph_sync.py``); None: a fixed graph
@@ -261,7 +264,7 @@ class EngineCore:
     def step(self) -> list[Reply]:
         if self.replacer is not None:
             self.replacer.poll(self)  # a finished re-placement switches here, between batches
-        replies = self._finish(block=False)
+        replies = self._answer_finished()
         if self.loads is not None and self.loads.pending:
             replies += self.loads.poll()  # a built version joins, a drained one leaves
         if self.exact_waiting:  # first: rows a finished refresh round made clean
@@ -448,15 +451,27 @@ class EngineCore:
         return [-1] * len(fanouts) if batch.exact else fanouts
 
     def _launch(self, batch: Batch) -> list[Reply]:
-        """Gather and run the model; on a GPU asynchronously (finished by ``_finish``)."""
+        """Gather and run the model; on a GPU asynchronously (finished by ``_finish``). A batch
+        the GPU finished meanwhile is answered first: launching takes the host a millisecond or
+        more, which its callers would otherwise wait on top."""
         try:
             if self._compute_stream is None:
                 return self._run_sync(batch)
+            early = self._answer_finished() if self.in_flight else []
             self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
             self._run_async(batch)
-            return []
+            return early
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
             return self._fail(batch, exc)
+
+    def _answer_finished(self) -> list[Reply]:
+        """Answer the batches the GPU has finished: sent at once through ``send_now`` when the
+        loop gave one (then nothing is returned), else returned."""
+        replies = self._finish(block=False)
+        if replies and self.send_now is not None:
+            self.send_now(replies)
+            return []
+        return replies
 
     def _forward(self, batch: Batch) -> Tensor:
         sb = batch.sampled

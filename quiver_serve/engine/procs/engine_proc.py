@@ -230,11 +230,12 @@ class EngineLoop:
         self.table_sync = table_sync or (lambda: None)
         #: the main process's model calls (``ModelCalls``); None: models fixed at start-up
         self.admin: ModelCalls | None = None
+        self.last_answer_s = 0.0  # time.monotonic() of the last reply sent
+        core.send_now = self.send_replies  # answers leave as soon as their batch is done
 
     def run(self) -> None:
         core = self.core
         next_check_s = 0.0
-        last_answer_s = 0.0
         while True:
             now_s = time.monotonic()
             if now_s >= next_check_s:  # a syscall: not on every turn of a busy loop
@@ -246,7 +247,7 @@ class EngineLoop:
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
             # and for ``spin_s`` after the last answer (the next request is likely near)
             if core.in_flight or core.sampled or (core.waiting and not core.fill.holding) \
-                    or now_s - last_answer_s < self.spin_s:
+                    or now_s - self.last_answer_s < self.spin_s:
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers
                 timeout_ms = 1 if core.sampling or core.waiting or core.exact_waiting \
@@ -259,13 +260,18 @@ class EngineLoop:
                 replies += self.pool.drain(core, events)
             replies += core.step()
             if replies:
-                last_answer_s = time.monotonic()
-                held_ids = core.ids_in_hand()
-                for reply in replies:
-                    reply.done.engine_ids = held_ids
-                    self._send(reply)
+                self.send_replies(replies)
             core.flush_stats()
             self.reporter.heartbeat()
+
+    def send_replies(self, replies: list[Reply]) -> None:
+        """Send replies now, each with the ids this engine core holds (for the clients'
+        spreading)."""
+        self.last_answer_s = time.monotonic()
+        held_ids = self.core.ids_in_hand()
+        for reply in replies:
+            reply.done.engine_ids = held_ids
+            self._send(reply)
 
     def _take_input(self) -> list[Reply]:
         replies: list[Reply] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.models.served import build_model
 from quiver_serve.routing.cost import CostModel, LatencyModel
 from quiver_serve.routing.router import EngineRouter, EngineRouteState
-from quiver_serve.wire import NO_SEED
+from quiver_serve.wire import NO_SEED, MicroBatchDone
 from tests.conftest import small_config
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -324,3 +325,44 @@ def test_uva_engine_with_an_elias_fano_adjacency_cache_answers_as_device_samplin
            for core in (uva, device)]
     for i in range(len(requests)):
         np.testing.assert_allclose(got[0][i].rows, got[1][i].rows, atol=1e-5, rtol=1e-5)
+
+
+def test_a_finished_batch_is_answered_before_the_next_batch_is_sampled_and_launched(
+        cora: GraphData, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launching a batch costs the host a millisecond or more: the callers of a batch the GPU
+    finished meanwhile must not wait for it (nor for the next batch's sampling)."""
+    core = make_core(cora)
+    sent: list[Reply] = []
+    core.send_now = sent.extend
+    done = [Reply(b"a", MicroBatchDone(1, 0, []), None), Reply(b"b", MicroBatchDone(2, 0, []),
+                                                                 None)]
+    finished = iter([[done[0]], [done[1]]])
+    monkeypatch.setattr(core, "_finish", lambda block: next(finished, []))
+    order: list[str] = []
+
+    def route_and_run(batch: object) -> list[Reply]:
+        order.append(f"sample with {len(sent)} sent")
+        return core._launch(batch)  # type: ignore[arg-type]
+
+    def run_async(batch: object) -> None:
+        order.append(f"launch with {len(sent)} sent")
+
+    monkeypatch.setattr(core, "_route_and_run", route_and_run)
+    monkeypatch.setattr(core, "_compute_stream", object())  # the GPU path: launched async
+    monkeypatch.setattr(core, "_run_async", run_async)
+    monkeypatch.setattr(core, "_stage", lambda batch: None)
+    on_gpu = types.SimpleNamespace(expected_done_s=0.0, seeds=torch.zeros(1))  # still running
+    core.in_flight.append(on_gpu)  # type: ignore[arg-type]
+    assert core.add(mb(7, [[1, 2]])) is None
+    assert core.step() == []  # everything went out through send_now
+    assert order == ["sample with 1 sent", "launch with 2 sent"]
+    assert [r.done.seq for r in sent] == [1, 2]
+
+
+def test_without_send_now_step_returns_the_finished_batches_replies(
+        cora: GraphData, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(cora)
+    reply = Reply(b"a", MicroBatchDone(1, 0, []), None)
+    finished = iter([[reply]])
+    monkeypatch.setattr(core, "_finish", lambda block: next(finished, []))
+    assert core.step() == [reply]
