@@ -70,9 +70,11 @@ NO_SEED = -1
 
 
 class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
-    """Client → engine core. Frames after it: ids int64 [n_ids], lengths int64 [n_requests]
-    (ids per request, in order), deadlines float64 [n_requests] (``time.time()`` instants);
-    then, when ``new_nodes`` > 0, the :class:`InductiveNodes` frames (``INDUCTIVE_FRAMES``).
+    """Client → engine core. The frame after it holds the ``requests`` requests (``pack_requests``):
+    ids int64 [n_ids], lengths int64 [requests] (ids per request, in order), deadlines float64
+    [requests] (``time.time()`` instants), back to back; with ``requests`` 0 (an older sender)
+    they are three frames. Then, when ``new_nodes`` > 0, the :class:`InductiveNodes` frames
+    (``INDUCTIVE_FRAMES``).
 
     Fields are added at the end only, each with a default, so an older sender still decodes."""
 
@@ -93,9 +95,38 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     #: engine core picks one by the model's traffic split)
     model: str = ""
     version: int = 0
+    #: requests in the packed frame after the header (0: ids, lengths, deadlines in 3 frames)
+    requests: int = 0
 
 
-#: frames an inductive micro-batch carries after ids, lengths and deadlines
+def pack_requests(ids: list[np.ndarray], deadlines_s: list[float]) -> np.ndarray:
+    """One frame for a micro-batch's requests: their int64 ids back to back, then each
+    request's id count, then its deadline (float64 bits), all 8-byte words. One frame instead of
+    three: a micro-batch costs its sender and the engine core a third less in ZeroMQ."""
+    n = len(ids)
+    total = int(ids[0].size) if n == 1 else sum(int(a.size) for a in ids)
+    body = np.empty(total + 2 * n, np.int64)
+    if n == 1:
+        body[:total] = ids[0]
+    else:
+        np.concatenate(ids, out=body[:total])
+    body[total:total + n] = [a.size for a in ids]
+    body[total + n:].view(np.float64)[:] = deadlines_s
+    return body
+
+
+def unpack_requests(frame: Any, requests: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The engine side of :func:`pack_requests`: read-only views (ids, lengths, deadlines);
+    ValueError when the frame is too short for ``requests`` requests."""
+    words = view(frame, np.int64)
+    n_ids = words.size - 2 * requests
+    if requests < 1 or n_ids < 0:
+        raise ValueError(f"a frame of {words.size} words cannot hold {requests} requests")
+    return (words[:n_ids], words[n_ids:n_ids + requests],
+            words[n_ids + requests:].view(np.float64))
+
+
+#: frames an inductive micro-batch carries after its requests
 INDUCTIVE_FRAMES = 3
 
 

@@ -21,11 +21,10 @@ import itertools
 import time
 from typing import Any
 
-import numpy as np
 import zmq
 
 from quiver_serve.engine.client.inflight import Admitted, Flight
-from quiver_serve.wire import NO_SEED, MicroBatchHeader, encode
+from quiver_serve.wire import NO_SEED, MicroBatchHeader, encode, pack_requests
 
 #: how long an engine core's report of other clients' ids counts (about a batch or two)
 OTHERS_TTL_S = 0.02
@@ -120,22 +119,22 @@ class MicroBatchSender:
         return best
 
     def _send(self, reqs: list[Admitted], exact: bool, seed: int, engine: int) -> None:
-        """One micro-batch: header, ids, lengths, deadlines (and an inductive request's
-        ``InductiveNodes`` frames); its ``min_version`` is the largest its requests asked."""
+        """One micro-batch: header and its requests packed in one frame (``pack_requests``),
+        then an inductive request's ``InductiveNodes`` frames; its ``min_version`` is the
+        largest its requests asked."""
         seq = next(self._seq)
-        ids = reqs[0].ids if len(reqs) == 1 else np.concatenate([r.ids for r in reqs])
-        lengths = np.fromiter((r.ids.size for r in reqs), np.int64, len(reqs))
-        deadlines = np.fromiter((r.deadline_s for r in reqs), np.float64, len(reqs))
+        body = pack_requests([r.ids for r in reqs], [r.deadline_s for r in reqs])
         if len(reqs) == 1:
             rows, min_version, inductive = reqs[0].rows, reqs[0].min_version, reqs[0].inductive
         else:  # inductive requests travel alone: a group's rows are its ids
-            rows, min_version, inductive = int(ids.size), max(r.min_version for r in reqs), None
+            rows = body.size - 2 * len(reqs)
+            min_version, inductive = max(r.min_version for r in reqs), None
         self._load[engine] += rows
         self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
                                 inductive.count if inductive is not None else 0,
-                                reqs[0].model, reqs[0].version)
-        frames: list[Any] = [encode(head), ids, lengths, deadlines]
+                                reqs[0].model, reqs[0].version, len(reqs))
+        frames: list[Any] = [encode(head), body]
         if inductive is not None:
             frames += inductive.frames()
         self._flights[seq] = Flight(engine, reqs, frames, rows)

@@ -43,6 +43,7 @@ from quiver_serve.wire import (
     RunAddresses,
     SampleTask,
     encode,
+    unpack_requests,
     view,
 )
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 PARENT_CHECK_S = 0.05
+#: replies up to this size are copied into ZeroMQ, larger ones sent zero-copy
+REPLY_COPY_BYTES = 256 << 10
 
 
 # ---- the CPU sampler pool, as an engine core reaches it -------------------------------------------
@@ -277,7 +280,8 @@ class EngineLoop:
         replies: list[Reply] = []
         while True:
             try:
-                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
+                # copied: a micro-batch's frames are small, and bytes cost less than Frames
+                frames = self.front.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return replies
             mb = self._decode(frames)
@@ -289,12 +293,15 @@ class EngineLoop:
                     replies.append(refused)
 
     def _decode(self, frames: list[Any]) -> MicroBatch | Reply | None:
-        client = frames[0].bytes
+        client = bytes(frames[0])
         try:
-            head = Decoders.micro_batch.decode(frames[1].buffer)
-            mb = MicroBatch(client, head.seq, head.exact, head.seed,
-                            view(frames[2], np.int64), view(frames[3], np.int64),
-                            view(frames[4], np.float64),
+            head = Decoders.micro_batch.decode(frames[1])
+            if head.requests:
+                ids, lengths, deadlines = unpack_requests(frames[2], head.requests)
+            else:  # an older sender: three frames
+                ids, lengths, deadlines = (view(frames[2], np.int64), view(frames[3], np.int64),
+                                           view(frames[4], np.float64))
+            mb = MicroBatch(client, head.seq, head.exact, head.seed, ids, lengths, deadlines,
                             outstanding_ids=head.outstanding_ids,
                             min_version=head.min_version, model=head.model,
                             version=head.version)
@@ -318,10 +325,15 @@ class EngineLoop:
         if reply.done.stats is not None:
             reply.done.stats.replied_s = time.time()  # the trip back starts here
         frames: list[Any] = [reply.client, encode(reply.done)]
+        copy = True
         if reply.rows is not None:
-            frames.append(np.ascontiguousarray(reply.rows, dtype=np.float32))
+            rows = np.ascontiguousarray(reply.rows, dtype=np.float32)
+            frames.append(rows)
+            # zero-copy only for large rows: a zero-copy frame's release wakes pyzmq's
+            # garbage-collector thread, which then contends for this loop's GIL
+            copy = rows.nbytes <= REPLY_COPY_BYTES
         try:
-            self.front.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.front.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:  # the client went away: nobody to answer
             log.debug("reply to %s dropped: %s", reply.client.hex(), exc)
 
@@ -385,7 +397,7 @@ def _peek_seq(frames: list[Any]) -> int | None:
     import msgspec
 
     try:
-        raw = msgspec.msgpack.decode(frames[1].buffer)
+        raw = msgspec.msgpack.decode(frames[1])
         return int(raw[0])
     except Exception:  # noqa: BLE001
         return None

@@ -366,3 +366,32 @@ def test_without_send_now_step_returns_the_finished_batches_replies(
     finished = iter([[reply]])
     monkeypatch.setattr(core, "_finish", lambda block: next(finished, []))
     assert core.step() == [reply]
+
+
+def test_a_micro_batchs_requests_travel_in_one_frame_and_older_senders_still_decode(
+        cora: GraphData) -> None:
+    from quiver_serve.engine.procs.engine_proc import EngineLoop
+    from quiver_serve.wire import MicroBatchHeader, encode, pack_requests, unpack_requests
+
+    ids = [np.array([5, 6, 7]), np.array([], np.int64), np.array([9])]
+    deadlines = [time.time() + 1.0, time.time() + 2.0, time.time() + 3.0]
+    got = unpack_requests(pack_requests(ids, deadlines).tobytes(), 3)
+    assert got[0].tolist() == [5, 6, 7, 9] and got[1].tolist() == [3, 0, 1]
+    assert got[2].tolist() == deadlines
+    with pytest.raises(ValueError):
+        unpack_requests(np.zeros(3, np.int64).tobytes(), 2)  # 2 requests need 4 words at least
+
+    loop = EngineLoop(make_core(cora), None, None, None, None)  # type: ignore[arg-type]
+    packed = [b"c", encode(MicroBatchHeader(4, False, NO_SEED, requests=3)),
+              pack_requests(ids, deadlines).tobytes()]
+    older = [b"c", encode(MicroBatchHeader(4, False, NO_SEED)), np.array([5, 6, 7, 9]).tobytes(),
+             np.array([3, 0, 1]).tobytes(), np.array(deadlines).tobytes()]
+    for frames in (packed, older):
+        m = loop._decode(frames)
+        assert isinstance(m, MicroBatch) and m.seq == 4
+        assert m.ids.tolist() == [5, 6, 7, 9] and m.lengths.tolist() == [3, 0, 1]
+        assert m.deadlines_s.tolist() == deadlines
+    short = [b"c", encode(MicroBatchHeader(5, False, NO_SEED, requests=9)), b"\0" * 16]
+    refused = loop._decode(short)
+    assert isinstance(refused, Reply) and refused.done.seq == 5
+    assert refused.done.errors[0].status == 400
