@@ -102,16 +102,18 @@ def results_dir() -> Path:
 
 def result_path(bench: str, args: argparse.Namespace | None = None,
                 variant: str | None = None) -> Path:
-    """Where a bench writes its JSON: ``args.out`` when given, else the default name (with
-    ``args.machine`` and ``args.variant``, or ``variant``, when set) in ``args.out_dir`` or
+    """Where a bench writes its JSON: ``args.out`` when given (a bare file name goes in the
+    results folder, like the default), else the default name (with ``args.machine`` and
+    ``args.variant``, or ``variant``, when set); the results folder is ``args.out_dir`` or
     :func:`results_dir`."""
+    folder = getattr(args, "out_dir", None)
+    where = Path(folder) if folder else results_dir()
     out = getattr(args, "out", None) or getattr(args, "json", None)
     if out:
-        return Path(out)
+        return where / out if Path(out).name == str(out) else Path(out)
     machine = getattr(args, "machine", None)
     variant = getattr(args, "variant", None) or variant
-    folder = getattr(args, "out_dir", None)
-    return (Path(folder) if folder else results_dir()) / result_name(bench, machine, variant)
+    return where / result_name(bench, machine, variant)
 
 
 def portable(path: str | Path | None) -> str | None:

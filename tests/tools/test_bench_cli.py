@@ -5,6 +5,7 @@ benches' point merge (``bench/engine/probe.py``), and the GPU runner (``python -
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,7 +171,11 @@ def test_result_names_carry_bench_machine_date_and_variant(tmp_path, monkeypatch
     args = argparse.Namespace(out=None, machine="h200", variant=None)
     assert result_path("model", args).parent == tmp_path
     assert result_path("model", args, "smoke").name.startswith("model_h200_")
-    assert str(result_path("model", argparse.Namespace(out="x.json"))) == "x.json"
+    # a bare name goes in the results folder (not wherever the bench was started); a path not
+    assert result_path("model", argparse.Namespace(out="x.json")) == tmp_path / "x.json"
+    assert result_path("model", argparse.Namespace(out="x.json", out_dir="elsewhere")) == \
+        Path("elsewhere") / "x.json"
+    assert str(result_path("model", argparse.Namespace(out="sub/x.json"))) == "sub/x.json"
 
 
 def test_daemon_point_merges_the_probe_reports_of_the_load_processes() -> None:
