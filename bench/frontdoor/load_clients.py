@@ -197,9 +197,15 @@ def read_h2load_log(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def h2load_point(counts: dict[str, int], status: np.ndarray, dur_us: np.ndarray, seconds: float,
                  ids_per_request: int) -> dict[str, Any]:
     """An h2load run as a bench point: percentiles of the 2xx requests' durations; errors:
-    non-2xx statuses, failed streams, timeouts."""
+    non-2xx statuses, failed streams, timeouts. ValueError when the log holds more requests than
+    h2load says it did: h2load appends to its ``--log-file``, so a log left by an earlier run
+    would mix that run's requests into this point (the caller deletes it before each run)."""
     from loadtest.stats import percentiles_ms
 
+    done = counts.get("done", 0)
+    if done and status.size > done * 1.05 + 64:
+        raise ValueError(f"h2load's log holds {status.size} requests for a run of {done}: "
+                         "entries of an earlier run (h2load appends to --log-file)")
     ok_mask = (status >= 200) & (status < 300)
     ok = int(ok_mask.sum())
     total = max(int(status.size), counts.get("done", 0))

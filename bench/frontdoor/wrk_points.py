@@ -175,6 +175,7 @@ class Meter:
         if self.args.warmup_s > 0:
             lc.run_client(lc.h2load_argv(url, body, connections, self.args.warmup_s, threads,
                                          None), tool, self.args.warmup_s + lc.RUN_SLACK_S)
+        log.unlink(missing_ok=True)  # h2load appends: an earlier point's requests would stay
         before = self.cpu.snap()
         out, client_s = lc.run_client(lc.h2load_argv(url, body, connections, seconds, threads,
                                                      log), tool, seconds + lc.RUN_SLACK_S)

@@ -161,6 +161,13 @@ def test_h2load_summary_and_log_make_a_point(tmp_path: Path) -> None:
     assert p["p50_ms"] == pytest.approx(np.percentile(np.arange(1000, 2000), 50) / 1e3)
     assert p["max_ms"] == pytest.approx(1.999) and p["req_per_s"] == 500.0
     assert p["bytes_per_request"] == pytest.approx(13104941 / 1057)
+    # h2load appends to its log: a log that still holds an earlier run's requests is refused
+    # (it made later points' throughput, percentiles and bytes per request wrong)
+    with log.open("a") as f:
+        f.write("".join(f"17955528799{i:05d}\t200\t{900 + i}\n" for i in range(1000)))
+    status, dur = lc.read_h2load_log(log)
+    with pytest.raises(ValueError, match="earlier run"):
+        lc.h2load_point(counts, status, dur, 2.0, 48)
 
 
 def test_short_grpc_answers_count_as_errors() -> None:
