@@ -280,8 +280,8 @@ class EngineLoop:
         replies: list[Reply] = []
         while True:
             try:
-                # copied: a micro-batch's frames are small, and bytes cost less than Frames
-                frames = self.front.recv_multipart(zmq.NOBLOCK)
+                # not copied: the views stay writable (the batch's seeds become a tensor)
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return replies
             mb = self._decode(frames)
@@ -293,9 +293,9 @@ class EngineLoop:
                     replies.append(refused)
 
     def _decode(self, frames: list[Any]) -> MicroBatch | Reply | None:
-        client = bytes(frames[0])
+        client = _raw(frames[0])
         try:
-            head = Decoders.micro_batch.decode(frames[1])
+            head = Decoders.micro_batch.decode(_raw(frames[1]))
             if head.requests:
                 ids, lengths, deadlines = unpack_requests(frames[2], head.requests)
             else:  # an older sender: three frames
@@ -397,7 +397,12 @@ def _peek_seq(frames: list[Any]) -> int | None:
     import msgspec
 
     try:
-        raw = msgspec.msgpack.decode(frames[1])
+        raw = msgspec.msgpack.decode(_raw(frames[1]))
         return int(raw[0])
     except Exception:  # noqa: BLE001
         return None
+
+
+def _raw(frame: Any) -> Any:
+    """A received frame's bytes: a ``zmq.Frame``'s (``copy=False``), or the bytes themselves."""
+    return frame.bytes if isinstance(frame, zmq.Frame) else frame

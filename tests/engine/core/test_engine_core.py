@@ -395,3 +395,34 @@ def test_a_micro_batchs_requests_travel_in_one_frame_and_older_senders_still_dec
     refused = loop._decode(short)
     assert isinstance(refused, Reply) and refused.done.seq == 5
     assert refused.done.errors[0].status == 400
+
+
+def test_received_micro_batches_decode_to_writable_arrays(cora: GraphData) -> None:
+    """As the engine loop receives them (ZeroMQ frames, not copied): the ids become the batch's
+    seed tensor, which torch must be able to own without a read-only warning."""
+    import warnings
+
+    import zmq
+
+    from quiver_serve.engine.procs.engine_proc import EngineLoop
+    from quiver_serve.wire import MicroBatchHeader, encode, pack_requests
+
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        b.bind("inproc://decode-test")
+        a.connect("inproc://decode-test")
+        a.send_multipart([b"c", encode(MicroBatchHeader(1, False, NO_SEED, requests=1)),
+                          pack_requests([np.array([3, 4])], [time.time() + 5.0])])
+        assert b.poll(5000)
+        core = make_core(cora)
+        loop = EngineLoop(core, b, None, None, None)  # type: ignore[arg-type]
+        assert loop._take_input() == []
+        m = core.waiting[0]
+        assert m.client == b"c" and m.ids.tolist() == [3, 4]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.from_numpy(m.ids)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
