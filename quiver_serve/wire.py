@@ -7,8 +7,8 @@ embeddings). Nothing is pickled, so a peer can never make this process run code,
 never copied into a Python object: receivers view it with ``np.frombuffer``.
 
 One message per micro-batch each way: a client sends the requests of one loop tick as one
-:class:`MicroBatchHeader` (+ ids, lengths, deadlines) and gets one :class:`MicroBatchDone` (+ the
-embedding rows of every requested position) back. Requests are identified by their position in
+:class:`MicroBatchHeader` (+ one frame of ids, lengths, deadlines: :func:`pack_requests`) and gets
+one :class:`MicroBatchDone` (+ the embedding rows of every requested position) back. Requests are identified by their position in
 the micro-batch; request ids never leave the front-end.
 """
 
