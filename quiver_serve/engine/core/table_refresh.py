@@ -89,14 +89,15 @@ class Refresher:
                 self.round()
                 retry_s = RETRY_S
             except Exception as exc:  # noqa: BLE001 - logged; rows stay stale, served on the fly
-                self.busy = False
                 if self._stop.is_set():
+                    self.busy = False
                     return
                 self.table.counters.failures += 1
                 log.exception("exact table refresh failed (%s); every row is recomputed in "
                               "%.0f s, answers come from the on-the-fly path meanwhile",
                               exc, retry_s)
-                self._mark_all()
+                self._mark_all()  # before busy clears: never idle with the retry still due
+                self.busy = False
                 self._stop.wait(retry_s)
                 retry_s = min(retry_s * 2, RETRY_CAP_S)
 

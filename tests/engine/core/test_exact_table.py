@@ -236,9 +236,18 @@ def test_a_failed_round_is_retried_as_a_full_recompute(tmp_path: Path, monkeypat
             real(*args)  # type: ignore[arg-type]
 
         h.table.compute_rows = flaky  # type: ignore[method-assign]
+        refresher = h.table.refresher
+        mark_all, idle_at_mark = refresher._mark_all, []
+
+        def watched_mark_all() -> None:  # the refresher must not look idle before the retry
+            idle_at_mark.append(refresher.idle())
+            mark_all()
+
+        refresher._mark_all = watched_mark_all  # type: ignore[method-assign]
         version = h.apply({"op": "features", "node_ids": [3], "features": [[2.0] * NUM_FEATURES]})
         h.follow(version)
         h.settle()
+        assert idle_at_mark == [False], "a failed round looked idle before its rows were marked"
         assert h.table.counters.failures == 1
         assert h.table.counters.full_recomputes >= 1
         assert h.table.version == version and not h.table.stale[:NUM_NODES].any()
