@@ -17,6 +17,10 @@ Same results as PyG's own layers (fp32: to float rounding), less work:
   PyG;
 * no host synchronisation: every shape comes from the per-hop counts the sampler reports, so
   the forward can be captured in a CUDA graph (``graphed.py``) for GCN and GAT too;
+* few launches: a launch costs the host 2-3 times more while the GPU computes the batch before
+  (measured on the H200), so the bias (and a following ReLU) ride in the matmul's epilogue, the
+  CSR's row bounds are a slice of a cached range, and all-GraphSAGE models keep 64-bit ids (no
+  conversions for cuSPARSE, which the aggregation kernel does not use);
 * precision as a config option: fp32, TF32 matmuls, or bf16/fp16 weights and activations.
 
 :class:`FastGNN` is built from a PyG model and returns ``None`` (serve with PyG) for any layer
@@ -77,6 +81,23 @@ class LayerGraph:
         return int(self.col.numel())
 
 
+#: cached ranges per (device, dtype); every one made stays referenced (a CUDA graph or another
+#: stream may still read a slice of a smaller one)
+_RANGES: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+
+
+def row_bounds(num_rows: int, like: Tensor) -> Tensor:
+    """``0 .. num_rows`` in ``like``'s dtype and device: a slice of one cached range (no launch),
+    or a fresh range inside a CUDA-graph capture (the graph must not read a shared buffer)."""
+    if like.is_cuda and torch.cuda.is_current_stream_capturing():
+        return torch.arange(num_rows + 1, dtype=like.dtype, device=like.device)
+    made = _RANGES.setdefault((like.device, like.dtype), [])
+    if not made or made[-1].numel() <= num_rows:
+        size = max(num_rows + 1, 2 * made[-1].numel() if made else 4096)
+        made.append(torch.arange(size, dtype=like.dtype, device=like.device))
+    return made[-1][:num_rows + 1]
+
+
 class BatchGraph:
     """Per-batch structure shared by every layer: the CSR over all expanded nodes.
 
@@ -97,8 +118,8 @@ class BatchGraph:
         self.col = edge_index[0].to(idx)
         self.dst = edge_index[1]
         # targets are non-decreasing: row v's edges start where the first target >= v is
-        bounds = torch.arange(num_dst + 1, dtype=self.dst.dtype, device=self.dst.device)
-        self.rowptr = torch.searchsorted(self.dst, bounds).to(idx)
+        self.rowptr = torch.searchsorted(self.dst, row_bounds(num_dst, self.dst),
+                                         out_int32=idx == torch.int32)
         self._in_count: Tensor | None = None
         self._loop: Tensor | None = None
 
@@ -186,19 +207,33 @@ class SageLayer:
             return f"SAGEConv(aggr={conv.aggr!r}, project={conv.project})"
         return None
 
-    def __call__(self, x: Tensor, g: LayerGraph) -> Tensor:
+    def __call__(self, x: Tensor, g: LayerGraph, relu: bool = False) -> Tensor:
+        """The layer's rows for ``g``'s targets; ``relu``: with the ReLU that follows it."""
         if self._transform_first(x, g):
             out = self._aggregate(g, x @ self.w_l)
             if self.w_r is not None:
                 out = torch.addmm(out, x[:g.num_dst], self.w_r)
+            if self.b is not None:
+                out = out + self.b
         elif self.w_r is not None:  # one GEMM: [agg | x_dst] @ [W_l ; W_r]
             agg = self._aggregate(g, x)
-            out = torch.cat([agg, x[:g.num_dst]], dim=1) @ self._w_lr()
+            out = self._linear(torch.cat([agg, x[:g.num_dst]], dim=1), self._w_lr(), relu)
+            relu = relu and self.normalize  # else applied in the GEMM
         else:
-            out = self._aggregate(g, x) @ self.w_l
-        if self.b is not None:
-            out = out + self.b
-        return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+            out = self._linear(self._aggregate(g, x), self.w_l, relu)
+            relu = relu and self.normalize
+        if self.normalize:
+            out = F.normalize(out, p=2.0, dim=-1)
+        return torch.relu(out) if relu else out
+
+    def _linear(self, h: Tensor, w: Tensor, relu: bool) -> Tensor:
+        """``h @ w + b`` in one launch (the bias in the GEMM's epilogue), with the ReLU too
+        when asked and no normalisation comes between."""
+        if self.b is None:
+            return h @ w
+        if relu and not self.normalize:
+            return torch._addmm_activation(self.b, h, w)
+        return torch.addmm(self.b, h, w)
 
     def _aggregate(self, g: LayerGraph, dense: Tensor) -> Tensor:
         """Sum or mean of the in-neighbours' rows: one kernel for fp32 sampled layers on a GPU
@@ -398,17 +433,25 @@ class FastGNN:
         fused = None
         if self.fused_aggregation and x.is_cuda and dtype == torch.float32 and not exact:
             fused = csr_kernel.kernel_for(x.device.index)  # sampled: in-degrees <= the fanout
-        graph = BatchGraph(edge_index, num_nodes, num_edges, self.sparse[dtype], fused)
+        all_sage = all(isinstance(layer, SageLayer) for layer in layers)
+        # the kernel reads 64-bit ids as well: no conversion for cuSPARSE, which no layer uses
+        sparse = self.sparse[dtype] and not (fused is not None and all_sage)
+        graph = BatchGraph(edge_index, num_nodes, num_edges, sparse, fused)
         x = x.to(dtype)
+        relu = isinstance(self.act, nn.ReLU)
         with tf32_matmul(self.tf32 and not exact):
             for i, layer in enumerate(layers):
                 g = graph.layer(i)
-                if isinstance(layer, GcnLayer):
+                act = i < len(layers) - 1 and self.act is not None
+                if isinstance(layer, SageLayer):
+                    x = layer(x, g, relu=act and relu)
+                    act = act and not relu
+                elif isinstance(layer, GcnLayer):
                     x = layer(x, g, n_id, exact)
                 else:
                     x = layer(x, g)  # type: ignore[operator]
-                if i < len(layers) - 1 and self.act is not None:
-                    x = self.act(x)
+                if act:
+                    x = self.act(x)  # type: ignore[misc]
         return x.float()
 
 

@@ -200,6 +200,20 @@ def test_batch_csr_row_pointers_count_each_targets_in_edges() -> None:
         assert torch.equal(g.rowptr.to(torch.int64), expected)
         assert g.in_count.tolist() == degrees
         assert g.layer(1).rowptr.tolist() == [0, 0, 3, 3]  # the last layer's 3 targets
+        assert g.rowptr.dtype == g.col.dtype == (torch.int32 if sparse else torch.int64)
+
+
+def test_row_bounds_are_slices_of_a_range_that_grows_without_freeing() -> None:
+    """Every size gets 0..n; a slice handed out before the cache grew keeps its values."""
+    from quiver_serve.models.fast import row_bounds
+
+    like = torch.zeros(1, dtype=torch.int64)
+    early = row_bounds(10, like)
+    for n in (0, 1, 10, 5000, 70_000, 3):
+        got = row_bounds(n, like)
+        assert got.dtype == torch.int64 and torch.equal(got, torch.arange(n + 1))
+    assert torch.equal(early, torch.arange(11))
+    assert torch.equal(row_bounds(7, like.to(torch.int32)), torch.arange(8, dtype=torch.int32))
 
 
 @pytest.mark.gpu

@@ -80,6 +80,8 @@ class EngineCore:
         self.local_sampler, self.gpu_sampler = local_sampler, gpu_sampler
         self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
         self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
+        #: hold a batch for the callers expected back (``fill.py``); False: form from what waits
+        self.expected_fill = True
         self.router, self.pool = router, pool
         self.waiting: deque[MicroBatch] = deque()
         self._waiting_ids = 0
@@ -102,6 +104,9 @@ class EngineCore:
         self._compute_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
         self._sample_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
+        #: timing events of answered batches, used again: an event made and destroyed per batch
+        #: costs two more driver calls, slow while the GPU computes
+        self._spare_events: list[tuple[Any, Any]] = []
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
         #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
@@ -305,7 +310,7 @@ class EngineCore:
         """Enough ids wait for a batch of the expected size, or the wait for them is over
         (``fill.py``)."""
         first = self.waiting[0]
-        if first.seed != NO_SEED:
+        if first.seed != NO_SEED or not self.expected_fill:
             self.fill.release()
             return True  # a seeded request forms a batch alone: nothing to wait for
         target = int(self.fill.target_ids(self.max_batch_nodes))
@@ -499,8 +504,8 @@ class EngineCore:
         for t in (batch.sampled.n_id, batch.sampled.edge_index, batch.sampled.seed_index):
             if t.is_cuda:
                 t.record_stream(stream)  # made on the sampling stream, read on this one
-        batch.start_event = torch.cuda.Event(enable_timing=True)
-        batch.done_event = torch.cuda.Event(enable_timing=True)
+        batch.start_event, batch.done_event = self._spare_events.pop() if self._spare_events \
+            else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(stream):
             batch.start_event.record(stream)
             rows = self._forward(batch).float()
@@ -526,6 +531,9 @@ class EngineCore:
                 batch.done_event.synchronize()  # the batch's one host sync: its copy-out
             self.in_flight.popleft()
             compute_s = batch.start_event.elapsed_time(batch.done_event) / 1e3
+            if len(self._spare_events) < 2 * MAX_IN_FLIGHT:
+                self._spare_events.append((batch.start_event, batch.done_event))
+            batch.start_event = batch.done_event = None
             self.latency.observe(int(batch.seeds.numel()), compute_s)
             self._observe_compute(batch, compute_s)
             assert batch.rows is not None
