@@ -57,6 +57,7 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     from quiver_serve.features.replace import Replacer
 
     core.replacer = Replacer(cfg, graph, core.features)
+    core.expected_fill = cfg.batching.expected_fill
     core.current_degrees = degree_source(core, graph, caps.node_capacity if caps is not None
                                          else graph.num_nodes)
     if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:

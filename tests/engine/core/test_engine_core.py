@@ -82,7 +82,8 @@ def test_waiting_micro_batches_form_one_batch_up_to_the_cap(cora: GraphData) -> 
 
 def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphData) -> None:
     """Expected fill: callers that come back together share one batch (not two alternating)."""
-    core = make_core(cora)
+    core = make_core(cora, batching__expected_fill=True)
+    assert core.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
     assert core.fill.recent_ids == pytest.approx(100)
@@ -106,6 +107,20 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
     t0 = time.monotonic()
     assert run(core, mb(12, [[1]]))[12].rows is not None  # alone: formed after the short hold
     assert time.monotonic() - t0 >= 0.02
+
+
+def test_without_expected_fill_a_small_batch_forms_from_what_waits(cora: GraphData) -> None:
+    """``batching.expected_fill: false`` (the default): no hold, whatever the usual size."""
+    core = make_core(cora)
+    assert not core.expected_fill
+    for i in range(5):
+        run(core, mb(i, [list(range(100))]))
+    assert core.fill.target_ids(4096) == pytest.approx(98)  # what a hold would wait for
+    core.fill.max_wait_s = 60.0
+    core.latency.fixed_s = 30.0  # a hold would last until the deadline's slack is gone
+    t0 = time.monotonic()
+    assert run(core, mb(10, [list(range(10))]), timeout_s=20.0)[10].rows is not None
+    assert time.monotonic() - t0 < 5.0 and not core.fill.holding
 
 
 def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss() -> None:
