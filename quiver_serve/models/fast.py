@@ -228,12 +228,11 @@ class SageLayer:
 
     def _linear(self, h: Tensor, w: Tensor, relu: bool) -> Tensor:
         """``h @ w + b`` in one launch (the bias in the GEMM's epilogue), with the ReLU too
-        when asked and no normalisation comes between."""
+        when asked and no normalisation comes between (the caller applies it otherwise)."""
+        fuse = relu and not self.normalize
         if self.b is None:
-            return h @ w
-        if relu and not self.normalize:
-            return torch._addmm_activation(self.b, h, w)
-        return torch.addmm(self.b, h, w)
+            return torch.relu(h @ w) if fuse else h @ w
+        return torch._addmm_activation(self.b, h, w) if fuse else torch.addmm(self.b, h, w)
 
     def _aggregate(self, g: LayerGraph, dense: Tensor) -> Tensor:
         """Sum or mean of the in-neighbours' rows: one kernel for fp32 sampled layers on a GPU

@@ -24,6 +24,8 @@ MODELS = [
     ("GraphSAGE", {}),
     ("GraphSAGE", {"aggr": "sum"}),
     ("GraphSAGE", {"normalize": True, "root_weight": False}),
+    ("GraphSAGE", {"bias": False}),
+    ("GraphSAGE", {"bias": False, "root_weight": False}),
     ("GAT", {}),
     ("GAT", {"heads": 4}),
     ("GAT", {"add_self_loops": False}),
