@@ -164,8 +164,8 @@ class BatchingConfig(_Section):
     adaptive: bool = Field(
         True, description="send a batch at once when nothing is queued downstream (else wait max_delay_ms)"
     )
-    expected_fill: bool = Field(
-        False, description="an engine core holds a batch that would carry far fewer ids than are usually in the system until the callers expected back have sent theirs (engine/core/fill.py: merges closed-loop callers that come back together); false: form from what waits, which front-ends whose answers reach their callers at spread times serve faster under a latency bound")
+    expected_fill: bool | Literal["auto"] = Field(
+        "auto", description="an engine core holds a batch that would carry far fewer ids than are usually in the system until the callers expected back have sent theirs (engine/core/fill.py: merges closed-loop callers that come back together); auto: on for engine cores on a CPU (a batch's time grows with its size), off on a GPU (a batch's host time is fixed, and callers behind front-ends come back at spread times)")
 
 
 class InferenceConfig(_Section):

@@ -57,7 +57,7 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     from quiver_serve.features.replace import Replacer
 
     core.replacer = Replacer(cfg, graph, core.features)
-    core.expected_fill = cfg.batching.expected_fill
+    core.expected_fill = expected_fill_for(cfg.batching.expected_fill, device)
     core.current_degrees = degree_source(core, graph, caps.node_capacity if caps is not None
                                          else graph.num_nodes)
     if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
@@ -193,3 +193,9 @@ def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
     if rows <= values.numel():
         return values
     return torch.cat([values, values.new_zeros(rows - values.numel())])
+
+
+def expected_fill_for(setting: bool | str, device: torch.device) -> bool:
+    """``batching.expected_fill`` for an engine core on ``device`` (``auto``: on a CPU only;
+    decision 31)."""
+    return device.type != "cuda" if setting == "auto" else bool(setting)

@@ -109,9 +109,21 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
     assert time.monotonic() - t0 >= 0.02
 
 
+def test_expected_fill_auto_is_on_for_a_cpu_engine_core_and_off_on_a_gpu(cora: GraphData) -> None:
+    from quiver_serve.engine.core.build import expected_fill_for
+
+    assert make_core(cora).expected_fill  # the default, auto, on the CPU
+    assert expected_fill_for("auto", torch.device("cpu"))
+    assert not expected_fill_for("auto", torch.device("cuda", 0))
+    assert expected_fill_for(True, torch.device("cuda", 0))
+    assert not expected_fill_for(False, torch.device("cpu"))
+    assert small_config(batching__expected_fill="auto").batching.expected_fill == "auto"
+
+
 def test_without_expected_fill_a_small_batch_forms_from_what_waits(cora: GraphData) -> None:
-    """``batching.expected_fill: false`` (the default): no hold, whatever the usual size."""
-    core = make_core(cora)
+    """``batching.expected_fill: false`` (auto's choice on a GPU): no hold, whatever the
+    usual size."""
+    core = make_core(cora, batching__expected_fill=False)
     assert not core.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
