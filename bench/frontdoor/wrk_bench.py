@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -60,6 +61,8 @@ from bench.frontdoor.proc_cpu import TreeCpu, role_class
 from bench.frontdoor.wrk_points import PATHS, Meter, Target, Workloads, routes
 from loadtest.harness import Daemon, free_port
 from loadtest.stats import served
+from quiver_serve.engine.procs.standby import SETTLE_S as STANDBY_SETTLE_S
+from quiver_serve.engine.procs.standby import SPAWN_GAP_S
 
 DAEMON_PATHS = ["http-npy", "kserve-binary", "grpc", "http-json", "gen-npy", "grpc-stream"]
 SINGLE_PATHS = ["http-json", "http-npy"]
@@ -70,7 +73,10 @@ SMOKE = {"workloads": ["a"], "connections": [1, 4, 16], "connections_c": [4, 16]
          "single_seconds": 2}
 SETTLE_S = 45.0  # longest wait for the daemon's spare processes to go quiet after it is ready
 SETTLED_CORES = 0.05  # spare processes below this are quiet
-QUIET_WINDOWS = 2
+#: quiet windows (1 s) in a row: longer than a pool waits before it spawns its spare
+#: (``standby.SETTLE_S`` after its own children are ready, then ``SPAWN_GAP_S`` apart), so a
+#: second pool's spare is not missed after the first one went quiet
+QUIET_WINDOWS = math.ceil(STANDBY_SETTLE_S + SPAWN_GAP_S) + 1
 DOES_NOT_RUN = "unknown (does not run"
 
 
