@@ -140,6 +140,32 @@ class TreeCpu:
         return dict(sorted(out.items()))
 
 
+def net_counters(proc: Path = PROC) -> dict[str, int]:
+    """Machine-wide counters that tell a lost packet from a slow server: TCP segments
+    retransmitted (``/proc/net/snmp``; Linux's shortest retransmission timeout is 200 ms) and
+    packets dropped because a CPU's input backlog was full (``/proc/net/softnet_stat``, where
+    loopback traffic queues). Missing files give no keys."""
+    out: dict[str, int] = {}
+    try:
+        rows = [line.split() for line in (proc / "net" / "snmp").read_text().splitlines()
+                if line.startswith("Tcp:")]
+        if len(rows) >= 2 and "RetransSegs" in rows[0]:
+            out["tcp_retrans_segs"] = int(rows[1][rows[0].index("RetransSegs")])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        lines = (proc / "net" / "softnet_stat").read_text().split("\n")
+        out["backlog_drops"] = sum(int(line.split()[1], 16) for line in lines if line.strip())
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def net_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """``after - before`` for the counters read both times."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 def per_request(cpu_ms: Mapping[str, float], requests: int, client_ms: float | None,
                 seconds: float) -> dict[str, Any]:
     """A point's CPU figures: CPU-ms per request by role class (``client``: the load client),

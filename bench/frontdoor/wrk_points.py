@@ -6,7 +6,9 @@ same window (``bench/frontdoor/proc_cpu.py``) and the load client's own CPU.
 Every point is a dict with the keys the tables read (those of ``loadtest.stats.merge_point``):
 ``level`` (connections), ``requests``, ``ok``, ``req_per_s``, ``seed_nodes_per_s``, ``p50_ms`` ...
 ``p999_ms``, ``max_ms``, ``errors``, ``error_fraction``, plus ``cpu_ms`` (per process),
-``cpu_ms_per_request`` (by role, ``client`` included), ``daemon_cores`` and ``client_cores``.
+``cpu_ms_per_request`` (by role, ``client`` included), ``daemon_cores`` and ``client_cores``;
+wrk and h2load points also ``net`` (``proc_cpu.net_counters`` over the window: retransmitted TCP
+segments and full-backlog drops, machine-wide).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from bench.frontdoor import load_clients as lc
 from bench.frontdoor import wrk_lua
-from bench.frontdoor.proc_cpu import TreeCpu, per_request
+from bench.frontdoor.proc_cpu import TreeCpu, net_counters, net_delta, per_request
 from loadtest.protocols import encode_http, http_path
 from loadtest.workloads import IDS_PER_REQUEST, draw_requests
 
@@ -153,12 +155,13 @@ class Meter:
         if self.args.warmup_s > 0:
             lc.run_client(lc.wrk_argv(url, script, connections, self.args.warmup_s, threads), tool,
                           self.args.warmup_s + lc.RUN_SLACK_S)
-        before = self.cpu.snap()
+        before, net = self.cpu.snap(), net_counters()
         out, client_s = lc.run_client(lc.wrk_argv(url, script, connections, seconds, threads),
                                       tool, seconds + lc.RUN_SLACK_S)
         usage = self.cpu.usage(before, self.cpu.snap())
         p = wrk_lua.point_of(wrk_lua.parse_output(out), IDS_PER_REQUEST[workload])
-        p.update(per_request(usage, p["ok"], client_s * 1e3, p["seconds"]), threads=threads)
+        p.update(per_request(usage, p["ok"], client_s * 1e3, p["seconds"]), threads=threads,
+                 net=net_delta(net, net_counters()))
         return p
 
     def h2load(self, workload: str, connections: int, seconds: int) -> dict:
@@ -176,7 +179,7 @@ class Meter:
             lc.run_client(lc.h2load_argv(url, body, connections, self.args.warmup_s, threads,
                                          None), tool, self.args.warmup_s + lc.RUN_SLACK_S)
         log.unlink(missing_ok=True)  # h2load appends: an earlier point's requests would stay
-        before = self.cpu.snap()
+        before, net = self.cpu.snap(), net_counters()
         out, client_s = lc.run_client(lc.h2load_argv(url, body, connections, seconds, threads,
                                                      log), tool, seconds + lc.RUN_SLACK_S)
         usage = self.cpu.usage(before, self.cpu.snap())
@@ -184,7 +187,8 @@ class Meter:
         p = lc.h2load_point(lc.parse_h2load(out), status, dur_us, float(seconds),
                             IDS_PER_REQUEST[workload])
         short_answers(p, expected)
-        p.update(per_request(usage, p["ok"], client_s * 1e3, p["seconds"]), threads=threads)
+        p.update(per_request(usage, p["ok"], client_s * 1e3, p["seconds"]), threads=threads,
+                 net=net_delta(net, net_counters()))
         return p
 
     def generator(self, protocol: str, workload: str, callers: int) -> dict:

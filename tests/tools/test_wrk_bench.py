@@ -388,3 +388,20 @@ def test_smoke_run_measures_every_path_on_cora(tmp_path: Path) -> None:
     assert res["daemon"]["http_workers"] >= 1 and res["cpu_rows"]
     assert "Where a request's CPU goes" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| ")
+
+
+def test_net_counters_read_retransmits_and_backlog_drops(tmp_path: Path) -> None:
+    """A lost packet costs a 200 ms retransmission: each wrk / h2load point records how many."""
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "snmp").write_text(
+        "Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+        "Tcp: RtoAlgorithm RtoMin ActiveOpens RetransSegs InErrs\nTcp: 1 200 10 37 0\n")
+    (net / "softnet_stat").write_text("0000a000 00000002 00000000\n0000b000 0000000a 00000000\n")
+    before = proc_cpu.net_counters(tmp_path)
+    assert before == {"tcp_retrans_segs": 37, "backlog_drops": 12}
+    (net / "snmp").write_text("Tcp: RetransSegs\nTcp: 40\n")
+    assert proc_cpu.net_delta(before, proc_cpu.net_counters(tmp_path)) == {
+        "tcp_retrans_segs": 3, "backlog_drops": 0}
+    assert proc_cpu.net_counters(tmp_path / "missing") == {}
+    assert set(proc_cpu.net_counters()) <= {"tcp_retrans_segs", "backlog_drops"}
