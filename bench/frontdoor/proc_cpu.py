@@ -141,11 +141,20 @@ class TreeCpu:
 
 
 def net_counters(proc: Path = PROC) -> dict[str, int]:
-    """Machine-wide counters that tell a lost packet from a slow server: TCP segments
-    retransmitted (``/proc/net/snmp``; Linux's shortest retransmission timeout is 200 ms) and
-    packets dropped because a CPU's input backlog was full (``/proc/net/softnet_stat``, where
-    loopback traffic queues). Missing files give no keys."""
+    """Machine-wide counters that tell a lost packet or a stolen CPU from a slow server: TCP
+    segments retransmitted (``/proc/net/snmp``; Linux's shortest retransmission timeout is
+    200 ms), packets dropped because a CPU's input backlog was full (``/proc/net/softnet_stat``,
+    where loopback traffic queues), and the milliseconds the hypervisor ran something else on
+    this machine's virtual CPUs (``steal`` in ``/proc/stat``, all CPUs summed: a stalled vCPU
+    stalls whatever runs on it, which no run queue of the guest shows). Missing files give no
+    keys."""
     out: dict[str, int] = {}
+    try:
+        fields = (proc / "stat").read_text().split("\n", 1)[0].split()
+        if fields[0] == "cpu" and len(fields) > 8:
+            out["cpu_steal_ms"] = int(fields[8]) * 1000 // CLK_TCK
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         rows = [line.split() for line in (proc / "net" / "snmp").read_text().splitlines()
                 if line.startswith("Tcp:")]

@@ -8,7 +8,7 @@ Every point is a dict with the keys the tables read (those of ``loadtest.stats.m
 ``p999_ms``, ``max_ms``, ``errors``, ``error_fraction``, plus ``cpu_ms`` (per process),
 ``cpu_ms_per_request`` (by role, ``client`` included), ``daemon_cores`` and ``client_cores``;
 wrk and h2load points also ``net`` (``proc_cpu.net_counters`` over the window: retransmitted TCP
-segments and full-backlog drops, machine-wide).
+segments, full-backlog drops and CPU time stolen by the hypervisor, machine-wide).
 """
 
 from __future__ import annotations

@@ -390,18 +390,23 @@ def test_smoke_run_measures_every_path_on_cora(tmp_path: Path) -> None:
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| ")
 
 
-def test_net_counters_read_retransmits_and_backlog_drops(tmp_path: Path) -> None:
-    """A lost packet costs a 200 ms retransmission: each wrk / h2load point records how many."""
+def test_net_counters_read_retransmits_backlog_drops_and_steal(tmp_path: Path) -> None:
+    """A lost packet costs a 200 ms retransmission, a stolen vCPU stalls what runs on it: each
+    wrk / h2load point records how many, and how long."""
     net = tmp_path / "net"
     net.mkdir()
     (net / "snmp").write_text(
         "Ip: Forwarding DefaultTTL\nIp: 1 64\n"
         "Tcp: RtoAlgorithm RtoMin ActiveOpens RetransSegs InErrs\nTcp: 1 200 10 37 0\n")
     (net / "softnet_stat").write_text("0000a000 00000002 00000000\n0000b000 0000000a 00000000\n")
+    tick_ms = 1000 // proc_cpu.CLK_TCK
+    stat = "cpu  100 0 50 9000 5 0 1 {steal} 0 0\ncpu0 50 0 25 4500 2 0 1 {steal} 0 0\n"
+    (tmp_path / "stat").write_text(stat.format(steal=3))
     before = proc_cpu.net_counters(tmp_path)
-    assert before == {"tcp_retrans_segs": 37, "backlog_drops": 12}
+    assert before == {"tcp_retrans_segs": 37, "backlog_drops": 12, "cpu_steal_ms": 3 * tick_ms}
     (net / "snmp").write_text("Tcp: RetransSegs\nTcp: 40\n")
+    (tmp_path / "stat").write_text(stat.format(steal=8))  # the hypervisor took 5 more ticks
     assert proc_cpu.net_delta(before, proc_cpu.net_counters(tmp_path)) == {
-        "tcp_retrans_segs": 3, "backlog_drops": 0}
+        "tcp_retrans_segs": 3, "backlog_drops": 0, "cpu_steal_ms": 5 * tick_ms}
     assert proc_cpu.net_counters(tmp_path / "missing") == {}
-    assert set(proc_cpu.net_counters()) <= {"tcp_retrans_segs", "backlog_drops"}
+    assert set(proc_cpu.net_counters()) <= {"tcp_retrans_segs", "backlog_drops", "cpu_steal_ms"}
