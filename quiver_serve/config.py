@@ -243,7 +243,7 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     http_workers: int = Field(
         0, ge=0, le=64,
-        description="HTTP front-end processes sharing server.port (SO_REUSEPORT), each a client of every engine core; 0 = max(1, min(8, CPUs // 2)); 1 = one front-end inside the main process")
+        description="HTTP front-end processes sharing server.port (SO_REUSEPORT), each a client of every engine core; 0 = max(1, min(8, CPUs // 2)); 1 = one front-end inside the main process; a mostly-JSON deployment on 16+ vCPUs gains from 12 (decision 0032)")
     grpc_port: int | None = Field(
         None, ge=0, le=65535,
         description="KServe v2 gRPC port on the same host (Triton's default is 8001); null: no gRPC endpoint")
