@@ -129,9 +129,9 @@ async def _start_grpc(state: ServerState) -> Any:
     s = state.cfg.server
     if s.grpc_port is None:
         return None
-    from quiver_serve.frontend import grpc_server
+    from quiver_serve.frontend import grpc_calls
 
-    return await grpc_server.start(state, s.host, s.grpc_port, resolve_token(s.auth_token),
+    return await grpc_calls.start(state, s.host, s.grpc_port, resolve_token(s.auth_token),
                                    resolve_admin_token(s.admin_token))
 
 

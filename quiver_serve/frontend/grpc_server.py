@@ -1,4 +1,4 @@
-"""KServe v2 over gRPC (``inference.GRPCInferenceService``) on the HTTP front-end's event loop.
+"""KServe v2 over gRPC (``inference.GRPCInferenceService``): what each RPC answers.
 
 Same semantics as the HTTP routes: one input ``node_ids`` (INT64 [n]) as ``raw_input_contents`` or
 ``contents.int64_contents``; one output ``embeddings`` (FP32 [n, dim]) as ``raw_output_contents``;
@@ -9,9 +9,9 @@ too. The daemon's errors are mapped to gRPC status codes with the same messages.
 ``server.grpc_port`` is set; same bind address and bearer token as HTTP.
 
 ``ModelStreamInfer`` (``grpc_stream.py``) takes the same requests on one bidirectional stream,
-many in flight at once. Both answer with bytes written by hand (``grpc_proto.infer_response``,
-``stream_response``): the rows are copied once, from the engine's array into the answer. Every
-front-end process binds the gRPC port (``grpc.so_reuseport``), so gRPC scales with
+many in flight at once. ``ModelInfer`` itself is answered inside the connection's callbacks
+(``grpc_calls.InferCall``, with ``infer_args`` below); the HTTP/2 transport is ``http2.py``. Every
+front-end process binds the gRPC port (``SO_REUSEPORT``), so gRPC scales with
 ``server.http_workers`` as HTTP does, per connection; the largest request accepted is
 ``server.max_body_bytes``, as over HTTP.
 
@@ -24,10 +24,8 @@ loopback peers only.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import time
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
@@ -37,7 +35,6 @@ import numpy as np
 from quiver_serve import errors
 from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend import repository_routes
-from quiver_serve.frontend.fastpath import answer_of, submit_ids
 from quiver_serve.frontend.grpc_stream import StreamSession
 from quiver_serve.frontend.guards import admin_refusal
 from quiver_serve.frontend.kserve import SERVER_METADATA
@@ -45,9 +42,9 @@ from quiver_serve.frontend.model_view import parse_version
 
 log = logging.getLogger(__name__)
 
-#: daemon status -> gRPC status code
 #: the request-latency metric's endpoint label of unary gRPC inference
 UNARY_ENDPOINT = "grpc ModelInfer"
+#: daemon status -> gRPC status code
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
          403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
          409: grpc.StatusCode.ALREADY_EXISTS, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -55,16 +52,6 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
          499: grpc.StatusCode.CANCELLED, 501: grpc.StatusCode.UNIMPLEMENTED,
          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
-#: (node ids, exact, seed, timeout_ms, min_version, model, version) -> the rows and the model
-#: version that computed them (``fastpath.Answer``); raises errors.ServeError
-
-#: server-wide gRPC options: keepalive pings find peers that are gone (an idle stream's wait
-#: for its next request ends with them); every front-end binds the port
-SERVER_OPTIONS = [("grpc.so_reuseport", 1), ("grpc.keepalive_time_ms", 60_000),
-                  ("grpc.keepalive_timeout_ms", 20_000),
-                  ("grpc.keepalive_permit_without_calls", 1)]
-#: RPCs whose handlers return the serialised answer (bytes), not a message
-RAW_ANSWERS = frozenset({"ModelInfer"})
 _LIVE = gp.message("ServerLiveResponse")
 _READY = gp.message("ServerReadyResponse")
 _MODEL_READY = gp.message("ModelReadyResponse")
@@ -145,33 +132,6 @@ class KServeGrpc:
         return gp.message("ModelMetadataResponse")(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=meta["inputs"], outputs=meta["outputs"])
-
-    async def ModelInfer(self, req: Any, ctx: Any) -> bytes:  # noqa: N802
-        """One request, one answer (its serialised ``ModelInferResponse``); a call the client
-        cancels is cancelled in the engine client too. Timed in the request-latency metric
-        (endpoint ``grpc ModelInfer``, the HTTP status of the answer)."""
-        if self.expected is not None:
-            await self._auth(ctx)
-        t0_s, status = time.perf_counter(), 499
-        try:
-            a = infer_args(req)
-            sub = submit_ids(self.state, a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
-                             None, a.model, a.version)
-            try:
-                result = await sub.future
-            except asyncio.CancelledError:
-                self.state.pipeline.cancel(sub.request_id)  # nobody listens: do not compute it
-                raise
-            answer = answer_of(result, sub)
-            status = 200
-        except errors.ServeError as exc:
-            status = exc.info.status
-            await _abort(ctx, exc)
-        finally:
-            observe = getattr(self.state, "observe_request", None)
-            if observe is not None:
-                observe(UNARY_ENDPOINT, status, time.perf_counter() - t0_s)
-        return gp.infer_response(answer.model, str(answer.version), req.id, answer.rows)
 
     async def ModelStreamInfer(self, requests: Any, ctx: Any) -> None:  # noqa: N802
         """Many requests on one stream (``grpc_stream.py``); the token is checked once."""
@@ -293,33 +253,3 @@ def _node_ids(req: Any) -> np.ndarray:
     if ids.size != n:
         raise _bad(f"node_ids has {ids.size} int64_contents for shape [{n}]")
     return ids
-
-
-def _handlers(servicer: KServeGrpc) -> dict[str, Any]:
-    """One method handler per RPC: message in; message out, or bytes for ``RAW_ANSWERS``."""
-    handlers = {
-        rpc: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, rpc), request_deserializer=gp.message(req).FromString,
-            response_serializer=None if rpc in RAW_ANSWERS else gp.message(resp).SerializeToString)
-        for rpc, (req, resp) in gp.RPCS.items()}
-    for rpc, (req, _) in gp.STREAMS.items():  # answers written by hand (bytes)
-        handlers[rpc] = grpc.stream_stream_rpc_method_handler(
-            getattr(servicer, rpc), request_deserializer=gp.message(req).FromString)
-    return handlers
-
-
-async def start(state: Any, host: str, port: int, token: str | None,
-                admin_token: str | None = None) -> grpc.aio.Server:
-    """A grpc.aio server on the running loop, bound to ``host:port``."""
-    servicer = KServeGrpc(state, token, admin_token)
-    max_body_bytes = state.cfg.server.max_body_bytes
-    server = grpc.aio.server(options=[*SERVER_OPTIONS,
-                                      ("grpc.max_receive_message_length", max_body_bytes)])
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(gp.SERVICE, _handlers(servicer)),))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"gRPC: cannot bind {host}:{port}")
-    await server.start()
-    log.info("KServe v2 gRPC on %s:%d (ModelInfer, ModelStreamInfer)", host, bound)
-    return server

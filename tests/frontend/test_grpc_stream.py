@@ -418,7 +418,7 @@ class AnsweringPipeline(StubPipeline):
 
 def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
     from loadtest.protocols import OK, make_caller
-    from quiver_serve.frontend import grpc_server
+    from quiver_serve.frontend import grpc_calls
     from tests.conftest import free_port
 
     async def main() -> None:
@@ -427,7 +427,7 @@ def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
         state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
                                       views=types.SimpleNamespace(current=lambda **_: view))
         port = free_port()
-        server = await grpc_server.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
+        server = await grpc_calls.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
         target = {"protocol": "grpc-stream", "grpc_target": f"127.0.0.1:{port}",
                   "model": MODEL, "timeout_s": 5.0}
         reqs = [np.array([k % 100, 3]) for k in range(40)] + [np.array([1, 100])]  # last: bad
