@@ -39,7 +39,7 @@ from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend.fastpath import Submitted, answer_of, submit_ids
 from quiver_serve.frontend.grpc_server import CODES, UNARY_ENDPOINT, KServeGrpc, infer_args
 from quiver_serve.frontend.http2 import H2Stream
-from quiver_serve.frontend.http2_connection import H2Server
+from quiver_serve.frontend.http2_server import H2Server
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,7 @@ import asyncio
 import logging
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from quiver_serve.frontend.http2_connection import H2Connection
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +186,14 @@ class Call(Protocol):
 
 class H2Stream:
     """One gRPC call's stream: what came in (headers, the bytes of a message not yet whole) and
-    what waits to go out (DATA beyond the client's windows, then the trailers)."""
+    what waits to go out (DATA beyond the client's windows, then the trailers). ``conn`` is its
+    ``http2_connection.H2Connection``."""
 
     __slots__ = ("sid", "conn", "headers", "buf", "recv_window", "unreturned", "send_window",
                  "out", "out_bytes", "trailers", "headers_sent", "remote_closed", "done", "call",
                  "drained")
 
-    def __init__(self, sid: int, conn: H2Connection, headers: list[tuple[bytes, bytes]],
+    def __init__(self, sid: int, conn: Any, headers: list[tuple[bytes, bytes]],
                  send_window: int) -> None:
         self.sid, self.conn, self.headers = sid, conn, headers
         self.buf = bytearray()
