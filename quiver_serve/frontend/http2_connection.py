@@ -102,6 +102,8 @@ class H2Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self.stuck_since is None:
+            self.stuck_since = self.loop.time()
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -494,7 +496,9 @@ class H2Connection(asyncio.Protocol):
                      self.peer, h.KEEPALIVE_TIMEOUT_S)
             self.transport.abort()
             return
-        if self.stuck_since is not None and now - self.stuck_since > h.WRITE_STALL_S:
+        if not self.blocked and not self.write_paused:
+            self.stuck_since = None  # nothing waits to go out (a blocked stream was reset)
+        elif self.stuck_since is not None and now - self.stuck_since > h.WRITE_STALL_S:
             log.warning("HTTP/2 connection from %s: answers waited %.0f s to be sent (the "
                         "client does not read); closing", self.peer, h.WRITE_STALL_S)
             self.transport.abort()

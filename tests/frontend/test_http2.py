@@ -337,3 +337,51 @@ def test_header_cache_decodes_as_a_plain_decoder() -> None:
             got = type(exc)
         assert got == want
     assert hits > 50
+
+
+async def _closed(c: RawClient, within_s: float = 5.0) -> None:
+    """Reads (and drops) frames until the server closes the connection."""
+    async def drain() -> None:
+        while await c.reader.read(65536):
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), within_s)
+    except ConnectionResetError:
+        pass
+
+
+def test_a_client_that_stops_reading_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h, "TICK_S", 0.05)
+    monkeypatch.setattr(h, "WRITE_STALL_S", 0.3)
+
+    async def test(port: int, pipeline: Pipeline, server: Any) -> None:
+        c = await RawClient.open(port, {h.S_INITIAL_WINDOW_SIZE: 100})
+        c.call(1, infer_message(list(range(50))))  # 12.8 kB of rows, 100 bytes of window
+        t0 = asyncio.get_running_loop().time()
+        await _closed(c)
+        assert asyncio.get_running_loop().time() - t0 >= 0.3
+        assert not server.connections
+
+    run(test)
+
+
+def test_keepalive_ping_and_a_silent_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h, "TICK_S", 0.05)
+    monkeypatch.setattr(h, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(h, "KEEPALIVE_TIMEOUT_S", 0.3)
+
+    async def test(port: int, pipeline: Pipeline, server: Any) -> None:
+        answered = await RawClient.open(port)  # answers the PING: stays open
+        silent = await RawClient.open(port)  # reads but never answers: closed
+        for _ in range(3):
+            ftype, flags, _, payload = await answered.frame()
+            while ftype != h.PING:
+                ftype, flags, _, payload = await answered.frame()
+            assert not flags & h.ACK
+            answered.writer.write(h.frame(h.PING, h.ACK, 0, payload))
+        await _closed(silent)
+        answered.call(1, infer_message([8]))
+        assert (await answered.answer(1))[2]["grpc-status"] == "0"
+
+    run(test)
