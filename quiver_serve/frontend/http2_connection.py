@@ -88,6 +88,9 @@ class H2Connection(asyncio.Protocol):
             self.fail(exc.code, str(exc))
         except hpack.HPACKError as exc:
             self.fail(h.COMPRESSION_ERROR, f"header block: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug ends this connection, not the loop
+            log.exception("HTTP/2 connection from %s: internal error", self.peer)
+            self.fail(h.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

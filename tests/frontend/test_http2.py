@@ -385,3 +385,34 @@ def test_keepalive_ping_and_a_silent_peer(monkeypatch: pytest.MonkeyPatch) -> No
         assert (await answered.answer(1))[2]["grpc-status"] == "0"
 
     run(test)
+
+
+def test_random_frames_never_take_the_endpoint_down(caplog: pytest.LogCaptureFixture) -> None:
+    """Frames of every type with random flags, stream ids and payloads (and a valid call mixed
+    in): each connection ends in an answer, a GOAWAY or a reset, never an internal error, and
+    a fresh connection is served after all of them."""
+    rng = random.Random(7)
+
+    async def test(port: int, pipeline: Pipeline, server: Any) -> None:
+        for _ in range(300):
+            c = await RawClient.open(port)
+            raw = b""
+            for _ in range(rng.randint(1, 6)):
+                ftype = rng.randint(0, 11)
+                sid = rng.choice([0, 0, 1, 2, 3, 5, 2 ** 31 - 1])
+                payload = rng.randbytes(rng.choice([0, 1, 4, 5, 6, 8, 9, 12, 30, 300]))
+                if ftype == h.HEADERS and rng.random() < 0.5:
+                    payload = c.headers_block()
+                raw += h.frame(ftype, rng.randint(0, 255), sid, payload)
+            c.writer.write(raw)
+            c.call(101, infer_message([1]))
+            await c.writer.drain()
+            await asyncio.sleep(0.002)
+            c.writer.close()
+        await asyncio.sleep(0.2)
+        ok = await RawClient.open(port)
+        ok.call(1, infer_message([6]))
+        assert (await ok.answer(1))[2]["grpc-status"] == "0"
+
+    run(test)
+    assert "internal error" not in caplog.text
