@@ -30,7 +30,7 @@ ROUTING_DAEMON_ARGS = [
     "--warmup", "0.4", "--procs", "6", "--budget-s", "400", "--set", "sampling.num_cpu_workers=8",
     "--modes", "cpu", "gpu", "auto", "quiver", "auto:sampling.pool_overlap=serial@uva",
     "auto:sampling.pool_overlap=off@uva"]
-HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, aiohttp, matplotlib, grpc"
+HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, hpack, aiohttp, matplotlib, grpc"
 LOAD_CLIENTS = ("from bench.frontdoor.load_clients import find_tool as f; import sys; "
                 "t = [(n, f(n)) for n in ('wrk', 'h2load')]; v = [(n, x and x.version()) for n, x "
                 "in t]; print(v); sys.exit(any(x is None or x.startswith('unknown') for _, x in v))")
