@@ -174,6 +174,23 @@ class H2Error(Exception):
         self.code = code
 
 
+def unpad(flags: int, payload: bytes) -> bytes:
+    """A DATA or HEADERS payload without its padding (RFC 9113, 6.1)."""
+    if not flags & PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise H2Error(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
+def peer_string(peername: Any) -> str:
+    """gRPC's peer form: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``; "" when unknown."""
+    if not isinstance(peername, tuple) or len(peername) < 2:
+        return ""
+    host, port = peername[0], peername[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
 class Call(Protocol):
     """What a stream's call is told (``grpc_calls.py`` has the implementations)."""
 

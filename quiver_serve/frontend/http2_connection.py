@@ -60,7 +60,7 @@ class H2Connection(asyncio.Protocol):
     # ---- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         self.transport, self.loop = transport, asyncio.get_running_loop()
-        self.peer = peer_string(transport.get_extra_info("peername"))
+        self.peer = h.peer_string(transport.get_extra_info("peername"))
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -173,13 +173,6 @@ class H2Connection(asyncio.Protocol):
             raise H2Error(h.PROTOCOL_ERROR, "a client may not push")
         # unknown frame types are ignored (RFC 9113, 5.5)
 
-    def _unpad(self, flags: int, payload: bytes) -> bytes:
-        if not flags & h.PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            raise H2Error(h.PROTOCOL_ERROR, "padding longer than the frame")
-        return payload[1:len(payload) - payload[0]]
-
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
             raise H2Error(h.PROTOCOL_ERROR, "DATA on stream 0")
@@ -187,7 +180,7 @@ class H2Connection(asyncio.Protocol):
         self.recv_window -= length
         if self.recv_window < 0:
             raise H2Error(h.FLOW_CONTROL_ERROR, "DATA beyond the connection's window")
-        data = self._unpad(flags, payload)
+        data = h.unpad(flags, payload)
         stream = self.streams.get(sid)
         if stream is None or stream.remote_closed:
             self.return_connection_window(length)
@@ -236,7 +229,7 @@ class H2Connection(asyncio.Protocol):
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
             raise H2Error(h.PROTOCOL_ERROR, "HEADERS on stream 0")
-        payload = self._unpad(flags, payload)
+        payload = h.unpad(flags, payload)
         if flags & h.PRIORITY_FLAG:
             if len(payload) < 5:
                 raise H2Error(h.PROTOCOL_ERROR, "HEADERS too short for its priority")
@@ -510,11 +503,3 @@ class H2Connection(asyncio.Protocol):
             self.ping_at = now
             self.send_raw(frame(h.PING, 0, 0, b"qsalive!"))
         self._timer = self.loop.call_later(h.TICK_S, self._tick)
-
-
-def peer_string(peername: Any) -> str:
-    """gRPC's peer form: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``; "" when unknown."""
-    if not isinstance(peername, tuple) or len(peername) < 2:
-        return ""
-    host, port = peername[0], peername[1]
-    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
