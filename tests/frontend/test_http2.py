@@ -35,8 +35,11 @@ class Pipeline:
 
     def __init__(self, hold: bool = False) -> None:
         self.hold, self.cancelled, self.futures = hold, [], {}
+        self.timeouts_s: list[float | None] = []
 
-    def submit_ids_async(self, ids: np.ndarray, *args: Any) -> tuple[str, Any]:
+    def submit_ids_async(self, ids: np.ndarray, exact: bool, seed: Any, timeout_s: Any,
+                         *args: Any) -> tuple[str, Any]:
+        self.timeouts_s.append(timeout_s)
         rid = f"r{len(self.futures)}"
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = (fut, ids)
@@ -287,6 +290,14 @@ def test_reset_and_disconnect_cancel_the_request() -> None:
 
 
 def test_grpc_timeout_shortens_the_deadline() -> None:
+    async def test(port: int, pipeline: Pipeline, server: Any) -> None:
+        c = await RawClient.open(port)
+        c.call(1, infer_message([1]), grpc_timeout="50m")
+        c.call(3, infer_message([2]))
+        for sid in (1, 3):
+            assert (await c.answer(sid))[2]["grpc-status"] == "0"
+
+    assert run(test).timeouts_s == [0.05, None]
     assert grpc_calls.grpc_timeout_ms(b"250m") == 250.0
     assert grpc_calls.grpc_timeout_ms(b"2S") == 2000.0
     assert grpc_calls.grpc_timeout_ms(b"1500u") == 1.5
