@@ -96,12 +96,18 @@ class CallContext:
         return self.stream.conn.peer
 
     async def write(self, data: bytes) -> None:
-        """One answer message; waits while the client's windows hold too much of this stream's
-        answers (a stalled client closes the connection, which ends the wait)."""
+        """One answer message (``write_many``)."""
+        await self.write_many([data])
+
+    async def write_many(self, messages: list[bytes]) -> None:
+        """Answer messages in one write; waits while the client's windows hold too much of this
+        stream's answers (a stalled client closes the connection, which ends the wait)."""
         stream = self.stream
         if stream.done:
             raise ConnectionError("the stream is closed")
-        stream.send_message([data], len(data))
+        for data in messages:
+            stream.send_message([data], len(data), flush=False)
+        stream.conn.flush(stream)
         if stream.out_bytes > STREAM_HIGH_WATER_BYTES:
             await stream.wait_drained()
             if stream.done and stream.out_bytes:

@@ -145,8 +145,10 @@ class StreamSession:
         self._wake_writer()
 
     async def _write_loop(self) -> None:
-        """Write answers as they come; ends once reading is done and nothing is in flight."""
+        """Write answers as they come (all those waiting at once when the context can:
+        ``write_many``); ends once reading is done and nothing is in flight."""
         out, write = self.out, self.ctx.write
+        write_many = getattr(self.ctx, "write_many", None)
         while True:
             while not out:
                 if self.reading_done and self.in_flight == 0:
@@ -154,9 +156,15 @@ class StreamSession:
                 self._writer_wake = self.loop.create_future()
                 await self._writer_wake  # an answer (each request has a deadline) or the end
             self.write_since_s = self.loop.time()
-            await write(out.popleft())
+            if write_many is not None:
+                batch = list(out)
+                out.clear()
+                await write_many(batch)
+            else:
+                batch = [out.popleft()]
+                await write(batch[0])
             self.write_since_s = None
-            self.in_flight -= 1
+            self.in_flight -= len(batch)
             if self._reader_wake is not None and not self._reader_wake.done():
                 self._reader_wake.set_result(None)
 
