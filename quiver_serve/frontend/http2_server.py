@@ -22,6 +22,7 @@ class H2Server:
         self.server = await loop.create_server(
             lambda: H2Connection(self.on_request, self.max_message_bytes, self.connections),
             host, port, reuse_port=True, backlog=backlog)
+        await self.server.start_serving()  # listening before the front-end says it is ready
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
 
