@@ -17,8 +17,9 @@ knowledge (``h2c``), as gRPC clients speak it. What it does, per RFC 9113:
 * flow control both ways: the client's windows (connection and stream) are returned only for
   data its calls have taken, so what a connection buffers is bounded by the windows granted; the
   answers are sent within the client's windows and its largest frame size, the rest waits for
-  its WINDOW_UPDATE. A connection whose unsent answers pass ``MAX_PENDING_BYTES``, or whose
-  transport is full, stops reading until they drain;
+  its WINDOW_UPDATE. A connection whose unsent answers pass ``MAX_PENDING_BYTES`` refuses new
+  streams (REFUSED_STREAM, which a gRPC client may retry) until they drain; one whose transport
+  is full stops reading until it drains;
 * waits: a PING goes out after ``KEEPALIVE_S`` with nothing received, and a connection whose
   PING is not answered within ``KEEPALIVE_TIMEOUT_S``, or whose answers make no progress for
   ``WRITE_STALL_S``, is closed (its calls are cancelled). ``close_gracefully`` sends GOAWAY and
@@ -61,7 +62,7 @@ MAX_STREAMS = 1024
 MAX_HEADER_LIST_BYTES = 16_384
 #: a header block's encoded bytes (HEADERS + CONTINUATION) at most this large
 MAX_HEADER_BLOCK_BYTES = 65_536
-#: answers queued on a connection beyond the client's windows; past this it stops reading
+#: answers queued on a connection beyond the client's windows; past this new streams are refused
 MAX_PENDING_BYTES = 32 << 20
 #: a PING after this long with nothing received; no answer within the timeout closes
 KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60.0, 20.0

@@ -1,8 +1,8 @@
-"""One HTTP/2 connection (``H2Connection``, an ``asyncio.Protocol``) and the listening server.
+"""One HTTP/2 connection (``H2Connection``, an ``asyncio.Protocol``).
 
 ``http2.py`` has the frame constants, the answers' HPACK and the streams; this module reads the
 frames off the socket and applies them (module docstring of ``http2.py``: what is handled, the
-limits and the waits).
+limits and the waits); ``http2_server.py`` listens and drains.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class H2Connection(asyncio.Protocol):
         self.headers = h.HeaderCache(hpack.Decoder(max_header_list_size=h.MAX_HEADER_LIST_BYTES))
         self.streams: dict[int, H2Stream] = {}
         self.blocked: dict[int, H2Stream] = {}  # streams with DATA waiting for window
-        self.pending_bytes = 0  # DATA queued beyond the client's windows, all streams
         self.last_sid = 0
         self._buf = b""
         self._preface = False
@@ -269,7 +268,8 @@ class H2Connection(asyncio.Protocol):
         if sid % 2 == 0:
             raise H2Error(h.PROTOCOL_ERROR, f"stream {sid}: a client's streams are odd")
         self.last_sid = sid
-        if self.goaway_sent or len(self.streams) >= h.MAX_STREAMS:
+        if self.goaway_sent or len(self.streams) >= h.MAX_STREAMS or (
+                self.blocked and self.pending_bytes() > h.MAX_PENDING_BYTES):
             self.send_raw(frame(h.RST_STREAM, 0, sid, h._U32.pack(h.REFUSED_STREAM)))
             return
         stream = H2Stream(sid, self, headers, self.peer_initial_window)
@@ -362,8 +362,7 @@ class H2Connection(asyncio.Protocol):
 
     def _drop(self, stream: H2Stream) -> None:
         """The stream is gone (reset, or the connection lost): its call is cancelled."""
-        if self.blocked.pop(stream.sid, None) is not None:
-            self.pending_bytes -= stream.out_bytes
+        self.blocked.pop(stream.sid, None)
         stream.out.clear()
         stream.out_bytes = 0
         was_done, stream.done = stream.done, True
@@ -422,9 +421,7 @@ class H2Connection(asyncio.Protocol):
         if parts:
             self.transport.writelines(parts)
         if stream.out:
-            if stream.sid not in self.blocked:
-                self.blocked[stream.sid] = stream
-                self.pending_bytes += stream.out_bytes
+            self.blocked[stream.sid] = stream
             if self.stuck_since is None:
                 self.stuck_since = self.loop.time()
         else:
@@ -435,7 +432,7 @@ class H2Connection(asyncio.Protocol):
             self._forget(stream)
 
     def _data_frames(self, stream: H2Stream, parts: list[Any]) -> None:
-        out, blocked = stream.out, stream.sid in self.blocked
+        out = stream.out
         while out:
             allowed = min(self.send_window, stream.send_window, self.peer_max_frame)
             if allowed <= 0:
@@ -456,11 +453,15 @@ class H2Connection(asyncio.Protocol):
             self.send_window -= size
             stream.send_window -= size
             stream.out_bytes -= size
-            if blocked:
-                self.pending_bytes -= size
+
+    def pending_bytes(self) -> int:
+        """DATA queued beyond the client's windows, all streams."""
+        return sum(stream.out_bytes for stream in self.blocked.values())
 
     def _update_reading(self) -> None:
-        pause = self.write_paused or self.pending_bytes > h.MAX_PENDING_BYTES
+        """Reading stops while the transport is full (the client does not read its socket);
+        answers held by the client's windows do not stop it (its WINDOW_UPDATE must get in)."""
+        pause = self.write_paused
         if pause != self.reading_paused and not self.closed:
             self.reading_paused = pause
             (self.transport.pause_reading if pause else self.transport.resume_reading)()

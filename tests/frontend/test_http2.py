@@ -427,3 +427,32 @@ def test_random_frames_never_take_the_endpoint_down(caplog: pytest.LogCaptureFix
 
     run(test)
     assert "internal error" not in caplog.text
+
+
+def test_answers_held_by_the_clients_windows_refuse_new_streams(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_PENDING_BYTES of answers waiting for the client's windows, a new stream is
+    refused; reading goes on (the WINDOW_UPDATE gets in) and the connection serves again."""
+    monkeypatch.setattr(h, "MAX_PENDING_BYTES", 5000)
+
+    async def test(port: int, pipeline: Pipeline, server: Any) -> None:
+        c = await RawClient.open(port, {h.S_INITIAL_WINDOW_SIZE: 100})
+        c.call(1, infer_message(list(range(50))))  # 12.8 kB held by a 100-byte window
+        (conn,) = server.connections
+        while conn.pending_bytes() <= 5000:
+            await asyncio.sleep(0.01)
+        c.call(3, infer_message([1]))
+        ftype, _, sid, payload = await c.frame()
+        while ftype != h.RST_STREAM:
+            ftype, _, sid, payload = await c.frame()
+        assert sid == 3 and struct.unpack(">I", payload)[0] == h.REFUSED_STREAM
+        assert not conn.reading_paused
+        c.writer.write(h.frame(h.WINDOW_UPDATE, 0, 1, struct.pack(">I", 1 << 20)))
+        _, data, trailers = await c.answer(1)
+        assert trailers["grpc-status"] == "0" and conn.pending_bytes() == 0
+        c.writer.write(h.frame(h.SETTINGS, 0, 0, struct.pack(">HI", h.S_INITIAL_WINDOW_SIZE,
+                                                              1 << 20)))
+        c.call(5, infer_message([2]))
+        assert (await c.answer(5))[2]["grpc-status"] == "0"
+
+    run(test)
