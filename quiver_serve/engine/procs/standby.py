@@ -51,7 +51,7 @@ def standby_main(conn: Any, preload: Sequence[str]) -> None:
     try:
         conn.send("warm")
     except (OSError, ValueError):
-        return
+        pass  # taken before it was warm: the supervisor sent its hand-over, then closed its end
     while parent_alive():
         try:
             if not conn.poll(POLL_S):

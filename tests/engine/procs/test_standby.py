@@ -45,6 +45,27 @@ def test_a_standby_runs_the_target_it_is_handed_and_is_replaced(tmp_path: Path) 
     assert pool.pids() == []
 
 
+def test_a_standby_taken_before_it_is_warm_runs_its_target(tmp_path: Path) -> None:
+    """Taken while it still imports (a worker killed soon after start-up): the supervisor sends
+    the hand-over and closes its end before the standby says it is warm; the standby must run
+    the target, not exit on the closed pipe (it did, and the restart fell back to a fresh
+    spawn: 6-7 s instead of under 5 on the 2-core box)."""
+    pool = StandbyPool(("torch",), size=1, name="test-standby-cold")
+    try:
+        pool.refill()
+        (standby_pid,) = pool.pids()
+        assert pool.warm() == 0  # torch takes seconds to import
+        out = tmp_path / "out"
+        proc = pool.take(write_pid, (str(out), "frontend-0"), "quiver-frontend-0")
+        assert proc is not None and proc.pid == standby_pid
+        assert wait_for(out.exists), "the cold standby never ran its target"
+        assert out.read_text() == f"{standby_pid} frontend-0"
+        proc.join(timeout=10)
+        assert proc.exitcode == 0
+    finally:
+        pool.stop()
+
+
 def test_a_dead_standby_is_skipped_and_stop_ends_the_waiting_ones(tmp_path: Path) -> None:
     pool = StandbyPool((), size=2, name="test-standby")
     try:
