@@ -158,22 +158,31 @@ class GrpcFront:
         return hmac.compare_digest(stream.header(b"authorization") or b"", self.expected)
 
 
-class InferCall:
-    """One ``ModelInfer``: parsed when the request ends, answered from the future's callback."""
+class _UnaryRequest:
+    """A unary call's request: the last message read, and how many came (one is right)."""
 
-    __slots__ = ("front", "payload", "count", "sub", "req_id", "t0_s")
+    __slots__ = ("payload", "count")
 
-    def __init__(self, front: GrpcFront) -> None:
-        self.front = front
+    def __init__(self) -> None:
         self.payload: bytes | None = None
         self.count = 0
-        self.sub: Submitted | None = None
-        self.req_id = ""
-        self.t0_s = time.perf_counter()
 
     def message(self, stream: H2Stream, payload: bytes) -> None:
         stream.return_window(len(payload) + 5)
         self.payload, self.count = payload, self.count + 1
+
+
+class InferCall(_UnaryRequest):
+    """One ``ModelInfer``: parsed when the request ends, answered from the future's callback."""
+
+    __slots__ = ("front", "sub", "req_id", "t0_s")
+
+    def __init__(self, front: GrpcFront) -> None:
+        super().__init__()
+        self.front = front
+        self.sub: Submitted | None = None
+        self.req_id = ""
+        self.t0_s = time.perf_counter()
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:
@@ -241,20 +250,15 @@ class InferCall:
             self.front.observe(UNARY_ENDPOINT, status, time.perf_counter() - self.t0_s)
 
 
-class UnaryCall:
+class UnaryCall(_UnaryRequest):
     """Any other unary RPC: ``KServeGrpc``'s coroutine in a task once the request is read."""
 
-    __slots__ = ("front", "method", "payload", "count", "task")
+    __slots__ = ("front", "method", "task")
 
     def __init__(self, front: GrpcFront, method: str) -> None:
+        super().__init__()
         self.front, self.method = front, method
-        self.payload: bytes | None = None
-        self.count = 0
         self.task: asyncio.Task[Any] | None = None
-
-    def message(self, stream: H2Stream, payload: bytes) -> None:
-        stream.return_window(len(payload) + 5)
-        self.payload, self.count = payload, self.count + 1
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:

@@ -163,8 +163,7 @@ class H2Connection(asyncio.Protocol):
             if sid != 0:
                 raise H2Error(h.PROTOCOL_ERROR, "GOAWAY on a stream")
             self.peer_goaway = True
-            if not self.streams:
-                self.transport.close()
+            self._maybe_close()
         elif ftype == h.PRIORITY:
             if sid == 0 or len(payload) != 5:
                 raise H2Error(h.PROTOCOL_ERROR, "a malformed PRIORITY frame")
