@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     core = build_core(cfg, graph, 0, None, calibration="startup")
     print(f"PSGS table: {graph.describe()}, fanouts {cfg.sampling.fanouts}, "
           f"popularity exponent {core.psgs.alpha:.2f}" if core.psgs else "no PSGS table")
-    for path, m in core.cost.paths.items():
+    for path, m in [*core.cost.paths.items(), ("model", core.cost.compute)]:
         print(f"  {path:5s}: {m.fixed_s * 1e3:.3f} ms + {m.per_seed_s * 1e6:.4f} us per sampled node")
-    m = core.cost.compute
-    print(f"  model: {m.fixed_s * 1e3:.3f} ms + {m.per_seed_s * 1e6:.4f} us per sampled node")
+        if m.has_points:  # what predictions follow
+            print("         measured: " + ", ".join(f"{x:.0f} nodes {y * 1e3:.3f} ms"
+                                                   for x, y in m.curve()))
     print(f"saved to {cost_path(core.cost.key)}")
     return 0
 

@@ -181,6 +181,69 @@ def test_cost_model_sizes_batches_to_the_deadline() -> None:
     assert model.max_psgs_within(5e-3, ("local", "gpu")) == pytest.approx((5e-3 - 1.1e-3) / 1.1e-7)
 
 
+# ---- the measured curve: predictions where a line cannot follow --------------------------------
+#: the gather + model time of a Cora batch on a 2-vCPU box, by sampled nodes (ms): the time per
+#: node jumps 2.7x between 862 and 1,766 nodes, where the gathered features leave the cache
+CLIFF = [(21, 0.227), (70, 0.295), (247, 0.507), (651, 1.275), (862, 1.781), (1766, 9.769),
+         (2492, 12.515)]
+
+
+def cliff_model() -> CostModel:
+    from quiver_serve.routing.cost import fit_line
+
+    points = [(x, ms * 1e-3) for x, ms in CLIFF]
+    return CostModel({"local": (0.0, 0.0)}, compute=fit_line(points), x_range=(21.0, 2492.0),
+                     points={"compute": points})
+
+
+def test_predictions_follow_the_calibrated_curve_where_a_line_misses() -> None:
+    from quiver_serve.routing.cost import fit_line
+
+    model = cliff_model()
+    a, b = fit_line([(x, ms * 1e-3) for x, ms in CLIFF])
+    line_err = [abs((a + b * x) / (ms * 1e-3) - 1) for x, ms in CLIFF]
+    curve_err = [abs(model.compute.predict_s(x) / (ms * 1e-3) - 1) for x, ms in CLIFF]
+    assert max(line_err) > 0.5  # the line is off by half or more somewhere
+    assert max(curve_err) < 0.01
+    # between points: on the segment; past the largest: the line's slope from the last point
+    mid = model.compute.predict_s((862 + 1766) / 2)
+    assert mid == pytest.approx((1.781 + 9.769) / 2 * 1e-3, rel=1e-6)
+    far = model.compute.predict_s(4492)
+    assert far == pytest.approx(12.515e-3 + model.compute.per_seed_s * 2000, rel=1e-6)
+    # below the smallest: the line's shape, scaled to the smallest point (positive, smaller)
+    assert 0 < model.compute.predict_s(1) <= model.compute.predict_s(21)
+
+
+def test_measured_batches_move_only_their_own_size() -> None:
+    model = cliff_model()
+    before = {x: model.compute.predict_s(x) for x, _ in CLIFF}
+    for _ in range(40):  # one-node-class batches twice as slow as calibrated
+        model.observe_compute(70, 0.59e-3)
+    assert model.compute.predict_s(70) == pytest.approx(0.59e-3, rel=0.02)
+    for x in (651, 862, 1766, 2492):  # another bucket's point is untouched
+        assert model.compute.predict_s(x) == pytest.approx(before[x], rel=1e-9)
+    # one stalled batch moves its size's point by at most the clip, and a few batches undo it
+    model.observe_compute(651, 10.0)
+    assert model.compute.predict_s(651) < before[651] * 2
+    for _ in range(30):
+        model.observe_compute(651, 1.275e-3)
+    assert model.compute.predict_s(651) == pytest.approx(1.275e-3, rel=0.02)
+
+
+def test_batch_sizing_inverts_the_curve() -> None:
+    model = cliff_model()
+    # local sampling is free here: the compute curve alone meets the budget
+    for budget_ms in (0.3, 1.0, 1.781, 5.0, 12.0):
+        x = model.max_psgs_within(budget_ms * 1e-3, ("local",))
+        assert model.compute.predict_s(x) <= budget_ms * 1e-3 * (1 + 1e-9)
+        assert model.compute.predict_s(x * 1.02) > budget_ms * 1e-3
+    assert model.max_psgs_within(1e-5, ("local",)) == 0.0  # not even one node in 10 us
+    seeds = model.compute  # the seed-count model the engine sizes CPU-only batches with
+    assert seeds.max_seeds_within(1.781e-3, cap=4096) == pytest.approx(862, abs=2)
+    assert seeds.max_seeds_within(1.0, cap=4096) == 4096
+    assert seeds.max_seeds_within(0.0, cap=4096) == 1
+
+
 # ---- calibration: save, reload when the key matches, recalibrate when not ----------------------
 def test_cost_model_round_trips_and_is_refused_for_another_key(tmp_path: Path) -> None:
     key = cost_key("g1", FANOUTS, "cpu")
@@ -192,6 +255,13 @@ def test_cost_model_round_trips_and_is_refused_for_another_key(tmp_path: Path) -
     assert again is not None and again.key == key
     for name, line in model.to_dict()["paths"].items():
         assert again.to_dict()["paths"][name] == pytest.approx(line, rel=1e-6, abs=1e-12)
+    curved = cliff_model()
+    curved.key = key
+    curved.save(path)
+    again = CostModel.load(path, key)
+    assert again is not None
+    for x, _ in CLIFF:  # the calibrated points come back: the same curve
+        assert again.compute.predict_s(x) == pytest.approx(curved.compute.predict_s(x), rel=1e-9)
     for other in (cost_key("g2", FANOUTS, "cpu"), cost_key("g1", [5, 5], "cpu"),
                   {**key, "device": "NVIDIA H200"}, {**key, "cpus": (key["cpus"] or 1) + 1},
                   {**key, "torch": "0.0"}):
@@ -254,10 +324,12 @@ def test_predicted_batch_latency_within_20_percent_at_the_median(
         cora: GraphData, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine times batches with perf_counter; on a shared CI box other processes' load makes
     wall time meaningless, so here both calibration and batches are timed in this thread's CPU
-    time (torch_threads is 1: the model runs on this thread). CPU time still stretches when the
-    other vCPU of a 2-vCPU box (often two threads of one core) is busy during the calibration
-    alone (seen once in a full run: medians 0.56-0.75); a second calibration is allowed, and
-    both must miss for the test to fail."""
+    time (torch_threads is 1: the model runs on this thread). Cora's compute time per node jumps
+    between 862 and 1,766 nodes on a 2-vCPU box (the features leave the cache): a line through
+    the calibration predicted one-seed batches 5x short and 48-seed ones 1.8x long (medians
+    0.56-0.79, the CI failure this test exists for); the predictions follow the measured curve.
+    CPU time still stretches when the other vCPU (often the other thread of one core) is busy
+    during the calibration alone: a second calibration is allowed, and both must miss."""
     monkeypatch.setattr(psgs, "cache_dir", lambda: tmp_path / "psgs")
     monkeypatch.setattr(time, "perf_counter", time.thread_time)
     attempts = []

@@ -8,7 +8,7 @@ Timing (``calibrate_paths``): for batch sizes 1 .. ``max_batch_nodes`` (powers o
 uniform seeds, every in-engine path (C++ sampler here, GPU sampler) samples a few batches; the
 model runs on each sample (gather + forward, as the engine runs it: CUDA graphs for small batches,
 device time on a GPU). A line in the measured sampled-node count is fitted per path and for the
-model. The pool path is the C++ line plus the hop there and back (a prior; the engine refines
+model; the points themselves start each line's per-size correction (``cost.LatencyModel``). The pool path is the C++ line plus the hop there and back (a prior; the engine refines
 it from round trips to idle samplers). Bounded by ``calibration_s``; progress bar.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from quiver_serve.engine.core.batch import Batch
-from quiver_serve.routing.cost import CostModel, cost_key, cost_path, fit_line
+from quiver_serve.routing.cost import PRIORS, CostModel, cost_key, cost_path, fit_line
 from quiver_serve.routing.psgs import PsgsTable, calibrate_union, load_or_build
 from quiver_serve.sampling.base import BaseSampler, new_batch_seed
 
@@ -109,10 +109,15 @@ def calibrate_paths(core: EngineCore, budget_s: float = 20.0, progress: bool = T
     lines = {p: fit_line(pts) for p, pts in points.items() if pts}
     xs = [x for x, _ in compute] or [10.0, 10_000.0]
     x_range = (min(xs), max(xs))
-    model = CostModel(lines, fit_line(compute), x_range=x_range) if compute else \
-        CostModel(lines, x_range=x_range)
-    if "local" in lines:
-        model.paths["cpu"].set_line(lines["local"][0] + model.hop_s, lines["local"][1], x_range)
+    curves = {p: pts for p, pts in points.items() if pts}
+    if compute:
+        curves["compute"] = compute
+    hop_s = PRIORS["cpu"][0] - PRIORS["local"][0]  # CostModel's prior hop
+    if "local" in lines:  # the pool path: the C++ sampler's plus the hop there and back
+        lines["cpu"] = (lines["local"][0] + hop_s, lines["local"][1])
+        curves["cpu"] = [(x, y + hop_s) for x, y in curves["local"]]
+    model = CostModel(lines, fit_line(compute), x_range=x_range, points=curves) if compute \
+        else CostModel(lines, x_range=x_range, points=curves)
     model.calibrated = True
     for p, m in model.paths.items():
         log.info("cost %-5s: %.3f ms + %.3f us per sampled node", p, m.fixed_s * 1e3,
