@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The front door measured with compiled load clients (issue 27): wrk for HTTP, h2load for gRPC,
-beside the project's own generator and the queue API, with the CPU of every daemon process.
+"""The front door measured with compiled load clients (issue 27): wrk for HTTP, the project's own
+generator for gRPC and the queue API, with the CPU of every daemon process.
 
 1. Builds the graph of --config once, saves it as an .npz (bench/frontdoor/headline.py) and starts
    ``server.py`` on it once, with a gRPC port and ``server.http_workers`` as configured (``--set
@@ -9,10 +9,11 @@ beside the project's own generator and the queue API, with the CPU of every daem
    load at rising connections (--connections), each point --seconds after a --warmup-s run at the
    same connections; a sweep stops once a point's p99 passes --stop-p99-ms (or > 1% fail):
    HTTP JSON, HTTP npy and KServe v2 binary through wrk (bodies from Python in a generated Lua
-   script, bench/frontdoor/wrk_lua.py); gRPC ``ModelInfer`` through h2load (one body per
-   workload; checked once with a gRPC client, since h2load does not read trailers); gRPC
-   streaming (``loadtest.gen --protocol grpc-stream``, when that protocol exists) and HTTP npy
-   through ``loadtest.gen`` side by side.
+   script, bench/frontdoor/wrk_lua.py); gRPC ``ModelInfer`` and gRPC streaming through
+   ``loadtest.gen`` (the same distinct bodies); HTTP npy through ``loadtest.gen`` side by side.
+   ``--paths grpc-one-body`` adds h2load's gRPC unary: it posts one body file, every request the
+   same ids, which the engine core merges (checked once with a gRPC client, since h2load does
+   not read trailers): the endpoint's ceiling, not a workload's figure.
 3. Single id (workload c): HTTP JSON and npy with one connection (p50 / p99 / p99.9, over
    --single-seconds), then a sweep for the most requests/s at p99 <= --bound-ms.
 4. The queue API (the daemon in this process, load processes ``connect()``) as the reference,
@@ -58,13 +59,14 @@ from bench.cli import (
 from bench.frontdoor import load_clients as lc
 from bench.frontdoor import wrk_report
 from bench.frontdoor.proc_cpu import TreeCpu, role_class
-from bench.frontdoor.wrk_points import PATHS, Meter, Target, Workloads, routes
+from bench.frontdoor.wrk_points import ONE_BODY_PATHS, PATHS, Meter, Target, Workloads, routes
 from loadtest.harness import Daemon, free_port
 from loadtest.stats import served
 from quiver_serve.engine.procs.standby import SETTLE_S as STANDBY_SETTLE_S
 from quiver_serve.engine.procs.standby import SPAWN_GAP_S
 
-DAEMON_PATHS = ["http-npy", "kserve-binary", "grpc", "http-json", "gen-npy", "grpc-stream"]
+DAEMON_PATHS = ["http-npy", "kserve-binary", "grpc", "http-json", "gen-npy", "grpc-stream",
+                "grpc-one-body"]
 SINGLE_PATHS = ["http-json", "http-npy"]
 SERVER_GRACE_S = 8.0
 DEFAULTS = {"workloads": ["a", "b"], "connections": [16, 32, 64, 128, 256], "seconds": 3,
@@ -335,7 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="Cora (configs/default.yaml), short "
                     "points, workload a only: a check, not a figure")
     ap.add_argument("--workloads", nargs="+", choices=["a", "b"], help="default: a b (--smoke: a)")
-    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS),
+                    default=[p for p in PATHS if p not in ONE_BODY_PATHS],
+                    help="default: all but grpc-one-body (h2load, one body: see above)")
     ap.add_argument("--queue-workloads", nargs="+", choices=["a", "b", "c"],
                     help="the queue API's workloads (default: --workloads, and c unless --no-single)")
     ap.add_argument("--connections", type=int, nargs="+", help="closed-loop connections "
