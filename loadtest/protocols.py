@@ -27,6 +27,8 @@ import numpy as np
 PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "grpc-stream",
              "queue")
 HTTP_CLIENTS = ("aiohttp", "httpx")
+#: gRPC unary: TCP connections per load process at most, unless the target names a count
+GRPC_MAX_CONNECTIONS = 128
 OK = "200"
 
 
@@ -117,7 +119,11 @@ class HttpCaller:
 
 
 class GrpcCaller:
-    """KServe v2 ``ModelInfer`` over grpc.aio; requests serialised once, answers read as bytes."""
+    """KServe v2 ``ModelInfer`` over grpc.aio; requests serialised once, answers read as bytes.
+    ``target["grpc_connections"]`` channels (default: one per caller, at most
+    ``GRPC_MAX_CONNECTIONS``), each on its own TCP connection, taken in turn: as wrk and h2load
+    hold one connection per caller, so that the kernel spreads the callers over the front-end
+    processes (one shared connection would load one front-end)."""
 
     METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -125,21 +131,33 @@ class GrpcCaller:
                  exact: bool = False) -> None:
         self.bodies = encode_grpc(target["model"], reqs, exact)
         self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
-        self.channel: Any = None
+        self.num_channels = max(1, min(limit, int(target.get("grpc_connections")
+                                                  or GRPC_MAX_CONNECTIONS)))
+        self.channels: list[Any] = []
+        self.stubs: list[Any] = []
+        self.turn = itertools.count()
 
     async def __aenter__(self) -> GrpcCaller:
-        self.channel = await open_channel(self.target, self.timeout_s)
-        self.stub = self.channel.unary_unary(self.METHOD)  # bytes in, bytes out
+        opened = await asyncio.gather(*[open_channel(self.target, self.timeout_s, True)
+                                        for _ in range(self.num_channels)],
+                                      return_exceptions=True)
+        self.channels = [ch for ch in opened if not isinstance(ch, BaseException)]
+        failed = [ch for ch in opened if isinstance(ch, BaseException)]
+        if failed:
+            await asyncio.gather(*[ch.close() for ch in self.channels])
+            raise failed[0]
+        self.stubs = [ch.unary_unary(self.METHOD) for ch in self.channels]  # bytes in and out
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.channel.close()
+        await asyncio.gather(*[ch.close() for ch in self.channels])
 
     async def call(self, i: int) -> str:
         import grpc
 
+        stub = self.stubs[next(self.turn) % len(self.stubs)]
         try:
-            await self.stub(self.bodies[i], timeout=self.timeout_s)
+            await stub(self.bodies[i], timeout=self.timeout_s)
             return OK
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

@@ -441,3 +441,39 @@ def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
         assert len(pipeline.submitted) == 40  # the bad one was refused at the door
 
     asyncio.run(main())
+
+
+def test_loadgen_unary_caller_holds_one_connection_per_caller() -> None:
+    """As wrk and h2load do: the kernel then spreads the callers over the front-end processes
+    (one shared channel loaded one front-end)."""
+    from loadtest.protocols import OK, make_caller
+    from quiver_serve.frontend import grpc_calls
+    from tests.conftest import free_port
+
+    async def main() -> None:
+        pipeline = AnsweringPipeline()
+        view = types.SimpleNamespace(default=MODEL, submit_target=lambda m, v: (m, v))
+        state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
+                                      views=types.SimpleNamespace(current=lambda **_: view))
+        port = free_port()
+        server = await grpc_calls.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
+        target = {"protocol": "grpc", "grpc_target": f"127.0.0.1:{port}", "model": MODEL,
+                  "timeout_s": 5.0}
+        reqs = [np.array([k % 100, 3]) for k in range(24)] + [np.array([1, 100])]  # last: bad
+        try:
+            async with make_caller(target, reqs, limit=4) as caller:
+                statuses = await asyncio.gather(*[caller.call(i) for i in range(len(reqs))])
+                assert len(server.connections) == 4
+            for _ in range(100):  # the closed channels' connections leave the server's set
+                if not server.connections:
+                    break
+                await asyncio.sleep(0.02)
+            async with make_caller({**target, "grpc_connections": 1}, reqs, limit=4) as caller:
+                assert await caller.call(0) == OK
+                assert len(server.connections) == 1
+        finally:
+            await server.stop(grace=None)
+        assert statuses[:24] == [OK] * 24 and statuses[24] == "grpc:INVALID_ARGUMENT"
+        assert len(pipeline.submitted) == 24 + 1  # the bad one refused at the door; one more
+
+    asyncio.run(main())
