@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "grpc-stream",
-             "queue")
+PROTOCOLS = ("http-json", "http-npy", "kserve-json", "kserve-binary", "grpc", "grpc-h2",
+             "grpc-stream", "queue")
 HTTP_CLIENTS = ("aiohttp", "httpx")
 #: gRPC unary: TCP connections per load process at most, unless the target names a count
 GRPC_MAX_CONNECTIONS = 128
@@ -162,6 +162,91 @@ class GrpcCaller:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             return "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f"grpc:{code.name}"
+
+
+class GrpcH2Caller:
+    """KServe v2 ``ModelInfer`` over ``loadtest/h2_client.py`` (protocol ``grpc-h2``): the same
+    bodies and connections as :class:`GrpcCaller` (one per caller, at most
+    ``GRPC_MAX_CONNECTIONS``) at a fraction of grpc.aio's client CPU. A connection that broke
+    is opened again by the next call on it; calls past ``timeout_s`` end as ``"timeout"``."""
+
+    METHOD = GrpcCaller.METHOD
+
+    def __init__(self, target: dict, reqs: list[np.ndarray], limit: int,
+                 exact: bool = False) -> None:
+        self.bodies = encode_grpc(target["model"], reqs, exact)
+        host, _, port = target["grpc_target"].rpartition(":")
+        self.host, self.port, self.timeout_s = host, int(port), float(target["timeout_s"])
+        self.num_conns = max(1, min(limit, int(target.get("grpc_connections")
+                                               or GRPC_MAX_CONNECTIONS)))
+        self.conns: list[Any] = []
+        self.turn = itertools.count()
+        self.deadlines: collections.deque[tuple[float, Any, asyncio.Future[str]]] = \
+            collections.deque()
+        self.sweeper: asyncio.Task[None] | None = None
+        self.reopening: dict[int, asyncio.Future[Any]] = {}
+
+    async def _connect(self) -> Any:
+        from loadtest.h2_client import connect
+
+        return await connect(self.host, self.port, self.METHOD, self.timeout_s)
+
+    async def __aenter__(self) -> GrpcH2Caller:
+        opened = await asyncio.gather(*[self._connect() for _ in range(self.num_conns)],
+                                      return_exceptions=True)
+        self.conns = [c for c in opened if not isinstance(c, BaseException)]
+        failed = [c for c in opened if isinstance(c, BaseException)]
+        if failed:
+            self._close()
+            raise failed[0]
+        self.sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        self._close()
+
+    def _close(self) -> None:
+        for conn in self.conns:
+            if conn.transport is not None:
+                conn.transport.close()
+
+    async def call(self, i: int) -> str:
+        k = next(self.turn) % len(self.conns)
+        conn = self.conns[k]
+        if conn.broken is not None:
+            try:
+                conn = await self._reopen(k)
+            except ConnectionError:
+                return "conn:ConnectionError"
+        fut = conn.call(self.bodies[i])
+        self.deadlines.append((asyncio.get_running_loop().time() + self.timeout_s, conn, fut))
+        return await fut
+
+    async def _reopen(self, k: int) -> Any:
+        """Connection ``k`` again (one attempt shared by its callers)."""
+        pending = self.reopening.get(k)
+        if pending is None:
+            pending = self.reopening[k] = asyncio.ensure_future(self._connect())
+            pending.add_done_callback(lambda _: self.reopening.pop(k, None))
+        conn = await asyncio.shield(pending)
+        if self.conns[k] is not conn:
+            if self.conns[k].transport is not None:
+                self.conns[k].transport.close()
+            self.conns[k] = conn
+        return conn
+
+    async def _sweep(self) -> None:
+        """Every 0.1 s: calls past their deadline end as "timeout" (the oldest come first)."""
+        loop, deadlines = asyncio.get_running_loop(), self.deadlines
+        while True:
+            await asyncio.sleep(0.1)
+            now = loop.time()
+            while deadlines and (deadlines[0][2].done() or deadlines[0][0] <= now):
+                _, conn, fut = deadlines.popleft()
+                if not fut.done():
+                    conn.cancel(fut, "timeout")
 
 
 def encode_grpc(model: str, reqs: list[np.ndarray], exact: bool = False) -> list[bytes]:
@@ -401,6 +486,8 @@ def make_caller(target: dict, reqs: list[np.ndarray], limit: int, observer: Any 
     protocol = target["protocol"]
     if protocol == "grpc":
         return GrpcCaller(target, reqs, limit, exact)
+    if protocol == "grpc-h2":
+        return GrpcH2Caller(target, reqs, limit, exact)
     if protocol == "grpc-stream":
         return GrpcStreamCaller(target, reqs, limit, exact)
     if protocol == "queue":

@@ -320,13 +320,14 @@ def test_grpc_unary_is_measured_with_the_workloads_distinct_bodies() -> None:
 
     tool = lc.Tool("h2load", Path("h2load"))
     r = routes({"wrk": None, "h2load": tool})
-    assert r["grpc"].client == "gen" and r["grpc"].protocol == "grpc"
+    assert r["grpc"].client == "gen" and r["grpc"].protocol == "grpc-h2"
     assert r["grpc"].label == "gRPC unary (loadtest.gen)"
+    assert r["grpc-aio"].client == "gen" and r["grpc-aio"].protocol == "grpc"
     assert r["grpc-one-body"].client == "h2load"
     assert r["grpc-one-body"].label == "gRPC unary, one body repeated (h2load)"
     assert r["http-json"].client == "wrk" and r["gen-npy"].label == "HTTP npy (loadtest.gen)"
     defaults = wrk_bench.parse_args([]).paths
-    assert "grpc" in defaults and not set(ONE_BODY_PATHS) & set(defaults)
+    assert "grpc" in defaults and not {*ONE_BODY_PATHS, "grpc-aio"} & set(defaults)
     assert wrk_bench.parse_args(["--paths", "grpc-one-body"]).paths == ["grpc-one-body"]
 
 
