@@ -5,7 +5,8 @@ Several spawned processes, each one asyncio loop with many concurrent callers, s
 not the bottleneck; each reports its own CPU use (cores). Open loop (Poisson arrivals at a total
 rate; latency from the scheduled send time: no coordinated omission) or closed loop (N callers).
 Protocols: http-json (POST /v1/embed), http-npy (Accept: application/x-npy), kserve-json,
-kserve-binary (binary tensor extension, binary_data_output), grpc (KServe v2 ModelInfer),
+kserve-binary (binary tensor extension, binary_data_output), grpc (KServe v2 ModelInfer over
+grpc.aio), grpc-h2 (the same over loadtest/h2_client.py, a lean HTTP/2 client),
 grpc-stream (KServe v2 ModelStreamInfer: each process pipelines its callers' requests over up to 8
 bidirectional streams, one connection each), queue (the queue API: starts the daemon in this
 process from --config, load processes connect to it).
