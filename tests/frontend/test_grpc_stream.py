@@ -416,18 +416,25 @@ class AnsweringPipeline(StubPipeline):
         return rid, fut
 
 
-def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
-    from loadtest.protocols import OK, make_caller
+async def _answering_endpoint() -> tuple[AnsweringPipeline, Any, int]:
+    """The gRPC endpoint on this loop over an :class:`AnsweringPipeline`."""
     from quiver_serve.frontend import grpc_calls
     from tests.conftest import free_port
 
+    pipeline = AnsweringPipeline()
+    view = types.SimpleNamespace(default=MODEL, submit_target=lambda m, v: (m, v))
+    state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
+                                  views=types.SimpleNamespace(current=lambda **_: view))
+    port = free_port()
+    server = await grpc_calls.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
+    return pipeline, server, port
+
+
+def test_loadgen_stream_caller_pipelines_and_counts_errors() -> None:
+    from loadtest.protocols import OK, make_caller
+
     async def main() -> None:
-        pipeline = AnsweringPipeline()
-        view = types.SimpleNamespace(default=MODEL, submit_target=lambda m, v: (m, v))
-        state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
-                                      views=types.SimpleNamespace(current=lambda **_: view))
-        port = free_port()
-        server = await grpc_calls.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
+        pipeline, server, port = await _answering_endpoint()
         target = {"protocol": "grpc-stream", "grpc_target": f"127.0.0.1:{port}",
                   "model": MODEL, "timeout_s": 5.0}
         reqs = [np.array([k % 100, 3]) for k in range(40)] + [np.array([1, 100])]  # last: bad
@@ -447,16 +454,9 @@ def test_loadgen_unary_caller_holds_one_connection_per_caller() -> None:
     """As wrk and h2load do: the kernel then spreads the callers over the front-end processes
     (one shared channel loaded one front-end)."""
     from loadtest.protocols import OK, make_caller
-    from quiver_serve.frontend import grpc_calls
-    from tests.conftest import free_port
 
     async def main() -> None:
-        pipeline = AnsweringPipeline()
-        view = types.SimpleNamespace(default=MODEL, submit_target=lambda m, v: (m, v))
-        state = types.SimpleNamespace(cfg=ServeConfig.default(), pipeline=pipeline,
-                                      views=types.SimpleNamespace(current=lambda **_: view))
-        port = free_port()
-        server = await grpc_calls.start(state, "127.0.0.1", port, None)  # type: ignore[arg-type]
+        pipeline, server, port = await _answering_endpoint()
         target = {"protocol": "grpc", "grpc_target": f"127.0.0.1:{port}", "model": MODEL,
                   "timeout_s": 5.0}
         reqs = [np.array([k % 100, 3]) for k in range(24)] + [np.array([1, 100])]  # last: bad
