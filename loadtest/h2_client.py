@@ -53,8 +53,8 @@ GRPC_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEED
               "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
               "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
               "UNAUTHENTICATED")
-#: what this side grants: every answer fits its stream's window; the connection's is returned
-#: once half of it was read
+#: what this side grants: a stream's window is never returned, so an answer fits in it (16 MiB;
+#: a larger one waits and ends as "timeout"); the connection's is returned once half was read
 RECV_WINDOW = 1 << 24
 _FRAME = struct.Struct(">IBI")
 _SETTING = struct.Struct(">HI")
