@@ -1,4 +1,5 @@
-"""gRPC unary calls over a lean HTTP/2 client: the load generator's ``grpc-h2`` protocol.
+"""gRPC calls over a lean HTTP/2 client: the load generator's ``grpc-h2`` (unary) and
+``grpc-stream-h2`` (``ModelStreamInfer``) protocols.
 
 grpc.aio costs a Python caller about 0.08-0.15 CPU-ms per unary call, several times what the
 server's front-end spends on it, so on the serving machine the client took the cores the daemon
@@ -193,17 +194,13 @@ class H2Client(asyncio.Protocol):
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if ftype == DATA:
             self.unacked += len(payload)
-            if flags & END_STREAM:
-                self._end_call(sid, "grpc:INTERNAL")  # an answer without trailers
+            self._on_data(sid, flags, payload)
         elif ftype == HEADERS or ftype == CONTINUATION:
             self._header_frame(ftype, flags, sid, payload)
         elif ftype == SETTINGS:
             self._settings(flags, payload)
         elif ftype == WINDOW_UPDATE and len(payload) == 4:
-            increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.send_window += increment
-            self._flush()
+            self._on_window(sid, _U32.unpack(payload)[0] & 0x7FFFFFFF)
         elif ftype == PING and not flags & ACK:
             self.transport.write(frame(PING, ACK, 0, payload))
         elif ftype == RST_STREAM and len(payload) == 4:
@@ -211,6 +208,16 @@ class H2Client(asyncio.Protocol):
             self._end_call(sid, "grpc:UNAVAILABLE" if code == 0x7 else f"conn:RST_STREAM {code}")
         elif ftype == GOAWAY and len(payload) >= 8:
             self._break("conn:GOAWAY", _U32.unpack_from(payload)[0] & 0x7FFFFFFF)
+
+    def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
+        """A unary call's answer is read whole at its trailers: only its end matters here."""
+        if flags & END_STREAM:
+            self._end_call(sid, "grpc:INTERNAL")  # an answer without trailers
+
+    def _on_window(self, sid: int, increment: int) -> None:
+        if sid == 0:
+            self.send_window += increment
+        self._flush()
 
     def _settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
@@ -246,14 +253,123 @@ class H2Client(asyncio.Protocol):
         self._end_call(self.block_sid, grpc_status(headers) or "grpc:UNKNOWN")
 
 
-async def connect(host: str, port: int, path: str, timeout_s: float) -> H2Client:
-    """A connection whose server's SETTINGS arrived (ConnectionError past ``timeout_s``)."""
+class H2StreamClient(H2Client):
+    """One ``ModelStreamInfer`` call on its own connection: ``send(request_id, message)`` writes a
+    message (a serialised request carrying ``request_id``) on the one stream and returns the
+    future of its status, resolved when the answer with that id comes back (``"stream:error"``
+    for one with an ``error_message``). Messages follow both windows of the stream; the answers'
+    windows are returned as they are read; the stream's end (trailers, RST_STREAM, GOAWAY, a lost
+    connection) ends every request still waiting."""
+
+    def __init__(self, authority: str, path: str) -> None:
+        from quiver_serve.frontend.grpc_proto import message
+
+        super().__init__(authority, path)
+        self.parse = message("ModelStreamInferResponse").FromString
+        self.sid = 0
+        self.waiting_ids: dict[str, asyncio.Future[str]] = {}
+        self.out: deque[bytes] = deque()
+        self.stream_send = 0  # what the stream's window still takes
+        self.stream_unacked = 0
+        self.rbuf = b""
+
+    def open(self) -> None:
+        """Start the stream (HEADERS, no END_STREAM); after ``ready``."""
+        self.sid, self.next_sid = self.next_sid, self.next_sid + 2
+        self.calls[self.sid] = self.loop.create_future()
+        self.stream_send = self.stream_window
+        self.transport.write(frame_head(HEADERS, END_HEADERS, self.sid, len(self.block))
+                             + self.block)
+
+    def send(self, request_id: str, message: bytes) -> asyncio.Future[str]:
+        fut = self.loop.create_future()
+        if self.broken is not None:
+            fut.set_result(self.broken)
+            return fut
+        self.waiting_ids[request_id] = fut
+        self.out.append(b"\x00" + _U32.pack(len(message)) + message)
+        self._flush_stream()
+        return fut
+
+    def expire(self, request_id: str) -> None:
+        """A request past its deadline: answered "timeout" (its answer, if any, is dropped)."""
+        fut = self.waiting_ids.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result("timeout")
+
+    def _flush_stream(self) -> None:
+        while self.out:
+            body = self.out[0]
+            if len(body) > self.max_frame:
+                self.out.popleft()
+                self._end_call(self.sid, "grpc:RESOURCE_EXHAUSTED")  # one frame per message here
+                return
+            if len(body) > min(self.send_window, self.stream_send):
+                return
+            self.out.popleft()
+            self.send_window -= len(body)
+            self.stream_send -= len(body)
+            self.transport.writelines([frame_head(DATA, 0, self.sid, len(body)), body])
+
+    def _on_window(self, sid: int, increment: int) -> None:
+        if sid == 0:
+            self.send_window += increment
+        elif sid == self.sid:
+            self.stream_send += increment
+        self._flush_stream()
+
+    def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
+        if sid != self.sid:
+            return
+        self.stream_unacked += len(payload)
+        if self.stream_unacked >= RECV_WINDOW // 2:
+            self.transport.write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(self.stream_unacked)))
+            self.stream_unacked = 0
+        buf = self.rbuf + payload if self.rbuf else payload
+        pos = 0
+        while len(buf) - pos >= 5:
+            size = _U32.unpack_from(buf, pos + 1)[0]
+            if len(buf) - pos - 5 < size:
+                break
+            answer = self.parse(buf[pos + 5:pos + 5 + size])
+            pos += 5 + size
+            fut = self.waiting_ids.pop(answer.infer_response.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result("stream:error" if answer.error_message else OK)
+        self.rbuf = buf[pos:]
+        if flags & END_STREAM:
+            self._end_call(sid, "grpc:INTERNAL")  # a stream ended without trailers
+
+    def _end_call(self, sid: int, status: str) -> None:
+        super()._end_call(sid, status)
+        if sid == self.sid:  # the stream ended: nothing more will be answered on it
+            self._fail_waiting("conn:stream ended" if status == OK else status)
+
+    def _break(self, status: str, after_sid: int = 0) -> None:
+        super()._break(status, after_sid)
+        if self.sid > after_sid:
+            self._fail_waiting(self.broken or status)
+
+    def _fail_waiting(self, status: str) -> None:
+        self.broken = self.broken or status
+        waiting, self.waiting_ids = self.waiting_ids, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_result(status)
+
+
+async def connect(host: str, port: int, path: str, timeout_s: float,
+                  kind: type[H2Client] = H2Client) -> H2Client:
+    """A connection whose server's SETTINGS arrived (ConnectionError past ``timeout_s``);
+    ``kind``: :class:`H2StreamClient` for a stream (opened here)."""
     loop = asyncio.get_running_loop()
     try:
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: H2Client(f"{host}:{port}", path), host, port),
+            loop.create_connection(lambda: kind(f"{host}:{port}", path), host, port),
             timeout_s)
         await asyncio.wait_for(asyncio.shield(conn.ready), timeout_s)
     except (OSError, asyncio.TimeoutError) as exc:
         raise ConnectionError(f"gRPC endpoint {host}:{port} not reachable: {exc!r}") from None
+    if isinstance(conn, H2StreamClient):
+        conn.open()
     return conn

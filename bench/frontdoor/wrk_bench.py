@@ -9,13 +9,13 @@ generator for gRPC and the queue API, with the CPU of every daemon process.
    load at rising connections (--connections), each point --seconds after a --warmup-s run at the
    same connections; a sweep stops once a point's p99 passes --stop-p99-ms (or > 1% fail):
    HTTP JSON, HTTP npy and KServe v2 binary through wrk (bodies from Python in a generated Lua
-   script, bench/frontdoor/wrk_lua.py); gRPC ``ModelInfer`` through ``loadtest.gen``'s lean
-   HTTP/2 client (``grpc-h2``: the same distinct bodies, one connection per caller), gRPC
-   streaming and HTTP npy (side by side with wrk's) through ``loadtest.gen``. ``--paths
-   grpc-aio`` adds gRPC unary with grpc.aio's client; ``--paths grpc-one-body`` adds h2load's
-   gRPC unary: it posts one body file, every request the same ids, which the engine core merges
-   (checked once with a gRPC client, since h2load does not read trailers): the endpoint's
-   ceiling, not a workload's figure.
+   script, bench/frontdoor/wrk_lua.py); gRPC ``ModelInfer`` and ``ModelStreamInfer`` through
+   ``loadtest.gen``'s lean HTTP/2 client (``grpc-h2``, ``grpc-stream-h2``: the same distinct
+   bodies; unary one connection per caller) and HTTP npy through ``loadtest.gen`` (side by
+   side with wrk's). ``--paths grpc-aio grpc-stream-aio`` add the same with grpc.aio's client;
+   ``--paths grpc-one-body`` adds h2load's gRPC unary: it posts one body file, every request the
+   same ids, which the engine core merges (checked once with a gRPC client, since h2load does not
+   read trailers): the endpoint's ceiling, not a workload's figure.
 3. Single id (workload c): HTTP JSON and npy with one connection (p50 / p99 / p99.9, over
    --single-seconds), then a sweep for the most requests/s at p99 <= --bound-ms.
 4. The queue API (the daemon in this process, load processes ``connect()``) as the reference,
@@ -68,7 +68,7 @@ from quiver_serve.engine.procs.standby import SETTLE_S as STANDBY_SETTLE_S
 from quiver_serve.engine.procs.standby import SPAWN_GAP_S
 
 DAEMON_PATHS = ["http-npy", "kserve-binary", "grpc", "http-json", "gen-npy", "grpc-stream",
-                "grpc-aio", "grpc-one-body"]
+                "grpc-aio", "grpc-stream-aio", "grpc-one-body"]
 SINGLE_PATHS = ["http-json", "http-npy"]
 SERVER_GRACE_S = 8.0
 DEFAULTS = {"workloads": ["a", "b"], "connections": [16, 32, 64, 128, 256], "seconds": 3,
@@ -341,8 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", choices=["a", "b"], help="default: a b (--smoke: a)")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS),
                     default=[p for p in PATHS if p not in OPT_IN_PATHS],
-                    help="default: all but grpc-one-body (h2load, one body: see above) and "
-                    "grpc-aio (gRPC unary with grpc.aio's client)")
+                    help="default: all but grpc-one-body (h2load, one body: see above), "
+                    "grpc-aio and grpc-stream-aio (grpc.aio's client)")
     ap.add_argument("--queue-workloads", nargs="+", choices=["a", "b", "c"],
                     help="the queue API's workloads (default: --workloads, and c unless --no-single)")
     ap.add_argument("--connections", type=int, nargs="+", help="closed-loop connections "

@@ -35,21 +35,23 @@ from loadtest.workloads import IDS_PER_REQUEST, draw_requests
 #: one body file, so every request would carry the same ids, which the engine core merges into
 #: one set of seeds per batch (a fraction of the sampling and model work of distinct requests:
 #: on the 2-vCPU box 2.7-3.4x the queue API's seeds/s, on the H200 workload (b) 1.36x), and grpc.aio
-#: (``grpc-aio``, opt-in) spends several times the client CPU. ``grpc-one-body`` keeps h2load's
+#: (``grpc-aio``, opt-in) spends several times the client CPU; gRPC streaming likewise
+#: (``grpc-stream-h2``; grpc.aio's: ``grpc-stream-aio``, opt-in). ``grpc-one-body`` keeps h2load's
 #: figure, named for what it is: the endpoint's ceiling.
 PATHS = {"http-json": ("wrk", "http-json"), "http-npy": ("wrk", "http-npy"),
          "kserve-binary": ("wrk", "kserve-binary"), "grpc": ("gen", "grpc-h2"),
          "grpc-aio": ("gen", "grpc"), "grpc-one-body": ("h2load", "grpc"),
-         "grpc-stream": ("gen", "grpc-stream"), "gen-npy": ("gen", "http-npy"),
-         "queue": ("gen", "queue")}
+         "grpc-stream": ("gen", "grpc-stream-h2"), "grpc-stream-aio": ("gen", "grpc-stream"),
+         "gen-npy": ("gen", "http-npy"), "queue": ("gen", "queue")}
 TITLES = {"http-json": "HTTP JSON", "http-npy": "HTTP npy", "kserve-binary": "KServe binary",
           "grpc": "gRPC unary", "grpc-aio": "gRPC unary, grpc.aio client",
           "grpc-one-body": "gRPC unary, one body repeated",
-          "grpc-stream": "gRPC stream", "gen-npy": "HTTP npy", "queue": "queue API"}
+          "grpc-stream": "gRPC stream", "grpc-stream-aio": "gRPC stream, grpc.aio client",
+          "gen-npy": "HTTP npy", "queue": "queue API"}
 #: paths whose requests are not the workload's distinct bodies (left out of the contract table)
 ONE_BODY_PATHS = ("grpc-one-body",)
 #: paths measured only when asked (``--paths``)
-OPT_IN_PATHS = (*ONE_BODY_PATHS, "grpc-aio")
+OPT_IN_PATHS = (*ONE_BODY_PATHS, "grpc-aio", "grpc-stream-aio")
 CLIENT_NAMES = {"wrk": "wrk", "h2load": "h2load", "gen": "loadtest.gen"}
 POINT_OVERHEAD_S = {"wrk": 0.7, "h2load": 0.7, "gen": 1.5}  # start, connect, report
 

@@ -91,3 +91,36 @@ def test_errors_deadlines_and_a_server_that_goes() -> None:
             await srv.stop(None)
 
     asyncio.run(main())
+
+
+def test_stream_calls_pipeline_past_the_windows_and_go_on_after_an_error() -> None:
+    """300 requests over 3 ModelStreamInfer streams, 196 KiB answers (59 MB through windows of
+    16 MiB: the stream's window is returned as answers are read); a request without ids is
+    answered with an error message and the stream goes on; a silent engine times out."""
+    async def main() -> None:
+        import types
+
+        state = _state(1024)
+        srv, port = await _own(state)
+        reqs = [np.arange(k, k + 48) for k in range(300)] + [np.array([], dtype=np.int64)]
+        try:
+            async with make_caller(_target(port, protocol="grpc-stream-h2", grpc_streams=3),
+                                   reqs, limit=16) as caller:
+                assert len(caller.conns) == 3
+                statuses = await asyncio.gather(*[caller.call(i) for i in range(300)])
+                assert await caller.call(300) == "stream:error"
+                assert await caller.call(0) == OK  # the stream goes on
+        finally:
+            await srv.stop(None)
+        assert statuses == [OK] * 300
+
+        silent = types.SimpleNamespace(**{**vars(state), "pipeline": Silent()})
+        srv, port = await _own(silent)
+        try:
+            async with make_caller(_target(port, protocol="grpc-stream-h2", timeout_s=0.3),
+                                   reqs, limit=1) as caller:
+                assert await caller.call(0) == "timeout"
+        finally:
+            await srv.stop(None)
+
+    asyncio.run(main())

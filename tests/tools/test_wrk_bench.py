@@ -323,11 +323,14 @@ def test_grpc_unary_is_measured_with_the_workloads_distinct_bodies() -> None:
     assert r["grpc"].client == "gen" and r["grpc"].protocol == "grpc-h2"
     assert r["grpc"].label == "gRPC unary (loadtest.gen)"
     assert r["grpc-aio"].client == "gen" and r["grpc-aio"].protocol == "grpc"
+    assert r["grpc-stream"].protocol == "grpc-stream-h2"
+    assert r["grpc-stream-aio"].protocol == "grpc-stream"
     assert r["grpc-one-body"].client == "h2load"
     assert r["grpc-one-body"].label == "gRPC unary, one body repeated (h2load)"
     assert r["http-json"].client == "wrk" and r["gen-npy"].label == "HTTP npy (loadtest.gen)"
     defaults = wrk_bench.parse_args([]).paths
-    assert "grpc" in defaults and not {*ONE_BODY_PATHS, "grpc-aio"} & set(defaults)
+    assert "grpc" in defaults and "grpc-stream" in defaults
+    assert not {*ONE_BODY_PATHS, "grpc-aio", "grpc-stream-aio"} & set(defaults)
     assert wrk_bench.parse_args(["--paths", "grpc-one-body"]).paths == ["grpc-one-body"]
 
 
