@@ -34,7 +34,7 @@ from loadtest.workloads import IDS_PER_REQUEST, draw_requests
 #: HTTP/2 client (``grpc-h2``, ``loadtest/h2_client.py``), one connection per caller: h2load posts
 #: one body file, so every request would carry the same ids, which the engine core merges into
 #: one set of seeds per batch (a fraction of the sampling and model work of distinct requests:
-#: on the 2-vCPU box 2.7-3.4x the queue API's seeds/s, on the H200 workload (b) 1.36x), and grpc.aio
+#: on the 2-vCPU box about 3x the queue API's seeds/s, on the H200 workload (b) 1.36x), and grpc.aio
 #: (``grpc-aio``, opt-in) spends several times the client CPU; gRPC streaming likewise
 #: (``grpc-stream-h2``; grpc.aio's: ``grpc-stream-aio``, opt-in). ``grpc-one-body`` keeps h2load's
 #: figure, named for what it is: the endpoint's ceiling.

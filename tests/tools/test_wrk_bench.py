@@ -313,7 +313,7 @@ def test_options_smoke_defaults_and_the_queue_api_order() -> None:
 
 def test_grpc_unary_is_measured_with_the_workloads_distinct_bodies() -> None:
     """h2load posts one body file: every request the same ids, which the engine core merges into
-    one set of seeds per batch (2.7-3.4x the queue API's seeds/s on the 2-vCPU box). The contract's
+    one set of seeds per batch (about 3x the queue API's seeds/s on the 2-vCPU box). The contract's
     gRPC unary path goes through the generator; h2load's is opt-in and says what it is."""
     from bench.frontdoor import wrk_bench
     from bench.frontdoor.wrk_points import ONE_BODY_PATHS, routes
