@@ -8,7 +8,7 @@ Protocols: http-json (POST /v1/embed), http-npy (Accept: application/x-npy), kse
 kserve-binary (binary tensor extension, binary_data_output), grpc (KServe v2 ModelInfer over
 grpc.aio), grpc-h2 (the same over loadtest/h2_client.py, a lean HTTP/2 client),
 grpc-stream (KServe v2 ModelStreamInfer: each process pipelines its callers' requests over up to 8
-bidirectional streams, one connection each), queue (the queue API: starts the daemon in this
+bidirectional streams, one connection each), grpc-stream-h2 (the same over the lean client), queue (the queue API: starts the daemon in this
 process from --config, load processes connect to it).
 Workloads (DESIGN §6): a (48 ids from the 1,500-node hot set), b (48 uniform), c (1 uniform), or
 trace (an .npy file, one row per request, sent in order; see loadtest/README.md).
