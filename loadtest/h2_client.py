@@ -363,12 +363,15 @@ async def connect(host: str, port: int, path: str, timeout_s: float,
     """A connection whose server's SETTINGS arrived (ConnectionError past ``timeout_s``);
     ``kind``: :class:`H2StreamClient` for a stream (opened here)."""
     loop = asyncio.get_running_loop()
+    conn: H2Client | None = None
     try:
         _, conn = await asyncio.wait_for(
             loop.create_connection(lambda: kind(f"{host}:{port}", path), host, port),
             timeout_s)
         await asyncio.wait_for(asyncio.shield(conn.ready), timeout_s)
     except (OSError, asyncio.TimeoutError) as exc:
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()  # connected, but no SETTINGS from the server in time
         raise ConnectionError(f"gRPC endpoint {host}:{port} not reachable: {exc!r}") from None
     if isinstance(conn, H2StreamClient):
         conn.open()

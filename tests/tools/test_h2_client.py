@@ -124,3 +124,25 @@ def test_stream_calls_pipeline_past_the_windows_and_go_on_after_an_error() -> No
             await srv.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_server_that_never_speaks_http2_is_refused_and_its_connection_closed() -> None:
+    async def main() -> None:
+        from loadtest.h2_client import connect
+
+        closed = asyncio.Event()
+
+        async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # the preface, then nothing in answer; returns at the close
+            closed.set()
+
+        srv = await asyncio.start_server(mute, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(ConnectionError, match="not reachable"):
+                await connect("127.0.0.1", port, "/x", timeout_s=0.2)
+            await asyncio.wait_for(closed.wait(), 2.0)  # the client closed its side
+        finally:
+            srv.close()
+
+    asyncio.run(main())
