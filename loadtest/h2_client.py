@@ -103,12 +103,13 @@ class H2Client(asyncio.Protocol):
         self.broken: str | None = None
 
     # ---- the caller's side ---------------------------------------------------------------------
-    def call(self, message: bytes) -> asyncio.Future[str]:
-        """Send one gRPC message (a serialised request) on a new stream; its status later."""
+    def call(self, message: bytes) -> tuple[int, asyncio.Future[str]]:
+        """Send one gRPC message (a serialised request) on a new stream: its stream id (0 when
+        the connection is broken) and the future of its status."""
         fut = self.loop.create_future()
         if self.broken is not None:
             fut.set_result(self.broken)
-            return fut
+            return 0, fut
         sid, self.next_sid = self.next_sid, self.next_sid + 2
         self.calls[sid] = fut
         body = b"\x00" + _U32.pack(len(message)) + message
@@ -118,18 +119,16 @@ class H2Client(asyncio.Protocol):
             self._flush()
         else:
             self._send(sid, body)
-        return fut
+        return sid, fut
 
-    def cancel(self, sid_fut: asyncio.Future[str], status: str) -> None:
-        """End a call whose deadline passed (RST_STREAM CANCEL to the server)."""
-        for sid, fut in list(self.calls.items()):
-            if fut is sid_fut:
-                del self.calls[sid]
-                if self.transport is not None and not self.transport.is_closing():
-                    self.transport.write(frame(RST_STREAM, 0, sid, _U32.pack(0x8)))
-                if not fut.done():
-                    fut.set_result(status)
-                return
+    def expire(self, sid: int) -> None:
+        """A call past its deadline: answered "timeout", its stream reset (RST_STREAM CANCEL:
+        the server cancels it)."""
+        if self.calls.get(sid) is None:
+            return
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(RST_STREAM, 0, sid, _U32.pack(0x8)))
+        self._end_call(sid, "timeout")
 
     def _send(self, sid: int, body: bytes) -> None:
         self.send_window -= len(body)

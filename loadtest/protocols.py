@@ -118,6 +118,12 @@ class HttpCaller:
             return f"conn:{type(exc).__name__}"
 
 
+def unary_connections(target: dict, limit: int) -> int:
+    """gRPC unary's TCP connections in one load process: ``target["grpc_connections"]``, else
+    one per caller, at most ``GRPC_MAX_CONNECTIONS``."""
+    return max(1, min(limit, int(target.get("grpc_connections") or GRPC_MAX_CONNECTIONS)))
+
+
 class GrpcCaller:
     """KServe v2 ``ModelInfer`` over grpc.aio; requests serialised once, answers read as bytes.
     ``target["grpc_connections"]`` channels (default: one per caller, at most
@@ -131,8 +137,7 @@ class GrpcCaller:
                  exact: bool = False) -> None:
         self.bodies = encode_grpc(target["model"], reqs, exact)
         self.target, self.timeout_s = target["grpc_target"], target["timeout_s"]
-        self.num_channels = max(1, min(limit, int(target.get("grpc_connections")
-                                                  or GRPC_MAX_CONNECTIONS)))
+        self.num_channels = unary_connections(target, limit)
         self.channels: list[Any] = []
         self.stubs: list[Any] = []
         self.turn = itertools.count()
@@ -177,11 +182,11 @@ class GrpcH2Caller:
         self.bodies = encode_grpc(target["model"], reqs, exact)
         host, _, port = target["grpc_target"].rpartition(":")
         self.host, self.port, self.timeout_s = host, int(port), float(target["timeout_s"])
-        self.num_conns = max(1, min(limit, int(target.get("grpc_connections")
-                                               or GRPC_MAX_CONNECTIONS)))
+        self.num_conns = unary_connections(target, limit)
         self.conns: list[Any] = []
         self.turn = itertools.count()
-        self.deadlines: collections.deque[tuple[float, Any, asyncio.Future[str]]] = \
+        #: (deadline, connection, its key for the call, the call's future), oldest first
+        self.deadlines: collections.deque[tuple[float, Any, Any, asyncio.Future[str]]] = \
             collections.deque()
         self.sweeper: asyncio.Task[None] | None = None
         self.reopening: dict[int, asyncio.Future[Any]] = {}
@@ -220,9 +225,13 @@ class GrpcH2Caller:
                 conn = await self._reopen(k)
             except ConnectionError:
                 return "conn:ConnectionError"
-        fut = conn.call(self.bodies[i])
-        self.deadlines.append((asyncio.get_running_loop().time() + self.timeout_s, conn, fut))
+        key, fut = self._send(conn, i)
+        self.deadlines.append((asyncio.get_running_loop().time() + self.timeout_s, conn, key, fut))
         return await fut
+
+    def _send(self, conn: Any, i: int) -> tuple[Any, asyncio.Future[str]]:
+        """Request ``i`` on ``conn``: the key ``conn.expire`` takes, and the status's future."""
+        return conn.call(self.bodies[i])
 
     async def _reopen(self, k: int) -> Any:
         """Connection ``k`` again (one attempt shared by its callers)."""
@@ -243,15 +252,10 @@ class GrpcH2Caller:
         while True:
             await asyncio.sleep(0.1)
             now = loop.time()
-            while deadlines and (deadlines[0][2].done() or deadlines[0][0] <= now):
-                _, handle, fut = deadlines.popleft()
+            while deadlines and (deadlines[0][3].done() or deadlines[0][0] <= now):
+                _, conn, key, fut = deadlines.popleft()
                 if not fut.done():
-                    self._expire(handle, fut)
-
-    @staticmethod
-    def _expire(handle: Any, fut: asyncio.Future[str]) -> None:
-        """A call past its deadline: "timeout", and the stream reset (the server cancels it)."""
-        handle.cancel(fut, "timeout")
+                    conn.expire(key)
 
 
 class GrpcH2StreamCaller(GrpcH2Caller):
@@ -274,24 +278,9 @@ class GrpcH2StreamCaller(GrpcH2Caller):
 
         return await connect(self.host, self.port, self.METHOD, self.timeout_s, H2StreamClient)
 
-    async def call(self, i: int) -> str:
-        k = next(self.turn) % len(self.conns)
-        stream = self.conns[k]
-        if stream.broken is not None:
-            try:
-                stream = await self._reopen(k)
-            except ConnectionError:
-                return "conn:ConnectionError"
+    def _send(self, stream: Any, i: int) -> tuple[Any, asyncio.Future[str]]:
         request_id = str(next(self.seq))
-        fut = stream.send(request_id, _id_field(request_id) + self.bodies[i])
-        self.deadlines.append((asyncio.get_running_loop().time() + self.timeout_s,
-                               (stream, request_id), fut))
-        return await fut
-
-    @staticmethod
-    def _expire(handle: Any, fut: asyncio.Future[str]) -> None:
-        stream, request_id = handle
-        stream.expire(request_id)
+        return request_id, stream.send(request_id, _id_field(request_id) + self.bodies[i])
 
 
 def encode_grpc(model: str, reqs: list[np.ndarray], exact: bool = False) -> list[bytes]:
