@@ -227,18 +227,42 @@ def test_other_requests_reach_fastapi(apps: tuple, name: str) -> None:
     assert fast_app.state.hot_routes.answered == before
 
 
-def test_disconnect_while_waiting_cancels_as_before(apps: tuple) -> None:
-    """The client goes away after sending the body: 499 in both (not computed for nobody)."""
-    fast, slow, _ = apps
+def test_disconnect_while_waiting_cancels_as_before(apps: tuple, monkeypatch: Any) -> None:
+    """The client goes away after sending the body, before its answer: 499 in both, and the
+    request cancelled in the pipeline (not computed for nobody). The answer a caller awaits is
+    held back until the test ends, so "before its answer" holds however fast the engine is."""
+    fast, slow, pipeline = apps
+    submit, cancel = pipeline.submit_ids_async, pipeline.cancel
+    held: list[tuple[str, Any]] = []
+    cancelled: list[str] = []
+
+    def held_submit(*args: Any, **kwargs: Any) -> tuple[str, Any]:
+        request_id, _answer = submit(*args, **kwargs)
+        gate = asyncio.get_running_loop().create_future()
+        held.append((request_id, gate))
+        return request_id, gate
+
+    def spy_cancel(request_id: str, *args: Any) -> bool:
+        cancelled.append(request_id)
+        return bool(cancel(request_id, *args))
+
+    monkeypatch.setattr(pipeline, "submit_ids_async", held_submit)
+    monkeypatch.setattr(pipeline, "cancel", spy_cancel)
     method, path, body, headers = embed({"node_ids": list(range(400)), "exact": True})
 
     async def run() -> tuple[dict, dict]:
-        return (await call(fast, method, path, body, headers, gone_after_body=True),
-                await call(slow, method, path, body, headers, gone_after_body=True))
+        try:
+            return (await call(fast, method, path, body, headers, gone_after_body=True),
+                    await call(slow, method, path, body, headers, gone_after_body=True))
+        finally:
+            for _, gate in held:
+                gate.cancel()
 
     got, want = asyncio.run(run())
     assert got["status"] == want["status"] == 499
     assert got["body"] == want["body"]
+    assert orjson.loads(got["body"])["error"]["code"] == "client_disconnected"
+    assert cancelled == [request_id for request_id, _ in held] and len(cancelled) == 2
 
 
 def test_disconnect_mid_body_is_499_not_an_internal_error(apps: tuple) -> None:
