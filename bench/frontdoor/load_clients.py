@@ -92,6 +92,19 @@ def threads_for(connections: int, cpus: int | None = None) -> int:
     return max(1, min(4, cpus // 4, connections))
 
 
+def raise_open_files(wanted: int = 65536) -> tuple[int, int]:
+    """Lift this process's soft limit on open files toward ``wanted`` (at most the hard limit),
+    so that wrk, h2load and the daemon it starts (children inherit it) can hold a sweep's
+    connections: a common soft limit of 1,024 is below 1,024 connections plus the client's own
+    files. Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return soft, target
+    return soft, soft
+
+
 def run_client(argv: Sequence[str], tool: Tool, limit_s: float) -> tuple[str, float]:
     """Run one client to its end: (stdout, its CPU seconds, user + system, from the children's
     resource usage: the only child reaped meanwhile is this one)."""

@@ -17,7 +17,9 @@ generator for gRPC and the queue API, with the CPU of every daemon process.
    same ids, which the engine core merges (checked once with a gRPC client, since h2load does not
    read trailers): the endpoint's ceiling, not a workload's figure.
 3. Single id (workload c): HTTP JSON and npy with one connection (p50 / p99 / p99.9, over
-   --single-seconds), then a sweep for the most requests/s at p99 <= --bound-ms.
+   --single-seconds), then a sweep for the most requests/s at p99 <= --bound-ms (default levels:
+   --connections, then twice and four times the last: a request of one id keeps the engine core
+   busy only with many more in flight).
 4. The queue API (the daemon in this process, load processes ``connect()``) as the reference,
    per workload, after the daemon is stopped (its time is reserved from the start).
 5. During every point: CPU time of each daemon process (role from /v1/workers: main, frontend i,
@@ -333,6 +335,13 @@ def queue_phase(run: Run, cfg: Any, graph: Any, work: Workloads) -> None:
         p.stop()
 
 
+def single_id_levels(connections: list[int]) -> list[int]:
+    """The single-id sweep's default: the others' levels, then 2x and 4x the last (the sweep
+    stops past --stop-p99-ms, so the extra levels cost time only while p99 stays low)."""
+    last = max(connections)
+    return sorted(set(connections) | {2 * last, 4 * last})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.frontdoor.wrk_bench", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
@@ -348,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, nargs="+", help="closed-loop connections "
                     "(callers) per point, rising (default: 16 32 64 128 256; --smoke: 1 4 16)")
     ap.add_argument("--connections-c", type=int, nargs="+", help="the single-id sweep's "
-                    "(default: --connections)")
+                    "(default: --connections, then 2x and 4x the last)")
     ap.add_argument("--no-single", action="store_true", help="no single-id (c) points")
     ap.add_argument("--seconds", type=int, help="measured window per point, whole seconds "
                     "(default 3; --smoke: 1)")
@@ -382,7 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.config == "configs/bench_reddit.yaml":
             args.config = "configs/default.yaml"
         args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 300.0)
-    args.connections_c = args.connections_c or (smoke.get("connections_c") or args.connections)
+    args.connections_c = args.connections_c or smoke.get("connections_c") or \
+        single_id_levels(args.connections)
     if args.queue_workloads is None:
         args.queue_workloads = args.workloads + ([] if args.no_single else ["c"])
     return args
@@ -400,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="qs-wrk-bench-"))
     run = Run(args, folder)
     code = 0
+    before, after = lc.raise_open_files()
+    if after < 2 * max(args.connections + args.connections_c):
+        print(f"warning: {after} open files allowed (was {before}): the largest sweeps may fail "
+              "to connect", flush=True)
     try:
         graph, npz = save_graph(cfg, folder)
         graph.share_memory_()

@@ -299,7 +299,11 @@ def test_options_smoke_defaults_and_the_queue_api_order() -> None:
     from bench.frontdoor import wrk_bench
 
     full = wrk_bench.parse_args([])
-    assert full.connections == full.connections_c == [16, 32, 64, 128, 256]
+    assert full.connections == [16, 32, 64, 128, 256]
+    assert full.connections_c == [16, 32, 64, 128, 256, 512, 1024]  # one id: more in flight
+    given = wrk_bench.parse_args(["--connections", "64", "384"])
+    assert given.connections_c == [64, 384, 768, 1536]
+    assert wrk_bench.parse_args(["--connections-c", "8"]).connections_c == [8]
     assert full.workloads == ["a", "b"] and full.queue_workloads == ["a", "b", "c"]
     assert (full.seconds, full.single_seconds, full.config) == (3, 5, "configs/bench_reddit.yaml")
     smoke = wrk_bench.parse_args(["--smoke", "--connections", "2", "--seconds", "2"])
@@ -423,3 +427,16 @@ def test_net_counters_read_retransmits_backlog_drops_and_steal(tmp_path: Path) -
         "tcp_retrans_segs": 3, "backlog_drops": 0, "cpu_steal_ms": 5 * tick_ms}
     assert proc_cpu.net_counters(tmp_path / "missing") == {}
     assert set(proc_cpu.net_counters()) <= {"tcp_retrans_segs", "backlog_drops", "cpu_steal_ms"}
+
+
+def test_open_files_limit_is_lifted_for_large_sweeps() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no limit on open files here")
+    assert lc.raise_open_files(wanted=16) == (soft, soft)  # never lowered
+    before, after = lc.raise_open_files(wanted=4096)
+    assert before == soft
+    want = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+    assert after == max(soft, want) == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
