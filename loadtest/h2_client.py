@@ -13,7 +13,7 @@ and a cached HPACK decode (``quiver_serve.frontend.http2.HeaderCache``).
 Per RFC 9113 it answers SETTINGS and PING, follows the server's windows (a request that does not
 fit waits for its WINDOW_UPDATE), returns the connection window as answers are read, takes
 CONTINUATION and padding, and ends calls on RST_STREAM, GOAWAY (streams past the server's last)
-or a lost connection. Statuses are those of ``loadtest.protocols``: ``"200"`` for
+or a lost connection. Statuses are those of ``loadtest/status.py``: ``"200"`` for
 ``grpc-status: 0``, ``"grpc:<NAME>"`` otherwise, ``"conn:<why>"`` when the connection failed.
 """
 
@@ -24,6 +24,7 @@ import struct
 from collections import deque
 from typing import Any
 
+from loadtest.status import OK
 from quiver_serve.frontend.http2 import (
     ACK,
     CONTINUATION,
@@ -48,7 +49,6 @@ from quiver_serve.frontend.http2 import (
     unpad,
 )
 
-OK = "200"
 #: gRPC status codes by number (the spec's names)
 GRPC_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
               "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",

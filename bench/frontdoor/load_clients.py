@@ -131,7 +131,7 @@ def grpc_frame(message: bytes) -> bytes:
 
 def model_infer_request(model: str, ids: np.ndarray) -> bytes:
     """A serialized KServe v2 ``ModelInferRequest``: input ``node_ids`` INT64 [n], the ids as
-    raw little-endian int64 (``raw_input_contents``), as ``loadtest.protocols.GrpcCaller``."""
+    raw little-endian int64 (``raw_input_contents``), as ``loadtest.grpc_callers.GrpcCaller``."""
     from quiver_serve.frontend.grpc_proto import message
 
     req_cls = message("ModelInferRequest")
