@@ -6,9 +6,9 @@ one reply per micro-batch. Each ``step()``:
 
 1. finishes batches whose GPU work is done (one host sync per batch: the copy-out), and computes
    batches whose sample came back from the CPU sampler pool;
-2. forms the next batch from whatever micro-batches wait (continuous batching), as large as the
-   cost model says still finishes inside the oldest request's deadline budget, dropping expired
-   requests before any work;
+2. forms the next batch from whatever micro-batches wait (continuous batching, ``forming.py``),
+   as large as the cost model says still finishes inside the oldest request's deadline budget,
+   dropping expired requests before any work;
 3. routes it (GPU sampling here, the CPU pool, or CPU sampling here), samples, gathers features
    and launches the model. On a GPU the model runs on its own stream, so batch k+1 is formed and
    sampled while batch k computes.
@@ -27,15 +27,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.engine.core import exact_answers, versions
+from quiver_serve.engine.core import exact_answers, forming, versions
 from quiver_serve.engine.core.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
 from quiver_serve.engine.core.fill import ExpectedFill
+from quiver_serve.engine.core.forming import MAX_IN_FLIGHT
 from quiver_serve.engine.core.micro_batch import (
     MicroBatch,
-    Part,
     Reply,
     check_ids,
-    prune,
+    failed_replies,
+    split_rows,
 )
 from quiver_serve.engine.core.model_slots import ModelSlot, ModelTable, Refusal
 from quiver_serve.features.fap import RequestLog
@@ -47,17 +48,13 @@ from quiver_serve.models.spec import ModelSpec
 from quiver_serve.routing.cost import CostModel, LatencyModel
 from quiver_serve.routing.psgs import PsgsTable
 from quiver_serve.routing.router import EngineRouter, EngineRouteState, PoolClock
-from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
-from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput
+from quiver_serve.wire import MicroBatchDone, RequestError
 
 log = logging.getLogger(__name__)
 
-#: finished GPU batches are noticed by polling their event; at most this many are launched at once
-MAX_IN_FLIGHT = 2
 #: a client's report of its outstanding ids counts this long after its last micro-batch
 CLIENT_REPORT_S = 1.0
-#: this many waiting ids or fewer form one batch whatever the deadline (no cost-model sizing)
-SMALL_BATCH_IDS = 16
 
 
 class EngineCore:
@@ -296,78 +293,12 @@ class EngineCore:
         return replies
 
     def _may_form(self) -> bool:
-        """Form the next batch now, or wait so it gathers more requests while the GPU is busy."""
-        if len(self.in_flight) >= MAX_IN_FLIGHT:
-            return False
-        now_s = time.time()
-        if self.in_flight:
-            lead_s = self.sample_latency.predict_s(self.max_batch_nodes) + 2e-4
-            if now_s < self.in_flight[-1].expected_done_s - lead_s:
-                return False
-        return self._filled(now_s)
+        """Form the next batch now (``forming.may_form``); tests replace it."""
+        return forming.may_form(self)
 
-    def _filled(self, now_s: float) -> bool:
-        """Enough ids wait for a batch of the expected size, or the wait for them is over
-        (``fill.py``)."""
-        first = self.waiting[0]
-        if first.seed != NO_SEED or not self.expected_fill:
-            self.fill.release()
-            return True  # a seeded request forms a batch alone: nothing to wait for
-        target = int(self.fill.target_ids(self.max_batch_nodes))
-        batch_s = self.latency.predict_s(target)
-        return self.fill.ready(self._waiting_ids, self.max_batch_nodes, now_s,
-                               self.latency.fixed_s, first.min_deadline_s - now_s - batch_s,
-                               bool(self.in_flight), self.waiting[-1].received_s)
-
-    # ---- forming ---------------------------------------------------------------------------------
     def _form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]:
-        """Merge waiting micro-batches of one kind into a batch sized to the deadline budget
-        (or to ``cap`` seeds)."""
-        first = self.waiting[0]
-        cap = self._seed_cap(first.min_deadline_s - now_s) if cap is None else cap
-        parts: list[Part] = []
-        refused: list[Reply] = []
-        taken = 0
-        while self.waiting:
-            mb = self.waiting[0]
-            if parts and (mb.exact != first.exact or mb.seed != NO_SEED or first.seed != NO_SEED
-                          or mb.slot is not first.slot or taken + mb.num_ids > cap):
-                break
-            self.waiting.popleft()
-            self._waiting_ids -= mb.num_ids
-            self._waiting_draws -= mb.draws
-            part = prune(mb, now_s)
-            if part.alive is not None and not part.alive.any():
-                refused.append(Reply(mb.client, MicroBatchDone(mb.seq, 0, part.errors), None))
-                continue
-            parts.append(part)
-            taken += mb.num_ids
-        self.fill.on_formed(taken)
-        if not parts:
-            return None, refused
-        seeds = parts[0].alive_ids() if len(parts) == 1 else np.concatenate(
-            [p.alive_ids() for p in parts])
-        seed = first.seed if first.seed != NO_SEED else new_batch_seed()
-        batch = Batch(next(self._ids), parts, torch.from_numpy(seeds), first.exact, seed,
-                      formed_s=now_s, slot=first.slot)
-        self.request_log.record(seeds)
-        return batch, refused
-
-    def _seed_cap(self, budget_s: float) -> int:
-        """Most seeds a batch may take and finish inside ``budget_s``: the cost model's largest
-        PSGS over the paths the router may use, turned into seeds at the waiting work's mean
-        PSGS per seed (the union grows slower than the seeds, so this errs small)."""
-        if self._waiting_ids <= SMALL_BATCH_IDS:
-            return self.max_batch_nodes  # splitting a handful of ids finishes none sooner
-        if self.psgs is None:
-            return self.latency.max_seeds_within(budget_s, self.max_batch_nodes)
-        paths = self.router.paths(self.gpu_sampler is not None, self.pool is not None)
-        psgs_cap = self.cost.max_psgs_within(budget_s, paths)
-        per_seed = self.psgs.union_of(max(self._waiting_draws, 0.0), self._waiting_ids) \
-            / self._waiting_ids
-        if psgs_cap == float("inf") or per_seed <= 0:
-            return self.max_batch_nodes
-        return max(1, min(self.max_batch_nodes, int(psgs_cap / per_seed)))
+        """The next batch from what waits (``forming.form``)."""
+        return forming.form(self, now_s, cap)
 
     # ---- routing, sampling, launching ------------------------------------------------------------
     def _route_state(self, batch: Batch) -> EngineRouteState:
@@ -550,17 +481,10 @@ class EngineCore:
         stats = self._stats(batch, compute_s)
         self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
                               self._clients_outstanding(time.time()))
-        replies, start, dim = [], 0, int(rows.shape[1])
-        for i, part in enumerate(batch.parts):
-            if part.alive is None:
-                chunk = rows[start:start + part.mb.num_ids]
-                start += part.mb.num_ids
-            else:  # some requests expired or were refused: zero rows in their places
-                alive_pos = np.repeat(part.alive, part.mb.lengths)
-                n_alive = int(alive_pos.sum())
-                chunk = np.zeros((part.mb.num_ids, dim), np.float32)
-                chunk[alive_pos] = rows[start:start + n_alive]
-                start += n_alive
+        dim = int(rows.shape[1])
+        replies = []
+        for i, (part, chunk) in enumerate(zip(batch.parts, split_rows(batch.parts, rows),
+                                              strict=True)):
             done = MicroBatchDone(part.mb.seq, dim, part.errors, stats if i == 0 else None,
                                   model=batch.slot.name, version=batch.slot.version)
             replies.append(Reply(part.mb.client, done, chunk))
@@ -592,11 +516,4 @@ class EngineCore:
         from quiver_serve.errors import internal_error
 
         err = internal_error(exc, f"engine {self.index} batch {batch.batch_id}", log).info
-        replies = []
-        for part in batch.parts:
-            alive = range(part.mb.num_requests) if part.alive is None \
-                else np.flatnonzero(part.alive).tolist()
-            errs = part.errors + [RequestError(i, err.code, err.message, err.status)
-                                  for i in alive]
-            replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
-        return replies
+        return failed_replies(batch.parts, err.code, err.message, err.status)

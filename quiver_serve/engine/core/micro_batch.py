@@ -123,3 +123,34 @@ def prune(mb: MicroBatch, now_s: float) -> Part:
     alive = valid & (mb.deadlines_s > now_s)
     errors = list(mb.errors) + [expired_error(i) for i in np.flatnonzero(valid & ~alive).tolist()]
     return Part(mb, alive, errors)
+
+
+def split_rows(parts: list[Part], rows: np.ndarray) -> list[np.ndarray]:
+    """A batch's rows (those of its alive requests, in part order) back per micro-batch: a view
+    when every request of the part is alive, else zero rows in the places of those that are
+    not."""
+    chunks, start, dim = [], 0, int(rows.shape[1])
+    for part in parts:
+        if part.alive is None:
+            chunks.append(rows[start:start + part.mb.num_ids])
+            start += part.mb.num_ids
+            continue
+        alive_pos = np.repeat(part.alive, part.mb.lengths)
+        n_alive = int(alive_pos.sum())
+        chunk = np.zeros((part.mb.num_ids, dim), np.float32)
+        chunk[alive_pos] = rows[start:start + n_alive]
+        start += n_alive
+        chunks.append(chunk)
+    return chunks
+
+
+def failed_replies(parts: list[Part], code: str, message: str, status: int) -> list[Reply]:
+    """One reply per micro-batch of a failed batch: its alive requests get the error, those
+    already refused keep theirs."""
+    replies = []
+    for part in parts:
+        alive = range(part.mb.num_requests) if part.alive is None \
+            else np.flatnonzero(part.alive).tolist()
+        errs = part.errors + [RequestError(i, code, message, status) for i in alive]
+        replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
+    return replies
