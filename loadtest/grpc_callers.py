@@ -20,6 +20,16 @@ from loadtest.status import OK
 GRPC_MAX_CONNECTIONS = 128
 
 
+async def once_per_slot(pending: dict[int, asyncio.Future[Any]], k: int, make: Any) -> Any:
+    """``await make()`` for slot ``k`` (a connection or stream opened again), one attempt
+    shared by every caller that finds the slot broken meanwhile."""
+    attempt = pending.get(k)
+    if attempt is None:
+        attempt = pending[k] = asyncio.ensure_future(make())
+        attempt.add_done_callback(lambda _: pending.pop(k, None))
+    return await asyncio.shield(attempt)
+
+
 def unary_connections(target: dict, limit: int) -> int:
     """gRPC unary's TCP connections in one load process: ``target["grpc_connections"]``, else
     one per caller, at most ``GRPC_MAX_CONNECTIONS``."""
@@ -137,11 +147,7 @@ class GrpcH2Caller:
 
     async def _reopen(self, k: int) -> Any:
         """Connection ``k`` again (one attempt shared by its callers)."""
-        pending = self.reopening.get(k)
-        if pending is None:
-            pending = self.reopening[k] = asyncio.ensure_future(self._connect())
-            pending.add_done_callback(lambda _: self.reopening.pop(k, None))
-        conn = await asyncio.shield(pending)
+        conn = await once_per_slot(self.reopening, k, self._connect)
         if self.conns[k] is not conn:
             if self.conns[k].transport is not None:
                 self.conns[k].transport.close()
@@ -342,11 +348,7 @@ class GrpcStreamCaller:
 
     async def _reopen(self, k: int) -> _Stream:
         """Stream ``k`` again, on a new connection (one attempt shared by its callers)."""
-        pending = self.reopening.get(k)
-        if pending is None:
-            pending = self.reopening[k] = asyncio.ensure_future(self._open_again(k))
-            pending.add_done_callback(lambda _: self.reopening.pop(k, None))
-        return await asyncio.shield(pending)
+        return await once_per_slot(self.reopening, k, lambda: self._open_again(k))
 
     async def _open_again(self, k: int) -> _Stream:
         old = self.streams[k]
