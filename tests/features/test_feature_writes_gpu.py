@@ -1,4 +1,4 @@
-"""Feature rows written in place on a GPU (DESIGN §7): the gather kernel returns the written rows
+"""Feature rows written in place on a GPU (docs/architecture.md, "The living graph"): the gather kernel returns the written rows
 from every tier (GPU shards under replicate and partition, pinned host memory read zero-copy,
 capacity rows of appended nodes), in fp32 exactly and fp16/bf16 to the dtype, with the same hit
 and miss counts as the pure-torch twin; a CUDA graph captured before the writes reads them.
@@ -20,6 +20,12 @@ pytestmark = [
 ]
 
 NUM_NODES, CAPACITY = 3000, 3500  # rows NUM_NODES.. : nodes not added yet (zero, score 0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every draw of these tests is reproducible: a failure names its placement."""
+    torch.manual_seed(0)
 
 
 def capacity_matrix(dim: int) -> torch.Tensor:
@@ -105,19 +111,25 @@ def test_captured_gather_reads_rows_written_later() -> None:
         assert torch.equal(out.cpu(), want[ids.cpu()]), trial
 
 
-def test_writes_between_build_and_commit_reach_the_gpu_shards() -> None:
+@pytest.mark.parametrize("seed", range(8))
+def test_writes_between_build_and_commit_reach_the_gpu_shards(seed: int) -> None:
+    """Rows written while a new layout is built (hot rows of the new placement, capacity rows,
+    and one id written twice in one call, whose last row wins) are there after the commit, for
+    several seeded placements."""
+    gen = torch.Generator().manual_seed(seed)
     x = capacity_matrix(32)
     budget = CAPACITY * LOC_BYTES_PER_NODE + 800 * 128
     store, _ = stores(x, budget, "replicate", torch.float16)
-    layout = store.build(plan_placement(torch.rand(CAPACITY), store.row_bytes, budget, 2,
-                                        "partition"))
-    ids = torch.cat([torch.cat(layout.placement.gpu_nodes)[:100], torch.arange(NUM_NODES,
-                                                                               CAPACITY)[:20]])
-    new = torch.randn(ids.numel(), 32)
+    layout = store.build(plan_placement(torch.rand(CAPACITY, generator=gen), store.row_bytes,
+                                        budget, 2, "partition"))
+    hot = torch.cat(layout.placement.gpu_nodes)
+    ids = torch.cat([hot[:100], torch.arange(NUM_NODES, CAPACITY)[:20], hot[:1]])
+    new = torch.randn(ids.numel(), 32, generator=gen)
     store.write_rows(ids, new)
     store.commit(layout)
     want = x.half()
-    want[ids] = new.half()
+    for i, row in zip(ids.tolist(), new.half(), strict=True):  # in order: a repeated id's last row
+        want[i] = row
     assert torch.equal(store.gather(torch.arange(CAPACITY, device="cuda")).cpu(), want)
 
 
