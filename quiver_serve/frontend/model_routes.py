@@ -1,4 +1,5 @@
-"""KServe v2 model routes, per model and per version (DESIGN §5, §9).
+"""KServe v2 model routes, per model and per version (docs/architecture.md, "Outside contracts" and
+"Models and versions").
 
 * ``GET /v2/models/{name}`` and ``GET /v2/models/{name}/versions/{version}``: metadata (the
   ready versions, platform, inputs and outputs, and how to rebuild the model in plain PyG); a
@@ -35,9 +36,16 @@ _MODELS = "/v2/models"
 
 
 def server_not_ready(state: Any) -> JSONResponse | None:
-    """The 503 answering a readiness probe while the server is not ready, else None."""
+    """The 503 answering a readiness probe while the server is not ready (starting, draining,
+    no engine core ready, or no model version ready to serve), else None."""
     if state.pipeline.ready and state.pipeline.engines_ready:
-        return None
+        view = state.views.current()
+        if any(view.ready_versions(name) for name in view.names):
+            return None
+        return error_response(503, "no_model_ready", "no model version is ready to serve (every "
+                              "model is unloaded or loading; load one through "
+                              "/v2/repository/models/{name}/load)",
+                              {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
     refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
         "engines_not_ready", "no engine core is ready (restarting after a failure)")
     message = "start-up failed" if state.start_error else refusal.info.message

@@ -1,4 +1,5 @@
-"""The model repository over KServe v2 / Triton's repository extension (DESIGN §9), driven by
+"""The model repository over KServe v2 / Triton's repository extension (docs/architecture.md,
+"Models and versions"), driven by
 ``tritonclient`` (http and grpc) unchanged.
 
 Two servers, one per part, each started once for the module:
@@ -567,9 +568,25 @@ def test_daemon_index_unload_and_load(daemon: ServerProcess, protocol: str) -> N
         ("sage", "1", "READY"), ("sage", "2", "READY")}
     client.unload_model("sage", headers=ADMIN)
     assert not ready_soon(client, "1", want=False)
+    assert server_ready_soon(daemon, want=False), "ready while no model serves"
+    r = httpx.get(daemon.url + "/v2/health/ready", headers=DATA, timeout=10)
+    assert r.status_code == 503 and "no model version is ready" in r.json()["error"], r.text
+    assert r.headers["retry-after"]
     client.load_model("sage", headers=ADMIN)
     assert ready_soon(client, "1") and ready_soon(client, "2")
+    assert server_ready_soon(daemon)
     client.close()
+
+
+def server_ready_soon(srv: ServerProcess, want: bool = True) -> bool:
+    """``/v2/health/ready``'s answer once it is ``want`` (up to 1 s: see :func:`ready_soon`)."""
+    end = time.monotonic() + 1.0
+    while (httpx.get(srv.url + "/v2/health/ready", headers=DATA, timeout=10).status_code
+           == 200) != want:
+        if time.monotonic() > end:
+            return not want
+        time.sleep(0.02)
+    return want
 
 
 @pytest.mark.e2e

@@ -1,5 +1,5 @@
-"""The model repository's calls, in the main process (DESIGN §9): which versions of which models
-every engine core serves, and the state the front-ends publish.
+"""The model repository's calls, in the main process (docs/architecture.md, "Models and versions"):
+which versions of which models every engine core serves, and the state the front-ends publish.
 
 * ``load(name, config)``: the versions the model's policy names (``config`` may change only
   ``version_policy`` and ``traffic``) that are not loaded yet are built in every engine core
@@ -161,6 +161,8 @@ class ModelManager:
             state.lock.release()
 
     def unload(self, name: str) -> dict[str, Any]:
+        if self.repo is None:  # nothing could load it again: the daemon would serve no model
+            raise self._fixed_model("unload")
         state = self.models.get(name)
         if state is None or not any(v.state == READY for v in state.versions.values()):
             if self.repo is not None and name in self.repo.names():
@@ -183,9 +185,7 @@ class ModelManager:
     def _plan(self, name: str, config: dict[str, Any] | None) -> tuple[list[ModelSpec],
                                                                          dict[int, float]]:
         if self.repo is None:
-            raise errors.ServeError("model_repository_unavailable",
-                                    "this daemon has no model repository (models.repository); "
-                                    "its model is fixed at start-up", 400)
+            raise self._fixed_model("load")
         from quiver_serve.models.repository import RepositoryError
 
         if name not in self.repo.names():
@@ -199,6 +199,16 @@ class ModelManager:
             raise errors.ServeError("invalid_model_config",
                                     f"model {name!r}: its version policy names no version", 400)
         return specs, {int(v): float(w) for v, w in traffic.items()}
+
+    @staticmethod
+    def _fixed_model(op: str) -> errors.ServeError:
+        """The refusal of a load or unload on a daemon without a repository (Triton without
+        explicit model control refuses both too)."""
+        return errors.ServeError(
+            "model_control_unavailable",
+            f"model {op} refused: this daemon has no model repository (models.repository), so "
+            "its model (the config's model: section) is fixed at start-up and is neither "
+            "loaded nor unloaded at run time", 400)
 
     def save_plan(self) -> None:
         """The versions and splits serving now, for engine cores that restart."""
