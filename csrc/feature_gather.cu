@@ -1,4 +1,5 @@
-// Feature-store gather (DESIGN §4): out[i] = row of node n_id[i], wherever that row lives.
+// Feature-store gather (docs/architecture.md, "Feature store"): out[i] = row of node n_id[i],
+// wherever that row lives.
 //
 // Compiled at run time by CuPy (NVRTC) and launched from quiver_serve/features/gather.py on
 // torch's current stream. One warp copies one row; hits come from GPU memory (this GPU's shard

@@ -1,4 +1,5 @@
-// DESIGN §2 neighbour sampling on the GPU: one persistent kernel per batch.
+// Neighbour sampling (docs/architecture.md, "Sampling") on the GPU: one persistent kernel per
+// batch.
 //
 // Compiled at run time by CuPy (NVRTC, no headers) and launched from
 // quiver_serve/sampling/gpu.py. The output must equal quiver_serve/sampling/reference.py bit for

@@ -10,8 +10,9 @@ grpc.aio), grpc-h2 (the same over loadtest/h2_client.py, a lean HTTP/2 client),
 grpc-stream (KServe v2 ModelStreamInfer: each process pipelines its callers' requests over up to 8
 bidirectional streams, one connection each), grpc-stream-h2 (the same over the lean client), queue (the queue API: starts the daemon in this
 process from --config, load processes connect to it).
-Workloads (DESIGN §6): a (48 ids from the 1,500-node hot set), b (48 uniform), c (1 uniform), or
-trace (an .npy file, one row per request, sent in order; see loadtest/README.md).
+Workloads (docs/architecture.md, "Performance contract"): a (48 ids from the 1,500-node hot set), b
+(48 uniform), c (1 uniform), or trace (an .npy file, one row per request, sent in order; see
+loadtest/README.md).
 
 Reports p50/p90/p99/p99.9, req/s, seed nodes/s, errors by status, the per-stage breakdown from the
 server's /metrics (histograms differenced over the window), and with --sweep raises the load until

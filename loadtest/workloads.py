@@ -1,4 +1,4 @@
-"""Request streams: the workloads of DESIGN §6 and trace replay.
+"""Request streams: the workloads of docs/architecture.md, "Performance contract", and trace replay.
 
 (a) 48 ids drawn from a fixed hot set of 1,500 nodes, half the lowest and half the highest
 in-degree; (b) 48 ids uniform over every node; (c) 1 id uniform. Routing mixes (issue 10): light,

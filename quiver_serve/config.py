@@ -84,8 +84,9 @@ class ModelConfig(_Section):
 
 
 class ModelsConfig(_Section):
-    """The model repository (DESIGN §9): several models and versions, loaded and unloaded while
-    serving. Without a repository the ``model:`` section is the one model served (version 1)."""
+    """The model repository (docs/architecture.md, "Models and versions"): several models and
+    versions, loaded and unloaded while serving. Without a repository the ``model:`` section is the
+    one model served (version 1)."""
 
     repository: str | None = Field(
         None, description="model repository folder: one sub-folder per model (config.yaml, and one sub-folder per version holding model.pt, a weights-only state_dict); null: serve the model: section")
@@ -100,7 +101,7 @@ class ModelsConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    """Neighbour sampling (DESIGN §2)."""
+    """Neighbour sampling (docs/architecture.md, "Sampling")."""
 
     fanouts: list[int] = Field(
         default_factory=lambda: [25, 10], description="neighbours per hop, nearest first; -1 = all"
@@ -195,7 +196,8 @@ class InferenceConfig(_Section):
 
 
 class FeaturesConfig(_Section):
-    """Feature store (DESIGN §4): which rows go to GPU memory (``inference.gpu_cache_bytes`` per GPU)."""
+    """Feature store (docs/architecture.md, "Feature store"): which rows go to GPU memory
+    (``inference.gpu_cache_bytes`` per GPU)."""
 
     placement: Literal["fap", "degree"] = Field(
         "fap", description="rank rows by feature access probability (fap) or by in-degree (degree, torch-quiver's serving order)")
@@ -212,7 +214,8 @@ class FeaturesConfig(_Section):
 
 
 class ExactConfig(_Section):
-    """The exact table (DESIGN §8): every node's exact embedding materialised and kept fresh."""
+    """The exact table (docs/architecture.md, "The exact table"): every node's exact embedding
+    materialised and kept fresh."""
 
     materialize: Literal["auto", "on", "off"] = Field(
         "auto", description="materialise the exact table at start-up and answer exact requests from it: on; off; auto = on when the table fits gpu_bytes (GPU) or host_bytes")

@@ -131,7 +131,8 @@ INDUCTIVE_FRAMES = 3
 
 
 class InductiveNodes(NamedTuple):
-    """Nodes embedded as if added with these in-edges, without adding them (DESIGN §7)."""
+    """Nodes embedded as if added with these in-edges, without adding them (docs/architecture.md,
+    "The living graph")."""
 
     features: np.ndarray  # float32 [m, F]
     offsets: np.ndarray  # int64 [m + 1]: node i's in-neighbours are neighbors[offsets[i]:offsets[i+1]]
@@ -247,9 +248,9 @@ class FrontDoorState(msgspec.Struct, frozen=True):
     workers: list[WorkerInfo]
     engines: dict[str, Any] | None = None
     num_features: int | None = None
-    #: the living graph (DESIGN §7): acknowledged node count, node capacity (ids below it may
-    #: exist by the time a request reaches an engine core) and acknowledged version; None when
-    #: the daemon has no graph writer
+    #: the living graph (docs/architecture.md, "The living graph"): acknowledged node count, node
+    #: capacity (ids below it may exist by the time a request reaches an engine core) and
+    #: acknowledged version; None when the daemon has no graph writer
     num_nodes: int | None = None
     node_capacity: int | None = None
     graph_version: int | None = None

@@ -1,5 +1,6 @@
-"""A model repository for tests (DESIGN §9): Cora's GraphSAGE as version 1 (the shipped weights),
-version 2 (the same weights scaled, so its answers differ) and, on request, a GAT model."""
+"""A model repository for tests (docs/architecture.md, "Models and versions"): Cora's GraphSAGE as
+version 1 (the shipped weights), version 2 (the same weights scaled, so its answers differ) and, on
+request, a GAT model."""
 
 from __future__ import annotations
 

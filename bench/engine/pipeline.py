@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Pipeline efficiency (DESIGN §6): the engine core driven directly vs the daemon through its queue
-API, on one graph and model, in one run.
+"""Pipeline efficiency (docs/architecture.md, "Performance contract"): the engine core driven
+directly vs the daemon through its queue API, on one graph and model, in one run.
 
 1. Engine direct: ``build_core`` in this process (on CUDA when there is one); for each batch size B,
    a closed loop that adds the micro-batches of B seed ids (one micro-batch per 48-id request, or
@@ -59,7 +59,7 @@ from bench.cli import (
 )
 from bench.engine.probe import DaemonLoad, latency_ms, merge_point
 from bench.engine.tail_trace import print_tail
-from loadtest.workloads import (  # the workloads of DESIGN §6, shared with loadtest/
+from loadtest.workloads import (  # docs/architecture.md, "Performance contract"
     IDS_PER_REQUEST,
     REQUEST_POOL,
     draw_requests,

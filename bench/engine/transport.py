@@ -1,4 +1,5 @@
-"""Transport evidence for DESIGN §1: round trip of one micro-batch message between two processes.
+"""Transport evidence (docs/architecture.md, "Pipeline"; decision 0001): round trip of one
+micro-batch message between two processes.
 
 Compares, in one run, ``multiprocessing.Queue`` (pickle; what the old pipeline used) against ZeroMQ
 IPC (DEALER/ROUTER) with a msgspec header and raw side buffers (what the engine core uses). The

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Feature store and adjacency cache on one GPU (issue 11; DESIGN §4).
+"""Feature store and adjacency cache on one GPU (docs/architecture.md, "Feature store").
 
 1. Gather (Reddit- and ogbn-products-scale synthetic graphs): for budgets of 5/10/20/40% of the
    feature bytes (location map included), the hit rate and gather GB/s of FAP order (uniform

@@ -1,1 +1,2 @@
-"""Benches of the living graph (DESIGN §7): serving under a stream of graph updates."""
+"""Benches of the living graph (docs/architecture.md, "The living graph"): serving under a stream of
+graph updates."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The exact table (DESIGN §8) vs exact embeddings computed on the fly: serving, build, refresh.
+"""The exact table (docs/architecture.md, "The exact table") vs exact embeddings computed on the
+fly: serving, build, refresh.
 
 One run, the project and its baseline side by side, the load from the load generator's processes
 (``loadtest/``), the graph of --config saved once as an .npz every daemon loads:

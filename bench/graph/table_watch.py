@@ -1,6 +1,6 @@
-"""What ``bench.graph.exact_table`` reads of the daemon's exact table (DESIGN §8): its build (time,
-bytes, where) at start, its counters over a window (exact requests from the table or on the fly,
-rows refreshed), and its freshness while the graph changes.
+"""What ``bench.graph.exact_table`` reads of the daemon's exact table (docs/architecture.md, "The
+exact table"): its build (time, bytes, where) at start, its counters over a window (exact requests
+from the table or on the fly, rows refreshed), and its freshness while the graph changes.
 
 Every reading tolerates its source's absence (an older daemon, a table that is off): a figure that
 cannot be read is None. Sources, in order: ``GET /v1/graph`` (a top-level ``exact_table`` entry,

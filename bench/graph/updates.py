@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Serving under graph updates (DESIGN §7): embed latency, update throughput and staleness.
+"""Serving under graph updates (docs/architecture.md, "The living graph"): embed latency, update
+throughput and staleness.
 
 One daemon (``server.py``, the graph of --config saved once as an .npz), workload (b) (48 ids
 uniform over every node) from the load generator's processes (``loadtest/``, HTTP npy as the

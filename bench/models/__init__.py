@@ -1,1 +1,2 @@
-"""Benches of the model repository (DESIGN §9): a new model version loaded while the daemon serves."""
+"""Benches of the model repository (docs/architecture.md, "Models and versions"): a new model
+version loaded while the daemon serves."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Reloading a model under load (DESIGN §9): a new GraphSAGE version loaded while the daemon serves.
+"""Reloading a model under load (docs/architecture.md, "Models and versions"): a new GraphSAGE
+version loaded while the daemon serves.
 
 One daemon (``server.py``, the graph of --config saved once as an .npz) serving a model repository
 in a temporary folder: model ``sage``, the class and kwargs of --config's model section

@@ -2,8 +2,9 @@
 re-placement).
 
 The store's matrix may have more rows than the graph has nodes (capacity for nodes appended while
-serving, DESIGN §7): scores are computed on the graph's nodes and the capacity rows score 0, so
-they rank last and stay in host memory unless the GPU budget holds every row."""
+serving, docs/architecture.md, "The living graph"): scores are computed on the graph's nodes and the
+capacity rows score 0, so they rank last and stay in host memory unless the GPU budget holds every
+row."""
 
 from __future__ import annotations
 

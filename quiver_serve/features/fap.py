@@ -1,6 +1,7 @@
-"""Feature access probability (FAP, DESIGN §4) and the seed distributions it starts from.
+"""Feature access probability (FAP, docs/architecture.md, "Feature store") and the seed
+distributions it starts from.
 
-FAP of node ``v`` is ``P_L(v)`` of the §3 recursion (``graph/access.py``, the one copy of it):
+FAP of node ``v`` is ``P_L(v)`` of the access recursion (``graph/access.py``, the one copy of it):
 the probability that one batch's sampled subgraph contains ``v``, given ``P_0`` = the probability
 that ``v`` is among the batch's seeds. Uniform requests give ``P_0 = batch_size / num_nodes``;
 a request log gives each node ``batch_size`` times its share of the logged ids (capped at 1).

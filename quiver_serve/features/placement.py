@@ -1,4 +1,4 @@
-"""Placement: which feature rows live in which memory (DESIGN §4).
+"""Placement: which feature rows live in which memory (docs/architecture.md, "Feature store").
 
 Rows are ranked by a score (FAP, or degree for the baseline) and the hottest go to GPU memory,
 ``gpu_cache_bytes`` per GPU, which covers the cached rows and the location map (8 bytes per node,

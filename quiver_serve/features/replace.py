@@ -1,8 +1,8 @@
-"""Re-placement on demand, while serving (DESIGN §4): the request log becomes the seed
-distribution, FAP and the new layout are built in a background thread, and the engine switches
-between two batches (``FeatureStore.commit``). Triggered by ``POST /admin/features/replace`` on
-the HTTP front-end (the supervisor signals every engine core), or ``kill -USR1`` to one engine
-core process (its pid: ``GET /v1/workers``)."""
+"""Re-placement on demand, while serving (docs/architecture.md, "Feature store"): the request log
+becomes the seed distribution, FAP and the new layout are built in a background thread, and the
+engine switches between two batches (``FeatureStore.commit``). Triggered by ``POST
+/admin/features/replace`` on the HTTP front-end (the supervisor signals every engine core), or
+``kill -USR1`` to one engine core process (its pid: ``GET /v1/workers``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FeatureStore: one engine core's view of the placed feature rows, and the gather (DESIGN §4).
+"""FeatureStore: one engine core's view of the placed feature rows, and the gather
+(docs/architecture.md, "Feature store").
 
 ``gather(n_id)`` returns the rows of ``n_id`` on the compute device, in the stored precision:
 hits from GPU memory (this GPU's shard, or a peer's under ``partition``), misses from pinned host
@@ -11,11 +12,11 @@ Re-placement (:meth:`build` then :meth:`commit`) builds the new layout beside th
 background thread may do it while the engine serves) and switches with one small copy of the
 kernel's table on the serving stream; the old layout is freed once that copy has run.
 
-Rows are writable in place (:meth:`write_rows`, DESIGN §7: feature rows overwritten, nodes
-appended): the matrix may hold capacity rows beyond the nodes that exist yet (zero until their
-node is added); a write reaches every tier that holds the row, in the same storage, so CUDA
-graphs captured over the gather read the new values. A layout being built while rows are
-written gets those writes replayed at :meth:`commit` (each build keeps a journal of them).
+Rows are writable in place (:meth:`write_rows`, docs/architecture.md, "The living graph": feature
+rows overwritten, nodes appended): the matrix may hold capacity rows beyond the nodes that exist yet
+(zero until their node is added); a write reaches every tier that holds the row, in the same
+storage, so CUDA graphs captured over the gather read the new values. A layout being built while
+rows are written gets those writes replayed at :meth:`commit` (each build keeps a journal of them).
 """
 
 from __future__ import annotations

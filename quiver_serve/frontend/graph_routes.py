@@ -1,4 +1,5 @@
-"""The living graph over HTTP (DESIGN §7): updates, the graph's state, compaction.
+"""The living graph over HTTP (docs/architecture.md, "The living graph"): updates, the graph's
+state, compaction.
 
 ``POST /v1/graph/edges``, ``POST /v1/graph/nodes``, ``PUT /v1/graph/features`` and
 ``POST /v1/graph/compact`` are admin routes (``guards.py``); ``GET /v1/graph`` only reads and

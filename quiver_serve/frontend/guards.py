@@ -2,10 +2,10 @@
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so they add no task hop per request.
 
-Admin routes (DESIGN §9: graph updates, compaction, feature re-placement, the model repository)
-need ``server.admin_token`` as ``Authorization: Bearer`` when one is set (the data-plane
-``server.auth_token`` never opens them: 403); with none set they answer loopback clients only
-(403 to any other). ``GET /v1/graph`` only reads: it is data-plane, like ``/v1/embed``.
+Admin routes (docs/architecture.md, "Admin plane": graph updates, compaction, feature re-placement,
+the model repository) need ``server.admin_token`` as ``Authorization: Bearer`` when one is set (the
+data-plane ``server.auth_token`` never opens them: 403); with none set they answer loopback clients
+only (403 to any other). ``GET /v1/graph`` only reads: it is data-plane, like ``/v1/embed``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The models a front-end serves, as its routes see them (DESIGN §9).
+"""The models a front-end serves, as its routes see them (docs/architecture.md, "Models and
+versions").
 
 :class:`ModelView` is one look at ``pipeline.models_state``, the state the engine side publishes
 about ten times a second::

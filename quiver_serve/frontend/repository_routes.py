@@ -1,5 +1,5 @@
 """The KServe v2 / Triton model-repository extension over HTTP, and the operations its gRPC twins
-share (DESIGN §9).
+share (docs/architecture.md, "Models and versions").
 
 * ``POST /v2/repository/index`` (body optional, ``{"ready": bool}``): one row per model version,
   ``{"name", "version", "state", "reason"}`` (``version`` a string, absent for a model with

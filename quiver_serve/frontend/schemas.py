@@ -128,7 +128,7 @@ class InferResponse(BaseModel):
     outputs: list[TensorOutput]
 
 
-# ---- the living graph (DESIGN §7): admin routes, but GET /v1/graph -------------------------------
+# ---- the living graph (docs/architecture.md, "The living graph"): admin routes, but GET /v1/graph
 Pair = Annotated[list[StrictInt], Field(min_length=2, max_length=2)]
 
 

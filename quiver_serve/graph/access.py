@@ -1,4 +1,5 @@
-"""Access probability: how likely serving is to touch each node (DESIGN §3 and §4).
+"""Access probability: how likely serving is to touch each node (docs/architecture.md, "Routing" and
+"Feature store").
 
 One recursion serves both the batch-size prediction (PSGS) and the feature store's placement
 (FAP). With ``P_0`` the probability that a node is a seed, hop ``l`` (fanout ``k_l``) gives

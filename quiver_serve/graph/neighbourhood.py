@@ -1,10 +1,10 @@
 """In- and out-neighbourhoods of node sets on the current graph, vectorised in torch on any device.
 
-The exact table (DESIGN §8) computes a layer's rows for a set of target nodes from their in-edges,
-and marks what an update can change by following out-edges. Both read the graph as it is now: an
-immutable base CSC plus the living graph's overlay (``overlay_view.py``), on whatever device holds
-them, so one code path serves a GPU (the sampler's device CSC and device overlay) and a CPU (the
-shared-memory CSC and the host overlay).
+The exact table (docs/architecture.md, "The exact table") computes a layer's rows for a set of
+target nodes from their in-edges, and marks what an update can change by following out-edges. Both
+read the graph as it is now: an immutable base CSC plus the living graph's overlay
+(``overlay_view.py``), on whatever device holds them, so one code path serves a GPU (the sampler's
+device CSC and device overlay) and a CPU (the shared-memory CSC and the host overlay).
 
 * :class:`CurrentGraph`: in-degrees and in-edges (``counts``, sources) of a node set, in list
   order (base list unless replaced, then the tail).

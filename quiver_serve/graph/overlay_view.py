@@ -1,4 +1,5 @@
-"""What a sampler reads of the living graph's overlay (DESIGN §7): one layout for every sampler.
+"""What a sampler reads of the living graph's overlay (docs/architecture.md, "The living graph"):
+one layout for every sampler.
 
 The base graph is an immutable CSC (``indptr``, ``indices``) of ``n_base`` nodes. Updates since the
 base live in an overlay, and the current neighbour list of node ``v`` is

@@ -1,4 +1,5 @@
-"""Graph update records and their binary form in the update log (DESIGN §7).
+"""Graph update records and their binary form in the update log (docs/architecture.md, "The living
+graph").
 
 A record is one acknowledged update: ``EdgeRecord`` (directed edges added and removed),
 ``NodeRecord`` (new nodes' feature rows; their ids follow the current node count in order) or

@@ -24,8 +24,8 @@ MAX_ENGINES = 64
 #: CPU sampler j's slots: the base version it samples over, the version it applied
 SAMPLER_BASE, SAMPLER_SLOTS = ENGINE_BASE + ENGINE_SLOTS * MAX_ENGINES, 2
 MAX_SAMPLERS = 256
-#: engine i's exact table (DESIGN §8): present (1), the version its rows are exact for, stale
-#: rows, the staleness of its last refresh round
+#: engine i's exact table (docs/architecture.md, "The exact table"): present (1), the version its
+#: rows are exact for, stale rows, the staleness of its last refresh round
 TABLE_BASE, TABLE_SLOTS = SAMPLER_BASE + SAMPLER_SLOTS * MAX_SAMPLERS, 4
 
 

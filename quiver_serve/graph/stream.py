@@ -1,6 +1,7 @@
-"""A replayable update stream for the living graph (DESIGN §7): held-out edges replayed as inserts,
-mixed with removals of present edges, appended nodes (and later edges into and out of them) and
-feature overwrites, so that the graph after every op is known exactly.
+"""A replayable update stream for the living graph (docs/architecture.md, "The living graph"):
+held-out edges replayed as inserts, mixed with removals of present edges, appended nodes (and later
+edges into and out of them) and feature overwrites, so that the graph after every op is known
+exactly.
 
 :func:`hold_out` removes a random fraction of a graph's edges (a multiset of ``edge_index``
 columns) to make the base; the returned :class:`UpdateStream` is an ordered list of ops, each a

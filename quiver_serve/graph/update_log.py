@@ -1,4 +1,5 @@
-"""The write-ahead log and base snapshots of the living graph (DESIGN §7).
+"""The write-ahead log and base snapshots of the living graph (docs/architecture.md, "The living
+graph").
 
 One directory per graph (``default_log_dir``) holds::
 

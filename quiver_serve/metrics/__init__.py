@@ -1,1 +1,2 @@
-"""Metrics (DESIGN §5): the observer hooks the pipeline calls (``observer.py``) and their Prometheus side, multiprocess (``prometheus.py``)."""
+"""Metrics (docs/architecture.md, "Outside contracts"): the observer hooks the pipeline calls
+(``observer.py``) and their Prometheus side, multiprocess (``prometheus.py``)."""

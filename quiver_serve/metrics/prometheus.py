@@ -224,10 +224,10 @@ class GraphApplyMetrics:
 
 
 class TableMetrics:
-    """The exact table of one engine core (DESIGN §8): its version, refresh work and staleness,
-    and where exact requests were answered. ``sync`` turns the table's counters into metric
-    increments (the engine loop calls it after its replies); ``on_round`` is called by the
-    refresh thread after each round."""
+    """The exact table of one engine core (docs/architecture.md, "The exact table"): its version,
+    refresh work and staleness, and where exact requests were answered. ``sync`` turns the table's
+    counters into metric increments (the engine loop calls it after its replies); ``on_round`` is
+    called by the refresh thread after each round."""
 
     def __init__(self, engine: int) -> None:
         multiprocess_dir()

@@ -43,10 +43,10 @@ class ExactGcnNorm:
     ordinary edges of weight 1 and the degree is the in-degree.
 
     ``capacity`` (default: the nodes given) sizes the per-node terms for nodes appended later
-    (DESIGN §7): until :meth:`update` gives them edges they are isolated nodes, as ``gcn_norm``
-    sees a node without in-edges (degree = the fill loop's weight, or 0 without self loops).
-    :meth:`update` writes new terms in place, so every holder of this object (the PyG path, the
-    fast path, CUDA graphs captured over it) sees them.
+    (docs/architecture.md, "The living graph"): until :meth:`update` gives them edges they are
+    isolated nodes, as ``gcn_norm`` sees a node without in-edges (degree = the fill loop's weight,
+    or 0 without self loops). :meth:`update` writes new terms in place, so every holder of this
+    object (the PyG path, the fast path, CUDA graphs captured over it) sees them.
     """
 
     def __init__(self, in_degree: Tensor, self_loops: Tensor | None, improved: bool,

@@ -5,9 +5,9 @@ Same results as PyG's own layers (fp32: to float rounding), less work:
 * per-layer trimming to the rows that are used: layer ``i`` of ``L`` computes outputs only for
   the nodes of hops ``0 .. L-1-i`` (PyG's trimming also computes the last hop's rows, which the
   next layer drops);
-* one CSR per batch: the sampler emits edges grouped by target in node order (DESIGN §2: hop
-  ``l``'s edges in frontier order, frontiers in ``n_id`` order), so the in-edges of the targets of
-  every layer are a prefix of one CSR built once per batch, without a sort;
+* one CSR per batch: the sampler emits edges grouped by target in node order (docs/architecture.md,
+  "Sampling": hop ``l``'s edges in frontier order, frontiers in ``n_id`` order), so the in-edges of
+  the targets of every layer are a prefix of one CSR built once per batch, without a sort;
 * aggregation as a sparse-dense product over that CSR (cuSPARSE SpMM on the GPU): no ``E x F``
   message tensor is materialised; sampled fp32 GraphSAGE layers on a GPU aggregate with one
   kernel instead (``csr_kernel.py``: a batch's forward is bound by its host launch cost);

@@ -199,8 +199,8 @@ class ServedModel:
 
     ``self_loops`` (int64 [num_nodes], :meth:`GraphData.self_loop_count`) matters only for GCN
     with ``add_self_loops``; None means the graph has no self loops. ``capacity`` sizes the
-    degrees for nodes appended while serving (DESIGN §7; default: the nodes given), and
-    :meth:`update_degrees` keeps them current as edges change.
+    degrees for nodes appended while serving (docs/architecture.md, "The living graph"; default: the
+    nodes given), and :meth:`update_degrees` keeps them current as edges change.
 
     ``in_channels`` (the graph's feature width) lets the output width of a module that is not a
     BasicGNN be found by :func:`probe_out_dim` at construction, which also checks its forward;

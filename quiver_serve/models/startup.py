@@ -1,4 +1,5 @@
-"""Which models and versions a daemon serves when it starts (DESIGN §9).
+"""Which models and versions a daemon serves when it starts (docs/architecture.md, "Models and
+versions").
 
 Without ``models.repository`` the ``model:`` section is the one model, version 1. With one, every
 model of ``models.load_at_start`` (default: all of the repository's) is served per its

@@ -1,9 +1,10 @@
-"""PSGS (DESIGN §3): the predicted sampled-graph size of a node and of a batch.
+"""PSGS (docs/architecture.md, "Routing"): the predicted sampled-graph size of a node and of a
+batch.
 
 Per node, the expected number of unique nodes in its sampled subgraph for the configured fanouts
 (``mean_size``), measured by sampling EVERY node alone ``rounds`` times with the project's own
 hop sampler (``sampling.reference.sample_hop``, the semantics every sampler shares), vectorised
-over all nodes of a chunk at once, on the GPU when there is one. The recursion of §3
+over all nodes of a chunk at once, on the GPU when there is one. The access recursion
 (``graph.access``) gives a batch's union size but cannot give every node's own size (that is N
 separate recursions); sampling can, exactly under the sampler's semantics (duplicates, self loops,
 Floyd's draws), and the same pass yields ``one_draw`` (torch-quiver's table: one random sample per
@@ -29,10 +30,11 @@ batches at start-up (``calibrate_union``; measured: alpha 1.0-1.1 on Cora and po
 Tables are cached on disk (``.npz``, no pickle) keyed by the graph (``graph_key``), the fanouts,
 the number of rounds and ``PSGS_VERSION``.
 
-A living graph (DESIGN §7): a table may be sized to a node capacity beyond the nodes that exist
-(rows of nodes not added yet: an isolated node's values), and ``PsgsTable.update_nodes``
-approximates the sizes of nodes whose in-edges changed, or that were appended, from their new
-in-degree; the sampled values come back when the table is rebuilt at compaction.
+A living graph (docs/architecture.md, "The living graph"): a table may be sized to a node capacity
+beyond the nodes that exist (rows of nodes not added yet: an isolated node's values), and
+``PsgsTable.update_nodes`` approximates the sizes of nodes whose in-edges changed, or that were
+appended, from their new in-degree; the sampled values come back when the table is rebuilt at
+compaction.
 """
 
 from __future__ import annotations

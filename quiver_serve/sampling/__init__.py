@@ -3,7 +3,8 @@
 ``reference`` (pure torch, always available), ``cpp`` (compiled CPU extension from ``csrc/``),
 ``cuda`` (CuPy kernels, CSC in device memory) and ``uva`` (CuPy kernels, CSC in pinned host memory).
 Each samples the base CSC alone, or with ``set_overlay(view)`` the living graph: the base plus the
-overlay of updates since it (``graph/overlay_view.py``, DESIGN §7), with the same semantics.
+overlay of updates since it (``graph/overlay_view.py``, docs/architecture.md, "The living graph"),
+with the same semantics.
 """
 
 from __future__ import annotations

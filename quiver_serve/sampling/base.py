@@ -1,6 +1,7 @@
 """Sampler types, the base class, and the counter-based random numbers every sampler shares.
 
-Semantics (DESIGN §2), identical for every implementation (reference torch, C++, CUDA):
+Semantics (docs/architecture.md, "Sampling"), identical for every implementation (reference torch,
+C++, CUDA):
 
 * ``n_id`` starts with the unique seeds in first-occurrence order; ``seed_index[i]`` is the row of
   ``seeds[i]`` in ``n_id`` (so repeated ids map to the same row).
@@ -13,10 +14,11 @@ Semantics (DESIGN §2), identical for every implementation (reference torch, C++
   Neighbours not yet in ``n_id`` are appended in order of first occurrence in that list.
 * ``num_sampled_nodes`` has ``L + 1`` entries (hop 0 = unique seeds), ``num_sampled_edges`` ``L``.
 
-Living graph (DESIGN §7): with an :class:`~quiver_serve.graph.overlay_view.OverlayView` set
-(:meth:`BaseSampler.set_overlay`), node ``v``'s list is its base list (``v < n_base`` and not
-replaced) followed by its overlay tail, and everything above reads that combined list: its length
-is the degree, local offset ``q`` is entry ``q`` of the combined list.
+Living graph (docs/architecture.md, "The living graph"): with an
+:class:`~quiver_serve.graph.overlay_view.OverlayView` set (:meth:`BaseSampler.set_overlay`), node
+``v``'s list is its base list (``v < n_base`` and not replaced) followed by its overlay tail, and
+everything above reads that combined list: its length is the degree, local offset ``q`` is entry
+``q`` of the combined list.
 
 Random numbers are a pure function of (batch seed, hop, node id, draw index), not a stream, so the
 same seed yields the same subgraph from every implementation, on any thread count.

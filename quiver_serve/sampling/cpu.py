@@ -198,7 +198,8 @@ def _check_graph_tensor(name: str, t: Tensor) -> None:
 
 
 class CppSampler(BaseSampler):
-    """DESIGN §2 sampling in C++, parallel over the frontier with torch's intra-op threads.
+    """Sampling (docs/architecture.md, "Sampling") in C++, parallel over the frontier with torch's
+    intra-op threads.
 
     Same output as :class:`~quiver_serve.sampling.reference.ReferenceSampler`, bit for bit, for any
     ``torch.set_num_threads``. The graph tensors are read in place (never copied), so workers

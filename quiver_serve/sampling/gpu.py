@@ -1,6 +1,7 @@
 """GPU neighbour samplers: the CUDA kernel of ``csrc/gpu_sampler.cu``, compiled and launched by CuPy.
 
-Same semantics and random numbers as :mod:`quiver_serve.sampling.reference` (DESIGN §2), bit for bit.
+Same semantics and random numbers as :mod:`quiver_serve.sampling.reference` (docs/architecture.md,
+"Sampling"), bit for bit.
 
 * :class:`CudaSampler` (``name == "cuda"``) copies ``indptr``/``indices`` into GPU memory once.
 * :class:`UvaSampler` (``name == "uva"``) leaves them in host memory, pinned in place
@@ -14,9 +15,10 @@ on the GPU as views of one int64 buffer allocated by torch's caching allocator; 
 contiguous. Tensors reach the kernel as raw device addresses (``data_ptr``): as zero-copy as
 DLPack, without building a CuPy array per tensor and batch.
 
-With an overlay set (:meth:`_GpuSampler.set_overlay`, DESIGN §7) the kernel reads each node's
-base list (from the CSC or the adjacency cache, as without one) followed by its overlay tail,
-straight from the view's device tensors: the view is passed by pointer, never copied.
+With an overlay set (:meth:`_GpuSampler.set_overlay`, docs/architecture.md, "The living graph") the
+kernel reads each node's base list (from the CSC or the adjacency cache, as without one) followed by
+its overlay tail, straight from the view's device tensors: the view is passed by pointer, never
+copied.
 
 CuPy is imported lazily, so this module imports on machines without CuPy or CUDA;
 :func:`gpu_sampler_available` says whether the samplers can be built here.

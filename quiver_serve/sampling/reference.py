@@ -153,7 +153,7 @@ def _drawn_offsets(
 
 
 class ReferenceSampler(BaseSampler):
-    """DESIGN §2 neighbour sampling in plain vectorised torch."""
+    """Neighbour sampling (docs/architecture.md, "Sampling") in plain vectorised torch."""
 
     name = "reference"
 

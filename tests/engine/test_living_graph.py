@@ -1,4 +1,5 @@
-"""The living graph end to end through the real daemon processes (DESIGN §7), on the CPU.
+"""The living graph end to end through the real daemon processes (docs/architecture.md, "The living
+graph"), on the CPU.
 
 A held-out update stream (edge adds and removes, new nodes, feature writes) is applied through the
 writer while the pipeline serves; then exact answers read at the last version equal PyG's
@@ -313,9 +314,9 @@ def test_two_engine_cores_apply_the_same_versions(tmp_path: Path) -> None:
 
 
 def test_kill_9_of_the_engine_core_during_a_table_refresh(tmp_path: Path) -> None:
-    """The exact table (DESIGN §8) is refreshing after a burst of updates when its engine core
-    is killed with SIGKILL: the restarted core rebuilds it over the replayed log, and exact
-    answers (from the table) equal PyG's on the acknowledged graph."""
+    """The exact table (docs/architecture.md, "The exact table") is refreshing after a burst of
+    updates when its engine core is killed with SIGKILL: the restarted core rebuilds it over the
+    replayed log, and exact answers (from the table) equal PyG's on the acknowledged graph."""
     import os
     import signal
     import time

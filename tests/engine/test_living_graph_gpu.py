@@ -1,7 +1,7 @@
-"""The living graph on the GPU paths (DESIGN §7): exact answers after a held-out update stream
-equal PyG's ``model(x, edge_index)``, served by the CUDA sampler in device and UVA mode (with the
-adjacency cache), including after a compaction the engine core moved onto while serving; inductive
-rows equal the rows of the same nodes once added."""
+"""The living graph on the GPU paths (docs/architecture.md, "The living graph"): exact answers after
+a held-out update stream equal PyG's ``model(x, edge_index)``, served by the CUDA sampler in device
+and UVA mode (with the adjacency cache), including after a compaction the engine core moved onto
+while serving; inductive rows equal the rows of the same nodes once added."""
 
 from __future__ import annotations
 

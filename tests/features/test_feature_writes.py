@@ -1,8 +1,8 @@
-"""Feature rows written in place (DESIGN §7): after ``write_rows`` the gather returns the new rows
-whatever tier holds them (simulated GPU shards, the host matrix, NUMA host shards), capacity rows
-of nodes appended later included; hit and miss counts are unchanged by writes; a layout built
-while rows are written gets them at commit. CPU twins; the kernel's variants are in
-``test_feature_writes_gpu.py``."""
+"""Feature rows written in place (docs/architecture.md, "The living graph"): after ``write_rows``
+the gather returns the new rows whatever tier holds them (simulated GPU shards, the host matrix,
+NUMA host shards), capacity rows of nodes appended later included; hit and miss counts are unchanged
+by writes; a layout built while rows are written gets them at commit. CPU twins; the kernel's
+variants are in ``test_feature_writes_gpu.py``."""
 
 from __future__ import annotations
 

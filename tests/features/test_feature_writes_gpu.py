@@ -1,7 +1,8 @@
-"""Feature rows written in place on a GPU (docs/architecture.md, "The living graph"): the gather kernel returns the written rows
-from every tier (GPU shards under replicate and partition, pinned host memory read zero-copy,
-capacity rows of appended nodes), in fp32 exactly and fp16/bf16 to the dtype, with the same hit
-and miss counts as the pure-torch twin; a CUDA graph captured before the writes reads them.
+"""Feature rows written in place on a GPU (docs/architecture.md, "The living graph"): the gather
+kernel returns the written rows from every tier (GPU shards under replicate and partition, pinned
+host memory read zero-copy, capacity rows of appended nodes), in fp32 exactly and fp16/bf16 to the
+dtype, with the same hit and miss counts as the pure-torch twin; a CUDA graph captured before the
+writes reads them.
 
 Imports only dependency-free modules (runs with ``--noconftest``)."""
 

@@ -1,7 +1,8 @@
-"""Feature store (DESIGN §4): the gather returns exactly ``x[n_id]`` for every policy and budget,
-budgets hold, hits and misses are counted per row, FAP ranks rows as the sampler touches them,
-stored fp16/bf16 stay within their rounding, and re-placement while serving keeps rows correct.
-CPU twins here (GPU shards simulated by CPU tensors); the kernel's tests are marked ``gpu``."""
+"""Feature store (docs/architecture.md, "Feature store"): the gather returns exactly ``x[n_id]`` for
+every policy and budget, budgets hold, hits and misses are counted per row, FAP ranks rows as the
+sampler touches them, stored fp16/bf16 stay within their rounding, and re-placement while serving
+keeps rows correct. CPU twins here (GPU shards simulated by CPU tensors); the kernel's tests are
+marked ``gpu``."""
 
 from __future__ import annotations
 

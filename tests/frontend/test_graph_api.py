@@ -1,4 +1,5 @@
-"""The living graph over HTTP (DESIGN §7, §9): graph routes, admin guard, min_version, new_nodes.
+"""The living graph over HTTP (docs/architecture.md, "The living graph" and "Admin plane"): graph
+routes, admin guard, min_version, new_nodes.
 
 Two real daemons on free ports, each with its own update log in a temporary folder:
 ``local`` (one front-end in the main process, next to the writer; a data-plane token and an

@@ -1,4 +1,5 @@
-"""The real daemon on a free port: contracts of DESIGN §5 over HTTP."""
+"""The real daemon on a free port: contracts of docs/architecture.md, "Outside contracts", over
+HTTP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The host overlay against a plain list-of-lists model of DESIGN §7's update semantics."""
+"""The host overlay against a plain list-of-lists model of the update semantics in
+docs/architecture.md, "The living graph"."""
 
 from __future__ import annotations
 

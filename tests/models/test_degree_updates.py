@@ -1,7 +1,8 @@
-"""GCN's exact normalisation follows edge updates (DESIGN §7): after ``update_degrees`` with the
-changed nodes' new in-degree and self-loop counts, exact mode on the new graph equals PyG's
-``model(x, edge_index)`` on it, for every normalisation setting, on the fast and the PyG path,
-for nodes appended into the capacity (with in-edges, or none: isolated as ``gcn_norm`` sees it).
+"""GCN's exact normalisation follows edge updates (docs/architecture.md, "The living graph"): after
+``update_degrees`` with the changed nodes' new in-degree and self-loop counts, exact mode on the new
+graph equals PyG's ``model(x, edge_index)`` on it, for every normalisation setting, on the fast and
+the PyG path, for nodes appended into the capacity (with in-edges, or none: isolated as ``gcn_norm``
+sees it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""PSGS on a living graph (DESIGN §7): a table sized to a node capacity answers for every id below
-it, and ``update_nodes`` gives changed and appended nodes finite, positive sizes that follow their
-new in-degree (close to what a rebuilt table measures)."""
+"""PSGS on a living graph (docs/architecture.md, "The living graph"): a table sized to a node
+capacity answers for every id below it, and ``update_nodes`` gives changed and appended nodes
+finite, positive sizes that follow their new in-degree (close to what a rebuilt table measures)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Sampling the living graph (DESIGN §7): every CPU sampler over base CSC + overlay equals the
-reference sampler over the plain CSC of the same lists, bit for bit.
+"""Sampling the living graph (docs/architecture.md, "The living graph"): every CPU sampler over base
+CSC + overlay equals the reference sampler over the plain CSC of the same lists, bit for bit.
 
 Overlays are built by hand (``graph/overlay_view.py``'s layout) from small random graphs:
 duplicate edges, self loops, isolated nodes, nodes added beyond the base, replaced base lists and

@@ -1,4 +1,5 @@
-"""The reference sampler implements DESIGN §2; other samplers are tested against it."""
+"""The reference sampler implements docs/architecture.md, "Sampling"; other samplers are tested
+against it."""
 
 from __future__ import annotations
 

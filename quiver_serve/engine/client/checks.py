@@ -1,10 +1,10 @@
 """Checks of an embed request against the living graph, shared by the HTTP routes and Pipeline.
 
-Nodes are appended while the daemon serves (DESIGN §7), and a front-end process learns the node
-count about ten times a second, or from its own node additions: an id past the count it knows
-may exist by the time the request reaches an engine core, which knows the exact count. So the
-door refuses only what can never be valid (below 0, or at or past the node capacity), naming the
-range it knows; ids between are the engine core's to check.
+Nodes are appended while the daemon serves (docs/architecture.md, "The living graph"), and a
+front-end process learns the node count about ten times a second, or from its own node additions: an
+id past the count it knows may exist by the time the request reaches an engine core, which knows the
+exact count. So the door refuses only what can never be valid (below 0, or at or past the node
+capacity), naming the range it knows; ids between are the engine core's to check.
 
 Inductive nodes (``new_nodes``) are checked here whole: width (422 naming the node), finite
 values (400), neighbour ids (400, the same rule), and the request's rows (413).

@@ -6,9 +6,9 @@ or the multiprocessing queues ``request_queue()`` / ``result_queue()`` from any 
 processes that want the fast path connect their own client with ``connect(pipeline.endpoints())``.
 Admission (bounded pending requests), deadlines and drain live in the client and here.
 
-The living graph (DESIGN §7) has the same operations here as over HTTP: ``add_edges``,
-``add_nodes``, ``put_features``, ``graph_info`` and ``compact`` (plain calls to the
-supervisor's graph writer, in the caller's thread), ``graph_ops`` (the same as coroutines, for
+The living graph (docs/architecture.md, "The living graph") has the same operations here as over
+HTTP: ``add_edges``, ``add_nodes``, ``put_features``, ``graph_info`` and ``compact`` (plain calls to
+the supervisor's graph writer, in the caller's thread), ``graph_ops`` (the same as coroutines, for
 the HTTP routes), and ``min_version`` / ``new_nodes`` on ``embed``.
 """
 
@@ -256,7 +256,7 @@ class Pipeline(ClientFacade):
         request = self.new_request(node_ids, exact, seed, timeout_s, model, version)
         return _unwrap(await self.submit_async(request, min_version, new_nodes))
 
-    # ---- the living graph (DESIGN §7): the writer's calls, in the caller's thread ----------------
+    # ---- the living graph (docs/architecture.md, "The living graph"): the writer's calls ----
     def writer_calls(self) -> WriterCalls:
         """The writer's calls; 503 while not serving, 501 when this daemon has no writer."""
         calls = self._calls()
@@ -277,7 +277,7 @@ class Pipeline(ClientFacade):
                         models=sup.models, read_only_reason=sup.graph_read_only_reason)
         return self._writer_calls
 
-    # ---- the model repository (DESIGN §9), in the caller's thread --------------------------------
+    # ---- the model repository (docs/architecture.md, "Models and versions") ----------------
     @property
     def models_state(self) -> dict[str, Any] | None:
         """Every model and version with its state (what the front-ends publish)."""

@@ -1,4 +1,5 @@
-"""The seed's stage API (DESIGN §5, torch-quiver's names) as a thin layer over the one engine::
+"""The seed's stage API (docs/architecture.md, "Outside contracts", torch-quiver's names) as a thin
+layer over the one engine::
 
     batcher = RequestBatcher(cfg, stream_queue)      # items: EmbedRequest, or a LongTensor of ids
     sampler = HybridSampler(cfg, graph, batcher.batched_request_queue_list()); sampler.start()
@@ -20,9 +21,9 @@ What could not be thin, and why:
 
 - ``sampled_request_queue_list()`` holds :class:`EngineFeed` handles (stream queue + engine),
   not queues: there is no queue of sampled batches any more (a CPU sampler answers the engine
-  core that asked, over ZeroMQ, DESIGN §1), yet the seed passes a list from stage to stage, and
-  its example builds the InferenceServer before ``HybridSampler.start()``, so the handle reads
-  the engine's address only at ``InferenceServer.start()``.
+  core that asked, over ZeroMQ, docs/architecture.md, "Pipeline"), yet the seed passes a list from
+  stage to stage, and its example builds the InferenceServer before ``HybridSampler.start()``, so
+  the handle reads the engine's address only at ``InferenceServer.start()``.
 - ``result_queue_list()`` has one queue per stream queue, not one per inference worker: one
   client spreads the requests over every engine core.
 - Dropped arguments: ``HybridSampler(router=)`` (routing is the engine core's) and

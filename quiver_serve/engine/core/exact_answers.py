@@ -1,4 +1,5 @@
-"""Exact requests answered from the exact table (DESIGN §8), in the engine step they arrive.
+"""Exact requests answered from the exact table (docs/architecture.md, "The exact table"), in the
+engine step they arrive.
 
 Every exact micro-batch waiting at a step whose requests name only non-stale rows is answered
 by one gather for all of them (one copy to the host, one sync); the others go on to the

@@ -1,4 +1,5 @@
-"""The exact table (DESIGN §8): every node's exact embedding, materialised and kept fresh.
+"""The exact table (docs/architecture.md, "The exact table"): every node's exact embedding,
+materialised and kept fresh.
 
 Exact embeddings are a pure function of (graph version, model). :class:`ExactTable` computes
 every layer's output for every node by layer-wise full-graph inference (chunks of target nodes,

@@ -1,4 +1,5 @@
-"""GraphSync: keeps one engine core at the acknowledged graph version (DESIGN §7).
+"""GraphSync: keeps one engine core at the acknowledged graph version (docs/architecture.md, "The
+living graph").
 
 Between batches (``EngineCore.step`` calls :meth:`GraphSync.poll`) it reads the update log's new
 records (``LogFollower``) and applies each, in version order, to everything of the core that

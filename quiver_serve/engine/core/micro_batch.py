@@ -37,7 +37,8 @@ class MicroBatch:
     min_deadline_s: float = 0.0
     #: PSGS draws of its ids (``PsgsTable.draws``), summed for the batch former's sizing
     draws: float = 0.0
-    #: the graph version it must see (DESIGN §7 read-your-writes); 0: any
+    #: the graph version it must see (read-your-writes, docs/architecture.md, "The living graph");
+    #: 0: any
     min_version: int = 0
     #: inductive request (it travels alone): new nodes' feature rows float32 [m, F], their
     #: in-neighbour offsets int64 [m + 1] and ids int64 [nnz]; None for plain requests

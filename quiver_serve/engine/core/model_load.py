@@ -1,4 +1,5 @@
-"""Loads and unloads of model versions while the engine core serves (DESIGN §9).
+"""Loads and unloads of model versions while the engine core serves (docs/architecture.md, "Models
+and versions").
 
 A load builds the new version in a thread beside the serving loop: the module from its spec and
 its weights-only ``state_dict`` (``models/served.py`` names what is wrong: a missing file, a

@@ -1,5 +1,6 @@
 """The models an engine core serves: one :class:`ModelSlot` per (model, version), and the
-:class:`ModelTable` that resolves a micro-batch's (model, version) to one of them (DESIGN §9).
+:class:`ModelTable` that resolves a micro-batch's (model, version) to one of them
+(docs/architecture.md, "Models and versions").
 
 Every slot shares the engine core's graph, samplers and feature store; a slot holds only what is
 the model's own: its ``ServedModel`` (PyG module, fast layers), its CUDA graphs and its fanouts.

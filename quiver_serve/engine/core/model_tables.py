@@ -1,6 +1,6 @@
-"""The exact table across a model change (DESIGN §8): a new version of the table's model gets
-its own table, built beside the old one while the load builds the version, and the two swap
-when the new version takes the model's traffic.
+"""The exact table across a model change (docs/architecture.md, "The exact table"): a new version of
+the table's model gets its own table, built beside the old one while the load builds the version,
+and the two swap when the new version takes the model's traffic.
 
 The table must be exact for the version the core serves, so while the new table builds (and
 until the swap or until the version is dropped) the core applies no update: the load asks the

@@ -1,4 +1,5 @@
-"""Moving a running engine core onto a compacted base, without pausing it (DESIGN §7).
+"""Moving a running engine core onto a compacted base, without pausing it (docs/architecture.md,
+"The living graph").
 
 When the writer has written a new base (``GraphState`` slot ``NEWEST_BASE``), :class:`Rebase`
 builds beside the serving state, in a thread: the base's CSC over the files' read-only mappings,

@@ -1,4 +1,5 @@
-"""Micro-batches that wait for a graph version, and inductive requests (DESIGN §7).
+"""Micro-batches that wait for a graph version, and inductive requests (docs/architecture.md, "The
+living graph").
 
 A micro-batch waits in ``EngineCore.parked`` while the engine core has not applied every update
 acknowledged before it arrived (so a caller always reads its own acknowledged writes, and ids of

@@ -1,4 +1,5 @@
-"""GraphOwner: the main process's side of the living graph (DESIGN §7).
+"""GraphOwner: the main process's side of the living graph (docs/architecture.md, "The living
+graph").
 
 It picks the graph to serve (the newest compacted base in the update-log folder when there is
 one), owns the shared counters (``GraphState``) every process reads, opens the update log and

@@ -323,7 +323,8 @@ class Supervisor:
         from quiver_serve.engine.procs.model_manager import ModelManager
         from quiver_serve.models.startup import start_plan
 
-        #: the model repository's calls (DESIGN §9); the plan is checked before any child starts
+        #: the model repository's calls (docs/architecture.md, "Models and versions"); the plan is
+        #: checked before any child starts
         self.models = ModelManager(cfg, self.addrs, len(self.engines), start_plan(cfg),
                                    graph.num_features, self._engine_up)
         self._stop = threading.Event()

@@ -1,10 +1,11 @@
-"""Adjacency cache for the UVA GPU sampler (DESIGN §4, applied to the graph itself).
+"""Adjacency cache for the UVA GPU sampler (docs/architecture.md, "Feature store", applied to the
+graph itself).
 
 Sampling from pinned host memory pays one bus request per 32-byte sector of neighbour list the
 kernel reads (``adjacency_reads.py`` counts them). Within ``sampling.gpu_graph_cache_bytes``
 this puts in GPU memory: ``indptr`` (every frontier node reads it), a per-node offset (8 bytes:
 where the node's list starts in the cached copy, or -1), and the neighbour lists of the nodes
-whose expansions are expected to read the most bus sectors per list entry (the §3 access
+whose expansions are expected to read the most bus sectors per list entry (the access
 probability per hop times the sectors one expansion reads; :func:`expansion_scores`).
 
 The lists are bit-packed: ``index_bits`` bits per entry, by default the fewest that hold every
@@ -75,7 +76,7 @@ def expansion_scores(indptr: Tensor, indices: Tensor, fanouts: list[int], batch_
                      cost: str = "sectors", seed_prob: Tensor | None = None) -> Tensor:
     """Per node: what one batch is expected to read from its list over the bus, per list entry.
 
-    ``P_h`` is the §3 access probability (``seed_prob``, else uniform seeds of ``batch_size``);
+    ``P_h`` is the access probability (``seed_prob``, else uniform seeds of ``batch_size``);
     a node first reached at hop ``h - 1`` (probability ``P_{h-1} - P_{h-2}``) is expanded at hop
     ``h`` with fanout ``k_h``. ``cost``: ``sectors`` (default) counts the 32-byte bus requests of
     an expansion (a short list read whole coalesces: about ``(deg + 3) / 4`` of them; ``k`` draws

@@ -1,6 +1,6 @@
-"""The model repository through the pipeline in real processes (DESIGN §9): versions pinned
-and split, loads while serving, failed loads, unloads, several models over one graph, and an
-engine core restarted after a load."""
+"""The model repository through the pipeline in real processes (docs/architecture.md, "Models and
+versions"): versions pinned and split, loads while serving, failed loads, unloads, several models
+over one graph, and an engine core restarted after a load."""
 
 from __future__ import annotations
 

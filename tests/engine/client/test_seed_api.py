@@ -1,5 +1,6 @@
-"""The seed's stage API (DESIGN §5) end to end on Cora, over the one engine the Pipeline runs;
-and the QueueBridge under it (and under ``Pipeline.request_queue()``) without processes."""
+"""The seed's stage API (docs/architecture.md, "Outside contracts") end to end on Cora, over the one
+engine the Pipeline runs; and the QueueBridge under it (and under ``Pipeline.request_queue()``)
+without processes."""
 
 from __future__ import annotations
 

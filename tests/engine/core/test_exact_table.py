@@ -1,4 +1,5 @@
-"""The exact table (DESIGN §8), driven in-process: one engine core following a real update log.
+"""The exact table (docs/architecture.md, "The exact table"), driven in-process: one engine core
+following a real update log.
 
 After every update of a held-out stream (edge adds and removes, new nodes, feature writes) on
 graphs with self loops, duplicate edges and isolated nodes, every table row equals PyG's

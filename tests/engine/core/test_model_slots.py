@@ -1,5 +1,6 @@
-"""Several models and versions in one engine core (DESIGN §9), driven directly: resolution and
-traffic splits, loads built beside serving, failed loads, drains, and memory across cycles."""
+"""Several models and versions in one engine core (docs/architecture.md, "Models and versions"),
+driven directly: resolution and traffic splits, loads built beside serving, failed loads, drains,
+and memory across cycles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Admin calls that change the graph are logged with what they changed (DESIGN §9)."""
+"""Admin calls that change the graph are logged with what they changed (docs/architecture.md, "Admin
+plane")."""
 
 from __future__ import annotations
 
