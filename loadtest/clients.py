@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import ROOT, portable
+from loadtest.results import ROOT, portable
 
 TOOLS_DIR = ROOT / ".tools"
 ENV_VARS = {"wrk": "QUIVER_SERVE_WRK", "h2load": "QUIVER_SERVE_H2LOAD"}
@@ -132,7 +132,7 @@ def grpc_frame(message: bytes) -> bytes:
 def model_infer_request(model: str, ids: np.ndarray) -> bytes:
     """A serialized KServe v2 ``ModelInferRequest``: input ``node_ids`` INT64 [n], the ids as
     raw little-endian int64 (``raw_input_contents``), as ``loadtest.grpc_callers.GrpcCaller``."""
-    from quiver_serve.frontend.grpc_proto import message
+    from quiver_serve.frontend.grpc.proto import message
 
     req_cls = message("ModelInferRequest")
     inp = message("ModelInferRequest.InferInputTensor")(name="node_ids", datatype="INT64",
@@ -145,8 +145,7 @@ def grpc_check(target: str, request: bytes, timeout_s: float = 10.0) -> dict[str
     """One ``ModelInfer`` call with a real gRPC client (grpc-status 0, else it raises): the
     answer's output shape and serialized size."""
     import grpc
-
-    from quiver_serve.frontend.grpc_proto import message
+    from quiver_serve.frontend.grpc.proto import message
 
     with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary(GRPC_METHOD)

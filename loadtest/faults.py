@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtest.faults", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(REPO_ROOT / "configs/default.yaml"))
+    ap.add_argument("--config", default=str(REPO_ROOT / "quiver_serve/defaults/default.yaml"))
     ap.add_argument("--rate", type=float, default=200.0, help="requests per second (open loop)")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of the load")
     ap.add_argument("--roles", nargs="+", default=list(ROLES), choices=ROLES,

@@ -20,10 +20,10 @@ p99 passes --stop-p99-ms: max seed nodes/s at p99 <= each --bounds-ms. JSON and 
 
 Examples (from the repository root):
     python -m loadtest.gen --url http://127.0.0.1:8000 --protocol http-npy --workload a \\
-        --graph-config configs/default.yaml --mode closed --clients 1 4 16
+        --graph-config quiver_serve/defaults/default.yaml --mode closed --clients 1 4 16
     python -m loadtest.gen --protocol http-json http-npy --workload b --mode open --sweep \\
         --start-rate 100 --rate-factor 2 --out bench/results/loadgen
-    python -m loadtest.gen --protocol queue --config configs/default.yaml --workload c --sweep
+    python -m loadtest.gen --protocol queue --config quiver_serve/defaults/default.yaml --workload c --sweep
     python -m loadtest.gen --protocol grpc --grpc-target 127.0.0.1:8001 --workload trace \\
         --trace trace.npy --mode open --rate 500
 """

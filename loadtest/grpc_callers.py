@@ -193,7 +193,7 @@ class GrpcH2StreamCaller(GrpcH2Caller):
 
 def encode_grpc(model: str, reqs: list[np.ndarray], exact: bool = False) -> list[bytes]:
     """Serialised ``ModelInferRequest``s (no ``id``: a stream prepends one) of the requests."""
-    from quiver_serve.frontend.grpc_proto import message
+    from quiver_serve.frontend.grpc.proto import message
 
     req_cls, inp_cls = message("ModelInferRequest"), message("ModelInferRequest.InferInputTensor")
     bodies = []
@@ -232,7 +232,7 @@ class _Stream:
     METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
     def __init__(self, channel: Any) -> None:
-        from quiver_serve.frontend.grpc_proto import message
+        from quiver_serve.frontend.grpc.proto import message
 
         self.channel, self.parse = channel, message("ModelStreamInferResponse").FromString
         self.call = channel.stream_stream(self.METHOD)()  # bytes in, bytes out
@@ -368,7 +368,7 @@ class GrpcStreamCaller:
 
 def _id_field(request_id: str) -> bytes:
     """``ModelInferRequest.id`` (field 3) on the wire; prepended to a serialised request."""
-    from quiver_serve.frontend.grpc_proto import varint
+    from quiver_serve.frontend.grpc.proto import varint
 
     raw = request_id.encode()
     return b"\x1a" + varint(len(raw)) + raw

@@ -8,7 +8,7 @@ merges). This client sends each caller's own request bodies at about h2load's co
 ``asyncio.Protocol`` per TCP connection, cleartext HTTP/2 with prior knowledge (as gRPC clients
 speak it), a request's header block encoded once (never-indexed literals and static entries: no
 encoder state), HEADERS and DATA in one write, and per answer a few slices of the received bytes
-and a cached HPACK decode (``quiver_serve.frontend.http2.HeaderCache``).
+and a cached HPACK decode (``quiver_serve.frontend.grpc.frames.HeaderCache``).
 
 Per RFC 9113 it answers SETTINGS and PING, follows the server's windows (a request that does not
 fit waits for its WINDOW_UPDATE), returns the connection window as answers are read, takes
@@ -24,8 +24,7 @@ import struct
 from collections import deque
 from typing import Any
 
-from loadtest.status import OK
-from quiver_serve.frontend.http2 import (
+from quiver_serve.frontend.grpc.frames import (
     ACK,
     CONTINUATION,
     DATA,
@@ -48,6 +47,8 @@ from quiver_serve.frontend.http2 import (
     literal,
     unpad,
 )
+
+from loadtest.status import OK
 
 #: gRPC status codes by number (the spec's names)
 GRPC_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
@@ -261,7 +262,7 @@ class H2StreamClient(H2Client):
     connection) ends every request still waiting."""
 
     def __init__(self, authority: str, path: str) -> None:
-        from quiver_serve.frontend.grpc_proto import message
+        from quiver_serve.frontend.grpc.proto import message
 
         super().__init__(authority, path)
         self.parse = message("ModelStreamInferResponse").FromString

@@ -11,6 +11,10 @@ Used by the tests (``tests/conftest.py``), the benches (``bench/``) and the dril
 The log goes to a file (``log_path``, else a temporary one that is kept); ``log()`` is its tail,
 and a daemon that dies or is not ready in time raises with that tail. Imports nothing heavy (no
 torch): the drills run it beside the daemon on small boxes.
+
+The benches build a graph once (:func:`save_graph`), write the config of each daemon they start
+over it (:func:`serve_config`), and start the PyG-style baseline the same way
+(:func:`baseline_daemon`: ``bench/frontdoor/baseline_server.py``).
 """
 
 from __future__ import annotations
@@ -195,3 +199,51 @@ def start_daemon(cfg: Any, folder: Path | str, **kwargs: Any) -> Daemon:
     path.write_text(config_yaml(cfg))
     kwargs.setdefault("log_path", folder / "server.log")
     return Daemon(path, **kwargs)
+
+
+def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
+    """The graph of ``cfg`` built once and saved as an uncompressed ``folder/graph.npz``
+    (indptr, indices, x) that every daemon of a run loads (no generation per start)."""
+    import numpy as np
+
+    from quiver_serve.graph.datasets import load_graph
+
+    t0 = time.perf_counter()
+    graph = load_graph(cfg.graph)
+    path = Path(folder) / "graph.npz"
+    np.savez(path, indptr=graph.indptr.numpy(), indices=graph.indices.numpy(), x=graph.x.numpy())
+    print(f"graph: {graph.describe()}; built and saved in {time.perf_counter() - t0:.1f} s "
+          f"({path.stat().st_size / 2**20:,.0f} MiB)", flush=True)
+    return graph, path
+
+
+def saved_graph_facts(cfg: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
+    """:func:`save_graph`, keeping only what load and updater processes need of the graph
+    (the daemons load their own copies from the .npz)."""
+    graph, npz = save_graph(cfg, folder)
+    facts = {"num_nodes": graph.num_nodes, "indptr": graph.indptr.numpy().copy(),
+             "model": cfg.model.name, "graph": graph.describe()}
+    return npz, facts
+
+
+def serve_config(cfg: Any, npz: Path, folder: Path, name: str = "serve",
+                 fields: Mapping[str, object] | None = None) -> Path:
+    """``folder/<name>.yaml``: ``cfg`` (a ``ServeConfig``) with the saved ``npz`` as its graph
+    and ``fields`` set (``{"server.grpc_port": 8001, "sampling.route": "gpu"}``)."""
+    c = cfg.model_copy(deep=True)
+    c.graph.format, c.graph.path = "npz", str(npz)
+    for key, value in (fields or {}).items():
+        section, _, field = key.partition(".")
+        setattr(getattr(c, section), field, value)
+    path = Path(folder) / f"{name}.yaml"
+    path.write_text(config_yaml(c))
+    return path
+
+
+def baseline_daemon(config_path: Path | str, folder: Path, **kwargs: Any) -> Daemon:
+    """The PyG-style baseline server (``bench/frontdoor/baseline_server.py``) on the graph,
+    fanouts and model of ``config_path``, as a :class:`Daemon` (same ``/v1/embed`` contract,
+    same readiness route)."""
+    kwargs.setdefault("name", "baseline")
+    return Daemon(config_path, log_path=Path(folder) / "baseline.log",
+                  command=("-m", "bench.frontdoor.baseline_server"), **kwargs)

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.frontdoor import load_clients as lc
-from bench.frontdoor import wrk_lua
-from bench.frontdoor.proc_cpu import TreeCpu, net_counters, net_delta, per_request
+from loadtest import clients as lc
+from loadtest import wrk_lua
+from loadtest.cpu import TreeCpu, net_counters, net_delta, per_request
 from loadtest.protocols import encode_http, http_path
 from loadtest.workloads import IDS_PER_REQUEST, draw_requests
 

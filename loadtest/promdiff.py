@@ -1,7 +1,7 @@
 """The server's per-stage breakdown from ``/metrics``: scrape before and after a window, difference
 the histograms, and estimate each stage's mean and quantiles from the bucket counts.
 
-Stages (DESIGN §5 metric names): queue, sample (per route), gather, compute, and the HTTP request
+Stages (metric names of docs/operations.md, "Metrics"): queue, sample (per route), gather, compute, and the HTTP request
 duration (per endpoint; only answered requests with status 200).
 """
 

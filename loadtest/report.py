@@ -1,4 +1,4 @@
-"""The front-door bench's tables and result file (``bench/frontdoor/wrk_bench.py``).
+"""The report tables of a sweep bench (``bench/frontdoor/wrk_bench.py``) and its result file.
 
 Best point of a series: the most seed nodes/s among its points with p99 <= the bound and at most
 1% failed (``loadtest.stats.best_under``). Its ratio: its seeds/s over the queue API's best in
@@ -7,17 +7,12 @@ the same run and workload. CPU per request by role: at each series' best point (
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import ROOT, git_head, portable
-from bench.frontdoor.proc_cpu import ROLE_CLASSES
-from loadtest.gen import jsonable
+from loadtest.cpu import ROLE_CLASSES
+from loadtest.results import run_meta, write_result
 from loadtest.stats import best_under, fmt
 
 P999_OVER_P99_MAX = 2.0  # the contract: p99.9 within 2x p99
@@ -156,30 +151,11 @@ def cpu_table(rows: list[dict]) -> list[str]:
 
 
 def meta(run: Any, cfg: Any, graph: Any) -> dict[str, Any]:
-    import torch
-
     a = run.args
-    cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "config": portable(a.config), "sets": a.sets, "graph": graph.describe(),
-            "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}", "fanouts": cfg.sampling.fanouts,
-            "route": cfg.sampling.route,
-            "tools": run.tool_info,
-            "client_threads": a.client_threads or "CPUs / 4, 1 to 4, at most the connections",
-            "gen_procs": a.procs, "seconds": a.seconds, "warmup_s": a.warmup_s,
-            "bound_ms": a.bound_ms, "command": "python -m bench.frontdoor.wrk_bench "
-            + " ".join(str(portable(x)) if os.path.isabs(x) else x for x in sys.argv[1:])}
-
-
-def scrub(text: str, folder: Path) -> str:
-    """No machine paths in the result: the run's temporary folder, the checkout, the home."""
-    for path, name in ((str(folder), "<run folder>"), (str(ROOT), "."),
-                       (os.path.expanduser("~"), "~")):
-        if len(path) > 1:
-            text = text.replace(path, name)
-    return text
+    return run_meta(a, cfg, graph=graph.describe(), route=cfg.sampling.route,
+                    tools=run.tool_info, gen_procs=a.procs, seconds=a.seconds,
+                    warmup_s=a.warmup_s, bound_ms=a.bound_ms, client_threads=a.client_threads
+                    or "CPUs / 4, 1 to 4, at most the connections")
 
 
 def finish(run: Any, cfg: Any, graph: Any, out: Path) -> None:
@@ -188,10 +164,10 @@ def finish(run: Any, cfg: Any, graph: Any, out: Path) -> None:
     result = {"meta": meta(run, cfg, graph), "notes": NOTES + run.notes, "starts_s": run.starts_s,
               "daemon": run.idle, "rows": rows, "cpu_rows": cpu, "single_id": run.single,
               "series": run.series, "skipped": run.skipped,
-              "wall_s": time.perf_counter() - run.t0}
-    out.write_text(scrub(json.dumps(jsonable(result), indent=1), run.folder) + "\n")
+              "wall_s": run.elapsed_s()}
+    write_result(out, result, run.folder)
     lines = best_table(run, rows) + single_table(run) + cpu_table(cpu)
-    print(f"\nwrote {portable(out)}; wall {result['wall_s']:.0f} s; daemon: "
+    print(f"wall {result['wall_s']:.0f} s; daemon: "
           f"{run.idle.get('http_workers', '-')} HTTP front-end(s), idle cores "
           f"{run.idle.get('cores', {})}")
     if run.skipped:

@@ -1,6 +1,9 @@
-"""What every bench shares: ``--set section.key=value`` config overrides (validated through the
-pydantic config, like the daemon's ``QUIVER_SERVE__SECTION__KEY`` environment overrides), and
-where results go and how they are named.
+"""What every bench's run shares besides the daemon (``loadtest/harness.py``) and the load
+(``loadtest/gen.py``, ``loadtest/meter.py``): ``--set section.key=value`` config overrides
+(validated through the pydantic config, like the daemon's ``QUIVER_SERVE__SECTION__KEY``
+environment overrides), a time budget (:class:`Budget`), and the result file: where it goes, its
+name, its ``meta`` (:func:`run_meta`: machine, commit, command, date) and its writing
+(:func:`write_result`).
 
 Results: ``<bench>_<machine>_<date>[_<variant>].json`` (date in UTC, ``YYYY-MM-DD``), in the
 folder of ``$OUT`` when set, else ``bench/results/``; ``--out`` names another file. The machine is
@@ -11,13 +14,17 @@ folder of ``$OUT`` when set, else ``bench/results/``; ``--out`` names another fi
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import re
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from quiver_serve.config import ServeConfig
@@ -147,3 +154,101 @@ def afford(skipped: list[str], what: str, cost_s: float, left_s: float) -> bool:
     skipped.append(f"{what} (needs ~{cost_s:.0f} s, {max(0.0, left_s):.0f} s left)")
     print(f"SKIPPED {skipped[-1]}", flush=True)
     return False
+
+
+class Budget:
+    """A run's time budget (``budget_s`` from ``t0``), less ``reserve_s`` held back for a later
+    phase, and what the run skipped or lost (``skipped``: one line each, kept in the result)."""
+
+    def __init__(self, budget_s: float, t0: float | None = None) -> None:
+        self.budget_s = budget_s
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.reserve_s = 0.0
+        self.skipped: list[str] = []
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left_s(self) -> float:
+        return self.budget_s - self.elapsed_s() - self.reserve_s
+
+    def afford(self, what: str, cost_s: float) -> bool:
+        return afford(self.skipped, what, cost_s, self.left_s())
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """A step that raised: named in ``skipped`` (first line), its traceback's tail printed."""
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self.skipped.append(f"{what}: {type(exc).__name__}: {first}")
+        print(f"FAILED {what}:\n" + "".join(traceback.format_exception(exc))[-3000:], flush=True)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a runner's time limit) unwinds like ``sys.exit(143)``: ``finally`` blocks stop
+    the servers and load processes and write what was measured."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran, as ``python -m <module> <args>`` (paths made portable)."""
+    argv = list(sys.argv if argv is None else argv)
+    head = Path(argv[0]) if argv else Path("?")
+    try:
+        if head.suffix != ".py":
+            raise ValueError(head)
+        rel = head.resolve().relative_to(ROOT).with_suffix("")
+        prog = "python -m " + ".".join(p for p in rel.parts if p != "__main__")
+    except ValueError:
+        prog = f"python {head.name}"
+    rest = [str(portable(a)) if os.path.isabs(a) else a for a in argv[1:]]
+    return " ".join([prog, *rest])
+
+
+def run_meta(args: argparse.Namespace | None = None, cfg: Any = None, **extra: Any) -> dict:
+    """The ``meta`` of every result file: date (UTC), commit, machine, command, software and
+    device; with ``cfg`` the model and fanouts, with ``args`` its config and ``--set``s; then
+    ``extra``."""
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available()
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
+        "machine": getattr(args, "machine", None) or machine_name(), "command": command_line(),
+        "python": platform.python_version(), "torch": getattr(torch, "__version__", None),
+        "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    if args is not None and getattr(args, "config", None):
+        out.update(config=portable(args.config), sets=getattr(args, "sets", []))
+    if cfg is not None:
+        out.update(model=f"{cfg.model.pyg_class} {cfg.model.kwargs}",
+                   fanouts=cfg.sampling.fanouts)
+    out.update(extra)
+    return out
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` as JSON can hold it: numpy scalars as numbers, tuples as lists, keys as text; the
+    raw latency arrays (``latencies_ms``, ``lat``) left out."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items() if k not in ("latencies_ms", "lat")}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a numpy scalar
+        return obj.item()
+    return obj
+
+
+def scrub(text: str, folder: Path | str | None = None) -> str:
+    """No machine paths in a result: the run's temporary ``folder``, the checkout, the home."""
+    pairs = [(str(folder), "<run folder>")] if folder else []
+    for path, name in [*pairs, (str(ROOT), "."), (os.path.expanduser("~"), "~")]:
+        if len(path) > 1:
+            text = text.replace(path, name)
+    return text
+
+
+def write_result(path: Path | str, result: dict, folder: Path | str | None = None) -> Path:
+    """``result`` as indented JSON at ``path`` (its folder made), machine paths scrubbed
+    (``folder``: the run's temporary one); prints where it went."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(scrub(json.dumps(jsonable(result), indent=1, default=str), folder) + "\n")
+    print(f"wrote {portable(path)}", flush=True)
+    return path

@@ -124,7 +124,7 @@ def soak_wrk(url: str, minutes: float, fraction: float, nodes: int) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
+    ap.add_argument("--config", default=str(ROOT / "quiver_serve/defaults/default.yaml"))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--fraction", type=float, default=0.8)
     ap.add_argument("--nodes", type=int, default=4)

@@ -10,7 +10,7 @@ and generation). This process is the load generator; its own heap is frozen in b
 collections do not land in the measurement.
 
 Usage (from the repository root):
-    python -m bench.engine.gc_pauses [--config configs/default.yaml] [--callers 32]
+    python -m bench.engine.gc_pauses [--config quiver_serve/defaults/default.yaml] [--callers 32]
         [--ids 48] [--seconds 20] [--rounds 1] [--out FILE] [--set section.key=value ...]
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import add_set_option, load_config
+from loadtest.results import add_set_option, load_config
 from quiver_serve.engine.procs.heap import freeze_startup_heap
 
 
@@ -101,7 +101,7 @@ def one_run(cfg: Any, freeze: bool, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--config", default="quiver_serve/defaults/default.yaml")
     ap.add_argument("--callers", type=int, default=32)
     ap.add_argument("--ids", type=int, default=48)
     ap.add_argument("--seconds", type=float, default=20.0)

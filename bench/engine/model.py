@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import add_set_option, load_config, portable
+from loadtest.results import add_set_option, load_config, portable
 from bench.engine.profile_engine import timed
 from quiver_serve.config import ServeConfig
 

@@ -31,7 +31,7 @@ ids, and single-id p50 with 1 caller) from load processes, from coroutines on
 Usage (from the repository root):
     python -m bench.engine.pipeline [--config configs/bench_reddit.yaml] [--scale 0.02]
         [--workloads a b c] [--callers 1 4 16 64 256] [--seconds 4] [--out FILE]
-    python -m bench.engine.pipeline --config configs/default.yaml --cpu-efficiency
+    python -m bench.engine.pipeline --config quiver_serve/defaults/default.yaml --cpu-efficiency
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import (
+from loadtest.results import (
     add_result_options,
     add_set_option,
     git_head,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import add_set_option, load_config, portable
+from loadtest.results import add_set_option, load_config, portable
 from loadtest.workloads import hot_set
 
 

@@ -16,7 +16,7 @@ for every process of the machine):
 * ``wake``: reply read to the caller running again (future, thread or event-loop hand-off).
 
 Usage (from the repository root):
-    python -m bench.engine.trace_latency [--config configs/default.yaml] [--route auto]
+    python -m bench.engine.trace_latency [--config quiver_serve/defaults/default.yaml] [--route auto]
         [--ids 1] [--requests 3000] [--mode sync|async] [--out FILE]
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import add_set_option, load_config
+from loadtest.results import add_set_option, load_config
 from quiver_serve.metrics.observer import PipelineObserver
 
 STAGES = ("submit", "to_engine", "queue", "sample", "compute", "engine_other", "to_client", "wake")
@@ -111,7 +111,7 @@ def print_table(res: dict[str, Any], title: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--config", default="quiver_serve/defaults/default.yaml")
     ap.add_argument("--scale", type=float, help="override graph.synthetic_scale")
     ap.add_argument("--route", help="override sampling.route (auto, cpu, gpu, local, quiver)")
     ap.add_argument("--ids", type=int, default=1, help="ids per request")

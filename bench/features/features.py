@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import ROOT, add_result_options, result_path
+from loadtest.results import ROOT, add_result_options, result_path
 from bench.features.common import (
     FANOUTS,
     hot_set,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cli import add_result_options, result_path
+from loadtest.results import add_result_options, result_path
 from bench.features.common import (
     make_graph,
     sampler_for,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import yaml
 
-from bench.cli import ROOT, add_result_options, result_path
+from loadtest.results import ROOT, add_result_options, result_path
 from bench.features.common import make_graph, sampler_for, scores_by, seed_batches, store_point
 from bench.routing.routing_daemon import at_bound
 from bench.sampling.adjacency import adjacency_section, print_table

@@ -13,7 +13,7 @@ clearly labelled, quiver-serve's pure-torch reference sampler (``sampling/refere
 the same semantics (in-neighbours, uniform without replacement). ``GET /v1/baseline`` and the start
 log say which one runs.
 
-    python -m bench.frontdoor.baseline_server --config configs/default.yaml --port 8100 [--sampler auto|pyg|reference]
+    python -m bench.frontdoor.baseline_server --config quiver_serve/defaults/default.yaml --port 8100 [--sampler auto|pyg|reference]
 """
 
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import add_set_option, load_config
+from loadtest.results import add_set_option, load_config
 
 log = logging.getLogger("baseline")
 
@@ -174,7 +174,7 @@ def make_app(base: Baseline, max_request_nodes: int) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--config", default="configs/default.yaml", help="the quiver-serve config "
+    ap.add_argument("--config", default="quiver_serve/defaults/default.yaml", help="the quiver-serve config "
                     "whose graph, fanouts and model (class, kwargs, weights) the baseline serves")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)

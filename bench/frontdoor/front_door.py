@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 import orjson
 
-from bench.cli import add_result_options, result_path
+from loadtest.results import add_result_options, result_path
 
 
 def encode_costs_us(rows: int = 48, dim: int = 64, n: int = 2000) -> dict[str, float]:

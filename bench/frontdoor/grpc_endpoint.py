@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The gRPC endpoint alone: server CPU per ModelInfer call and latency, the project's own HTTP/2
-(``frontend/grpc_calls.py``) against grpc.aio doing the same work, load from h2load.
+(``frontend/grpc/calls.py``) against grpc.aio doing the same work, load from h2load.
 
 Each server runs in its own process on uvloop with a stub engine that answers every submission
 on the next loop turn with float32 rows [n, --dim], so the process's CPU is the endpoint's own:
-HTTP/2, the request's parsing and checks (``grpc_server.infer_args``, ``fastpath.submit_ids``),
+HTTP/2, the request's parsing and checks (``grpc/service.infer_args``, ``fastpath.submit_ids``),
 the hand-written answer (``grpc_proto.infer_response``). The baseline is a ``grpc.aio`` server
 whose ``ModelInfer`` handler does that same work in a coroutine (the endpoint before decision
 33). For each server and each --connections x --streams point, h2load (another process) runs
@@ -34,9 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import ROOT, add_result_options, doc_parser, git_head, machine_name, result_path
-from bench.frontdoor import load_clients as lc
-from bench.frontdoor.proc_cpu import read_stat
+from loadtest import clients as lc
+from loadtest.cpu import read_stat
+from loadtest.results import (
+    ROOT,
+    add_result_options,
+    doc_parser,
+    git_head,
+    machine_name,
+    result_path,
+)
 
 SERVERS = ("own", "grpcio")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -82,10 +89,10 @@ def _state(dim: int) -> Any:
 async def _grpcio_server(state: Any, port: int) -> tuple[Any, int]:
     """grpc.aio with a ``ModelInfer`` handler doing the own endpoint's work in a coroutine."""
     import grpc
+    from quiver_serve.frontend.grpc.service import infer_args
 
-    from quiver_serve.frontend import grpc_proto as gp
+    from quiver_serve.frontend.grpc import proto as gp
     from quiver_serve.frontend.fastpath import answer_of, submit_ids
-    from quiver_serve.frontend.grpc_server import infer_args
 
     async def infer(req: Any, ctx: Any) -> bytes:
         a = infer_args(req)
@@ -107,7 +114,7 @@ async def _grpcio_server(state: Any, port: int) -> tuple[Any, int]:
 async def _serve(kind: str, dim: int) -> None:
     state = _state(dim)
     if kind == "own":
-        from quiver_serve.frontend import grpc_calls
+        from quiver_serve.frontend.grpc import calls as grpc_calls
 
         server: Any = await grpc_calls.start(state, "127.0.0.1", 0, None)
         port = server.port

@@ -29,31 +29,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.cli import (
+from loadtest import plots
+from loadtest.gen import Generator
+from loadtest.harness import Daemon, baseline_daemon, free_port, save_graph, serve_config
+from loadtest.results import (
+    Budget,
     add_result_options,
     add_set_option,
-    afford,
     doc_parser,
+    exit_on_sigterm,
     load_config,
     result_name,
     results_dir,
+    run_meta,
+    write_result,
 )
-from loadtest import plots
-from loadtest.gen import Generator, jsonable
-from loadtest.harness import Daemon, free_port
 from loadtest.stats import best_under, fmt, point_row
 from loadtest.workloads import hot_set
 
@@ -62,58 +60,25 @@ BOUNDS_MS = (10.0, 30.0)
 SERVER_GRACE_S = 8.0  # SIGTERM to SIGKILL of a server's process group
 
 
-def save_graph(cfg: Any, folder: Path) -> tuple[Any, Path]:
-    """Build the graph once; save indptr / indices / x as an uncompressed .npz the servers load."""
-    from quiver_serve.graph.datasets import load_graph
-
-    t0 = time.perf_counter()
-    graph = load_graph(cfg.graph)
-    path = folder / "graph.npz"
-    np.savez(path, indptr=graph.indptr.numpy(), indices=graph.indices.numpy(), x=graph.x.numpy())
-    print(f"graph: {graph.describe()}; built and saved in {time.perf_counter() - t0:.1f} s "
-          f"({path.stat().st_size / 2**20:,.0f} MiB)", flush=True)
-    return graph, path
-
-
-def saved_graph_facts(cfg: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
-    """:func:`save_graph`, keeping only what load and updater processes need of the graph
-    (the daemons load their own copies from the .npz)."""
-    graph, npz = save_graph(cfg, folder)
-    facts = {"num_nodes": graph.num_nodes, "indptr": graph.indptr.numpy().copy(),
-             "model": cfg.model.name, "graph": graph.describe()}
-    return npz, facts
-
-
-def derived_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None,
-                   fast_routes: bool = True) -> Path:
+def route_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None,
+                 fast_routes: bool = True) -> Path:
     """The run's config for one route: the saved .npz as graph, everything else from --config."""
-    import yaml
-
-    c = cfg.model_copy(deep=True)
-    c.graph.format, c.graph.path = "npz", str(npz)
-    c.sampling.route = route
-    c.server.grpc_port = grpc_port
-    c.server.fast_routes = fast_routes
-    path = folder / f"serve_{route}{'' if fast_routes else '_nofast'}.yaml"
-    path.write_text(yaml.safe_dump(c.model_dump(mode="json")))
-    return path
+    return serve_config(cfg, npz, folder, f"serve_{route}{'' if fast_routes else '_nofast'}",
+                        {"sampling.route": route, "server.grpc_port": grpc_port,
+                         "server.fast_routes": fast_routes})
 
 
-class Run:
+class Run(Budget):
     """The run's state: budget, load processes, workload specs, results by series."""
 
     def __init__(self, args: argparse.Namespace, gen: Generator, spec_a: dict, spec_c: dict) -> None:
+        super().__init__(args.budget_s)
         self.args, self.gen, self.spec_a, self.spec_c = args, gen, spec_a, spec_c
-        self.t0 = time.perf_counter()
         self.series: dict[str, dict] = {}
         self.single: dict[str, dict] = {}
-        self.skipped: list[str] = []
         self.starts: dict[str, float] = {}
         self.levels = [c for c in args.clients]
         self.baseline_info: dict | None = None
-
-    def left_s(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
 
     @contextlib.contextmanager
     def serving(self, srv: Daemon, name: str, what: str) -> Iterator[None]:
@@ -128,9 +93,6 @@ class Run:
             print(f"FAILED {what}:\n{exc}", flush=True)
         finally:
             srv.stop()
-
-    def afford(self, what: str, cost_s: float) -> bool:
-        return afford(self.skipped, what, cost_s, self.left_s())
 
     def start_cost_s(self) -> float:
         """Expected server start: the last quiver-serve start (the first one also builds the C++
@@ -169,7 +131,7 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
     if not run.afford(f"route {route}", run.start_cost_s() + run.sweep_cost_s()):
         return
     port, grpc_port = free_port(), free_port()
-    conf = derived_config(cfg, npz, route, folder, grpc_port)
+    conf = route_config(cfg, npz, route, folder, grpc_port)
     url = f"http://127.0.0.1:{port}"
     srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
                  name=f"quiver-serve ({route})", grace_s=SERVER_GRACE_S)
@@ -196,7 +158,7 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
         if not run.afford(f"single-id fast_routes={fast}", run.start_cost_s() + 10):
             return
         port = free_port()
-        conf = derived_config(cfg, npz, route, folder, None, fast_routes=fast)
+        conf = route_config(cfg, npz, route, folder, None, fast_routes=fast)
         url = f"http://127.0.0.1:{port}"
         tag = f"{route}{'' if fast else ' (fast_routes off)'}"
         srv = Daemon(conf, port, folder / f"server_{route}_{fast}.log", args=["--log-level",
@@ -229,14 +191,11 @@ def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
 def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     if not run.afford("baseline", run.start_cost_s() / 2 + run.sweep_cost_s()):
         return
-    port = free_port()
-    conf = derived_config(cfg, npz, "auto", folder, None)
-    url = f"http://127.0.0.1:{port}"
-    srv = Daemon(conf, port, folder / "baseline.log", command=("-m", "bench.frontdoor.baseline_server"),
-                 name="baseline", grace_s=SERVER_GRACE_S)
+    srv = baseline_daemon(route_config(cfg, npz, "auto", folder, None), folder,
+                          grace_s=SERVER_GRACE_S)
+    url = srv.url
     with run.serving(srv, "baseline", "baseline"):
-        with urllib.request.urlopen(url + "/v1/baseline", timeout=5) as r:  # noqa: S310
-            run.baseline_info = json.loads(r.read())
+        run.baseline_info = srv.get_json("/v1/baseline")
         print(f"baseline: {run.baseline_info}", flush=True)
         for protocol in ("http-json", "http-npy"):
             run.sweep(f"baseline/{protocol}", target_of(protocol, url, None, cfg.model.name,
@@ -312,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser(None, __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
-                    help="Cora (configs/default.yaml), short points, CPU routes: a check, not a figure")
+                    help="Cora (quiver_serve/defaults/default.yaml), short points, CPU routes: a check, not a figure")
     ap.add_argument("--routes", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "cpu", "gpu"],
                     help="sampling.route of each quiver-serve start, in this order")
     ap.add_argument("--queue-routes", nargs="+", default=None, help="routes of the queue API "
@@ -342,24 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         if args.config == "configs/bench_reddit.yaml":
-            args.config = "configs/default.yaml"
+            args.config = "quiver_serve/defaults/default.yaml"
         args.clients, args.seconds, args.warmup = [1, 2, 4, 8], 1.0, 0.3
         args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 240.0)
     return args
-
-
-def meta(args: argparse.Namespace, graph: Any, cfg: Any) -> dict:
-    import platform
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "graph": graph.describe(), "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}",
-            "fanouts": cfg.sampling.fanouts, "workload": "a (48 ids from the 1,500-node hot set)",
-            "command": "python -m bench.frontdoor.headline " + " ".join(sys.argv[1:])}
 
 
 def phases(run: Run, cfg: Any, graph: Any, npz: Path, folder: Path) -> None:
@@ -385,11 +330,11 @@ def finish(run: Run, info: dict, out: Path) -> None:
     result = {"meta": info, "baseline": run.baseline_info, "starts_s": run.starts, "rows": rows,
               "series": run.series, "single_id": run.single, "skipped": run.skipped,
               "wall_s": time.perf_counter() - run.t0}
-    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    write_result(out, result)
     title = f"{info['graph'].split(':')[0]}, {info['device']}, workload (a), closed loop"
     stem = out.with_suffix("")
     write_plots(run, stem, title)
-    print(f"\nwrote {out}, {stem.name}_throughput_vs_p99.png, {stem.name}_latency_cdf.png")
+    print(f"wrote {stem.name}_throughput_vs_p99.png, {stem.name}_latency_cdf.png")
     if run.skipped:
         print("skipped: " + "; ".join(run.skipped))
     print(f"baseline sampler: {(run.baseline_info or {}).get('sampler')}; wall "
@@ -402,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = parse_args(argv)
-    # SIGTERM (the wrapper's timeout) unwinds like an exception: servers stopped, results written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     cfg = load_config(args.config, args.sets)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -422,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_c = {"workload": "c", "hot": None, "num_nodes": graph.num_nodes, "seed": 0}
         gen = Generator(args.procs, args.warmup, args.seconds)
         run = Run(args, gen, spec_a, spec_c)
-        info = meta(args, graph, cfg)
+        info = run_meta(args, cfg, graph=graph.describe(),
+                        workload="a (48 ids from the 1,500-node hot set)")
         print(f"{info['device']}, {info['cpus']} CPUs, torch {info['torch']}; {args.procs} load "
               f"process(es); budget {args.budget_s:.0f} s", flush=True)
         code = 0

@@ -10,7 +10,7 @@ engine client and the answer's encoding, without uvicorn's socket and HTTP parsi
 both) and without the engine's work (other processes). CPU time, not wall time, so a busy shared
 box moves it little.
 
-    python -m bench.frontdoor.hot_routes [--config configs/default.yaml] [--requests 2000]
+    python -m bench.frontdoor.hot_routes [--config quiver_serve/defaults/default.yaml] [--requests 2000]
 
 JSON: --out, else $OUT or bench/results/, hot_routes_<machine>_<date>[_<label>].json.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench.cli import add_result_options, result_path
+from loadtest.results import add_result_options, result_path
 
 
 def requests(model: str) -> dict[str, tuple[str, bytes, list[tuple[bytes, bytes]]]]:

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from bench.cli import ROOT
+from loadtest.results import ROOT
 
 COMBOS = (("uvloop", "httptools"), ("asyncio", "httptools"), ("asyncio", "h11"))
 BODY = b'{"node_ids": [1]}'

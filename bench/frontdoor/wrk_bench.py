@@ -2,14 +2,14 @@
 """The front door measured with compiled load clients (issue 27): wrk for HTTP, the project's own
 generator for gRPC and the queue API, with the CPU of every daemon process.
 
-1. Builds the graph of --config once, saves it as an .npz (bench/frontdoor/headline.py) and starts
+1. Builds the graph of --config once, saves it as an .npz (loadtest/harness.py) and starts
    ``server.py`` on it once, with a gRPC port and ``server.http_workers`` as configured (``--set
    server.http_workers=N`` or ``QUIVER_SERVE__SERVER__HTTP_WORKERS``).
 2. For each workload (a: 48 ids from the 1,500-node hot set, b: 48 uniform) and path, closed-loop
    load at rising connections (--connections), each point --seconds after a --warmup-s run at the
    same connections; a sweep stops once a point's p99 passes --stop-p99-ms (or > 1% fail):
    HTTP JSON, HTTP npy and KServe v2 binary through wrk (bodies from Python in a generated Lua
-   script, bench/frontdoor/wrk_lua.py); gRPC ``ModelInfer`` and ``ModelStreamInfer`` through
+   script, loadtest/wrk_lua.py); gRPC ``ModelInfer`` and ``ModelStreamInfer`` through
    ``loadtest.gen``'s lean HTTP/2 client (``grpc-h2``, ``grpc-stream-h2``: the same distinct
    bodies; unary one connection per caller) and HTTP npy through ``loadtest.gen`` (side by
    side with wrk's). ``--paths grpc-aio grpc-stream-aio`` add the same with grpc.aio's client;
@@ -43,28 +43,27 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.cli import (
+from loadtest import clients as lc
+from loadtest import report
+from loadtest.cpu import TreeCpu, role_class
+from loadtest.harness import Daemon, free_port, save_graph, serve_config
+from loadtest.meter import OPT_IN_PATHS, PATHS, Meter, Target, Workloads, routes
+from loadtest.results import (
+    Budget,
     add_result_options,
     add_set_option,
-    afford,
     doc_parser,
+    exit_on_sigterm,
     load_config,
     result_path,
 )
-from bench.frontdoor import load_clients as lc
-from bench.frontdoor import wrk_report
-from bench.frontdoor.proc_cpu import TreeCpu, role_class
-from bench.frontdoor.wrk_points import OPT_IN_PATHS, PATHS, Meter, Target, Workloads, routes
-from loadtest.harness import Daemon, free_port
 from loadtest.stats import served
 from quiver_serve.engine.procs.standby import SETTLE_S as STANDBY_SETTLE_S
 from quiver_serve.engine.procs.standby import SPAWN_GAP_S
@@ -86,12 +85,12 @@ QUIET_WINDOWS = math.ceil(STANDBY_SETTLE_S + SPAWN_GAP_S) + 1
 DOES_NOT_RUN = "unknown (does not run"
 
 
-class Run:
+class Run(Budget):
     """The run's state: budget, tools, load processes, results."""
 
     def __init__(self, args: argparse.Namespace, folder: Path) -> None:
+        super().__init__(args.budget_s)
         self.args, self.folder = args, folder
-        self.t0 = time.perf_counter()
         self.tools: dict[str, lc.Tool | None] = {}
         self.tool_info: dict[str, dict[str, str | None]] = {}
         for name in ("wrk", "h2load"):
@@ -103,18 +102,10 @@ class Run:
         self.routes = routes(self.tools)
         self.series: dict[str, dict[str, Any]] = {}
         self.single: dict[str, dict[str, Any]] = {}
-        self.skipped: list[str] = []
         self.notes: list[str] = []
         self.starts_s: dict[str, float] = {}
         self.idle: dict[str, Any] = {}
-        self.reserve_s = 0.0  # held back for the queue API's phase while the daemon runs
         self.gen: Any = None
-
-    def left_s(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0) - self.reserve_s
-
-    def afford(self, what: str, cost_s: float) -> bool:
-        return afford(self.skipped, what, cost_s, self.left_s())
 
     def usable(self, path: str) -> str | None:
         """Why ``path`` cannot run here (a missing client or protocol), else None."""
@@ -165,13 +156,8 @@ class Run:
                 meter.gen = self.renew_gen()
             return False
         points.append(p)
-        print(wrk_report.point_line(p), flush=True)
+        print(report.point_line(p), flush=True)
         return served(p, self.args.stop_p99_ms)
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        self.skipped.append(f"{what}: {type(exc).__name__}: {first}")
-        print(f"FAILED {what}:\n" + "".join(traceback.format_exception(exc))[-3000:], flush=True)
 
     def renew_gen(self) -> Any:
         """Fresh load processes (after a failed point)."""
@@ -199,10 +185,7 @@ class Run:
 
 def daemon_config(run: Run, cfg: Any, npz: Path, grpc_port: int) -> Path:
     """The run's config: the saved .npz as graph, a gRPC port, everything else from --config."""
-    from bench.frontdoor.headline import derived_config
-
-    return derived_config(cfg, npz, cfg.sampling.route, run.folder, grpc_port,
-                          fast_routes=cfg.server.fast_routes)
+    return serve_config(cfg, npz, run.folder, fields={"server.grpc_port": grpc_port})
 
 
 @contextlib.contextmanager
@@ -345,7 +328,7 @@ def single_id_levels(connections: list[int]) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.frontdoor.wrk_bench", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true", help="Cora (configs/default.yaml), short "
+    ap.add_argument("--smoke", action="store_true", help="Cora (quiver_serve/defaults/default.yaml), short "
                     "points, workload a only: a check, not a figure")
     ap.add_argument("--workloads", nargs="+", choices=["a", "b"], help="default: a b (--smoke: a)")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS),
@@ -378,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="phases that would start past this (from the start) are skipped")
     ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected daemon start-up")
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
-    ap.add_argument("--out", help="the result file (default: the bench/cli.py name in --out-dir)")
+    ap.add_argument("--out", help="the result file (default: the loadtest/results.py name in --out-dir)")
     ap.add_argument("--out-dir", help="its folder (default $OUT, else bench/results/)")
     add_set_option(ap)
     add_result_options(ap)
@@ -389,7 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, smoke.get(key, value))
     if args.smoke:
         if args.config == "configs/bench_reddit.yaml":
-            args.config = "configs/default.yaml"
+            args.config = "quiver_serve/defaults/default.yaml"
         args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 300.0)
     args.connections_c = args.connections_c or smoke.get("connections_c") or \
         single_id_levels(args.connections)
@@ -399,11 +382,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.frontdoor.headline import save_graph
     from loadtest.workloads import hot_set
 
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: daemon stopped, JSON written
+    exit_on_sigterm()  # unwinds: daemon stopped, JSON written
     cfg = load_config(args.config, args.sets)
     out = result_path("wrk_bench", args, "smoke" if args.smoke else None)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -419,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         graph.share_memory_()
         work = Workloads(graph.num_nodes, hot_set(graph.degree().numpy()), args.bodies)
         run.renew_gen()
-        print(wrk_report.banner(run), flush=True)
+        print(report.banner(run), flush=True)
         run.reserve_s = queue_cost_s(run, queue_order(run)[0])
         print(f"plan: ~{plan_s(run):.0f} s at full sweeps (graph built in "
               f"{time.perf_counter() - run.t0:.0f} s); budget {args.budget_s:.0f} s, "
@@ -436,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - the next phase runs; the JSON is written
                 run.failed(f"{name} phase", exc)
                 code = 1
-        wrk_report.finish(run, cfg, graph, out)
+        report.finish(run, cfg, graph, out)
         return code
     finally:
         if run.gen is not None:

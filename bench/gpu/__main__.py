@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.cli import machine_name
+from loadtest.results import machine_name
 from bench.gpu import runner
 from bench.gpu.suites import MAIN_BENCH, SUITES
 

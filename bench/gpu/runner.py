@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cli import ROOT
+from loadtest.results import ROOT
 
 WHEEL_DIR = ROOT / ".whl"
 TIMEOUT_EXIT = 124

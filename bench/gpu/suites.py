@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.cli import ROOT, result_name
+from loadtest.results import ROOT, result_name
 from bench.gpu.runner import Step
 
 BENCH_CONFIG = "configs/bench_reddit.yaml"
@@ -31,7 +31,7 @@ ROUTING_DAEMON_ARGS = [
     "--modes", "cpu", "gpu", "auto", "quiver", "auto:sampling.pool_overlap=serial@uva",
     "auto:sampling.pool_overlap=off@uva"]
 HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, hpack, aiohttp, matplotlib, grpc"
-LOAD_CLIENTS = ("from bench.frontdoor.load_clients import find_tool as f; import sys; "
+LOAD_CLIENTS = ("from loadtest.clients import find_tool as f; import sys; "
                 "t = [(n, f(n)) for n in ('wrk', 'h2load')]; v = [(n, x and x.version()) for n, x "
                 "in t]; print(v); sys.exit(any(x is None or x.startswith('unknown') for _, x in v))")
 CPP_BUILD = ("from quiver_serve.sampling.cpu import cpp_sampler_available as a; "

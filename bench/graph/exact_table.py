@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.cli import (
+from loadtest.results import (
     add_result_options,
     add_set_option,
     afford,
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.graph.exact_table", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
-                    help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")
+                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
     ap.add_argument("--protocols", nargs="+", default=["http-npy", "queue"],
                     choices=["http-npy", "http-json", "queue"])
     ap.add_argument("--ids-per-request", type=int, default=48)
@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def smoke_settings(args: argparse.Namespace) -> None:
     """Cora, tiny levels and windows; the pure-torch sampler (no C++ build in the time)."""
     if args.config == "configs/bench_reddit.yaml":
-        args.config = "configs/default.yaml"
+        args.config = "quiver_serve/defaults/default.yaml"
     args.levels, args.baseline_levels = [1, 4], [1, 2]
     args.seconds, args.warmup, args.baseline_seconds, args.baseline_warmup = 0.8, 0.3, 0.8, 0.3
     args.baseline_timeout_s, args.refresh_seconds = min(args.baseline_timeout_s, 20.0), 1.5

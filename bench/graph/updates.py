@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import (
+from loadtest.results import (
     add_result_options,
     add_set_option,
     afford,
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.graph.updates", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
-                    help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")
+                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
     ap.add_argument("--protocol", default="http-npy", choices=["http-npy", "http-json",
                                                                 "kserve-binary"])
     ap.add_argument("--ids-per-request", type=int, default=48)
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def smoke_settings(args: argparse.Namespace) -> None:
     """Cora, small rates and short windows; the pure-torch sampler (no C++ build in the time)."""
     if args.config == "configs/bench_reddit.yaml":
-        args.config = "configs/default.yaml"
+        args.config = "quiver_serve/defaults/default.yaml"
     args.capacity_callers, args.capacity_seconds = [1, 2, 4], 0.8
     args.seconds, args.warmup, args.compaction_seconds = 1.5, 0.3, 3.0
     args.update_rates, args.edges_per_call, args.update_procs = [500.0, 2000.0], 100, 1

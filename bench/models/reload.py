@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import (
+from loadtest.results import (
     add_result_options,
     add_set_option,
     afford,
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.models.reload", __doc__)
     ap.add_argument("--config", default="configs/bench_reddit.yaml")
     ap.add_argument("--smoke", action="store_true",
-                    help="Cora (configs/default.yaml) on the CPU, short steps: a check, not a figure")
+                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
     ap.add_argument("--ids-per-request", type=int, default=48)
     ap.add_argument("--capacity-callers", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def smoke_settings(args: argparse.Namespace) -> None:
     """Cora, short windows, low load; the pure-torch sampler (no C++ build in the time)."""
     if args.config == "configs/bench_reddit.yaml":
-        args.config = "configs/default.yaml"
+        args.config = "quiver_serve/defaults/default.yaml"
     args.capacity_callers, args.capacity_seconds, args.warmup = [1, 2, 4], 0.8, 0.3
     args.steady_s, args.before_s, args.reload_window_s = 1.5, 1.0, 4.0
     args.swap_s = min(args.swap_s, 1.0)

@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from bench.cli import add_result_options, add_set_option, load_config, result_path
+from loadtest.results import add_result_options, add_set_option, load_config, result_path
 from bench.engine.probe import latency_ms
 from loadtest.workloads import hot_set
 from quiver_serve.config import ServeConfig

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cli import add_result_options, add_set_option, git_head, load_config, result_path
+from loadtest.results import add_result_options, add_set_option, git_head, load_config, result_path
 from bench.engine.pipeline import fmt, jsonable
 from bench.engine.probe import DaemonLoad, merge_point
 from loadtest.workloads import hot_set

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.cli import add_result_options, result_path
+from loadtest.results import add_result_options, result_path
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.cli import add_set_option, load_config
+from loadtest.results import add_set_option, load_config
 from loadtest.workloads import draw_requests, hot_set
 from quiver_serve.config import ConfigError, ServeConfig
 
@@ -19,7 +19,7 @@ def test_set_overrides_are_applied_and_validated() -> None:
     ap = argparse.ArgumentParser()
     add_set_option(ap)
     args = ap.parse_args(["--set", "sampling.route=gpu", "--set", "batching.max_batch_nodes=512"])
-    cfg = load_config("configs/default.yaml", args.sets)
+    cfg = load_config("quiver_serve/defaults/default.yaml", args.sets)
     assert (cfg.sampling.route, cfg.batching.max_batch_nodes) == ("gpu", 512)
     base = ServeConfig.default()
     over = base.with_overrides(["sampling.route=gpu"])
@@ -157,7 +157,7 @@ def test_feature_bench_variants_and_their_ratios() -> None:
 
 
 def test_result_names_carry_bench_machine_date_and_variant(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from bench.cli import machine_name, result_name, result_path
+    from loadtest.results import machine_name, result_name, result_path
 
     assert machine_name(["NVIDIA H200"]) == "h200"
     assert machine_name(["NVIDIA H100 80GB HBM3"] * 2) == "h100x2"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.frontdoor import grpc_endpoint
-from bench.frontdoor.load_clients import find_tool
+from loadtest.clients import find_tool
 
 
 def test_ratios_pair_each_point_with_the_baseline() -> None:

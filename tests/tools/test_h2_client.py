@@ -31,7 +31,7 @@ class Silent:
 
 
 async def _own(state: Any) -> tuple[Any, int]:
-    from quiver_serve.frontend import grpc_calls
+    from quiver_serve.frontend.grpc import calls as grpc_calls
 
     server = await grpc_calls.start(state, "127.0.0.1", 0, None)
     return server, server.port

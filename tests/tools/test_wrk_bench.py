@@ -16,8 +16,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.frontdoor import load_clients as lc
-from bench.frontdoor import proc_cpu, wrk_lua, wrk_report
+from loadtest import clients as lc
+from loadtest import cpu as proc_cpu
+from loadtest import report as wrk_report
+from loadtest import wrk_lua
+from loadtest.results import scrub
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LUA_SIMPLE = {"n": b"\n", "t": b"\t", "r": b"\r", "\\": b"\\", '"': b'"', "'": b"'", "a": b"\a",
@@ -90,7 +93,7 @@ def test_bodies_of_different_header_sets_are_refused() -> None:
 
 
 def test_grpc_frame_and_request_round_trip() -> None:
-    from quiver_serve.frontend.grpc_proto import message
+    from quiver_serve.frontend.grpc.proto import message
 
     assert lc.grpc_frame(b"abc") == b"\x00\x00\x00\x00\x03abc"
     ids = np.array([3, 1, 4, 1, 5], np.int64)
@@ -171,7 +174,7 @@ def test_h2load_summary_and_log_make_a_point(tmp_path: Path) -> None:
 
 
 def test_short_grpc_answers_count_as_errors() -> None:
-    from bench.frontdoor.wrk_points import short_answers
+    from loadtest.meter import short_answers
 
     good = {"requests": 10, "ok": 10, "bytes_per_request": 12400.0, "errors": {},
             "error_fraction": 0.0, "req_per_s": 5.0, "seed_nodes_per_s": 240.0}
@@ -216,7 +219,7 @@ def test_best_point_under_the_bound_and_the_ratio_to_the_queue_api() -> None:
 
 def test_result_text_names_no_machine_paths(tmp_path: Path) -> None:
     text = json.dumps({"a": f"{tmp_path}/wrk_a.lua failed", "b": str(REPO_ROOT / "x.yaml")})
-    out = wrk_report.scrub(text, tmp_path)
+    out = scrub(text, tmp_path)
     assert str(tmp_path) not in out and str(REPO_ROOT) not in out
     assert "<run folder>/wrk_a.lua" in out and '"./x.yaml"' in out
 
@@ -308,7 +311,7 @@ def test_options_smoke_defaults_and_the_queue_api_order() -> None:
     assert (full.seconds, full.single_seconds, full.config) == (3, 5, "configs/bench_reddit.yaml")
     smoke = wrk_bench.parse_args(["--smoke", "--connections", "2", "--seconds", "2"])
     assert smoke.connections == [2] and smoke.seconds == 2 and smoke.connections_c == [4, 16]
-    assert smoke.config == "configs/default.yaml" and smoke.budget_s <= 300
+    assert smoke.config == "quiver_serve/defaults/default.yaml" and smoke.budget_s <= 300
     run = SimpleNamespace(args=wrk_bench.parse_args(["--workloads", "b", "a"]))
     assert wrk_bench.queue_order(run) == (["b", "c"], ["a"])  # type: ignore[arg-type]
     run = SimpleNamespace(args=wrk_bench.parse_args(["--no-single"]))
@@ -320,7 +323,7 @@ def test_grpc_unary_is_measured_with_the_workloads_distinct_bodies() -> None:
     one set of seeds per batch (about 3x the queue API's seeds/s on the 2-vCPU box). The contract's
     gRPC unary path goes through the generator; h2load's is opt-in and says what it is."""
     from bench.frontdoor import wrk_bench
-    from bench.frontdoor.wrk_points import ONE_BODY_PATHS, routes
+    from loadtest.meter import ONE_BODY_PATHS, routes
 
     tool = lc.Tool("h2load", Path("h2load"))
     r = routes({"wrk": None, "h2load": tool})
