@@ -145,8 +145,8 @@ __device__ __forceinline__ u32 load_acquire(const u32* p) {
 // the others 1, so the word's top bit flips exactly when the last block arrives and its low bits
 // are back where they started, ready for the next barrier without a reset (the scheme of
 // cooperative_groups' grid sync). The release/acquire pair publishes each block's writes (ordered
-// before it by __syncthreads) to every block that leaves the barrier. (Measured on an H200: 8-12 us
-// per batch faster than an arrival counter plus generation word with __threadfence and back-off.)
+// before it by __syncthreads) to every block that leaves the barrier. (8-12 us per batch faster
+// than an arrival counter plus generation word with __threadfence and back-off.)
 __device__ void grid_sync(u32* barrier) {
     __syncthreads();
     if (gridDim.x == 1) return;
@@ -277,8 +277,8 @@ __device__ __forceinline__ void emit_edge(i64 p, i64 u, int owner, i64* rows, in
 // its list at rows[p0 .. p0 + k): draw i's candidate is computed by lane i % 32 in parallel; the
 // test against the earlier choices is a warp vote per draw (k is small, so scanning the node's
 // chosen slots beats any hash set). Lane i % 32 writes draw i, and only it reads it back.
-// (Measured slower on an H200: a warp first choosing positions for a chunk of nodes and then
-// resolving all its edges lane-parallel; it needs more registers than the 64 available.)
+// (Slower: a warp first choosing positions for a chunk of nodes and then resolving all its edges
+// lane-parallel; it needs more registers than the 64 available.)
 __device__ void draw_offsets(i64 v, i64 deg, i64 k, i64 hop, u32 base, i64 p0, i64* rows,
                              int lane) {
     // Degrees and offsets fit in 32 bits (hop-local positions are int32 already); 32-bit

@@ -277,9 +277,9 @@ class ServerConfig(_Section):
 
 def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
     """``server.http_workers``, with 0 resolved from the CPUs this process may use: half of
-    them, 1 to 8 (a front-end parses, validates and encodes, about half a core at full load on
-    one H200 box; the engine cores and the CPU sampler pool need the rest; 8 front-ends served
-    27% more than 4 on 16 vCPUs, docs/decisions/0029-front-door-hot-path.md)."""
+    them, 1 to 8 (a front-end parses, validates and encodes, about half a core at full load; the
+    engine cores and the CPU sampler pool need the rest; 8 front-ends served 27% more than 4 on
+    16 vCPUs, docs/decisions/0029-front-door-hot-path.md)."""
     if configured > 0:
         return configured
     if cpus is None:

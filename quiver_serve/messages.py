@@ -3,8 +3,8 @@ as typed classes; every socket message is in ``wire.py``.
 
 Their tensors travel through ``multiprocessing`` queues two ways. Small ones (under
 ``INLINE_TENSOR_BYTES``) are pickled inline as NumPy bytes: a round trip through a queue then
-costs ~0.1 ms, where torch's shared-memory reduction costs ~0.7 ms whatever the size (measured on
-the 2-core dev box). Large ones keep torch's shared-memory path, which copies nothing.
+costs ~0.1 ms, where torch's shared-memory reduction costs ~0.7 ms whatever the size (on two CPU
+cores). Large ones keep torch's shared-memory path, which copies nothing.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Same results as PyG's own layers (fp32: to float rounding), less work:
   PyG;
 * no host synchronisation: every shape comes from the per-hop counts the sampler reports, so
   the forward can be captured in a CUDA graph (``graphed.py``) for GCN and GAT too;
-* few launches: a launch costs the host 2-3 times more while the GPU computes the batch before
-  (measured on the H200), so the bias (and a following ReLU) ride in the matmul's epilogue, the
+* few launches: a launch costs the host 2-3 times more while the GPU computes the batch before,
+  so the bias (and a following ReLU) ride in the matmul's epilogue, the
   CSR's row bounds are a slice of a cached range, and all-GraphSAGE models keep 64-bit ids (no
   conversions for cuSPARSE, which the aggregation kernel does not use);
 * precision as a config option: fp32, TF32 matmuls, or bf16/fp16 weights and activations.
@@ -169,7 +169,7 @@ def aggregate(g: LayerGraph, values: Tensor | None, dense: Tensor) -> Tensor:
 # ---- layers ----------------------------------------------------------------------------------
 #: achieved dense-matmul FLOP/s and aggregation bytes/s, by device type, dtype and TF32: what
 #: decides whether a linear layer projects before or after it aggregates. fp32 on the GPU is
-#: fitted to the H200 crossover (bench/engine/model.py, GraphSAGE [25,10] 602->256: aggregating
+#: fitted to the measured crossover (bench/engine/model.py, GraphSAGE [25,10] 602->256: aggregating
 #: first wins by 0.47 / 0.16 ms at 1,536 / 4,096 seeds, projecting first by 0.27 / 1.0 ms at
 #: 8,192 / 16,384); tensor-core rates are that times their usual speed-up. Only ratios matter.
 RATES: dict[tuple[str, torch.dtype, bool], tuple[float, float]] = {

@@ -50,15 +50,16 @@ class LatencyModel:
     without the anchor, a window holding only one-seed GPU batches (1.3 ms each, their staging
     for CUDA graphs included) fitted 4.7 us per sampled node, predicted 306 ms for a 384-seed
     batch that takes 0.3 ms, and the router never sent the GPU another batch to learn otherwise
-    (H200, workload c, 2026-11-23).
+    (docs/decisions/0003-cost-model-anchor.md).
 
     The line is the trend that the batch former's and the overlap planner's algebra use. The
     prediction is the curve: one point per half-octave of size (the mean size and latency
     of the batches and calibrated points seen there), linear between neighbouring points; past
     the largest, the line's slope from it; below the smallest, the line's shape scaled to it.
-    A line over a curve misses both ends: on a 2-vCPU box the model's time per Cora node jumps
+    A line over a curve misses both ends: on two CPU cores the model's time per Cora node jumps
     2.7x between 862 and 1,766 nodes (the gathered features leave the cache), and the fitted
-    line predicted one-seed batches 5x short and 48-seed ones 1.8x long."""
+    line predicted one-seed batches 5x short and 48-seed ones 1.8x long
+    (docs/decisions/0034-cost-curves.md)."""
 
     def __init__(self, window: int = 128, prior_fixed_s: float = 1e-3,
                  prior_per_seed_s: float = 1e-6) -> None:

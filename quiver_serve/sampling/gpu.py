@@ -232,8 +232,8 @@ class _Workspace:
 class _GpuSampler(BaseSampler):
     """Shared body of the two modes; subclasses only decide where the CSC lives."""
 
-    #: edges of upper-bound work per block when sizing the grid (p50 on an H200 moved by under
-    #: 2% between 256 and 8192 at batches 128 and 1024)
+    #: edges of upper-bound work per block when sizing the grid (the p50 moves by under 2%
+    #: between 256 and 8192 at batches of 128 and 1024 seeds)
     items_per_block: int = 2048
     #: per-hop edge capacity tried first when the exact bound is larger (e.g. fanout -1);
     #: a batch that needs more is re-run once per hop with larger buffers, and the size sticks

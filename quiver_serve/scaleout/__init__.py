@@ -1,1 +1,2 @@
-"""Scale-out: the engine as Ray Serve replicas (``ray_serve.py``), driven in-process (``local_engine.py``)."""
+"""Scale-out: the engine as Ray Serve replicas (``ray_serve.py``), each driven in-process
+(``engine/client/local.py``)."""

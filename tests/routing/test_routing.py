@@ -374,7 +374,7 @@ def test_routing_metrics_move() -> None:
 def test_the_batch_estimate_is_cheap_next_to_sampling(cora: GraphData) -> None:
     """Per batch of 48: the estimate's cost against the C++ sampler's (both timed here). On this
     small graph the sample is cheap (~80-150 us) and the estimate ~6-10% of it; the 5% target is
-    for the served Reddit-scale graph, where bench_routing.py reports the ratio."""
+    for the served Reddit-scale graph, where ``python -m bench.routing.routing`` reports the ratio."""
     graph = power_law_graph()
     table = build_table(graph)
     sampler = make_cpu_sampler(graph.indptr, graph.indices)

@@ -1,6 +1,6 @@
 """The engine core's factory: device, model (weights-only), samplers (the GPU sampler with its
 adjacency cache, the C++ sampler), feature placement, CUDA graphs, a warm-up through every path,
-then the PSGS table and the cost model (``routing/calibrate.py``)."""
+then the PSGS table and the cost model (``engine/core/calibrate.py``)."""
 
 from __future__ import annotations
 

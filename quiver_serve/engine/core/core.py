@@ -1,8 +1,8 @@
 """EngineCore: the serving path's stage logic, one instance per GPU (or one on a CPU-only box).
 
-A plain class driven by ``step()`` (tests drive it directly; ``core_proc.py`` owns the process, its
-sockets and its loop). Work arrives as micro-batches (one per front-end loop tick) and leaves as
-one reply per micro-batch. Each ``step()``:
+A plain class driven by ``step()`` (tests drive it directly; ``engine/procs/engine_proc.py`` owns
+the process, its sockets and its loop). Work arrives as micro-batches (one per front-end loop
+tick) and leaves as one reply per micro-batch. Each ``step()``:
 
 1. finishes batches whose GPU work is done (one host sync per batch: the copy-out), and computes
    batches whose sample came back from the CPU sampler pool;

@@ -2,11 +2,10 @@
 
 CPython's oldest-generation collection walks every tracked container object of the process. After
 ``import torch, torch_geometric`` and a model build that is ~330 k objects, and one full collection
-takes ~60-160 ms (157 ms measured on the 2-core dev box). Such a collection runs on its own
-whenever enough new objects have survived, so under load an engine core, a CPU sampler or a
-front-end can stop for ~100 ms, and every request in flight then misses a 10 ms bound. (Whether
-such collections are behind the 100-190 ms p99.9 outliers the H200 runs showed at 64-384 callers
-is not established; the pause histogram below is there to tell.)
+takes ~60-160 ms. Such a collection runs on its own whenever enough new objects have survived,
+so under load an engine core, a CPU sampler or a front-end can stop for ~100 ms, and every request
+in flight then misses a 10 ms bound (docs/decisions/0005-gc-freeze.md). The pause histogram below
+tells whether collections are behind a run's p99.9 outliers.
 
 :func:`freeze_startup_heap` moves everything alive after start-up into the permanent generation
 (``gc.freeze()``, as vLLM's engine core does after its start-up): later collections walk only
@@ -53,8 +52,8 @@ def freeze_startup_heap(role: str, enabled: bool = True) -> int:
 def collections_paused() -> Iterator[None]:
     """No automatic collection inside (``gc.disable()``); one collection after, and the previous
     setting back. For load generators' measurement windows: a benchmark client's own full
-    collections (up to 48 ms measured in a load process on the H200 at 384 callers, after its
-    start-up heap was frozen) are the harness's pauses, not the daemon's, yet they land in the
+    collections (tens of ms in a load process with hundreds of callers, even after its start-up
+    heap was frozen) are the harness's pauses, not the daemon's, yet they land in the
     latencies it reports. Cycles made inside wait for the collection at the end; a window of
     seconds makes little of them. Not for the daemon's own processes, which run for days."""
     was_enabled = gc.isenabled()

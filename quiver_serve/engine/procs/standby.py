@@ -1,10 +1,10 @@
 """Warm standby processes: a restart without a fresh interpreter's imports.
 
 A killed engine core, CPU sampler or HTTP front-end is replaced by a new process. Spawned fresh
-(CUDA needs spawn, not fork), that process first imports torch and PyG: ~2 s on the H200 box and
-5.9-6.2 s on a 2-core dev box (``-X importtime``: torch 2.3 s, PyG's import of
-``torch._dynamo`` 2.1 s), all before it builds anything, while its requests wait. A kill -9 must
-not stop the service for more than 5 s (issue 8), whatever the machine's import time.
+(CUDA needs spawn, not fork), that process first imports torch and PyG: 2-6 s depending on the
+machine (``-X importtime``: torch and PyG's import of ``torch._dynamo`` are most of it), all before
+it builds anything, while its requests wait. A kill -9 must not stop the service for more than
+5 s, whatever the machine's import time (docs/decisions/0006-warm-standbys.md).
 
 So a supervisor keeps ``server.standby_processes`` spawned processes that have done those imports
 and wait on a pipe. A restart hands one of them the dead child's target and arguments (sent

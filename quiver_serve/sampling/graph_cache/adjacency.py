@@ -2,7 +2,7 @@
 graph itself).
 
 Sampling from pinned host memory pays one bus request per 32-byte sector of neighbour list the
-kernel reads (``adjacency_reads.py`` counts them). Within ``sampling.gpu_graph_cache_bytes``
+kernel reads (``reads.py`` counts them). Within ``sampling.gpu_graph_cache_bytes``
 this puts in GPU memory: ``indptr`` (every frontier node reads it), a per-node offset (8 bytes:
 where the node's list starts in the cached copy, or -1), and the neighbour lists of the nodes
 whose expansions are expected to read the most bus sectors per list entry (the access

@@ -6,9 +6,9 @@ instruction per 32 draws, the sampled entries of its neighbour list. Loads of on
 that fall into the same 32-byte sector are merged by the memory system, so from pinned host
 memory a node costs one bus request per distinct sector it touches, not one per entry: a list of
 ``deg <= k`` int64 entries costs ``ceil(deg / 4)`` requests, ``k`` draws from a long list about
-``k``. Measured on an H200, UVA sampling is bound by that request count (PCIe read requests),
-not by latency, so the share of requests the cache absorbs predicts the share of the UVA excess
-over device-resident sampling it removes.
+``k``. UVA sampling is bound by that request count (PCIe read requests), not by latency
+(docs/decisions/0008-elias-fano-adjacency-cache.md), so the share of requests the cache absorbs
+predicts the share of the UVA excess over device-resident sampling it removes.
 
 :func:`trace_reads` replays a batch exactly (the reference sampler's frontier per hop and
 :func:`~quiver_serve.sampling.reference.hop_edge_positions`, the same draws as the kernel) and

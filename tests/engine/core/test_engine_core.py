@@ -266,7 +266,7 @@ def test_latency_model_fits_a_line_and_sizes_batches() -> None:
 
 
 def test_batches_of_one_size_cannot_tilt_a_calibrated_line() -> None:
-    """The H200 case (2026-11-23, workload c): one-seed GPU batches (1.3 ms each, staging for
+    """Decision 0003's case (workload c): one-seed GPU batches (1.3 ms each, staging for
     CUDA graphs included) filled the GPU path's window; the refit line predicted 306 ms for a
     384-seed batch that takes 0.3 ms, and route auto sent every later batch to the C++ sampler
     in the engine (5 ms) without ever trying the GPU again. With the calibrated line as an anchor

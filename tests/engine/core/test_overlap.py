@@ -106,10 +106,10 @@ def test_engine_splits_work_off_to_real_samplers_and_answers_every_request(cora)
         core.set_cost_model(CostModel({"gpu": (1e-3, 1e-6), "cpu": (2e-4, 1e-7),
                                        "local": (2e-5, 1e-7)}, compute=(1e-4, 1e-9)))
         core.learn_costs = False  # keep the hand-written lines (Cora's real GPU path is fast)
-        # Pin the timing. A Cora batch computes on an H200 in less time than the engine's next
+        # Pin the timing. A Cora batch computes on a GPU in less time than the engine's next
         # step takes to start, and with a free sampler the router sends whole batches to the
-        # pool, so whether the planner ever saw a GPU batch in flight was up to chance (it did on
-        # one gate run and not on the next two). Here the first batch is sampled on the GPU
+        # pool, so whether the planner ever saw a GPU batch in flight would be up to chance. Here
+        # the first batch is sampled on the GPU
         # (route gpu for one step) and stays in flight, not polled, until the planner has sent the
         # pool its share; a blocking finish (nothing waiting) still waits.
         core._may_form = lambda: not core.in_flight

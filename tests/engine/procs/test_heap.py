@@ -1,4 +1,4 @@
-"""The frozen start-up heap and the GC-pause timer (quiver_serve/engine/heap.py)."""
+"""The frozen start-up heap and the GC-pause timer (quiver_serve/engine/procs/heap.py)."""
 
 from __future__ import annotations
 
