@@ -1,5 +1,7 @@
-"""FastAPI front-end: /v1/embed, KServe v2, the graph updates, /metrics. It owns the Prometheus
-registry."""
+"""The HTTP front-end's app: FastAPI serves the docs (OpenAPI at ``/docs``, the hot routes
+included), KServe v2 metadata and health, the graph and repository (admin) routes, ``/v1/workers``
+and ``/metrics``; the hot routes (``/v1/embed``, KServe infer) are answered by ``fastpath.py``'s
+functions, in the HTTP protocol (``hot_protocol.py``). It owns the Prometheus registry."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,15 +26,14 @@ from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.client.pipeline import Pipeline
 from quiver_serve.frontend import graph_routes, kserve, model_routes, repository_routes
-from quiver_serve.frontend.bodies import parse_embed, validation_message
+from quiver_serve.frontend.bodies import validation_message
 from quiver_serve.frontend.fastpath import (
     EMBED_PATH,
-    HOT_TEMPLATES,
+    INFER_TEMPLATE,
+    VERSIONED_INFER_TEMPLATE,
     HotRoutes,
-    embed_response_parts,
-    serve_embed,
 )
-from quiver_serve.frontend.guards import Guards, resolve_admin_token, resolve_token
+from quiver_serve.frontend.guards import Guards, Tokens, resolve_admin_token, resolve_token
 from quiver_serve.frontend.model_routes import server_not_ready
 from quiver_serve.frontend.model_view import Views
 from quiver_serve.frontend.responses import (
@@ -39,7 +41,13 @@ from quiver_serve.frontend.responses import (
     error_response,
     serve_error_response,
 )
-from quiver_serve.frontend.schemas import EmbedBody, EmbedResponse, ErrorBody
+from quiver_serve.frontend.schemas import (
+    EmbedBody,
+    EmbedResponse,
+    ErrorBody,
+    InferBody,
+    InferResponse,
+)
 from quiver_serve.metrics.prometheus import Metrics
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,8 @@ class ServerState:
         self.cfg = cfg
         self.pipeline = pipeline
         self.metrics = metrics
+        #: the tokens that open the data and admin planes (``guards.authorize``)
+        self.tokens = Tokens.from_config(cfg.server)
         #: the models served, as the routes see them (``frontend/model_view.py``)
         self.views = Views(cfg, pipeline)
         self.start_error: BaseException | None = None
@@ -114,12 +124,13 @@ def create_app(cfg: ServeConfig, pipeline: Any = None) -> FastAPI:
                   description="Node embeddings from a PyG model over a sampled graph.")
     app.state.qs = state
     _install_error_handlers(app)
-    _install_timing(app, state, resolve_token(cfg.server.auth_token),
-                    resolve_admin_token(cfg.server.admin_token), cfg.server.max_body_bytes)
-    _add_embed_routes(app, state)
+    hot_routes = _hot_route_docs()
+    _install_timing(app, state, hot_routes, state.tokens, cfg.server.max_body_bytes)
+    _document(app, list(hot_routes.values()))
+    _add_operations_routes(app, state)
     graph_routes.add_graph_routes(app, state, _ADMIN_ERRORS)
     _add_kserve_routes(app, state)
-    model_routes.add_model_routes(app, state, _ERRORS)
+    model_routes.add_model_routes(app, state)
     repository_routes.add_repository_routes(app, state, _ADMIN_ERRORS)
     return app
 
@@ -129,9 +140,9 @@ async def _start_grpc(state: ServerState) -> Any:
     s = state.cfg.server
     if s.grpc_port is None:
         return None
-    from quiver_serve.frontend import grpc_calls
+    from quiver_serve.frontend.grpc import calls
 
-    return await grpc_calls.start(state, s.host, s.grpc_port, resolve_token(s.auth_token),
+    return await calls.start(state, s.host, s.grpc_port, resolve_token(s.auth_token),
                                    resolve_admin_token(s.admin_token))
 
 
@@ -155,21 +166,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(info.status, info.code, info.message, path=request.url.path)
 
 
-def _install_timing(app: FastAPI, state: ServerState, token: str | None,
-                   admin_token: str | None, max_body_bytes: int) -> None:
+def _install_timing(app: FastAPI, state: ServerState, hot_routes: dict[str, APIRoute],
+                   tokens: Tokens, max_body_bytes: int) -> None:
     """Request latency by route template and status, as plain ASGI (no per-request task hop);
-    the guards (token, body size) sit inside it so refusals are timed and counted too, and the
-    hot routes' raw-ASGI layer (``frontend/fastpath.py``) inside them, in front of FastAPI."""
+    the guards (``authorize``, body size) sit inside it so refusals are timed and counted too,
+    and the hot routes' ASGI adapter (``frontend/fastpath.py``) inside them, in front of FastAPI.
+    The daemon answers the hot routes in its HTTP protocol (``hot_protocol.py``); the adapter
+    answers them, with the same functions, for an ASGI server without that protocol."""
     inner = app.build_middleware_stack
     observe = state.observe_request
 
     def build() -> Any:
-        asgi = inner()
-        if state.cfg.server.fast_routes:
-            routes = {r.path: r for r in app.routes
-                      if isinstance(r, APIRoute) and r.path in HOT_TEMPLATES}
-            asgi = app.state.hot_routes = HotRoutes(asgi, state, routes)
-        asgi = Guards(asgi, token, max_body_bytes, admin_token)
+        asgi = Guards(HotRoutes(inner(), state, hot_routes), tokens, max_body_bytes)
 
         async def timed(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -194,22 +202,57 @@ def _install_timing(app: FastAPI, state: ServerState, token: str | None,
     app.build_middleware_stack = build  # type: ignore[method-assign]
 
 
-def _add_embed_routes(app: FastAPI, state: ServerState) -> None:
+def _hot_route_docs() -> dict[str, APIRoute]:
+    """The hot routes as FastAPI documents them (bodies, answers, errors), by template. They
+    are not in the app's router: ``hot_protocol.py`` (or the ASGI adapter) answers them; these
+    objects are their OpenAPI entries and the latency metric's ``endpoint`` label."""
     embed_body = {"required": True, "content": {"application/json": {
         "schema": EmbedBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}
+    infer_body = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": InferBody.model_json_schema()},
+        kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}}
 
-    @app.post(EMBED_PATH, response_model=EmbedResponse,
-              responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
-              openapi_extra={"requestBody": embed_body},
-              summary="Embeddings for node ids (JSON, or .npy with Accept: application/x-npy)")
-    async def embed(request: Request) -> Response:
-        # The body is read and checked here, not by FastAPI: one msgspec pass and one NumPy call
-        # (frontend/bodies.py); EmbedBody stays the documented schema and words the 422s.
-        body = parse_embed(await request.body(), state.cfg.server.max_request_nodes)
-        answer = await serve_embed(state, request.receive, body)
-        content, media_type, headers = embed_response_parts(answer, request.headers.get("accept"))
-        return Response(content, media_type=media_type, headers=headers)
+    def embed() -> None:
+        """Embeddings for node ids: one row per requested position, then one per new node."""
 
+    def infer(name: str) -> None:
+        """KServe v2 inference on a model; its traffic split picks the version."""
+
+    def infer_pinned(name: str, version: str) -> None:
+        """KServe v2 inference on one version of a model."""
+
+    routes = [
+        APIRoute(EMBED_PATH, embed, methods=["POST"], response_model=EmbedResponse,
+                 responses={**_ERRORS, 200: {"content": {NPY_MEDIA_TYPE: {}}}},
+                 openapi_extra={"requestBody": embed_body},
+                 summary="Embeddings for node ids (JSON, or .npy with Accept: "
+                         "application/x-npy)"),
+        APIRoute(INFER_TEMPLATE, infer, methods=["POST"], response_model=InferResponse,
+                 responses=_ERRORS, openapi_extra=infer_body,
+                 summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings "
+                         "FP32 [n, dim]; JSON or the binary tensor extension; the model's "
+                         "traffic split picks the version"),
+        APIRoute(VERSIONED_INFER_TEMPLATE, infer_pinned, methods=["POST"],
+                 response_model=InferResponse, responses=_ERRORS, openapi_extra=infer_body,
+                 summary="KServe v2 inference on one version of the model"),
+    ]
+    return {route.path: route for route in routes}
+
+
+def _document(app: FastAPI, extra: list[APIRoute]) -> None:
+    """``/openapi.json`` (and ``/docs``) describe the app's routes and ``extra``."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = get_openapi(
+                title=app.title, version=app.version, openapi_version=app.openapi_version,
+                description=app.description, routes=[*app.routes, *extra])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/workers", summary="Worker processes (front-ends included): role, index, pid, "
                                     "alive, ready, restarts; and the front-end that answered")
     async def workers() -> dict[str, Any]:

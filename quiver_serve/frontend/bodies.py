@@ -31,7 +31,7 @@ class _NewNode(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Embed(msgspec.Struct, forbid_unknown_fields=True):
-    node_ids: list[int]
+    node_ids: list[int] = []
     exact: bool = False
     seed: int | None = None
     timeout_ms: float | None = None
@@ -42,6 +42,9 @@ class _Embed(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(_Embed)
+#: the 422 of a body with no node ids and no new nodes
+NOTHING_TO_EMBED = "node_ids: Field required (it may be omitted or empty only when new_nodes " \
+    "are given)"
 
 
 @dataclass
@@ -78,10 +81,12 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
     except msgspec.DecodeError:
         body = _slow(raw)
     else:
-        if (not body.node_ids and not body.new_nodes) or not errors.seed_ok(body.seed) or (
+        if not errors.seed_ok(body.seed) or (
                 body.timeout_ms is not None and not body.timeout_ms > 0) or \
                 not 0 <= body.min_version <= MAX_VERSION or body_version(body.version) is None:
-            body = _slow(raw)
+            body = _slow(raw)  # names every field that is wrong
+        elif not body.node_ids and not body.new_nodes:
+            raise errors.ServeError("invalid_request", NOTHING_TO_EMBED, 422)
     ids = body.node_ids
     new = body.new_nodes or []
     if len(ids) + len(new) > max_nodes:

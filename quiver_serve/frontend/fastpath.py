@@ -1,25 +1,28 @@
-"""The hot routes in plain ASGI, answered in front of FastAPI.
+"""The hot routes, written once: which request is one, its parse and submit, its answer's bytes.
 
 ``POST /v1/embed``, ``POST /v2/models/{name}/infer`` and
-``POST /v2/models/{name}/versions/{version}/infer`` are answered here: read the body off
-``receive``, parse it with the same code as before (``frontend/bodies.py``, ``frontend/kserve.py``),
-submit to the event loop's engine client, and ``send()`` the answer's bytes. FastAPI's routing,
-its request object, its exception middleware and its response classes are not on this path;
-every other request (docs, OpenAPI, metadata, health, metrics, admin, a hot path with another
-method) goes on to FastAPI, whose route definitions of the hot routes stay as the documented
-schema (and answer when ``server.fast_routes`` is off).
+``POST /v2/models/{name}/versions/{version}/infer`` (docs/architecture.md, "Front-ends";
+docs/decisions/0037-one-answering-path.md). The functions here know no transport:
 
-The answers are the routes' answers byte for byte: the same status codes, error bodies (the
-error path builds the very ``JSONResponse`` the FastAPI exception handlers build), headers in
-the same order, and the same route template in ``scope["route"]``, so the request-latency
-metric keeps its ``endpoint`` label. The guards (bearer token, body size) and the timing sit
-outside this layer and see both paths alike.
+* :func:`hot_target`: the route a (decoded) path names, or None;
+* :func:`start`: parse the body (``bodies.py``, ``kserve.py``), check it and submit it to the
+  event loop's engine client (:func:`submit_ids`, also gRPC's);
+* :func:`ok_parts`: the headers and body parts of a 200 (a ``.npy`` or KServe binary answer's rows
+  are a view of the reply buffer, not a copy);
+* :func:`failure_parts`: a refusal as every route words it (``responses.py``), or a 500 naming an
+  error id.
+
+The daemon answers these routes inside its HTTP protocol (``hot_protocol.py``). An ASGI server
+without it (uvicorn on h11, an in-process ASGI client) reaches :class:`HotRoutes`, a thin ASGI
+adapter in front of FastAPI that calls the same functions; FastAPI only documents the routes
+(``app.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,14 +35,13 @@ from quiver_serve.engine.client.checks import (
     inductive_nodes,
 )
 from quiver_serve.frontend import kserve
-from quiver_serve.frontend.bodies import EmbedArgs, parse_embed
+from quiver_serve.frontend.bodies import npy_header, parse_embed
 from quiver_serve.frontend.model_view import parse_version
 from quiver_serve.frontend.responses import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
     embed_answer,
-    error_response,
-    model_headers,
+    wants_npy,
 )
 from quiver_serve.messages import EmbedResult
 
@@ -54,61 +56,19 @@ _ACCEPT = b"accept"
 _HEADER_LENGTH = kserve.HEADER_LENGTH.encode("latin-1")
 _JSON = JSON_MEDIA_TYPE.encode("latin-1")
 _NPY = NPY_MEDIA_TYPE.encode("latin-1")
+_MODEL_NAME, _MODEL_VERSION = b"x-model-name", b"x-model-version"
+
+Headers = list[tuple[bytes, bytes]]
 
 
-class ClientGone(Exception):
-    """The client went away while its request body was still coming."""
+class HotTarget(NamedTuple):
+    """A hot request's route: its template (the latency metric's ``endpoint`` label), the
+    decoded path (its error body's protocol), and the infer route's model name and version."""
 
-
-async def read_body(receive: Any) -> bytes:
-    """The whole request body (the guards have bounded its size already)."""
-    message = await receive()
-    if message["type"] != "http.request":
-        raise ClientGone
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    parts = [body]
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientGone
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-async def _wait_disconnect(receive: Any) -> None:
-    """Returns when the client goes away (the body is already read, so only that can arrive)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _result_or_disconnect(state: Any, receive: Any, request_id: str,
-                                result_f: Any) -> EmbedResult:
-    """The result, or (the client went away first) the request cancelled and a 499. One waiter
-    future woken by either side's done-callback: what ``asyncio.wait(FIRST_COMPLETED)`` does,
-    without its sets and bookkeeping (~4 us a request on the dev box)."""
-    loop = asyncio.get_running_loop()
-    watch = loop.create_task(_wait_disconnect(receive))
-    waiter = loop.create_future()
-
-    def wake(_: Any) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    result_f.add_done_callback(wake)
-    watch.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        result_f.remove_done_callback(wake)
-        watch.remove_done_callback(wake)
-        watch.cancel()
-    if result_f.done():
-        return result_f.result()  # type: ignore[no-any-return]
-    state.pipeline.cancel(request_id)  # nobody listens: do not compute it
-    raise errors.ServeError("client_disconnected", "client went away", 499)
+    template: str
+    path: str
+    name: str = ""
+    version_raw: str | None = None
 
 
 class Answer(NamedTuple):
@@ -128,6 +88,39 @@ class Submitted(NamedTuple):
     model: str
     version: int
     default_model: str
+
+
+class Work(NamedTuple):
+    """A hot request submitted: what :func:`ok_parts` needs to answer it."""
+
+    sub: Submitted
+    infer: kserve.InferRequest | None  # None: ``/v1/embed``
+
+
+def decode_path(raw_path: bytes) -> str:
+    """The request path as Starlette routes it: ASCII, percent-encoding decoded."""
+    path = raw_path.decode("ascii")
+    return urllib.parse.unquote(path) if "%" in path else path
+
+
+def hot_target(path: str) -> HotTarget | None:
+    """The hot route ``path`` (decoded) names, else None. Infer paths match as Starlette's
+    ``[^/]+`` per part: ``/v2/models/{name}/infer``, ``/v2/models/{name}/versions/{v}/infer``."""
+    if path == EMBED_PATH:
+        return HotTarget(EMBED_PATH, path)
+    if not (path.startswith(_INFER_HEAD) and path.endswith(_INFER_TAIL)):
+        return None
+    parts = path[len(_INFER_HEAD):-len(_INFER_TAIL)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return HotTarget(INFER_TEMPLATE, path, parts[0])
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return HotTarget(VERSIONED_INFER_TEMPLATE, path, parts[0], parts[2])
+    return None
+
+
+def infer_version(raw: str | None) -> int:
+    """The version of a versioned infer path (0: none named); a 400 when it is no version."""
+    return 0 if raw is None else parse_version(raw)
 
 
 def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
@@ -169,32 +162,55 @@ def answer_of(result: EmbedResult, sub: Submitted) -> Answer:
                   result.version or sub.version or 1)
 
 
-async def serve_ids(state: Any, receive: Any, ids: np.ndarray, exact: bool, seed: int | None,
-                    timeout_ms: float | None, min_version: int = 0,
-                    new_nodes: tuple[list[Any], list[Any]] | None = None,
-                    model: str = "", version: int = 0) -> Answer:
-    """``submit_ids``, then the answer. ``receive`` is the ASGI request's (a disconnect
-    cancels the request); None for gRPC, whose channel's own cancellation ends the call."""
-    sub = submit_ids(state, ids, exact, seed, timeout_ms, min_version, new_nodes, model, version)
-    if receive is None:
-        result = await sub.future
-    else:
-        result = await _result_or_disconnect(state, receive, sub.request_id, sub.future)
-    return answer_of(result, sub)
+def start(state: Any, target: HotTarget, body: bytes, header_length: str | None) -> Work:
+    """Parse, check and submit one hot request (a ServeError when it is refused)."""
+    if target.template == EMBED_PATH:
+        a = parse_embed(body, state.cfg.server.max_request_nodes)
+        new = None if a.new_features is None else (a.new_features, a.new_neighbors or [])
+        return Work(submit_ids(state, a.node_ids, a.exact, a.seed, a.timeout_ms, a.min_version,
+                               new, a.model, a.version), None)
+    pinned = infer_version(target.version_raw)
+    req = kserve.parse_infer(body, header_length)
+    return Work(submit_ids(state, req.node_ids, req.exact, req.seed, req.timeout_ms,
+                           req.min_version, None, target.name, pinned), req)
 
 
-async def serve_embed(state: Any, receive: Any, body: EmbedArgs) -> Answer:
-    """``serve_ids`` of one parsed ``/v1/embed`` body."""
-    new = None if body.new_features is None else (body.new_features, body.new_neighbors or [])
-    return await serve_ids(state, receive, body.node_ids, body.exact, body.seed, body.timeout_ms,
-                           body.min_version, new, body.model, body.version)
+def ok_parts(work: Work, result: EmbedResult, accept: str | None) -> tuple[Headers, list[Any]]:
+    """Headers and body parts of the 200 answering ``result`` (a ServeError when it is a
+    refusal). ``/v1/embed``: JSON, or ``.npy`` when ``accept`` asks for it (the model and
+    version in ``x-model-name`` / ``x-model-version``); infer: KServe JSON or binary."""
+    answer = answer_of(result, work.sub)
+    if work.infer is not None:
+        parts, named = kserve.infer_response_parts(answer.model, answer.version, work.infer,
+                                                   answer.rows)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
+        headers.append(content_length(parts))
+        return headers, parts
+    if wants_npy(accept):
+        rows = np.ascontiguousarray(answer.rows, dtype="<f4")
+        parts = [npy_header(rows.shape), rows.reshape(-1).view(np.uint8)]
+        return [(_MODEL_NAME, answer.model.encode("latin-1")),
+                (_MODEL_VERSION, str(answer.version).encode("latin-1")),
+                content_length(parts), (b"content-type", _NPY)], parts
+    body, _ = embed_answer(answer.model, answer.rows, None, answer.version)
+    return [content_length([body]), (b"content-type", _JSON)], [body]
 
 
-def embed_response_parts(answer: Answer, accept: str | None) -> tuple[bytes, str,
-                                                                      dict[str, str] | None]:
-    """Body, media type and extra headers of a ``/v1/embed`` answer."""
-    body, media_type = embed_answer(answer.model, answer.rows, accept, answer.version)
-    return body, media_type, model_headers(media_type, answer.model, answer.version)
+def failure_parts(state: Any, exc: BaseException, where: str,
+                  path: str) -> tuple[int, Headers, bytes, bool]:
+    """Status, headers and body answering ``exc``, and whether to close the connection: a
+    refusal (``errors.ServeError``) as every route words it; anything else a 500 naming an
+    error id (the traceback logged under it), and the connection closed."""
+    close = not isinstance(exc, errors.ServeError)
+    if close:
+        info = errors.internal_error(exc, where, log).info
+        exc = errors.ServeError(info.code, info.message, info.status)
+    response = state.error(exc, path)
+    return response.status_code, list(response.raw_headers), bytes(response.body), close
+
+
+def content_length(parts: list[Any]) -> tuple[bytes, bytes]:
+    return b"content-length", str(sum(len(p) for p in parts)).encode("latin-1")
 
 
 def header(scope: Any, name: bytes) -> str | None:
@@ -205,104 +221,82 @@ def header(scope: Any, name: bytes) -> str | None:
     return None
 
 
-def infer_target(path: str) -> tuple[str, str | None] | None:
-    """``(name, None)`` when ``path`` is ``/v2/models/{name}/infer``, ``(name, version)`` when
-    it is ``/v2/models/{name}/versions/{version}/infer`` (Starlette's ``[^/]+`` per part), else
-    None."""
-    if not (path.startswith(_INFER_HEAD) and path.endswith(_INFER_TAIL)):
-        return None
-    parts = path[len(_INFER_HEAD):-len(_INFER_TAIL)].split("/")
-    if len(parts) == 1 and parts[0]:
-        return parts[0], None
-    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
-        return parts[0], parts[2]
-    return None
+# ---- the ASGI adapter ----------------------------------------------------------------------------
+class ClientGone(Exception):
+    """The client went away while its request body was still coming."""
 
 
-def infer_version(raw: str | None) -> int:
-    """The version of a versioned infer path (0: none named); a 400 when it is no version."""
-    return 0 if raw is None else parse_version(raw)
+async def read_body(receive: Any) -> bytes:
+    """The whole request body (the guards have bounded its size already)."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _length(body: bytes) -> tuple[bytes, bytes]:
-    return b"content-length", str(len(body)).encode("latin-1")
+async def _result_or_gone(state: Any, receive: Any, sub: Submitted) -> EmbedResult:
+    """The result, or (the client went away first) the request cancelled and ClientGone."""
+    loop = asyncio.get_running_loop()
 
+    async def gone() -> None:  # the body is read: only a disconnect can arrive
+        while (await receive())["type"] != "http.disconnect":
+            pass
 
-async def _respond(send: Any, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    """A 200: the headers in the order Starlette's ``Response`` lists them (``media_type``
-    alone: length, type; a ``headers`` mapping: its items, then the length)."""
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    watch = loop.create_task(gone())
+    try:
+        await asyncio.wait((sub.future, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if sub.future.done():
+        return sub.future.result()  # type: ignore[no-any-return]
+    state.pipeline.cancel(sub.request_id)  # nobody listens: do not compute it
+    raise ClientGone
 
 
 class HotRoutes:
-    """ASGI: the hot routes answered here, every other request passed on to ``app``."""
+    """ASGI: the hot routes answered with this module's functions, every other request passed
+    on to ``app``. ``routes``: the documented route object of each template, set as
+    ``scope["route"]`` so the latency metric gets the template as its ``endpoint``."""
 
     def __init__(self, app: Any, state: Any, routes: dict[str, Any]) -> None:
-        self.app, self.state = app, state
-        self.embed_route = routes[EMBED_PATH]  # FastAPI's route objects: the metric's label
-        self.infer_route = routes[INFER_TEMPLATE]
-        self.versioned_infer_route = routes[VERSIONED_INFER_TEMPLATE]
-        #: requests this layer answered (tests check that the hot routes bypass FastAPI)
-        self.answered = 0
+        self.app, self.state, self.routes = app, state, routes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            path = scope["path"]
-            if path == EMBED_PATH:
-                scope["route"] = self.embed_route
-                await self._answer(self._embed(scope, receive, send), scope, receive, send)
-                return
-            target = infer_target(path)
-            if target is not None:
-                name, version = target
-                if version is None:
-                    scope["route"], scope["path_params"] = self.infer_route, {"name": name}
-                else:
-                    scope["route"] = self.versioned_infer_route
-                    scope["path_params"] = {"name": name, "version": version}
-                await self._answer(self._infer(name, version, scope, receive, send), scope,
-                                   receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    async def _answer(self, work: Any, scope: Any, receive: Any, send: Any) -> None:
-        """Run one route's coroutine; a failure is answered as the FastAPI handlers answer it."""
-        self.answered += 1
-        path = scope["path"]
+        target = hot_target(scope["path"]) if scope["type"] == "http" else None
+        if target is None:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self.routes[target.template]
+        if scope["method"] != "POST":
+            refusal = errors.ServeError("method_not_allowed",
+                                        f"{target.template} answers POST only", 405)
+            status, headers, body, _ = failure_parts(self.state, refusal, "", target.path)
+            await _send(send, status, [*headers, (b"allow", b"POST")], [body])
+            return
         try:
-            await work
-        except errors.ServeError as exc:
-            await self.state.error(exc, path)(scope, receive, send)
+            work = start(self.state, target, await read_body(receive),
+                         header(scope, _HEADER_LENGTH))
+            result = await _result_or_gone(self.state, receive, work.sub)
+            headers, parts = ok_parts(work, result, header(scope, _ACCEPT))
         except ClientGone:
-            exc = errors.ServeError("client_disconnected", "client went away", 499)
-            await self.state.error(exc, path)(scope, receive, send)
-        except Exception as exc:
-            # As Starlette's ServerErrorMiddleware: the 500 body, then the exception goes on to
-            # the server (which logs it and closes the connection).
-            info = errors.internal_error(exc, f"POST {path}", log).info
-            await error_response(info.status, info.code, info.message, path=path)(
-                scope, receive, send)
-            raise
+            gone = errors.ServeError("client_disconnected", "client went away", 499)
+            status, headers, body, _ = failure_parts(self.state, gone, "", target.path)
+            await _send(send, status, headers, [body])
+            return
+        except Exception as exc:  # noqa: BLE001 - answered as every route answers it
+            status, headers, body, close = failure_parts(self.state, exc, f"POST {target.path}",
+                                                         target.path)
+            await _send(send, status, headers + ([(b"connection", b"close")] if close else []),
+                        [body])
+            return
+        await _send(send, 200, headers, parts)
 
-    async def _embed(self, scope: Any, receive: Any, send: Any) -> None:
-        state = self.state
-        body = parse_embed(await read_body(receive), state.cfg.server.max_request_nodes)
-        answer = await serve_embed(state, receive, body)
-        body_bytes, media_type, extra = embed_response_parts(answer, header(scope, _ACCEPT))
-        content_type = _NPY if media_type == NPY_MEDIA_TYPE else _JSON
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra or {}).items()]
-        await _respond(send, body_bytes, [*raw, _length(body_bytes),
-                                          (b"content-type", content_type)])
 
-    async def _infer(self, name: str, version: str | None, scope: Any, receive: Any,
-                     send: Any) -> None:
-        state = self.state
-        pinned = infer_version(version)
-        req = kserve.parse_infer(await read_body(receive), header(scope, _HEADER_LENGTH))
-        answer = await serve_ids(state, receive, req.node_ids, req.exact, req.seed,
-                                 req.timeout_ms, req.min_version, None, name, pinned)
-        body, headers = kserve.infer_response(answer.model, answer.version, req, answer.rows)
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw.append(_length(body))
-        await _respond(send, body, raw)
+async def _send(send: Any, status: int, headers: Headers, parts: list[Any]) -> None:
+    body = parts[0] if len(parts) == 1 else b"".join(parts)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": bytes(body)})

@@ -1,65 +1,65 @@
 """The hot routes answered inside the HTTP protocol: no ASGI cycle, no task, no middleware.
 
-uvicorn's httptools protocol, extended (``server.fast_routes`` with httptools installed). A
-``POST /v1/embed`` or ``POST /v2/models/{name}[/versions/{v}]/infer`` is handled by parser
-callbacks on the event loop: the guards' checks run when the headers are complete, the body is
-collected, parsed (``bodies.py``, ``kserve.py``) and submitted to the loop's engine client when it
-is complete, and a done-callback on the request's future writes the whole answer with one
-``writelines`` (status line and headers, then the rows: a ``.npy`` or KServe binary answer's
-rows go out as a view of the reply buffer, not a copy). A request costs a few callbacks and no
-coroutine; uvicorn's per-request task, ASGI messages, header validation and the disconnect
-watcher are not on this path. A connection that goes away cancels its request.
+uvicorn's httptools protocol, extended (docs/decisions/0029-front-door-hot-path.md,
+0037-one-answering-path.md). Every ``POST /v1/embed`` or
+``POST /v2/models/{name}[/versions/{v}]/infer`` is handled by parser callbacks on the event loop
+with the functions of ``fastpath.py``: :func:`~quiver_serve.guards.authorize` and the body limit
+when the headers are complete, the body collected, then parsed and submitted to the loop's
+engine client once complete, and a done-callback on the request's future writes the whole answer
+with one ``writelines`` (a ``.npy`` or KServe binary answer's rows as a view of the reply
+buffer). A request costs a few callbacks and no coroutine.
 
-Every other request, and a hot one that needs what only the ASGI path has (``Expect:
-100-continue``, a request pipelined behind one not answered yet, a root path, a percent-encoded
-path, uvicorn's concurrency limit), goes to uvicorn's own code and the ASGI app, whose raw-ASGI
-layer (``fastpath.HotRoutes``) gives the same answers. Status codes, headers (uvicorn's ``date``
-and ``server`` first, then the route's, in the same order) and bodies are those of the ASGI
-path byte for byte, and the request-latency metric gets the same (endpoint, status) labels.
+This path answers every such request itself:
+
+* ``Expect: 100-continue``: ``100 Continue`` once the request may be answered (authorized, its
+  declared size within the limit, its turn come), then the final answer;
+* a request pipelined behind one not answered yet waits in uvicorn's own queue of the connection
+  (hot and ASGI requests alike) and is answered in order;
+* a percent-encoded path is decoded first (as Starlette routes it); a root path does not change
+  which route a path names;
+* past uvicorn's concurrency limit (``limit_concurrency``): the daemon's overload refusal (503, or
+  ``server.overload_status``, with ``Retry-After``), and the connection closed;
+* a connection that goes away cancels its request (499 in the latency metric).
+
+Every other request goes to uvicorn's own code and the ASGI app.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import time
 from typing import Any
 
 import httptools
-import numpy as np
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from quiver_serve import errors
-from quiver_serve.frontend import kserve
-from quiver_serve.frontend.bodies import npy_header, parse_embed
 from quiver_serve.frontend.fastpath import (
-    EMBED_PATH,
-    INFER_TEMPLATE,
-    VERSIONED_INFER_TEMPLATE,
-    Answer,
-    Submitted,
-    answer_of,
-    infer_target,
-    infer_version,
-    submit_ids,
+    HotTarget,
+    Work,
+    decode_path,
+    failure_parts,
+    hot_target,
+    ok_parts,
+    start,
 )
-from quiver_serve.frontend.guards import OPEN_PATHS, reject_parts
-from quiver_serve.frontend.responses import (
-    JSON_MEDIA_TYPE,
-    NPY_MEDIA_TYPE,
-    embed_answer,
-    wants_npy,
+from quiver_serve.frontend.guards import (
+    Plane,
+    Tokens,
+    authorize,
+    body_too_large,
+    reject_parts,
 )
 
 log = logging.getLogger(__name__)
 
 _POST = b"POST"
 _CONNECTION_CLOSE = b"connection: close\r\n"
-_JSON = JSON_MEDIA_TYPE.encode("latin-1")
-_NPY = NPY_MEDIA_TYPE.encode("latin-1")
-_UNMATCHED = "unmatched"  # the metric's endpoint label of a request the guards refused
-_MODEL_NAME, _MODEL_VERSION = b"x-model-name", b"x-model-version"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_UNMATCHED = "unmatched"  # the metric's endpoint label of a request refused before its route
+
+Refused = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 class _NoEvent:
@@ -77,38 +77,39 @@ class HotCycle:
     """One hot request on a connection, in the shape uvicorn's protocol code reads
     (``response_complete``, ``disconnected``, ``keep_alive``, ``message_event``)."""
 
-    __slots__ = ("template", "path", "name", "version_raw", "parts", "size_bytes", "accept",
-                 "header_length", "keep_alive", "response_complete", "disconnected",
-                 "message_event", "t0_s", "sub", "infer")
+    __slots__ = ("target", "parts", "size_bytes", "accept", "header_length", "keep_alive",
+                 "expect_continue", "refused", "body_done", "turn", "response_complete",
+                 "disconnected", "message_event", "t0_s", "work")
 
-    def __init__(self, template: str, path: str, name: str, version_raw: str | None,
-                 keep_alive: bool) -> None:
-        self.template, self.path = template, path
-        self.name, self.version_raw = name, version_raw
+    def __init__(self, target: HotTarget, keep_alive: bool, expect_continue: bool) -> None:
+        self.target = target
         self.parts: list[bytes] = []
         self.size_bytes = 0
         self.accept: str | None = None
         self.header_length: str | None = None
         self.keep_alive = keep_alive
+        self.expect_continue = expect_continue
+        #: the refusal to answer when its turn comes (authorization, size, concurrency)
+        self.refused: tuple[Refused, str] | None = None
+        self.body_done = False  # the whole body has arrived
+        self.turn = False  # every request before it on the connection is answered
         self.response_complete = False
         self.disconnected = False
         self.message_event = _NO_EVENT
         self.t0_s = time.perf_counter()
-        self.sub: Submitted | None = None
-        self.infer: kserve.InferRequest | None = None
+        self.work: Work | None = None
 
 
 class HotHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, answering the hot routes itself (module docstring).
-    ``state`` (the app's ``ServerState``) is set on the subclass ``hot_protocol`` makes."""
+    ``state`` (the app's ``ServerState``) and ``tokens`` are set on the subclass
+    :func:`hot_protocol` makes."""
 
     state: Any
-    #: this connection's hot request not yet answered (None: none)
-    hot: HotCycle | None = None
-    expected_auth: bytes | None = None
+    tokens = Tokens(None, None)
     max_body_bytes = 0
-    #: hot requests this protocol class answered (tests check the ASGI app was not entered)
-    answered = 0
+    #: this connection's hot request in its turn and not answered yet (None: none)
+    hot: HotCycle | None = None
 
     # ---- parser callbacks ----------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -131,74 +132,77 @@ class HotHttpProtocol(HttpToolsProtocol):
         if cycle is None:
             self._to_app()
             return
-        self.cycle = self.hot = cycle  # type: ignore[assignment]
-        refused = self._guard(cycle)
-        if refused is not None:
-            status, headers, body = refused
-            self._write(cycle, status, headers, [body], _UNMATCHED)
+        cycle.refused = self._guard(cycle)
+        previous, self.cycle = self.cycle, cycle  # type: ignore[assignment]
+        if previous is None or previous.response_complete:
+            self._take_turn(cycle)
+        else:  # pipelined: uvicorn's queue starts it (``_start_asgi_task``) in its turn
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         if not isinstance(cycle, HotCycle):
             super().on_body(body)
             return
-        if cycle.response_complete:
+        if cycle.response_complete or cycle.refused is not None:
             return
         cycle.parts.append(body)
         cycle.size_bytes += len(body)
         if cycle.size_bytes > self.max_body_bytes:  # a chunked body past the limit
             cycle.keep_alive = False
-            status, headers, out = reject_parts(
-                413, "body_too_large", f"request body exceeds {self.max_body_bytes} bytes",
-                cycle.path)
-            self._write(cycle, status, headers, [out], _UNMATCHED)
+            cycle.parts = []
+            cycle.refused = (body_too_large(cycle.target.path, self.max_body_bytes), _UNMATCHED)
+            if cycle.turn:
+                self._refuse(cycle)
 
     def on_message_complete(self) -> None:
         cycle = self.cycle
         if not isinstance(cycle, HotCycle):
             super().on_message_complete()
             return
-        if not cycle.response_complete:
+        cycle.body_done = True
+        if cycle.turn and not cycle.response_complete and cycle.refused is None:
             self._dispatch(cycle)
 
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """uvicorn's queue of pipelined requests reached ``cycle``: its turn."""
+        if isinstance(cycle, HotCycle):
+            self._take_turn(cycle)
+        else:
+            super()._start_asgi_task(cycle, app)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.hot  # the current cycle, or one a pipelined request queued behind
+        cycle = self.hot
         if cycle is not None and not cycle.response_complete and not cycle.disconnected:
             cycle.disconnected = True
-            if cycle.sub is not None:  # nobody listens: do not compute it
-                self.state.pipeline.cancel(cycle.sub.request_id)
-            self.state.observe_request(cycle.template, 499, time.perf_counter() - cycle.t0_s)
+            if cycle.work is not None:  # nobody listens: do not compute it
+                self.state.pipeline.cancel(cycle.work.sub.request_id)
+            self.state.observe_request(cycle.target.template, 499,
+                                       time.perf_counter() - cycle.t0_s)
         super().connection_lost(exc)
 
-    # ---- which requests are hot ----------------------------------------------------------------
+    # ---- which requests are hot, and may they be served ----------------------------------------
     def _hot_cycle(self) -> HotCycle | None:
-        """A cycle for a hot request this protocol can answer itself, else None."""
+        """A cycle for a hot request, else None (the app's)."""
         parser = self.parser
-        if parser.get_method() != _POST or self.expect_100_continue or self.root_path:
+        if parser.get_method() != _POST or parser.should_upgrade():
             return None
-        if self.cycle is not None and not self.cycle.response_complete:
-            return None  # pipelined behind an unanswered request: uvicorn queues it
-        if self.limit_concurrency is not None or parser.should_upgrade():
-            return None
-        raw_path = httptools.parse_url(self.url).path
-        if b"%" in raw_path:
-            return None
-        path = raw_path.decode("ascii")
-        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
-        if path == EMBED_PATH:
-            return HotCycle(EMBED_PATH, path, "", None, keep_alive)
-        target = infer_target(path)
+        try:
+            target = hot_target(decode_path(httptools.parse_url(self.url).path))
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+            return None  # uvicorn's own code answers it
         if target is None:
             return None
-        name, version = target
-        template = INFER_TEMPLATE if version is None else VERSIONED_INFER_TEMPLATE
-        return HotCycle(template, path, name, version, keep_alive)
+        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        return HotCycle(target, keep_alive, self.expect_100_continue)
 
-    def _guard(self, cycle: HotCycle) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """The guards' refusals (``guards.py``), in their order: the bearer token, then a
-        declared body size over the limit. Also reads the headers the route needs."""
+    def _guard(self, cycle: HotCycle) -> tuple[Refused, str] | None:
+        """The refusal of a request that may not be served, with its metric label; also reads
+        the headers the route needs. In the guards' order: past the concurrency limit,
+        :func:`authorize`, then a declared body size over the limit."""
         given, length = b"", None
-        for key, value in self.headers:
+        for key, value in self.headers:  # the last of a repeated header counts, as in Guards
             if key == b"authorization":
                 given = value
             elif key == b"content-length":
@@ -207,80 +211,74 @@ class HotHttpProtocol(HttpToolsProtocol):
                 cycle.accept = value.decode("latin-1")
             elif key == b"inference-header-content-length" and cycle.header_length is None:
                 cycle.header_length = value.decode("latin-1")
-        expected = self.expected_auth
-        if expected is not None and cycle.path not in OPEN_PATHS \
-                and not hmac.compare_digest(given, expected):
-            return reject_parts(401, "unauthorized", "missing or wrong bearer token", cycle.path,
-                                [(b"www-authenticate", b"Bearer")])
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return reject_parts(413, "body_too_large", f"request body of {int(length)} bytes "
-                                f"exceeds {self.max_body_bytes}", cycle.path)
+        path = cycle.target.path
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            cycle.keep_alive = False
+            s = self.state.cfg.server
+            exc = errors.overloaded("this front-end is at its connection limit; retry later",
+                                    s.overload_status)
+            status, headers, body, _ = failure_parts(self.state, exc, "", path)
+            return (status, headers, body), cycle.target.template
+        declared = int(length) if length is not None and length.isdigit() else None
+        too_large = declared is not None and declared > self.max_body_bytes
+        if too_large:  # its body is not read: the connection is closed after the refusal
+            cycle.keep_alive = False
+        refused = authorize(Plane.DATA, given, self.client, self.tokens)
+        if refused is not None:
+            return reject_parts(*refused, path, refused.headers), _UNMATCHED
+        if too_large:
+            return body_too_large(path, self.max_body_bytes, declared), _UNMATCHED
         return None
 
     # ---- serving -------------------------------------------------------------------------------
+    def _take_turn(self, cycle: HotCycle) -> None:
+        """Every request before ``cycle`` is answered: refuse it, or ask for its body (``100
+        Continue``), or serve it once the body is complete."""
+        cycle.turn = True
+        self.hot = cycle
+        if cycle.refused is not None:
+            if cycle.expect_continue and not cycle.body_done:
+                cycle.keep_alive = False  # the client may never send the body it announced
+            self._refuse(cycle)
+            return
+        if cycle.expect_continue and not cycle.body_done:
+            self.transport.write(_CONTINUE)
+        self.flow.resume_reading()
+        if cycle.body_done:
+            self._dispatch(cycle)
+
+    def _refuse(self, cycle: HotCycle) -> None:
+        (status, headers, body), endpoint = cycle.refused  # type: ignore[misc]
+        self._write(cycle, status, headers, [body], endpoint)
+
     def _dispatch(self, cycle: HotCycle) -> None:
         """Parse and submit; the answer is written by ``_on_result`` when the future is done."""
         body = cycle.parts[0] if len(cycle.parts) == 1 else b"".join(cycle.parts)
         cycle.parts = []
-        state = self.state
-        HotHttpProtocol.answered += 1
         try:
-            if cycle.template == EMBED_PATH:
-                args = parse_embed(body, state.cfg.server.max_request_nodes)
-                new = None if args.new_features is None else (args.new_features,
-                                                              args.new_neighbors or [])
-                cycle.sub = submit_ids(state, args.node_ids, args.exact, args.seed,
-                                       args.timeout_ms, args.min_version, new, args.model,
-                                       args.version)
-            else:
-                pinned = infer_version(cycle.version_raw)
-                req = cycle.infer = kserve.parse_infer(body, cycle.header_length)
-                cycle.sub = submit_ids(state, req.node_ids, req.exact, req.seed, req.timeout_ms,
-                                       req.min_version, None, cycle.name, pinned)
-        except Exception as exc:  # noqa: BLE001 - answered as the ASGI path answers it
+            cycle.work = start(self.state, cycle.target, body, cycle.header_length)
+        except Exception as exc:  # noqa: BLE001 - answered as every route answers it
             self._fail(cycle, exc)
             return
-        cycle.sub.future.add_done_callback(functools.partial(self._on_result, cycle))
+        cycle.work.sub.future.add_done_callback(functools.partial(self._on_result, cycle))
 
     def _on_result(self, cycle: HotCycle, future: Any) -> None:
         if cycle.disconnected or cycle.response_complete:
             return
         try:
-            answer = answer_of(future.result(), cycle.sub)  # type: ignore[arg-type]
-            headers, parts = self._answer(cycle, answer)
-        except Exception as exc:  # noqa: BLE001 - answered as the ASGI path answers it
+            headers, parts = ok_parts(cycle.work, future.result(), cycle.accept)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - answered as every route answers it
             self._fail(cycle, exc)
             return
-        self._write(cycle, 200, headers, parts, cycle.template)
-
-    def _answer(self, cycle: HotCycle, answer: Answer) -> tuple[list[tuple[bytes, bytes]],
-                                                                list[Any]]:
-        """Headers and body parts of a 200, as the routes order them."""
-        if cycle.infer is not None:
-            parts, named = kserve.infer_response_parts(answer.model, answer.version, cycle.infer,
-                                                       answer.rows)
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
-            headers.append(_length(parts))
-            return headers, parts
-        if wants_npy(cycle.accept):
-            rows = np.ascontiguousarray(answer.rows, dtype="<f4")
-            parts = [npy_header(rows.shape), rows.reshape(-1).view(np.uint8)]
-            return [(_MODEL_NAME, answer.model.encode("latin-1")),
-                    (_MODEL_VERSION, str(answer.version).encode("latin-1")),
-                    _length(parts), (b"content-type", _NPY)], parts
-        body, _ = embed_answer(answer.model, answer.rows, None, answer.version)
-        return [_length([body]), (b"content-type", _JSON)], [body]
+        self._write(cycle, 200, headers, parts, cycle.target.template)
 
     def _fail(self, cycle: HotCycle, exc: Exception) -> None:
-        """A refusal as the FastAPI handlers word it; anything else a 500 with an error id,
-        and the connection closed (as uvicorn closes it after an application error)."""
-        if not isinstance(exc, errors.ServeError):
-            info = errors.internal_error(exc, f"POST {cycle.path}", log).info
-            exc = errors.ServeError(info.code, info.message, info.status)
+        path = cycle.target.path
+        status, headers, body, close = failure_parts(self.state, exc, f"POST {path}", path)
+        if close:
             cycle.keep_alive = False
-        response = self.state.error(exc, cycle.path)
-        self._write(cycle, response.status_code, list(response.raw_headers), [response.body],
-                    cycle.template)
+        self._write(cycle, status, headers, [body], cycle.target.template)
 
     def _write(self, cycle: HotCycle, status: int, headers: list[tuple[bytes, bytes]],
                parts: list[Any], endpoint: str) -> None:
@@ -307,12 +305,7 @@ class HotHttpProtocol(HttpToolsProtocol):
         self.on_response_complete()
 
 
-def _length(parts: list[Any]) -> tuple[bytes, bytes]:
-    return b"content-length", str(sum(len(p) for p in parts)).encode("latin-1")
-
-
-def hot_protocol(state: Any, token: str | None, max_body_bytes: int) -> type[HotHttpProtocol]:
+def hot_protocol(state: Any, tokens: Tokens, max_body_bytes: int) -> type[HotHttpProtocol]:
     """The protocol class for uvicorn's ``http`` option, bound to one app's state."""
     return type("BoundHotHttpProtocol", (HotHttpProtocol,), {
-        "state": state, "expected_auth": f"Bearer {token}".encode() if token else None,
-        "max_body_bytes": max_body_bytes})
+        "state": state, "tokens": tokens, "max_body_bytes": max_body_bytes})

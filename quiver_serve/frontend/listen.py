@@ -73,15 +73,14 @@ def uvicorn_speedups() -> dict[str, str]:
 
 def uvicorn_options(app: Any) -> dict[str, Any]:
     """``uvicorn_speedups()``, with the hot routes answered in the HTTP protocol itself
-    (``frontend/hot_protocol.py``) when ``server.fast_routes`` is on and httptools imports."""
+    (``frontend/hot_protocol.py``) when httptools imports (else the app's ASGI adapter answers
+    them, with the same functions: ``frontend/fastpath.py``)."""
     options: dict[str, Any] = dict(uvicorn_speedups())
-    state = app.state.qs
-    s = state.cfg.server
-    if options["http"] == "httptools" and s.fast_routes:
-        from quiver_serve.frontend.guards import resolve_token
+    if options["http"] == "httptools":
         from quiver_serve.frontend.hot_protocol import hot_protocol
 
-        options["http"] = hot_protocol(state, resolve_token(s.auth_token), s.max_body_bytes)
+        state = app.state.qs
+        options["http"] = hot_protocol(state, state.tokens, state.cfg.server.max_body_bytes)
     return options
 
 

@@ -7,30 +7,23 @@
 * ``GET /v2/models/{name}/ready`` and ``.../versions/{version}/ready``: as Triton answers them,
   200 when ready and 400 when not; 404 for an unknown model, and the server's own 503 while it
   is not ready.
-* ``POST /v2/models/{name}/infer`` (the traffic split picks the version) and
-  ``POST /v2/models/{name}/versions/{version}/infer`` (pinned): answered by the raw-ASGI layer
-  (``fastpath.py``) when ``server.fast_routes`` is on; these definitions are the documented
-  schema and answer when it is off. The answer names the version that computed it.
+
+``POST /v2/models/{name}/infer`` (the traffic split picks the version) and
+``POST /v2/models/{name}/versions/{version}/infer`` (pinned) are the hot routes, answered by
+``fastpath.py`` (``app.py`` documents them); the answer names the version that computed it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from quiver_serve import errors
-from quiver_serve.frontend import kserve
-from quiver_serve.frontend.fastpath import (
-    INFER_TEMPLATE,
-    VERSIONED_INFER_TEMPLATE,
-    infer_version,
-    serve_ids,
-)
 from quiver_serve.frontend.model_view import parse_version
 from quiver_serve.frontend.responses import error_response
-from quiver_serve.frontend.schemas import ErrorBody, InferBody, InferResponse
+from quiver_serve.frontend.schemas import ErrorBody
 
 _MODELS = "/v2/models"
 
@@ -66,22 +59,10 @@ def readiness(state: Any, name: str, version: int | None) -> Response:
     return JSONResponse({"ready": True})
 
 
-async def infer(state: Any, name: str, version: str | None, request: Request) -> Response:
-    pinned = infer_version(version)
-    req = kserve.parse_infer(await request.body(), request.headers.get(kserve.HEADER_LENGTH))
-    answer = await serve_ids(state, request.receive, req.node_ids, req.exact, req.seed,
-                             req.timeout_ms, req.min_version, None, name, pinned)
-    body, headers = kserve.infer_response(answer.model, answer.version, req, answer.rows)
-    return Response(body, headers=headers)
-
-
-def add_model_routes(app: FastAPI, state: Any, responses: dict[int | str, Any]) -> None:
-    """Register the routes on ``app``; ``responses``: the error bodies to document."""
+def add_model_routes(app: FastAPI, state: Any) -> None:
+    """Register the routes on ``app``."""
     not_found = {404: {"model": ErrorBody}}
     ready_doc = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 503: {"model": ErrorBody}}
-    infer_doc = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": InferBody.model_json_schema()},
-        kserve.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}}
 
     @app.get(_MODELS + "/{name}", responses=not_found,
              summary="Model metadata: ready versions, and how to rebuild it in plain PyG")
@@ -103,16 +84,3 @@ def add_model_routes(app: FastAPI, state: Any, responses: dict[int | str, Any]) 
              summary="Version readiness: 200 when ready, 400 when not (or not loaded)")
     async def version_ready(name: str, version: str) -> Response:
         return readiness(state, name, parse_version(version))
-
-    @app.post(INFER_TEMPLATE, response_model=InferResponse, responses=responses,
-              openapi_extra=infer_doc,
-              summary="KServe v2 inference: input node_ids INT64 [n] -> output embeddings FP32 "
-                      "[n, dim]; JSON or the binary tensor extension; the model's traffic split "
-                      "picks the version")
-    async def infer_unpinned(name: str, request: Request) -> Response:
-        return await infer(state, name, None, request)
-
-    @app.post(VERSIONED_INFER_TEMPLATE, response_model=InferResponse, responses=responses,
-              openapi_extra=infer_doc, summary="KServe v2 inference on one version of the model")
-    async def infer_pinned(name: str, version: str, request: Request) -> Response:
-        return await infer(state, name, version, request)

@@ -37,7 +37,8 @@ class EmbedBody(_Body):
     """``POST /v1/embed``."""
 
     node_ids: list[StrictInt] = Field(
-        ..., description="node ids; repeats allowed; may be empty when new_nodes are given")
+        [], description="node ids; repeats allowed; may be omitted or empty when new_nodes are "
+        "given")
     exact: StrictBool = Field(False, description="sample every neighbour: equals the full-graph output")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_VERSION, description="sampling seed for a reproducible answer")
     timeout_ms: float | None = Field(
@@ -66,7 +67,8 @@ class EmbedBody(_Body):
     @model_validator(mode="after")
     def _something_to_embed(self) -> EmbedBody:
         if not self.node_ids and not self.new_nodes:
-            raise ValueError("node_ids is empty and no new_nodes are given")
+            raise ValueError("node_ids: Field required (it may be omitted or empty only when "
+                             "new_nodes are given)")
         return self
 
 

@@ -224,32 +224,33 @@ class Pipeline(ClientFacade):
                                    request.deadline_s, request.request_id, min_version, inductive,
                                    request.model, request.version)
 
-    def new_request(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+    def new_request(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
                     timeout_s: float | None = None, model: str = "",
                     version: int = 0) -> EmbedRequest:
-        ids = torch.as_tensor(node_ids)
+        ids = torch.as_tensor(_as_ids(node_ids))
         now = time.time()
         limit = self.cfg.server.request_timeout_s
         deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
         return EmbedRequest(request_id=f"p-{next(self._ids)}", node_ids=ids, exact=exact, seed=seed,
                             deadline_s=deadline, submitted_s=now, model=model, version=version)
 
-    def embed(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+    def embed(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
               timeout_s: float | None = None, min_version: int = 0,
               new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
         """Embeddings [len(node_ids) + len(new_nodes), dim] (one row per requested position,
         then one per new node) from ``model`` ("": the default) at ``version`` (0: by the
-        model's traffic split); raises ServeError. The calling thread blocks on its answer
+        model's traffic split); raises ServeError. ``node_ids`` may be left out (None: no ids)
+        when ``new_nodes`` are given. The calling thread blocks on its answer
         (``EngineClient.call``: no future, no request object)."""
         client = self._client_or_refuse()
-        ids = node_ids.detach().cpu().numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
+        ids = _as_ids(node_ids)
         inductive = self.validate(ids, seed, new_nodes, min_version)
         limit = self.cfg.server.request_timeout_s
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         return _unwrap(client.call(ids, exact, seed, deadline_s, f"p-{next(self._ids)}",
                                    min_version, inductive, model, version))
 
-    async def embed_async(self, node_ids: Any, exact: bool = False, seed: int | None = None,
+    async def embed_async(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
                           timeout_s: float | None = None, min_version: int = 0,
                           new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
         """``embed`` for coroutines: thousands in flight from one thread."""
@@ -340,3 +341,12 @@ def _unwrap(result: EmbedResult) -> Tensor:
     assert result.embeddings is not None
     return result.embeddings
 
+
+def _as_ids(node_ids: Any) -> np.ndarray:
+    """A caller's node ids as an int64 array (None: none, for a request of new nodes alone)."""
+    if node_ids is None:
+        return np.empty(0, dtype=np.int64)
+    if isinstance(node_ids, Tensor):
+        return node_ids.detach().cpu().numpy()  # type: ignore[no-any-return]
+    ids = np.asarray(node_ids)
+    return ids.astype(np.int64) if ids.size == 0 else ids
