@@ -24,6 +24,7 @@ import struct
 from collections import deque
 from typing import Any
 
+from loadtest.status import OK
 from quiver_serve.frontend.grpc.frames import (
     ACK,
     CONTINUATION,
@@ -47,14 +48,10 @@ from quiver_serve.frontend.grpc.frames import (
     literal,
     unpad,
 )
-
-from loadtest.status import OK
+from quiver_serve.frontend.grpc.status import GrpcStatus
 
 #: gRPC status codes by number (the spec's names)
-GRPC_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-              "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-              "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-              "UNAUTHENTICATED")
+GRPC_NAMES = tuple(status.name for status in GrpcStatus)
 #: what this side grants: a stream's window is never returned, so an answer fits in it (16 MiB;
 #: a larger one waits and ends as "timeout"); the connection's is returned once half was read
 RECV_WINDOW = 1 << 24

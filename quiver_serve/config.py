@@ -239,6 +239,23 @@ class ExactConfig(_Section):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
+class GrpcLimitsConfig(_Section):
+    """Per-connection abuse limits of the gRPC port's HTTP/2 (decision 0036): past one, the
+    connection gets GOAWAY ENHANCE_YOUR_CALM and is closed. Counts run per window_s."""
+
+    window_s: float = Field(10.0, gt=0, le=3600, description="the window the per-window counts below run over (each connection's own)")
+    max_concurrent_streams: int = Field(1024, ge=1, le=1 << 20, description="streams one connection may have open at once (advertised in SETTINGS; a stream past it is refused REFUSED_STREAM)")
+    max_resets: int = Field(100, ge=1, description="streams the client resets (RST_STREAM) per window, past which the connection ends when they are also over reset_ratio of the streams it opened in the window (rapid reset, CVE-2023-44487)")
+    reset_ratio: float = Field(0.5, ge=0, le=1, description="share of the window's opened streams the client may reset once past max_resets")
+    max_settings: int = Field(100, ge=1, description="SETTINGS frames (not ACKs) per window")
+    max_pings: int = Field(500, ge=1, description="PING frames (not ACKs) per window")
+    max_window_updates: int = Field(1000, ge=1, description="WINDOW_UPDATE frames per window beyond two per DATA frame this side sent in it")
+    max_priority_frames: int = Field(1000, ge=1, description="PRIORITY frames per window")
+    max_empty_frames: int = Field(100, ge=1, description="frames that carry nothing, per window: DATA without payload or END_STREAM, CONTINUATION without payload or END_HEADERS, frames of unknown types")
+    max_continuations: int = Field(16, ge=1, description="CONTINUATION frames in one header block (its bytes are bounded apart: 64 KiB)")
+    max_queued_acks: int = Field(1000, ge=1, description="PING and SETTINGS ACKs and stream refusals queued while the client does not read (the transport is full)")
+
+
 class ServerConfig(_Section):
     """HTTP front-end and admission limits."""
 
@@ -250,6 +267,8 @@ class ServerConfig(_Section):
     grpc_port: int | None = Field(
         None, ge=0, le=65535,
         description="KServe v2 gRPC port on the same host (Triton's default is 8001); null: no gRPC endpoint")
+    grpc_limits: GrpcLimitsConfig = Field(
+        default_factory=GrpcLimitsConfig, description="per-connection abuse limits of the gRPC port (decision 0036)")
     max_request_nodes: int = Field(4096, ge=1, description="most node ids in one request (else 413)")
     max_pending_requests: int = Field(2048, ge=1, description="admitted requests not yet answered (else 503)")
     request_timeout_s: float = Field(10.0, gt=0, description="deadline of a request (else 504)")
@@ -417,5 +436,10 @@ def reference_markdown() -> str:
         instance = section()
         for name, field in section.model_fields.items():
             default = getattr(instance, name)
-            lines.append(f"| `{section_name}.{name}` | `{default!r}` | {field.description} |")
+            shown = "(its fields below)" if isinstance(default, BaseModel) else f"`{default!r}`"
+            lines.append(f"| `{section_name}.{name}` | {shown} | {field.description} |")
+            if isinstance(default, BaseModel):  # a sub-section: one row per field too
+                for sub, sub_field in type(default).model_fields.items():
+                    lines.append(f"| `{section_name}.{name}.{sub}` | `{getattr(default, sub)!r}` "
+                                 f"| {sub_field.description} |")
     return "\n".join(lines)

@@ -61,6 +61,10 @@ def multiprocess_dir() -> str:
 #: label values that exist from the start (see :class:`Metrics`)
 REJECT_REASONS = ("pending_full", "client_disconnected", "engine_lost", "deadline")
 WORKER_ROLES = ("engine", "sampler", "frontend")
+#: why the gRPC port ended a connection (``frontend/grpc/limits.py``'s REASONS)
+GRPC_CUT_OFF_REASONS = ("rapid_reset", "settings_flood", "ping_flood", "window_update_flood",
+                        "priority_flood", "empty_frame_flood", "continuation_flood",
+                        "control_frames_unread")
 
 
 def gc_pause_sink(role: str) -> Callable[[int, float], None]:
@@ -167,9 +171,15 @@ class Metrics(PipelineObserver):
             PREFIX + "model_batch_round_trip_seconds", "micro-batch round trip (front-end "
             "client -> engine core -> client), by model and version", ["model", "version"],
             buckets=_LATENCY_BUCKETS_S, registry=None)
+        self.grpc_cut_off = Counter(
+            PREFIX + "grpc_connections_closed", "gRPC port connections ended for passing an "
+            "abuse limit (server.grpc_limits, decision 0036), by reason", ["reason"],
+            registry=None)
         # Known label values start at 0, so rates and alerts work before the first event.
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        for reason in GRPC_CUT_OFF_REASONS:
+            self.grpc_cut_off.labels(reason)
         for role in WORKER_ROLES:
             self.restarts.labels(role)
 
@@ -184,6 +194,9 @@ class Metrics(PipelineObserver):
 
     def on_restart(self, role: str) -> None:
         self.restarts.labels(role).inc()
+
+    def on_grpc_cut_off(self, reason: str) -> None:
+        self.grpc_cut_off.labels(reason).inc()
 
     def on_model_answers(self, model: str, version: str, ok: int, failed: int,
                          round_trip_s: float) -> None:

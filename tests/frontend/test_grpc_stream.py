@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from quiver_serve.config import ServeConfig
-from quiver_serve.frontend import grpc_proto as gp
-from quiver_serve.frontend import grpc_stream
-from quiver_serve.frontend.grpc_server import infer_args
+from quiver_serve.frontend.grpc import proto as gp
+from quiver_serve.frontend.grpc import stream_infer as grpc_stream
+from quiver_serve.frontend.grpc.service import infer_args
 from quiver_serve.messages import EmbedResult
 from tests.conftest import ServerProcess, start_server
 
@@ -418,7 +418,7 @@ class AnsweringPipeline(StubPipeline):
 
 async def _answering_endpoint() -> tuple[AnsweringPipeline, Any, int]:
     """The gRPC endpoint on this loop over an :class:`AnsweringPipeline`."""
-    from quiver_serve.frontend import grpc_calls
+    from quiver_serve.frontend.grpc import calls as grpc_calls
     from tests.conftest import free_port
 
     pipeline = AnsweringPipeline()

@@ -1,4 +1,4 @@
-"""The gRPC endpoint's HTTP/2 (``frontend/http2.py``, ``http2_connection.py``, ``grpc_calls.py``)
+"""The gRPC endpoint's HTTP/2 (``frontend/grpc/``: ``frames.py``, ``connection.py``, ``calls.py``)
 driven frame by frame: flow control both ways, frame sizes, CONTINUATION and padding, PING,
 protocol errors, every refusal as a gRPC status, cancellation, draining, and the HPACK block
 cache against a plain decoder. Real clients (tritonclient, grpc.aio) are in
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from quiver_serve.config import ServeConfig
-from quiver_serve.frontend import grpc_calls
-from quiver_serve.frontend import grpc_proto as gp
-from quiver_serve.frontend import http2 as h
+from quiver_serve.frontend.grpc import calls as grpc_calls
+from quiver_serve.frontend.grpc import connection
+from quiver_serve.frontend.grpc import frames as h
+from quiver_serve.frontend.grpc import proto as gp
 from quiver_serve.messages import EmbedResult
 
 MODEL, DIM, TOKEN = "m", 64, "s3cret"
@@ -363,8 +364,8 @@ async def _closed(c: RawClient, within_s: float = 5.0) -> None:
 
 
 def test_a_client_that_stops_reading_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(h, "TICK_S", 0.05)
-    monkeypatch.setattr(h, "WRITE_STALL_S", 0.3)
+    monkeypatch.setattr(connection, "TICK_S", 0.05)
+    monkeypatch.setattr(connection, "WRITE_STALL_S", 0.3)
 
     async def test(port: int, pipeline: Pipeline, server: Any) -> None:
         c = await RawClient.open(port, {h.S_INITIAL_WINDOW_SIZE: 100})
@@ -378,9 +379,9 @@ def test_a_client_that_stops_reading_is_closed(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_keepalive_ping_and_a_silent_peer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(h, "TICK_S", 0.05)
-    monkeypatch.setattr(h, "KEEPALIVE_S", 0.2)
-    monkeypatch.setattr(h, "KEEPALIVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(connection, "TICK_S", 0.05)
+    monkeypatch.setattr(connection, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(connection, "KEEPALIVE_TIMEOUT_S", 0.3)
 
     async def test(port: int, pipeline: Pipeline, server: Any) -> None:
         answered = await RawClient.open(port)  # answers the PING: stays open
@@ -433,7 +434,7 @@ def test_answers_held_by_the_clients_windows_refuse_new_streams(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Past MAX_PENDING_BYTES of answers waiting for the client's windows, a new stream is
     refused; reading goes on (the WINDOW_UPDATE gets in) and the connection serves again."""
-    monkeypatch.setattr(h, "MAX_PENDING_BYTES", 5000)
+    monkeypatch.setattr(connection, "MAX_PENDING_BYTES", 5000)
 
     async def test(port: int, pipeline: Pipeline, server: Any) -> None:
         c = await RawClient.open(port, {h.S_INITIAL_WINDOW_SIZE: 100})

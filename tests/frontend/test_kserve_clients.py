@@ -156,7 +156,7 @@ def test_tritonclient_grpc(triton_grpc, server: ServerProcess) -> None:  # noqa:
     node_ids.set_data_from_numpy(ids)
     result = triton_grpc.infer(MODEL, [node_ids], parameters={"exact": True}, request_id="u1",
                                outputs=[grpcclient.InferRequestedOutput("embeddings")])
-    response = result.get_response()  # written by hand (grpc_proto.infer_response)
+    response = result.get_response()  # written by hand (grpc/proto.py, infer_response)
     assert (response.id, response.model_name, response.model_version) == ("u1", MODEL, "1")
     direct = httpx.post(server.url + "/v1/embed", json={"node_ids": ids.tolist(), "exact": True})
     np.testing.assert_allclose(result.as_numpy("embeddings"),
@@ -179,7 +179,7 @@ def test_grpc_messages_match_the_published_proto() -> None:
     """Every message and field (number, type, label) equals tritonclient's compiled proto."""
     from tritonclient.grpc import service_pb2
 
-    from quiver_serve.frontend import grpc_proto as gp
+    from quiver_serve.frontend.grpc import proto as gp
 
     for name in gp.MESSAGES:
         ours = gp.message(name).DESCRIPTOR

@@ -1,4 +1,4 @@
-"""The KServe gRPC endpoint's calls on ``http2.py``'s streams, and ``start()``.
+"""The KServe gRPC endpoint's calls on ``streams.py``'s streams, and ``start()``.
 
 Each stream's ``:path`` picks its call:
 
@@ -8,15 +8,15 @@ Each stream's ``:path`` picks its call:
   hand-written ``ModelInferResponse`` whose rows are the engine's array, the trailers) with one
   ``writelines``. No task, no coroutine. A ``grpc-timeout`` shortens the request's deadline
   (``timeout_ms``); a stream the client resets cancels the request in the engine client.
-* ``ModelStreamInfer`` (:class:`StreamCall`) runs ``grpc_stream.StreamSession`` over the stream:
+* ``ModelStreamInfer`` (:class:`StreamCall`) runs ``stream_infer.StreamSession`` over the stream:
   the requests are read as the session asks for them, and the stream's window is given back
   only for requests read, so a client that sends faster than it is answered is held by HTTP/2
   flow control.
 * every other RPC (:class:`UnaryCall`: health, metadata, the repository's admin calls) runs
-  ``grpc_server.KServeGrpc``'s coroutine in a task, with a context that has what those use
+  ``service.KServeGrpc``'s coroutine in a task, with a context that has what those use
   (``abort``, ``invocation_metadata``, ``peer``).
 
-Errors are gRPC statuses with the daemon's messages (``grpc_server.CODES``); a request that is
+Errors are gRPC statuses with the daemon's messages (``status.CODES``); a request that is
 not gRPC (no ``application/grpc`` content type, not a POST, an unknown method) is answered
 with a status naming what was wrong, never a dropped connection.
 """
@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import time
 from collections import deque
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from quiver_serve import errors
-from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend.fastpath import Submitted, answer_of, submit_ids
-from quiver_serve.frontend.grpc_server import CODES, UNARY_ENDPOINT, KServeGrpc, infer_args
-from quiver_serve.frontend.http2 import H2Stream
-from quiver_serve.frontend.http2_server import H2Server
+from quiver_serve.frontend.grpc import proto as gp
+from quiver_serve.frontend.grpc.server import H2Server
+from quiver_serve.frontend.grpc.service import UNARY_ENDPOINT, KServeGrpc, infer_args
+from quiver_serve.frontend.grpc.status import GrpcStatus, status_for
+from quiver_serve.frontend.grpc.streams import H2Stream
+from quiver_serve.frontend.guards import Plane, Tokens, authorize
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +49,19 @@ _INFER_REQUEST = gp.message("ModelInferRequest")
 STREAM_HIGH_WATER_BYTES = 1 << 20
 _TIMEOUT_UNITS_MS = {"H": 3_600_000.0, "M": 60_000.0, "S": 1000.0, "m": 1.0, "u": 1e-3,
                      "n": 1e-6}
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
-_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
-_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 class Aborted(Exception):
     """``context.abort(code, message)``: the call ends with that status."""
 
-    def __init__(self, code: Any, message: str) -> None:
+    def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
-        self.code = code.value[0] if isinstance(code, grpc.StatusCode) else int(code)
+        self.code = GrpcStatus(code)
         self.message = message
 
 
-def status_of(exc: errors.ServeError) -> int:
-    return CODES.get(exc.info.status, grpc.StatusCode.INTERNAL).value[0]
+def status_of(exc: errors.ServeError) -> GrpcStatus:
+    return status_for(exc.info.status)
 
 
 def grpc_timeout_ms(raw: bytes | None) -> float | None:
@@ -85,7 +81,7 @@ class CallContext:
     def __init__(self, stream: H2Stream) -> None:
         self.stream = stream
 
-    async def abort(self, code: Any, details: str) -> None:
+    async def abort(self, code: int, details: str) -> None:
         raise Aborted(code, details)
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
@@ -120,7 +116,7 @@ class GrpcFront:
     def __init__(self, state: Any, token: str | None, admin_token: str | None = None) -> None:
         self.state = state
         self.servicer = KServeGrpc(state, token, admin_token)
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.tokens = Tokens.of(token, admin_token)
         self.observe = getattr(state, "observe_request", None)
         self.tasks: set[asyncio.Task[Any]] = set()
 
@@ -129,11 +125,11 @@ class GrpcFront:
         content_type = stream.header(b"content-type") or b""
         if stream.header(b":method") != b"POST" or not content_type.startswith(
                 b"application/grpc"):
-            stream.finish(_INVALID, "a gRPC call is a POST with content-type application/grpc")
+            stream.finish(GrpcStatus.INVALID_ARGUMENT, "a gRPC call is a POST with content-type application/grpc")
             return None
         encoding = stream.header(b"grpc-encoding")
         if encoding not in (None, b"identity"):
-            stream.finish(_UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not "
+            stream.finish(GrpcStatus.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not "
                                           "supported (identity only)")
             return None
         method = path[len(_PREFIX):] if path.startswith(_PREFIX) else ""
@@ -143,7 +139,7 @@ class GrpcFront:
             return StreamCall(self, stream, method)
         if method in gp.RPCS:
             return UnaryCall(self, method)
-        stream.finish(_UNIMPLEMENTED, f"unknown method {path!r}")
+        stream.finish(GrpcStatus.UNIMPLEMENTED, f"unknown method {path!r}")
         return None
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -153,9 +149,9 @@ class GrpcFront:
         return task
 
     def authorised(self, stream: H2Stream) -> bool:
-        if self.expected is None:
-            return True
-        return hmac.compare_digest(stream.header(b"authorization") or b"", self.expected)
+        """The data plane's token (``guards.authorize``) in the stream's headers."""
+        return authorize(Plane.DATA, stream.header(b"authorization") or b"", None,
+                         self.tokens) is None
 
 
 class _UnaryRequest:
@@ -186,11 +182,11 @@ class InferCall(_UnaryRequest):
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:
-            self._refuse(stream, _INVALID, 400, "ModelInfer takes exactly one request message, "
+            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400, "ModelInfer takes exactly one request message, "
                                                f"got {self.count}")
             return
         if not self.front.authorised(stream):
-            self._refuse(stream, _UNAUTHENTICATED, 401, "missing or wrong bearer token")
+            self._refuse(stream, GrpcStatus.UNAUTHENTICATED, 401, "missing or wrong bearer token")
             return
         try:
             req = _INFER_REQUEST.FromString(self.payload)
@@ -203,14 +199,14 @@ class InferCall(_UnaryRequest):
             self.sub = submit_ids(self.front.state, a.ids, a.exact, a.seed, timeout_ms,
                                   a.min_version, None, a.model, a.version)
         except DecodeError as exc:
-            self._refuse(stream, _INVALID, 400, f"not a ModelInferRequest message: {exc}")
+            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400, f"not a ModelInferRequest message: {exc}")
             return
         except errors.ServeError as exc:
             self._refuse(stream, status_of(exc), exc.info.status, exc.info.message)
             return
         except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL with an error id
             info = errors.internal_error(exc, "gRPC ModelInfer", log).info
-            self._refuse(stream, _INTERNAL, info.status, info.message)
+            self._refuse(stream, GrpcStatus.INTERNAL, info.status, info.message)
             return
         self.sub.future.add_done_callback(functools.partial(self._answered, stream))
 
@@ -228,7 +224,7 @@ class InferCall(_UnaryRequest):
             return
         except Exception as exc:  # noqa: BLE001 - as in end()
             info = errors.internal_error(exc, "gRPC ModelInfer", log).info
-            self._refuse(stream, _INTERNAL, info.status, info.message)
+            self._refuse(stream, GrpcStatus.INTERNAL, info.status, info.message)
             return
         stream.send_message(parts, size, flush=False)
         stream.finish()  # headers, DATA and trailers in one write
@@ -262,7 +258,7 @@ class UnaryCall(_UnaryRequest):
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:
-            stream.finish(_INVALID, f"{self.method} takes exactly one request message, got "
+            stream.finish(GrpcStatus.INVALID_ARGUMENT, f"{self.method} takes exactly one request message, got "
                                     f"{self.count}")
             return
         self.task = self.front.spawn(self._run(stream))
@@ -274,13 +270,13 @@ class UnaryCall(_UnaryRequest):
             resp = await getattr(self.front.servicer, self.method)(req, CallContext(stream))
             data = resp.SerializeToString()
         except DecodeError as exc:
-            stream.finish(_INVALID, f"not a {req_type} message: {exc}")
+            stream.finish(GrpcStatus.INVALID_ARGUMENT, f"not a {req_type} message: {exc}")
             return
         except Aborted as exc:
             stream.finish(exc.code, exc.message)
             return
         except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL with an error id
-            stream.finish(_INTERNAL, errors.internal_error(exc, f"gRPC {self.method}",
+            stream.finish(GrpcStatus.INTERNAL, errors.internal_error(exc, f"gRPC {self.method}",
                                                            log).info.message)
             return
         stream.send_message([data], len(data))
@@ -330,7 +326,7 @@ class StreamCall:
             try:
                 req = req_type.FromString(payload)
             except DecodeError as exc:
-                raise Aborted(_INVALID, f"not a ModelInferRequest message: {exc}") from None
+                raise Aborted(GrpcStatus.INVALID_ARGUMENT, f"not a ModelInferRequest message: {exc}") from None
             yield req
 
     async def _run(self, stream: H2Stream) -> None:
@@ -341,10 +337,10 @@ class StreamCall:
             stream.finish(exc.code, exc.message)
             return
         except asyncio.CancelledError:
-            stream.finish(grpc.StatusCode.CANCELLED.value[0], "the call was cancelled")
+            stream.finish(GrpcStatus.CANCELLED, "the call was cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL with an error id
-            stream.finish(_INTERNAL, errors.internal_error(exc, f"gRPC {self.method}",
+            stream.finish(GrpcStatus.INTERNAL, errors.internal_error(exc, f"gRPC {self.method}",
                                                            log).info.message)
             return
         stream.finish()
@@ -355,7 +351,10 @@ async def start(state: Any, host: str, port: int, token: str | None,
     """The KServe gRPC endpoint on the running loop, bound to ``host:port`` (``SO_REUSEPORT``:
     every front-end process binds it; balance is per connection)."""
     front = GrpcFront(state, token, admin_token)
-    server = H2Server(front.on_request, state.cfg.server.max_body_bytes)
+    metrics = getattr(state, "metrics", None)
+    on_cut_off = None if metrics is None else lambda reason, peer: metrics.on_grpc_cut_off(reason)
+    server = H2Server(front.on_request, state.cfg.server.max_body_bytes,
+                      state.cfg.server.grpc_limits, on_cut_off)
     bound = await server.start(host, port)
     log.info("KServe v2 gRPC on %s:%d (ModelInfer, ModelStreamInfer)", host, bound)
     return server

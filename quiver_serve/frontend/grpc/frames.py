@@ -1,52 +1,30 @@
-"""HTTP/2 for gRPC, on the front-end's event loop: frames, HPACK, flow control, streams.
+"""HTTP/2 frames for the gRPC port (RFC 9113): the frame, setting and error-code numbers, the
+frames' encodings, the answers' HPACK and the request header blocks' cache.
 
-The KServe gRPC endpoint's transport (``grpc_calls.py`` says what each call does). One
-:class:`H2Connection` (an ``asyncio.Protocol``) per client connection, cleartext HTTP/2 with prior
-knowledge (``h2c``), as gRPC clients speak it. What it does, per RFC 9113:
-
-* frames are cut from the bytes received in one pass; DATA, HEADERS (+ CONTINUATION), SETTINGS,
-  PING, WINDOW_UPDATE, RST_STREAM, GOAWAY and PRIORITY are handled, unknown types ignored; every
-  malformed frame is a connection error (GOAWAY with its code, then close) or a stream error
-  (RST_STREAM), as the RFC assigns them;
-* header blocks are decoded with ``hpack`` (the HPACK of the ``h2`` project), also those of
-  streams that are ignored, so the decoder's table stays in step; answers use only the static
-  table and literals that are never indexed, so no encoder state is kept;
-* gRPC messages (a flag byte, a 4-byte length, the message) are cut from a stream's DATA and
-  handed to the stream's call; a message over ``max_message_bytes`` ends the call with
-  RESOURCE_EXHAUSTED, a compressed one with UNIMPLEMENTED (no compression is offered);
-* flow control both ways: the client's windows (connection and stream) are returned only for
-  data its calls have taken, so what a connection buffers is bounded by the windows granted; the
-  answers are sent within the client's windows and its largest frame size, the rest waits for
-  its WINDOW_UPDATE. A connection whose unsent answers pass ``MAX_PENDING_BYTES`` refuses new
-  streams (REFUSED_STREAM, which a gRPC client may retry) until they drain; one whose transport
-  is full stops reading until it drains;
-* waits: a PING goes out after ``KEEPALIVE_S`` with nothing received, and a connection whose
-  PING is not answered within ``KEEPALIVE_TIMEOUT_S``, or whose answers make no progress for
-  ``WRITE_STALL_S``, is closed (its calls are cancelled). ``close_gracefully`` sends GOAWAY and
-  lets the streams already started finish.
-
-A request costs a few slices of the received bytes, one HPACK decode (mostly table hits) and, per
-answer, one ``writelines`` of pre-encoded headers, the DATA frame(s) and the trailers.
+This is the subpackage's public frame API: ``connection.py`` reads and writes frames with it,
+``loadtest/h2_client.py`` and the tests build theirs with it. Nothing here keeps state but
+:class:`HeaderCache`. What one connection does with the frames is in ``connection.py``'s
+docstring; the per-connection abuse limits in ``limits.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import struct
-from collections import deque
-from typing import Any, Protocol
-
-log = logging.getLogger(__name__)
+from collections.abc import Iterable
+from typing import Any
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# frame types (RFC 9113, 6)
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
     CONTINUATION = range(10)
+# frame flags
 END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+# error codes (RFC 9113, 7)
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x5, 0x6, 0x7, 0x8
 COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
+# settings ids (RFC 9113, 6.5.2)
 S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
@@ -56,35 +34,66 @@ MIN_FRAME_BYTES = 16_384
 MAX_FRAME_BYTES = (1 << 24) - 1
 #: the frame size this side accepts (the RFC's default: clients send at most this)
 RECV_FRAME_BYTES = MIN_FRAME_BYTES
-#: streams one connection may have open at once (a client's pipelined calls past it wait)
-MAX_STREAMS = 1024
 #: a request's header block, decoded, at most this large (grpc's own hard limit is 16 KiB)
 MAX_HEADER_LIST_BYTES = 16_384
 #: a header block's encoded bytes (HEADERS + CONTINUATION) at most this large
 MAX_HEADER_BLOCK_BYTES = 65_536
-#: answers queued on a connection beyond the client's windows; past this new streams are refused
-MAX_PENDING_BYTES = 32 << 20
-#: a PING after this long with nothing received; no answer within the timeout closes
-KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60.0, 20.0
-#: answers that make no progress for this long (the client does not read) close the connection
-WRITE_STALL_S = 60.0
-#: the connection's timer period (keepalive and stall checks)
-TICK_S = 5.0
 
-_FRAME = struct.Struct(">IBI")  # length << 8 | type, flags, stream id
-_SETTING = struct.Struct(">HI")
-_U32 = struct.Struct(">I")
-_MSG_PREFIX = struct.Struct(">BI")  # gRPC: compressed flag, message length
-_GOAWAY = struct.Struct(">II")
+#: a frame's 9-byte head: ``length << 8 | type``, flags, stream id (``unpack_from`` to read)
+FRAME_HEAD = struct.Struct(">IBI")
+#: one SETTINGS entry: id, value
+SETTING = struct.Struct(">HI")
+#: a 32-bit field (WINDOW_UPDATE's increment, RST_STREAM's code)
+U32 = struct.Struct(">I")
+#: a gRPC message's prefix: compressed flag, message length
+MESSAGE_PREFIX = struct.Struct(">BI")
+#: GOAWAY's fixed part: last stream id, error code
+GOAWAY_HEAD = struct.Struct(">II")
 
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    """One frame, header and payload."""
-    return _FRAME.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
+    """One frame, head and payload."""
+    return FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
 
 
 def frame_head(ftype: int, flags: int, stream_id: int, length: int) -> bytes:
-    return _FRAME.pack(length << 8 | ftype, flags, stream_id)
+    """A frame's head alone (its ``length`` bytes of payload follow)."""
+    return FRAME_HEAD.pack(length << 8 | ftype, flags, stream_id)
+
+
+def settings_frame(pairs: Iterable[tuple[int, int]]) -> bytes:
+    """SETTINGS with ``(id, value)`` entries."""
+    return frame(SETTINGS, 0, 0, b"".join(SETTING.pack(k, v) for k, v in pairs))
+
+
+def decode_settings(payload: bytes) -> list[tuple[int, int]]:
+    """A SETTINGS payload's ``(id, value)`` entries (its length a multiple of 6)."""
+    return [SETTING.unpack_from(payload, at) for at in range(0, len(payload) - 5, 6)]
+
+
+def window_update(stream_id: int, increment: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, stream_id, U32.pack(increment))
+
+
+def rst_stream(stream_id: int, code: int) -> bytes:
+    return frame(RST_STREAM, 0, stream_id, U32.pack(code))
+
+
+def goaway(last_stream_id: int, code: int, debug: bytes = b"") -> bytes:
+    """GOAWAY naming the last stream this side processes and why (``debug``: at most 256
+    bytes of it are sent)."""
+    return frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(last_stream_id, code) + debug[:256])
+
+
+def decode_goaway(payload: bytes) -> tuple[int, int, bytes]:
+    """A GOAWAY payload's last stream id, error code and debug data."""
+    last_sid, code = GOAWAY_HEAD.unpack_from(payload)
+    return last_sid & 0x7FFFFFFF, code, payload[8:]
+
+
+def decode_u32(payload: bytes) -> int:
+    """WINDOW_UPDATE's increment or RST_STREAM's code (a 4-byte payload)."""
+    return U32.unpack(payload)[0]
 
 
 # --- HPACK: what this side writes (static table entries and never-indexed literals only) -------
@@ -190,92 +199,3 @@ def peer_string(peername: Any) -> str:
         return ""
     host, port = peername[0], peername[1]
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
-
-
-class Call(Protocol):
-    """What a stream's call is told (``grpc_calls.py`` has the implementations)."""
-
-    def message(self, stream: H2Stream, payload: bytes) -> None: ...
-
-    def end(self, stream: H2Stream) -> None: ...
-
-    def cancel(self, stream: H2Stream) -> None: ...
-
-
-class H2Stream:
-    """One gRPC call's stream: what came in (headers, the bytes of a message not yet whole) and
-    what waits to go out (DATA beyond the client's windows, then the trailers). ``conn`` is its
-    ``http2_connection.H2Connection``."""
-
-    __slots__ = ("sid", "conn", "headers", "buf", "recv_window", "unreturned", "send_window",
-                 "out", "out_bytes", "trailers", "headers_sent", "remote_closed", "done", "call",
-                 "drained")
-
-    def __init__(self, sid: int, conn: Any, headers: list[tuple[bytes, bytes]],
-                 send_window: int) -> None:
-        self.sid, self.conn, self.headers = sid, conn, headers
-        self.buf = bytearray()
-        self.recv_window = conn.recv_stream_window
-        self.unreturned = 0  # bytes taken by the call not yet given back as stream window
-        self.send_window = send_window
-        self.out: deque[Any] = deque()  # DATA payload parts not yet sent
-        self.out_bytes = 0
-        self.trailers: bytes | None = None  # sent once ``out`` is empty
-        self.headers_sent = False
-        self.remote_closed = False
-        self.done = False  # trailers sent or stream reset: nothing more goes out
-        self.call: Call | None = None
-        self.drained: asyncio.Future[None] | None = None
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-    # ---- sending (the call's side) -------------------------------------------------------------
-    def send_message(self, parts: list[Any], size: int, flush: bool = True) -> None:
-        """One gRPC message (``parts``: its bytes, ``size`` long) on this stream; ``flush``
-        False: sent with what follows (the trailers of a unary answer, in one write)."""
-        if self.done:
-            return
-        self.out.append(_MSG_PREFIX.pack(0, size))
-        for part in parts:  # byte lengths: an array or a typed view goes as its bytes
-            self.out.append(part if type(part) is bytes else memoryview(part).cast("B"))
-        self.out_bytes += size + 5
-        if flush:
-            self.conn.flush(self)
-
-    def finish(self, code: int = 0, message: str = "") -> None:
-        """End the call with ``grpc-status`` ``code`` (trailers, or trailers only)."""
-        if self.done or self.trailers is not None:
-            return
-        block = OK_TRAILERS if code == 0 and not message else status_block(code, message)
-        if not self.headers_sent and not self.out:  # trailers-only: one HEADERS frame
-            self.headers_sent = True
-            block = RESPONSE_HEADERS + block
-        self.trailers = block
-        self.conn.flush(self)
-
-    async def wait_drained(self) -> None:
-        """Until this stream's queued answers are sent (a stall closes the connection, which
-        ends the wait too)."""
-        while self.out_bytes and not self.done:
-            if self.drained is None or self.drained.done():
-                self.drained = self.conn.loop.create_future()
-            await self.drained
-
-    def wake(self) -> None:
-        if self.drained is not None and not self.drained.done():
-            self.drained.set_result(None)
-
-    def return_window(self, nbytes: int) -> None:
-        """The call took ``nbytes`` of this stream's data: give them back to the client."""
-        self.conn.return_connection_window(nbytes)
-        if self.remote_closed or self.done:
-            return
-        self.unreturned += nbytes
-        if self.unreturned >= self.conn.recv_stream_window // 4:
-            self.recv_window += self.unreturned
-            self.conn.send_raw(frame(WINDOW_UPDATE, 0, self.sid, _U32.pack(self.unreturned)))
-            self.unreturned = 0

@@ -1,17 +1,22 @@
-"""The gRPC port's listening socket and its connections (``http2_connection.H2Connection``)."""
+"""The gRPC port's listening socket and its connections (``connection.H2Connection``)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from quiver_serve.frontend.http2_connection import H2Connection, OnRequest
+from quiver_serve.frontend.grpc.connection import H2Connection, OnCutOff, OnRequest
 
 
 class H2Server:
-    """The listening socket and its connections; ``stop(grace)`` drains them."""
+    """The listening socket and its connections; ``stop(grace)`` drains them. ``limits`` is a
+    ``config.GrpcLimitsConfig``; ``on_cut_off(reason, peer)`` is told of each connection ended
+    for passing one (the metric)."""
 
-    def __init__(self, on_request: OnRequest, max_message_bytes: int) -> None:
+    def __init__(self, on_request: OnRequest, max_message_bytes: int, limits: Any,
+                 on_cut_off: OnCutOff | None = None) -> None:
         self.on_request, self.max_message_bytes = on_request, max_message_bytes
+        self.limits, self.on_cut_off = limits, on_cut_off
         self.connections: set[H2Connection] = set()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
@@ -20,7 +25,8 @@ class H2Server:
         """Listen on ``host:port`` (``SO_REUSEPORT``: every front-end binds it); the port."""
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
-            lambda: H2Connection(self.on_request, self.max_message_bytes, self.connections),
+            lambda: H2Connection(self.on_request, self.max_message_bytes, self.limits,
+                                 self.connections, self.on_cut_off),
             host, port, reuse_port=True, backlog=backlog)
         await self.server.start_serving()  # listening before the front-end says it is ready
         self.port = self.server.sockets[0].getsockname()[1]

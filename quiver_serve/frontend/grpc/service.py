@@ -5,12 +5,12 @@ Same semantics as the HTTP routes: one input ``node_ids`` (INT64 [n]) as ``raw_i
 request parameters ``exact``, ``seed``, ``timeout_ms``, ``min_version`` (the graph version the
 answer must see); ``model_version`` pins a version (empty: the model's traffic split), and the
 answer names the version that computed it; ``ModelReady`` and ``ModelMetadata`` take a version
-too. The daemon's errors are mapped to gRPC status codes with the same messages. Off unless
-``server.grpc_port`` is set; same bind address and bearer token as HTTP.
+too. The daemon's errors are mapped to gRPC status codes (``status.CODES``) with the same
+messages. Off unless ``server.grpc_port`` is set; same bind address and bearer token as HTTP.
 
-``ModelStreamInfer`` (``grpc_stream.py``) takes the same requests on one bidirectional stream,
+``ModelStreamInfer`` (``stream_infer.py``) takes the same requests on one bidirectional stream,
 many in flight at once. ``ModelInfer`` itself is answered inside the connection's callbacks
-(``grpc_calls.InferCall``, with ``infer_args`` below); the HTTP/2 transport is ``http2.py``. Every
+(``calls.InferCall``, with ``infer_args`` below); the HTTP/2 transport is ``connection.py``. Every
 front-end process binds the gRPC port (``SO_REUSEPORT``), so gRPC scales with
 ``server.http_workers`` as HTTP does, per connection; the largest request accepted is
 ``server.max_body_bytes``, as over HTTP.
@@ -24,19 +24,18 @@ loopback peers only.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
-import grpc
 import numpy as np
 
 from quiver_serve import errors
-from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend import repository_routes
-from quiver_serve.frontend.grpc_stream import StreamSession
-from quiver_serve.frontend.guards import admin_refusal
+from quiver_serve.frontend.grpc import proto as gp
+from quiver_serve.frontend.grpc.status import CODES, status_for
+from quiver_serve.frontend.grpc.stream_infer import StreamSession
+from quiver_serve.frontend.guards import Plane, Tokens, authorize
 from quiver_serve.frontend.kserve import SERVER_METADATA
 from quiver_serve.frontend.model_view import parse_version
 
@@ -44,14 +43,6 @@ log = logging.getLogger(__name__)
 
 #: the request-latency metric's endpoint label of unary gRPC inference
 UNARY_ENDPOINT = "grpc ModelInfer"
-#: daemon status -> gRPC status code
-CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-         403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-         409: grpc.StatusCode.ALREADY_EXISTS, 413: grpc.StatusCode.INVALID_ARGUMENT,
-         422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-         499: grpc.StatusCode.CANCELLED, 501: grpc.StatusCode.UNIMPLEMENTED,
-         503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-
 _LIVE = gp.message("ServerLiveResponse")
 _READY = gp.message("ServerReadyResponse")
 _MODEL_READY = gp.message("ModelReadyResponse")
@@ -74,7 +65,7 @@ def _bad(message: str) -> errors.ServeError:
 
 
 async def _abort(ctx: Any, exc: errors.ServeError) -> None:
-    await ctx.abort(CODES.get(exc.info.status, grpc.StatusCode.INTERNAL), exc.info.message)
+    await ctx.abort(status_for(exc.info.status), exc.info.message)
 
 
 def _version(raw: str) -> int | None:
@@ -98,8 +89,7 @@ class KServeGrpc:
     def __init__(self, state: Any, token: str | None,
                  admin_token: str | None = None) -> None:
         self.state = state
-        self.expected = f"Bearer {token}" if token else None
-        self.admin_expected = f"Bearer {admin_token}".encode() if admin_token else None
+        self.tokens = Tokens.of(token, admin_token)
 
     async def ServerLive(self, req: Any, ctx: Any) -> Any:  # noqa: N802 - the RPC's name
         return _LIVE(live=True)
@@ -134,7 +124,7 @@ class KServeGrpc:
             inputs=meta["inputs"], outputs=meta["outputs"])
 
     async def ModelStreamInfer(self, requests: Any, ctx: Any) -> None:  # noqa: N802
-        """Many requests on one stream (``grpc_stream.py``); the token is checked once."""
+        """Many requests on one stream (``stream_infer.py``); the token is checked once."""
         await self._auth(ctx)
         await StreamSession(self.state, ctx, infer_args).run(requests)
 
@@ -166,25 +156,23 @@ class KServeGrpc:
         return bool(self.state.pipeline.ready and self.state.pipeline.engines_ready)
 
     async def _auth(self, ctx: Any) -> None:
-        if self.expected is None:
-            return
-        given = _metadata(ctx, "authorization")
-        if not hmac.compare_digest(given.encode(), self.expected.encode()):
-            await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        """The data plane's token (``guards.authorize``), from the call's metadata."""
+        refused = authorize(Plane.DATA, _metadata(ctx, "authorization").encode(), None,
+                            self.tokens)
+        if refused is not None:
+            await ctx.abort(CODES[refused.status], refused.message)
 
     async def _admin(self, ctx: Any) -> str:
-        """The admin guard of HTTP (``guards.admin_refusal``) on gRPC metadata and the peer;
+        """The admin guard of HTTP (``guards.authorize``) on gRPC metadata and the peer;
         returns the peer, for the log."""
         peer = ctx.peer() or ""
-        given = _metadata(ctx, "authorization")
-        data = self.expected.encode() if self.expected else None
-        refused = admin_refusal(peer_address(peer), given.encode(), self.admin_expected, data)
-        if refused is not None:
-            status, code, message = refused
-            log.warning("admin call %s from %s refused: %s", code, peer or "unknown peer",
-                        message)
-            await ctx.abort(CODES[status], message)
         address = peer_address(peer)
+        refused = authorize(Plane.ADMIN, _metadata(ctx, "authorization").encode(), address,
+                            self.tokens)
+        if refused is not None:
+            log.warning("admin call %s from %s refused: %s", refused.code, peer or "unknown peer",
+                        refused.message)
+            await ctx.abort(CODES[refused.status], refused.message)
         return f"{address[0]}:{address[1]}" if address else peer or "unknown peer"
 
 

@@ -19,7 +19,7 @@ are answered (each has its deadline) and the stream ends OK.
 Waits: a request's answer is bounded by its deadline; an answer write that makes no progress
 for ``WRITE_STALL_S`` (a client that stopped reading) ends the stream; the wait for the
 client's next message is the one open wait of any connection (gRPC keepalive ends it for a
-peer that is gone, ``grpc_server.SERVER_OPTIONS``).
+peer that is gone, the connection's keepalive PING, ``connection.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import time
 from typing import Any
 
 from quiver_serve import errors
-from quiver_serve.frontend import grpc_proto as gp
 from quiver_serve.frontend.fastpath import Submitted, answer_of, submit_ids
+from quiver_serve.frontend.grpc import proto as gp
 
 log = logging.getLogger(__name__)
 #: the request-latency metric's endpoint label of a streamed request
@@ -49,7 +49,7 @@ STALL_CHECK_S = 5.0
 class StreamSession:
     """One ``ModelStreamInfer`` call: ``await StreamSession(...).run(requests)``.
 
-    ``parse(req)`` turns a request into ``grpc_server.InferArgs`` (raising ServeError);
+    ``parse(req)`` turns a request into ``service.InferArgs`` (raising ServeError);
     ``state`` is the front-end's ``ServerState`` (its pipeline, views, config)."""
 
     def __init__(self, state: Any, ctx: Any, parse: Any,
