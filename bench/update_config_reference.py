@@ -5,9 +5,9 @@
 
 from pathlib import Path
 
-from quiver_serve.config import REPO_ROOT, reference_markdown
+from quiver_serve.config import reference_markdown
 
-page = Path(REPO_ROOT / "docs" / "config.md")
+page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 text = page.read_text()
 start = text.index("| key | default | description |")
 end = text.find("\n\n", start)

@@ -1,6 +1,6 @@
 """Train the embedded default model: PyG GraphSAGE on Cora (public Planetoid split), CPU, ~20 s.
 
-    python models/train_cora.py            # writes models/cora_graphsage.pt and _head.pt
+    python models/train_cora.py   # writes quiver_serve/defaults/cora_graphsage.pt and _head.pt
 
 The trunk is exactly what the server builds from ``ModelConfig`` (``GraphSAGE(1433, 128,
 num_layers=2, out_channels=64)``, no dropout kwarg) and serves as the 64-d embedding; a
@@ -26,11 +26,13 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere, without installing the package
 
+from quiver_serve.config import DEFAULTS_DIR  # noqa: E402
 from quiver_serve.graph.datasets import load_planetoid_raw  # noqa: E402
 
-RAW_DIR = REPO_ROOT / "data" / "planetoid" / "cora" / "raw"
-TRUNK_PATH = REPO_ROOT / "models" / "cora_graphsage.pt"
-HEAD_PATH = REPO_ROOT / "models" / "cora_graphsage_head.pt"
+# the embedded default's package data (this checkout's): Cora in, the weights the daemon serves out
+RAW_DIR = DEFAULTS_DIR / "planetoid" / "cora" / "raw"
+TRUNK_PATH = DEFAULTS_DIR / "cora_graphsage.pt"
+HEAD_PATH = DEFAULTS_DIR / "cora_graphsage_head.pt"
 # Must equal ModelConfig.kwargs' default in quiver_serve/config.py (in_channels = feature width).
 TRUNK_KWARGS = {"hidden_channels": 128, "num_layers": 2, "out_channels": 64}
 NUM_CLASSES = 7

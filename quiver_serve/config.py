@@ -1,8 +1,12 @@
 """Configuration: one pydantic model per section, composed into :class:`ServeConfig`.
 
-Every field has a one-line description (it is also the config reference in docs/config.md). Relative
-paths in a YAML file are resolved against the repository root (the directory holding ``configs/``),
-so ``python server.py --config configs/X.yaml`` works from any working directory.
+Every field has a one-line description (it is also the config reference in docs/config.md).
+Paths (docs/config.md, "Paths"; docs/decisions/0038-package-data.md): a relative path in a YAML
+file is taken from that file's folder, one in a ``QUIVER_SERVE__`` variable, a ``--set`` or a config
+built in Python from the working directory; each is made absolute as the config is loaded, so a
+config dumped to another folder means the same files. The built-in defaults name the embedded
+default, shipped inside the package (:data:`DEFAULTS_DIR`), so an installed package serves it
+from any working directory.
 """
 
 from __future__ import annotations
@@ -17,8 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quiver_serve import envs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG_PATH = REPO_ROOT / "configs" / "default.yaml"
+#: the folder of the ``quiver_serve`` package (a checkout's, or an installed one in site-packages)
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: the embedded default, package data: its config, Cora (with its licence) and the GraphSAGE
+#: trained on it (models/README.md)
+DEFAULTS_DIR = PACKAGE_DIR / "defaults"
+DEFAULT_CONFIG_PATH = DEFAULTS_DIR / "default.yaml"
+#: the fields that name a file or folder, as (section, key): relative ones are anchored on load
+PATH_FIELDS = (("graph", "path"), ("graph", "update_log_dir"), ("model", "weights"),
+               ("models", "repository"))
 
 
 class _Section(BaseModel):
@@ -32,7 +43,8 @@ class GraphConfig(_Section):
         "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic"
     )
     path: str | None = Field(
-        "data/planetoid/cora/raw", description="file or folder of the dataset (not used by synthetic)"
+        default_factory=lambda: str(DEFAULTS_DIR / "planetoid" / "cora" / "raw"),
+        description="file or folder of the dataset (not used by synthetic)"
     )
     name: str = Field("cora", description="dataset name (Planetoid: cora/citeseer/pubmed; else a label)")
     synthetic_preset: Literal["reddit", "products", "papers100m", "custom"] = Field(
@@ -74,7 +86,7 @@ class ModelConfig(_Section):
         description="constructor kwargs; in_channels defaults to the graph's feature width",
     )
     weights: str | None = Field(
-        "models/cora_graphsage.pt", description="state_dict file (loaded with weights_only=True); null = random init"
+        default_factory=lambda: str(DEFAULTS_DIR / "cora_graphsage.pt"), description="state_dict file (loaded with weights_only=True); null = random init"
     )
     random_init_seed: int = Field(0, description="seed for random weights when weights is null")
 
@@ -345,6 +357,7 @@ class ServeConfig(_Section):
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
+        _anchor_paths(raw, path.absolute().parent)  # a mounted file's folder, links not followed
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
@@ -378,6 +391,7 @@ class ServeConfig(_Section):
                 raw[parts[0]][parts[1]] = yaml.safe_load(text)
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{name}: not a YAML value: {exc}") from None
+        _anchor_paths(raw, Path.cwd())
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
@@ -399,6 +413,7 @@ class ServeConfig(_Section):
                 raw[parts[0]][parts[1]] = yaml.safe_load(text)
             except yaml.YAMLError as exc:
                 raise ConfigError(f"--set {item!r}: not a YAML value: {exc}") from None
+        _anchor_paths(raw, Path.cwd())
         try:
             return type(self).model_validate(raw)
         except ValidationError as exc:
@@ -408,7 +423,8 @@ class ServeConfig(_Section):
 
     @classmethod
     def default(cls) -> ServeConfig:
-        """The embedded default: Cora and the GraphSAGE shipped in ``models/``."""
+        """The embedded default: Cora and the GraphSAGE trained on it, package data in
+        :data:`DEFAULTS_DIR` (found through the package, wherever it is installed)."""
         return cls.from_yaml(DEFAULT_CONFIG_PATH)
 
 
@@ -422,9 +438,32 @@ class ConfigError(ValueError):
 
 
 def resolve_path(path: str | os.PathLike[str]) -> Path:
-    """Absolute paths stay; relative ones are taken from the repository root."""
-    p = Path(path)
-    return p if p.is_absolute() else REPO_ROOT / p
+    """Absolute paths stay; relative ones are taken from the working directory. A config loaded
+    from a file holds only absolute paths (:func:`_anchor_paths`): this reaches configs built
+    in Python and command-line arguments."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path.cwd() / p
+
+
+def _anchor_paths(raw: dict[str, Any], base: Path) -> None:
+    """Every relative :data:`PATH_FIELDS` value in ``raw`` (a config as YAML data) made absolute
+    from ``base``, in place; other values are left for validation to judge."""
+    for section, key in PATH_FIELDS:
+        part = raw.get(section)
+        value = part.get(key) if isinstance(part, dict) else None
+        if isinstance(value, str) and value:
+            path = Path(value).expanduser()
+            part[key] = str(path) if path.is_absolute() else os.path.normpath(base / path)
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as the daemon shows it to clients and in docs: one inside the package from the
+    folder that holds the package (``quiver_serve/defaults/...``, the same in a checkout and in
+    site-packages), any other as given."""
+    try:
+        return Path(path).resolve().relative_to(PACKAGE_DIR.parent).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def reference_markdown() -> str:
@@ -436,6 +475,8 @@ def reference_markdown() -> str:
         instance = section()
         for name, field in section.model_fields.items():
             default = getattr(instance, name)
+            if (section_name, name) in PATH_FIELDS and default is not None:
+                default = shown_path(default)
             shown = "(its fields below)" if isinstance(default, BaseModel) else f"`{default!r}`"
             lines.append(f"| `{section_name}.{name}` | {shown} | {field.description} |")
             if isinstance(default, BaseModel):  # a sub-section: one row per field too

@@ -64,8 +64,9 @@ def _compiler(raw: str | None) -> str:
 
 VARIABLES: dict[str, EnvVar] = {
     "QUIVER_SERVE_CONFIG": EnvVar(
-        "str | None", "unset", "the YAML config ``python server.py`` loads when --config is not "
-        "given (else configs/default.yaml)", _text_or_none),
+        "str | None", "unset", "the YAML config ``quiver-serve`` (``python server.py``) loads when "
+        "--config is not given (else the embedded default, quiver_serve/defaults/default.yaml)",
+        _text_or_none),
     "QUIVER_SERVE_TOKEN": EnvVar(
         "str | None", "unset", "bearer token every endpoint but liveness requires; wins over "
         "server.auth_token (keeps the secret out of YAML)", _text_or_none),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from loadtest.harness import Daemon, config_yaml, free_port
-from quiver_serve.config import ServeConfig, resolve_path
+from quiver_serve.config import DEFAULTS_DIR, ServeConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_planetoid_raw
 
@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def cora() -> GraphData:
-    return load_planetoid_raw(resolve_path("data/planetoid/cora/raw"), "cora")
+    return load_planetoid_raw(DEFAULTS_DIR / "planetoid" / "cora" / "raw", "cora")
 
 
 def small_config(**overrides: object) -> ServeConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from quiver_serve.config import REPO_ROOT
+from quiver_serve.config import DEFAULTS_DIR
 
 SAGE_KWARGS = {"hidden_channels": 128, "num_layers": 2, "out_channels": 64}
 GAT_KWARGS = {"hidden_channels": 16, "num_layers": 2, "out_channels": 32, "heads": 2}
@@ -26,7 +26,7 @@ def write_model(root: Path, name: str, config: dict, versions: dict[int, dict]) 
 
 
 def sage_state(scale: float = 1.0) -> dict:
-    state = torch.load(REPO_ROOT / "models" / "cora_graphsage.pt", weights_only=True)
+    state = torch.load(DEFAULTS_DIR / "cora_graphsage.pt", weights_only=True)
     return {k: v * scale if v.is_floating_point() else v for k, v in state.items()}
 
 

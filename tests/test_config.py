@@ -5,15 +5,68 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from quiver_serve.config import REPO_ROOT, ConfigError, ServeConfig, reference_markdown
+from quiver_serve.config import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULTS_DIR,
+    ConfigError,
+    GraphConfig,
+    ServeConfig,
+    reference_markdown,
+    resolve_path,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_config_is_the_embedded_cora_graphsage() -> None:
     cfg = ServeConfig.default()
     assert cfg.graph.format == "planetoid" and cfg.model.pyg_class == "GraphSAGE"
     assert cfg.server.host == "127.0.0.1"
-    assert (REPO_ROOT / cfg.model.weights).exists()
+    # package data, found through the package (not the working directory or a checkout)
+    assert DEFAULT_CONFIG_PATH.parent == DEFAULTS_DIR
+    for path in (cfg.model.weights, cfg.graph.path):
+        assert Path(path).is_absolute() and Path(path).is_relative_to(DEFAULTS_DIR), path
+        assert Path(path).exists(), path
+    assert (DEFAULTS_DIR / "planetoid" / "LICENSE.kimiyoung-planetoid").exists()  # the data's licence
+
+
+def test_relative_paths_are_taken_from_the_config_files_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    (folder / "serve.yaml").write_text(
+        "graph:\n  format: npz\n  path: data/g.npz\n  update_log_dir: ../state\n"
+        "model:\n  weights: ~/w.pt\nmodels:\n  repository: /srv/repo\n")
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    cfg = ServeConfig.from_yaml("etc/serve.yaml")
+    assert cfg.graph.path == str(folder / "data" / "g.npz")
+    assert cfg.graph.update_log_dir == str(tmp_path / "state")  # normalised, no ".."
+    assert cfg.model.weights == str(Path("~/w.pt").expanduser())
+    assert cfg.models.repository == "/srv/repo"
+    # dumped anywhere, the config names the same files (tests write configs to tmp folders)
+    other = tmp_path / "elsewhere" / "copy.yaml"
+    other.parent.mkdir()
+    other.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert ServeConfig.from_yaml(other) == cfg
+
+
+def test_unset_paths_are_the_packages_and_overrides_the_working_directorys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    only_port = tmp_path / "port.yaml"
+    only_port.write_text("server:\n  port: 8123\n")
+    cfg = ServeConfig.from_yaml(only_port)  # no graph: or model: section
+    assert cfg.graph.path == ServeConfig.default().graph.path
+    assert cfg.model.weights == ServeConfig.default().model.weights
+    assert GraphConfig().path == str(DEFAULTS_DIR / "planetoid" / "cora" / "raw")
+    monkeypatch.chdir(tmp_path)
+    env = {"QUIVER_SERVE__GRAPH__PATH": "mine/cora", "QUIVER_SERVE__MODEL__WEIGHTS": "null"}
+    loaded = ServeConfig.load(only_port, environ=env)
+    assert loaded.graph.path == str(tmp_path / "mine" / "cora") and loaded.model.weights is None
+    assert cfg.with_overrides(["graph.path=g.npz"]).graph.path == str(tmp_path / "g.npz")
+    assert resolve_path("x/y") == tmp_path / "x" / "y"
+    assert resolve_path("/abs/y") == Path("/abs/y")
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -46,8 +99,6 @@ def test_config_reference_is_current() -> None:
 
 
 def test_environment_overrides_single_fields_and_names_bad_ones(tmp_path: Path) -> None:
-    from quiver_serve.config import DEFAULT_CONFIG_PATH
-
     env = {"QUIVER_SERVE__SERVER__PORT": "9001", "QUIVER_SERVE__SAMPLING__FANOUTS": "[5, 5]",
            "QUIVER_SERVE__SERVER__HOST": "0.0.0.0", "QUIVER_SERVE_TOKEN": "not a field override"}
     cfg = ServeConfig.load(environ=env)

@@ -46,9 +46,12 @@ def test_metadata_names_weights_outside_the_repository_by_file_name(tmp_path: Pa
     assert meta["state_dict"] == "weights.pt"
 
 
-def test_metadata_names_weights_inside_the_repository_relative_to_it() -> None:
-    meta = model_metadata(ModelConfig(weights="models/../models/cora_graphsage.pt"), 1433)
-    assert meta["state_dict"] == "models/cora_graphsage.pt"
+def test_metadata_names_weights_inside_the_package_from_the_folder_holding_it() -> None:
+    from quiver_serve.config import DEFAULTS_DIR
+
+    weights = DEFAULTS_DIR / ".." / "defaults" / "cora_graphsage.pt"  # an absolute path
+    meta = model_metadata(ModelConfig(weights=str(weights)), 1433)
+    assert meta["state_dict"] == "quiver_serve/defaults/cora_graphsage.pt"
     assert model_metadata(ModelConfig(weights=None), 1433)["state_dict"] is None
 
 

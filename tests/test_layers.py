@@ -34,7 +34,8 @@ RANKS = {
     "quiver_serve.wire": 0,
 }
 #: entry points: they may import anything, and nothing imports them
-ENTRY_POINTS = {"quiver_serve", "quiver_serve.calibrate", "quiver_serve.engine"}
+ENTRY_POINTS = {"quiver_serve", "quiver_serve.__main__", "quiver_serve.calibrate", "quiver_serve.cli",
+                "quiver_serve.engine"}
 
 
 def module_name(path: Path) -> str:

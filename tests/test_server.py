@@ -6,10 +6,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from quiver_serve.config import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.e2e

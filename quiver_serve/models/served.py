@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quiver_serve.config import REPO_ROOT, ModelConfig
+from quiver_serve.config import PACKAGE_DIR, ModelConfig, shown_path
 from quiver_serve.models.classes import BASIC_GNN_CLASSES, resolve_model_class
 from quiver_serve.models.exact_gcn import ExactGcnNorm
 from quiver_serve.models.fast import FastGNN
@@ -120,8 +120,9 @@ def check_state_dict(state: Any, path: str) -> None:
 
 
 def weights_label(spec: ModelSpec) -> str | None:
-    """The weights file as clients may see it: the spec's relative label, else the path
-    relative to the checkout, else the file name alone (never the server's directories)."""
+    """The weights file as clients may see it: the spec's relative label, else a file of the
+    package from the folder holding it (``quiver_serve/defaults/cora_graphsage.pt``, the same in
+    a checkout and in site-packages), else the file name alone (never the server's directories)."""
     if spec.weights is None:
         return None
     label = spec.weights_label
@@ -129,10 +130,7 @@ def weights_label(spec: ModelSpec) -> str | None:
             and "\\" not in label:
         return PurePosixPath(label).as_posix()
     path = Path(spec.weights).resolve()
-    try:
-        return path.relative_to(REPO_ROOT.resolve()).as_posix()
-    except ValueError:
-        return path.name
+    return shown_path(path) if path.is_relative_to(PACKAGE_DIR) else path.name
 
 
 def model_metadata(spec: ModelSpec | ModelConfig, in_channels: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@
   bodies and status codes) on Ray's HTTP proxy. A request whose replica dies (kill -9, a lost
   node) is retried once on another replica, so a lost replica loses no request.
 
-Run: ``python -m quiver_serve.scaleout.ray_serve --config configs/default.yaml --replicas 2``
+Run: ``python -m quiver_serve.scaleout.ray_serve --replicas 2`` (the embedded default; ``--config X.yaml``: another)
 (``--address auto`` joins a running cluster). Not handled: graphs larger than one node's memory
 (each node holds the whole graph; partitioning it across nodes is not implemented), the KServe
 routes and ``/metrics`` of the daemon (Ray Serve exports its own request metrics).

@@ -16,7 +16,7 @@ import torch
 from torch_geometric.datasets import Planetoid
 from torch_geometric.nn import models as pyg_models
 
-from quiver_serve.config import REPO_ROOT
+from quiver_serve.config import DEFAULTS_DIR, PACKAGE_DIR
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +39,9 @@ def test_ready_and_embed_three_rows(server: ServerProcess) -> None:
 def test_exact_mode_equals_plain_pyg_rebuilt_from_metadata(server: ServerProcess, tmp_path: Path) -> None:
     meta = httpx.get(server.url + "/v2/models/cora-graphsage").json()["parameters"]
     model = getattr(pyg_models, meta["pyg_model"]["class"])(**meta["pyg_model"]["kwargs"])
-    model.load_state_dict(torch.load(REPO_ROOT / meta["state_dict"], weights_only=True))
-    shutil.copytree(REPO_ROOT / "data/planetoid/cora/raw", tmp_path / "Cora" / "raw")
+    # state_dict: a file of the package, from the folder that holds it (docs/config.md, "Paths")
+    model.load_state_dict(torch.load(PACKAGE_DIR.parent / meta["state_dict"], weights_only=True))
+    shutil.copytree(DEFAULTS_DIR / "planetoid/cora/raw", tmp_path / "Cora" / "raw")
     data = Planetoid(str(tmp_path), "Cora")[0]
     with torch.no_grad():
         full = model.eval()(data.x, data.edge_index)
@@ -89,7 +90,7 @@ def test_kserve_metadata_and_infer(server: ServerProcess) -> None:
     meta = httpx.get(server.url + "/v2/models/cora-graphsage").json()
     assert meta["inputs"][0] == {"name": "node_ids", "datatype": "INT64", "shape": [-1]}
     assert meta["outputs"][0]["shape"] == [-1, 64]
-    assert meta["parameters"]["state_dict"] == "models/cora_graphsage.pt"
+    assert meta["parameters"]["state_dict"] == "quiver_serve/defaults/cora_graphsage.pt"
     assert httpx.get(server.url + "/v2/models/nope").status_code == 404
     body = {"id": "x1", "inputs": [{"name": "node_ids", "datatype": "INT64", "shape": [2], "data": [4, 5]}],
             "parameters": {"exact": True}}

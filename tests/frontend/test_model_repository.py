@@ -10,7 +10,7 @@ Two servers, one per part, each started once for the module:
   computed them. It checks the front door alone: routes, parsing, the admin guard, error
   mapping, the answers' model and version, over both protocols.
 * ``daemon``: the real daemon with a repository in a temporary folder (model ``sage``: Cora's
-  GraphSAGE, version 1 = models/cora_graphsage.pt, version 2 = the same weights with the last
+  GraphSAGE, version 1 = quiver_serve/defaults/cora_graphsage.pt, version 2 = the same weights with the last
   layer scaled by 2, so its exact rows are twice version 1's). It checks the whole path.
 
 Both have a data-plane token and an admin token; repository calls carry the admin token.
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from quiver_serve import errors
-from quiver_serve.config import REPO_ROOT
+from quiver_serve.config import DEFAULTS_DIR
 from quiver_serve.messages import EmbedResult
 from tests.conftest import ServerProcess, free_port, small_config, start_server
 
@@ -490,7 +490,7 @@ def write_repository(root: Path) -> Path:
         "class: GraphSAGE\n"
         "kwargs: {hidden_channels: 128, num_layers: 2, out_channels: 64}\n"
         "version_policy: {specific: [1, 2]}\n")
-    shutil.copy(REPO_ROOT / "models/cora_graphsage.pt", model / "1" / "model.pt")
+    shutil.copy(DEFAULTS_DIR / "cora_graphsage.pt", model / "1" / "model.pt")
     state = torch.load(model / "1" / "model.pt", weights_only=True)
     torch.save({k: v * 2 if k.startswith("convs.1.") else v for k, v in state.items()},
                model / "2" / "model.pt")

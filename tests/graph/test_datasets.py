@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from quiver_serve.config import GraphConfig, ModelConfig
+from quiver_serve.config import DEFAULTS_DIR, GraphConfig, ModelConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.datasets import load_graph, load_npz, load_planetoid_raw, load_pyg_data
 from quiver_serve.graph.planetoid import read_planetoid
 from quiver_serve.graph.synthetic import PRESETS, generate_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CORA_RAW = REPO_ROOT / "data" / "planetoid" / "cora" / "raw"
+CORA_RAW = DEFAULTS_DIR / "planetoid" / "cora" / "raw"
 # Real heterophilous graphs, when a shared data folder sits beside the checkout: extra coverage
 # only; the contracts are checked on a generated file of the same layout (heterophilous_npz).
 HETEROPHILOUS = REPO_ROOT / ".." / "shared" / "data" / "heterophilous"
@@ -375,10 +375,10 @@ def test_shipped_model_loads_weights_only_and_is_accurate(cora_pyg) -> None:
     kwargs = ModelConfig().kwargs  # what the server builds by default
     assert kwargs == {"hidden_channels": 128, "num_layers": 2, "out_channels": 64}
     trunk = GraphSAGE(in_channels=1433, **kwargs)
-    trunk.load_state_dict(torch.load(REPO_ROOT / "models" / "cora_graphsage.pt", weights_only=True))
+    trunk.load_state_dict(torch.load(DEFAULTS_DIR / "cora_graphsage.pt", weights_only=True))
     head = torch.nn.Linear(64, 7)
     head.load_state_dict(
-        torch.load(REPO_ROOT / "models" / "cora_graphsage_head.pt", weights_only=True)
+        torch.load(DEFAULTS_DIR / "cora_graphsage_head.pt", weights_only=True)
     )
     graph = load_planetoid_raw(CORA_RAW, "cora")  # the graph the server serves
     trunk.eval()

@@ -57,4 +57,4 @@ def test_metadata_rebuilds_the_model() -> None:
     meta = model_metadata(cfg, 1433)
     assert meta["pyg_model"]["class"] == "GraphSAGE"
     assert meta["pyg_model"]["kwargs"]["in_channels"] == 1433
-    assert meta["state_dict"] == "models/cora_graphsage.pt"
+    assert meta["state_dict"] == "quiver_serve/defaults/cora_graphsage.pt"  # package data

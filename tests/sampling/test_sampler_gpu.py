@@ -15,6 +15,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CORA_RAW = REPO_ROOT / "quiver_serve" / "defaults" / "planetoid" / "cora" / "raw"  # package data
 
 
 
@@ -57,7 +58,7 @@ def cora() -> GraphData:
     # Read the raw Planetoid files directly: graph.datasets imports the config (pydantic).
     from torch_geometric.io import read_planetoid_data
 
-    data = read_planetoid_data(str(REPO_ROOT / "data/planetoid/cora/raw"), "cora")
+    data = read_planetoid_data(str(CORA_RAW), "cora")
     return GraphData.from_edge_index(data.edge_index, data.x, name="cora")
 
 

@@ -22,9 +22,10 @@ import httpx
 import pytest
 import yaml
 
-from quiver_serve.config import REPO_ROOT, ServeConfig
+from quiver_serve.config import ServeConfig
 from tests.conftest import ServerProcess
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 METRIC = re.compile(r"\bquiver_serve_[a-z_]+\b")

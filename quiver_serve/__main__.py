@@ -1,0 +1,8 @@
+"""``python -m quiver_serve``: the ``quiver-serve`` command (``quiver_serve/cli.py``)."""
+
+import sys
+
+from quiver_serve.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
