@@ -145,6 +145,7 @@ def grpc_check(target: str, request: bytes, timeout_s: float = 10.0) -> dict[str
     """One ``ModelInfer`` call with a real gRPC client (grpc-status 0, else it raises): the
     answer's output shape and serialized size."""
     import grpc
+
     from quiver_serve.frontend.grpc.proto import message
 
     with grpc.insecure_channel(target) as channel:

@@ -87,6 +87,8 @@ class Daemon:
     ``command``: what follows the interpreter (default ``server.py``; e.g. ``("-m",
     "bench.frontdoor.baseline_server")``); ``--config`` (when given) and ``--port`` are added,
     then ``args``. ``cwd``: the checkout it runs from (another one: an A/B of two versions).
+    ``ready_path``: the route that answers 200 once it serves; None for a server that speaks no
+    HTTP/1.1 (a bare gRPC endpoint): ready once its port accepts a connection.
     """
 
     def __init__(self, config_path: Path | str | None = None, port: int | None = None,
@@ -94,10 +96,12 @@ class Daemon:
                  args: Sequence[str] = (), env: Mapping[str, str | None] | None = None,
                  overrides: Mapping[str, object] | None = None, cwd: Path | str = REPO_ROOT,
                  name: str = "quiver-serve", grace_s: float = 15.0,
-                 ready_timeout_s: float = 180.0, python: str = sys.executable) -> None:
+                 ready_timeout_s: float = 180.0, python: str = sys.executable,
+                 ready_path: str | None = READY_PATH) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name, self.grace_s, self.ready_timeout_s = name, grace_s, ready_timeout_s
+        self.ready_path = ready_path
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="quiver-daemon-", suffix=".log")
             os.close(fd)
@@ -122,7 +126,7 @@ class Daemon:
 
     def wait_ready(self, timeout_s: float | None = None,
                    headers: Mapping[str, str] | None = None) -> float:
-        """Until ``/v2/health/ready`` answers 200 (``headers``: e.g. the bearer token it needs);
+        """Until ``ready_path`` (``/v2/health/ready``) answers 200 (``headers``: e.g. the bearer token it needs);
         returns the seconds from start. Raises with the log's tail if the process exits or the
         deadline passes."""
         timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
@@ -136,7 +140,13 @@ class Daemon:
         raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.log()}")
 
     def _ready(self, headers: Mapping[str, str] | None) -> bool:
-        req = urllib.request.Request(self.url + READY_PATH, headers=dict(headers or {}))
+        if self.ready_path is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+                return True
+            except OSError:
+                return False
+        req = urllib.request.Request(self.url + self.ready_path, headers=dict(headers or {}))
         try:
             with urllib.request.urlopen(req, timeout=1.0) as r:  # noqa: S310 - loopback
                 return r.status == 200

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
+BENCH_CONFIG = "configs/bench_reddit.yaml"  # the GPU benches' graph: Reddit scale
 
 
 def doc_parser(prog: str | None, doc: str | None) -> argparse.ArgumentParser:
@@ -55,6 +56,47 @@ def load_config(path: str, sets: list[str] | None = None) -> ServeConfig:
 
     cfg = ServeConfig.from_yaml(resolve_path(path))
     return cfg.with_overrides(sets) if sets else cfg
+
+
+def default_procs() -> int:
+    """Load processes by default: a quarter of the CPUs, 1 to 4 (they share the machine)."""
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
+
+
+def add_run_options(ap: argparse.ArgumentParser, *, budget_s: float, start_timeout_s: float,
+                    out_file: bool = True) -> None:
+    """The options of every bench that starts daemons and drives them with load processes:
+    ``--config``, ``--smoke``, ``--procs``, ``--timeout-s``, ``--budget-s``,
+    ``--start-timeout-s``, ``--out`` / ``--out-dir`` (``out_file``), ``--set``, ``--machine``,
+    ``--variant``."""
+    ap.add_argument("--config", default=BENCH_CONFIG)
+    ap.add_argument("--smoke", action="store_true", help="Cora (the embedded default config) on "
+                    "the CPU, short steps: a check, not a figure")
+    ap.add_argument("--procs", type=int, default=default_procs(),
+                    help="load processes (default CPUs / 4, 1 to 4)")
+    ap.add_argument("--timeout-s", type=float, default=10.0, help="client timeout of a request")
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help="steps that would start past this (from the start) are skipped")
+    ap.add_argument("--start-timeout-s", type=float, default=start_timeout_s)
+    if out_file:
+        ap.add_argument("--out", help="the JSON file (default: in --out-dir, by name)")
+        ap.add_argument("--out-dir", help="folder of the JSON (default $OUT, else bench/results/)")
+    add_set_option(ap)
+    add_result_options(ap)
+
+
+def smoke_settings(args: argparse.Namespace, budget_s: float, start_timeout_s: float = 120.0,
+                   procs: int = 1) -> None:
+    """``--smoke``: the embedded default config (Cora) unless ``--config`` names another, the
+    engine on the CPU, one HTTP front-end, ``procs`` load processes, the budget at most
+    ``budget_s``."""
+    if args.config == BENCH_CONFIG:
+        from quiver_serve.config import DEFAULT_CONFIG_PATH
+
+        args.config = str(portable(DEFAULT_CONFIG_PATH))
+    args.procs, args.start_timeout_s = procs, start_timeout_s
+    args.budget_s = min(args.budget_s, budget_s)
+    args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
 
 
 def add_result_options(ap: argparse.ArgumentParser) -> None:

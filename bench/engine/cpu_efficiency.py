@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import threading
 import time
 from collections import Counter
@@ -28,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine.pipeline import fmt, print_daemon_row
-from bench.engine.probe import DaemonLoad, latency_ms, merge_point
+from bench.engine.pipeline import print_daemon_row
+from bench.engine.probe import DaemonLoad, merge_point
+from loadtest.cpu import CLK_TCK, read_stat
 from loadtest.driver import closed_loop
+from loadtest.stats import fmt, percentiles_ms
 from loadtest.workloads import draw_requests
 from quiver_serve.config import ServeConfig
 
@@ -41,11 +42,8 @@ ERROR_BACKOFF_S = 0.01
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (0 if it is gone)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = read_stat(pid)
+    return stat[1] / CLK_TCK if stat is not None else 0.0
 
 
 class WindowProbe:
@@ -144,7 +142,7 @@ def embed_point(p: Any, k: int, callers: int, threads: bool, args: argparse.Name
     status = Counter(res["status"])
     ok = status.pop(200, 0)
     return {"ids_per_request": k, "callers": callers, "ok": ok, "seeds_per_s": ok * k / args.seconds,
-            "errors": {str(s): n for s, n in status.items()}, **latency_ms(res["lat"]),
+            "errors": {str(s): n for s, n in status.items()}, **percentiles_ms(res["lat"]),
             **probe.result(ok)}
 
 

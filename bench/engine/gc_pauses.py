@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loadtest.results import add_set_option, load_config
+from loadtest.results import add_set_option, load_config, run_meta, write_result
 from quiver_serve.engine.procs.heap import freeze_startup_heap
 
 
@@ -124,8 +122,7 @@ def main() -> None:
                       f"{v['max_le_s'] * 1e3:g} ms)" for k, v in gen2.items()) or "none"),
                   flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "args": vars(
-            args), "runs": runs}, indent=1) + "\n")
+        write_result(args.out, {"meta": run_meta(args), "args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -21,16 +21,14 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from loadtest.results import add_set_option, load_config, portable
 from bench.engine.profile_engine import timed
+from loadtest.results import add_set_option, load_config, run_meta, write_result
 from quiver_serve.config import ServeConfig
 
 VARIANTS = ["pyg", "fp32", "tf32", "bf16", "fp16"]
@@ -188,9 +186,8 @@ def main() -> None:
             print(f"  {cls:9s} {v}: " + " | ".join(f"{m:.3f}" for m in ms))
     print(f"\n(bench took {time.perf_counter() - t0:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "config": portable(args.config), "device": name, "fanouts": cfg.sampling.fanouts,
-            "rows": rows, "by_layer_ms": layer_ms, "layer_batch": args.layer_batch}, indent=1) + "\n")
+        write_result(args.out, {"meta": run_meta(args, cfg), "device": name, "rows": rows,
+                                "by_layer_ms": layer_ms, "layer_batch": args.layer_batch})
 
 
 if __name__ == "__main__":

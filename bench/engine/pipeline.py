@@ -38,27 +38,25 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-import sys
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.engine.probe import DaemonLoad, merge_point
+from bench.engine.tail_trace import print_tail
 from loadtest.results import (
     add_result_options,
     add_set_option,
-    git_head,
     load_config,
-    machine_name,
     portable,
     result_path,
+    run_meta,
+    write_result,
 )
-from bench.engine.probe import DaemonLoad, latency_ms, merge_point
-from bench.engine.tail_trace import print_tail
+from loadtest.stats import fmt, percentiles_ms
 from loadtest.workloads import (  # docs/architecture.md, "Performance contract"
     IDS_PER_REQUEST,
     REQUEST_POOL,
@@ -68,10 +66,6 @@ from loadtest.workloads import (  # docs/architecture.md, "Performance contract"
 from quiver_serve.config import ServeConfig
 
 MIN_ENGINE_BATCHES = 5
-
-
-def fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 # ---- 1. the engine core driven directly -------------------------------------------------------
@@ -130,7 +124,7 @@ def engine_point(core: Any, reqs: np.ndarray, n_req: int, seconds: float, timeou
     core.on_stats = None
     k = reqs.shape[1]
     return {"batch_seeds": n_req * k, "batches": len(lat), "errors": errors,
-            "seeds_per_s": len(lat) * n_req * k / sum(lat), **latency_ms(lat),
+            "seeds_per_s": len(lat) * n_req * k / sum(lat), **percentiles_ms(lat),
             "engine_batches": len(stats),
             "mean_sampled_nodes": float(np.mean([s.num_sampled_nodes for s in stats])),
             "mean_sample_ms": 1e3 * float(np.mean([s.sample_s for s in stats])),
@@ -257,30 +251,6 @@ def print_summary(summary: list[dict], p99_ms: float, engines: int) -> None:
               f"{fmt(s['efficiency'])} |")
 
 
-# ---- run metadata, output --------------------------------------------------------------------------
-def run_meta(args: argparse.Namespace, cfg: ServeConfig, graph: Any) -> dict:
-    cuda = torch.cuda.is_available()
-    argv = dict(vars(args), config=portable(args.config), out=portable(args.out))
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "gpus": torch.cuda.device_count() if cuda else 0, "git_head": git_head(),
-            "graph": graph.describe(), "model": cfg.model.name, "fanouts": cfg.sampling.fanouts,
-            "machine": args.machine or machine_name(),
-            "args": argv, "command": " ".join(["python -m bench.engine.pipeline"] + [
-                portable(a) if os.path.isabs(a) else a for a in sys.argv[1:]])}
-
-
-def jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items() if k != "lat"}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Usage" +
                                  __doc__.split("Usage")[1],
@@ -353,7 +323,10 @@ def main() -> None:
     t0 = time.perf_counter()
     graph = load_graph(cfg.graph).share_memory_()
     hot = hot_set(graph.degree().numpy())
-    meta = run_meta(args, cfg, graph)
+    cuda = torch.cuda.is_available()
+    meta = run_meta(args, cfg, graph=graph.describe(), gpus=torch.cuda.device_count() if cuda
+                    else 0, args=dict(vars(args), config=portable(args.config),
+                                      out=portable(args.out)))
     print(f"{meta['graph']} (built in {time.perf_counter() - t0:.1f} s); device {meta['device']}, "
           f"{meta['gpus']} GPU(s), {meta['cpus']} CPUs, torch {meta['torch']}", flush=True)
     from bench.engine.cpu_efficiency import print_cpu_efficiency, run_cpu_efficiency
@@ -361,9 +334,7 @@ def main() -> None:
     run = run_cpu_efficiency if args.cpu_efficiency else run_sweep
     result = {"meta": meta, **run(cfg, graph, hot, args)}
     out = result_path("pipeline", args, "cpu-efficiency" if args.cpu_efficiency else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
-    print(f"\nJSON: {portable(str(out))}")
+    write_result(out, result)
     if args.cpu_efficiency:
         print_cpu_efficiency(result["cpu_efficiency"])
     else:

@@ -28,18 +28,11 @@ from bench.engine.tail_trace import (
     process_report,
 )
 from loadtest.driver import LoadPool as DriverPool
+from loadtest.stats import percentiles_ms
 from quiver_serve.metrics.observer import PipelineObserver
 
 PROBE = "bench.engine.probe:EngineProbe"
 OK = "200"
-
-
-def latency_ms(lat: np.ndarray | list[float]) -> dict[str, float | None]:
-    lat = np.asarray(lat, dtype=np.float64)
-    if lat.size == 0:
-        return {"p50_ms": None, "p90_ms": None, "p99_ms": None}
-    p50, p90, p99 = np.percentile(lat, [50, 90, 99]) * 1e3
-    return {"p50_ms": float(p50), "p90_ms": float(p90), "p99_ms": float(p99)}
 
 
 class BatchCounter(PipelineObserver):
@@ -165,7 +158,7 @@ def merge_point(parts: list[dict], workload: str, k: int, callers: int, seconds:
 
     return {"workload": workload, "ids_per_request": k, "callers": callers,
             "load_procs": len(parts), "ok": ok, "errors": {str(s): n for s, n in status.items()},
-            "seeds_per_s": ok * k / seconds, "req_per_s": ok / seconds, **latency_ms(lat),
+            "seeds_per_s": ok * k / seconds, "req_per_s": ok / seconds, **percentiles_ms(lat),
             "load_cpu_frac": [round(p["cpu_frac"], 3) for p in parts],
             "engine_batches": batches, "routes": dict(routes),
             "sent_per_engine": per_engine("sent_per_engine"),

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loadtest.results import add_set_option, load_config
+from loadtest.results import add_set_option, load_config, run_meta, write_result
 from quiver_serve.metrics.observer import PipelineObserver
 
 STAGES = ("submit", "to_engine", "queue", "sample", "compute", "engine_other", "to_client", "wake")
@@ -137,9 +135,8 @@ def main() -> None:
     try:
         rng = np.random.default_rng(0)
         reqs = rng.integers(0, p.num_nodes, (args.requests + args.warmup, args.ids))
-        out: dict[str, Any] = {"config": args.config, "route": cfg.sampling.route,
-                               "ids": args.ids, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                      time.gmtime())}
+        out: dict[str, Any] = {"meta": run_meta(args, cfg), "route": cfg.sampling.route,
+                               "ids": args.ids}
         if args.mode in ("sync", "both"):
             out["sync"] = summarise(run_sync(p, reqs, obs, args.warmup))
             print_table(out["sync"], "Pipeline.embed (sync caller)")
@@ -149,7 +146,7 @@ def main() -> None:
     finally:
         p.stop()
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_result(args.out, out)
 
 
 if __name__ == "__main__":

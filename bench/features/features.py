@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from loadtest.results import ROOT, add_result_options, result_path
 from bench.features.common import (
     FANOUTS,
     hot_set,
@@ -46,6 +43,7 @@ from bench.features.common import (
     timed,
     trace,
 )
+from loadtest.results import ROOT, add_result_options, result_path, run_meta, write_result
 
 
 def gather_rows(preset: str, graph: Any, dev: torch.device, args: argparse.Namespace) -> list[dict]:
@@ -206,17 +204,15 @@ def main() -> None:
         args.batch, args.engine_batches = 256, [48, 480]
     torch.set_num_threads(min(8, os.cpu_count() or 1))
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda"
-                              else platform.processor() or "cpu", "args": vars(args) | {
+    result: dict[str, Any] = {"meta": run_meta(args), "args": vars(args) | {
                                   "out": str(args.out)}, "graphs": {}, "gather": [],
                               "engine": [], "adjacency": []}
     t_start = time.perf_counter()
     out = result_path("features", args, "smoke" if args.smoke else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every section: a run cut by its time limit keeps what it did
         result["wall_s"] = time.perf_counter() - t_start
-        out.write_text(json.dumps(result, indent=1, default=str))
+        write_result(out, result)
 
     for preset, scale in (("reddit", args.reddit_scale), ("products", args.products_scale)):
         graph, gen_s = make_graph(preset, scale)

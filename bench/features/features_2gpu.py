@@ -15,13 +15,11 @@ else bench/results/, features_2gpu_<machine>_<date>[_<variant>].json).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from loadtest.results import add_result_options, result_path
 from bench.features.common import (
     make_graph,
     sampler_for,
@@ -30,6 +28,7 @@ from bench.features.common import (
     store_point,
     trace,
 )
+from loadtest.results import add_result_options, result_path, run_meta, write_result
 from quiver_serve.features.placement import peer_clique
 
 
@@ -70,15 +69,14 @@ def main() -> None:
         rows.append(r)
         print(f"{label:>8s} {policy:9s} hit {r['hit_rate']:.3f} gather {r['gather_gb_s']:7.1f} "
               f"GB/s  GPU bytes {r['gpu_bytes']}", flush=True)
-    result = {"device": [torch.cuda.get_device_name(i) for i in range(gpus)], "gpus": gpus,
+    result = {"meta": run_meta(args), "device": [torch.cuda.get_device_name(i)
+                                                 for i in range(gpus)], "gpus": gpus,
               "peer_clique": clique, "graph": {"preset": args.preset, "scale": args.scale,
                                               "nodes": graph.num_nodes, "edges": graph.num_edges,
                                               "generate_s": gen_s}, "fap_s": scores["fap_s"],
               "rows": rows}
-    out = result_path("features_2gpu", args, "smoke" if args.smoke else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    print(f"\nwrote {out}\n\n| budget/GPU | policy | hit rate | gather GB/s |\n|---|---|---|---|")
+    write_result(result_path("features_2gpu", args, "smoke" if args.smoke else None), result)
+    print("\n| budget/GPU | policy | hit rate | gather GB/s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['budget']} | {r['policy']} | {r['hit_rate']:.3f} | {r['gather_gb_s']:.1f} |")
 

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 import yaml
 
-from loadtest.results import ROOT, add_result_options, result_path
 from bench.features.common import make_graph, sampler_for, scores_by, seed_batches, store_point
 from bench.routing.routing_daemon import at_bound
 from bench.sampling.adjacency import adjacency_section, print_table
+from loadtest.results import ROOT, add_result_options, result_path, run_meta, write_result
 
 BASE_CONFIG = ROOT / "configs" / "bench_reddit.yaml"
 ALL_GPU_BYTES = 1 << 62
@@ -264,17 +264,16 @@ def main() -> None:
     torch.set_num_threads(min(8, os.cpu_count() or 1))
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     out = result_path("features_e2e", args, "smoke" if args.smoke else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     graph, gen_s = make_graph("reddit", args.scale)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda"
-                              else "cpu", "args": {k: str(v) for k, v in vars(args).items()},
+    result: dict[str, Any] = {"meta": run_meta(args),
+                              "args": {k: str(v) for k, v in vars(args).items()},
                               "graph": {"nodes": graph.num_nodes, "edges": graph.num_edges,
                                         "features": graph.num_features, "generate_s": gen_s}}
 
     def save() -> None:  # after each section: a cut run keeps what it measured
         result["wall_s"] = time.perf_counter() - t_start
-        out.write_text(json.dumps(result, indent=1, default=str))
+        write_result(out, result)
 
     if "adjacency" in args.sections:
         result["adjacency"] = adjacency_section(graph, dev, args.budget, args.iters,

@@ -19,16 +19,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
 
-from loadtest.results import add_result_options, result_path
+from loadtest.cpu import CLK_TCK, read_stat
+from loadtest.results import add_result_options, result_path, run_meta, write_result
 
 
 def encode_costs_us(rows: int = 48, dim: int = 64, n: int = 2000) -> dict[str, float]:
@@ -62,13 +61,9 @@ def encode_costs_us(rows: int = 48, dim: int = 64, n: int = 2000) -> dict[str, f
 
 
 def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    """User + system CPU seconds of these processes so far (``loadtest/cpu.py``)."""
+    stats = [read_stat(pid) for pid in pids]
+    return sum(st[1] for st in stats if st is not None) / CLK_TCK
 
 
 def frontend_pids(client: httpx.Client) -> list[int]:
@@ -144,13 +139,11 @@ def main() -> None:
         rows["health_live"] = latency(client, lambda: client.get("/v2/health/live"), args.requests, pids)
         out["latency"] = rows
     path = result_path("front_door", args, None if args.label == "run" else args.label)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    write_result(path, {"meta": run_meta(args), **out})
     print("encode 48x64 float32 (us): " + ", ".join(f"{k} {v:.0f}" for k, v in out["encode_48x64_us"].items()))
     print(f"{'route':24s} {'p50 ms':>8s} {'p99 ms':>8s} {'front-end CPU ms/req':>21s}")
     for name, r in rows.items():
         print(f"{name:24s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['frontend_cpu_ms_per_request']:21.3f}")
-    print(f"written {path}")
 
 
 def _model_name(client: httpx.Client) -> str:

@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 from typing import Any
@@ -35,18 +30,11 @@ from typing import Any
 import numpy as np
 
 from loadtest import clients as lc
-from loadtest.cpu import read_stat
-from loadtest.results import (
-    ROOT,
-    add_result_options,
-    doc_parser,
-    git_head,
-    machine_name,
-    result_path,
-)
+from loadtest.cpu import CLK_TCK, read_stat
+from loadtest.harness import Daemon
+from loadtest.results import add_result_options, doc_parser, result_path, run_meta, write_result
 
 SERVERS = ("own", "grpcio")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class StubPipeline:
@@ -66,19 +54,19 @@ class StubPipeline:
         fut = loop.create_future()
         result = EmbedResult(rid, None, model="m", version=1)
         result.rows = np.ones((ids.size, self.dim), np.float32)
-        loop.call_soon(_resolve, fut, result)
+        loop.call_soon(resolve, fut, result)
         return rid, fut
 
     def cancel(self, request_id: str, reason: str = "") -> bool:
         return True
 
 
-def _resolve(fut: Any, result: Any) -> None:
+def resolve(fut: Any, result: Any) -> None:
     if not fut.done():  # a call the client cancelled cancels its future
         fut.set_result(result)
 
 
-def _state(dim: int) -> Any:
+def stub_state(dim: int) -> Any:
     from quiver_serve.config import ServeConfig
 
     view = types.SimpleNamespace(default="m", submit_target=lambda m, v: (m, v))
@@ -86,13 +74,13 @@ def _state(dim: int) -> Any:
                                  views=types.SimpleNamespace(current=lambda **_: view))
 
 
-async def _grpcio_server(state: Any, port: int) -> tuple[Any, int]:
+async def grpcio_server(state: Any, port: int) -> tuple[Any, int]:
     """grpc.aio with a ``ModelInfer`` handler doing the own endpoint's work in a coroutine."""
     import grpc
-    from quiver_serve.frontend.grpc.service import infer_args
 
-    from quiver_serve.frontend.grpc import proto as gp
     from quiver_serve.frontend.fastpath import answer_of, submit_ids
+    from quiver_serve.frontend.grpc import proto as gp
+    from quiver_serve.frontend.grpc.service import infer_args
 
     async def infer(req: Any, ctx: Any) -> bytes:
         a = infer_args(req)
@@ -111,36 +99,24 @@ async def _grpcio_server(state: Any, port: int) -> tuple[Any, int]:
     return server, bound  # the server stops when it is garbage
 
 
-async def _serve(kind: str, dim: int) -> None:
-    state = _state(dim)
+async def serve_async(kind: str, dim: int, port: int) -> None:
+    state = stub_state(dim)
     if kind == "own":
         from quiver_serve.frontend.grpc import calls as grpc_calls
 
-        server: Any = await grpc_calls.start(state, "127.0.0.1", 0, None)
-        port = server.port
+        server: Any = await grpc_calls.start(state, "127.0.0.1", port, None)
     else:
-        server, port = await _grpcio_server(state, 0)
-    print(json.dumps({"port": port}), flush=True)
+        server, _ = await grpcio_server(state, port)
     await asyncio.Event().wait()
+    del server
 
 
-def serve(kind: str, dim: int) -> None:
-    """The server process: prints ``{"port": P}`` once listening, then serves until killed."""
+def serve(kind: str, dim: int, port: int) -> None:
+    """The server process: serves on ``port`` until killed."""
     import uvloop
 
     uvloop.install()
-    asyncio.run(_serve(kind, dim))
-
-
-def _start(kind: str, dim: int) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "bench.frontdoor.grpc_endpoint", "--serve",
-                             kind, "--dim", str(dim)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"the {kind} server did not start")
-    return proc, int(json.loads(line)["port"])
+    asyncio.run(serve_async(kind, dim, port))
 
 
 def point(tool: lc.Tool, port: int, pid: int, body: Path, connections: int, streams: int,
@@ -157,7 +133,7 @@ def point(tool: lc.Tool, port: int, pid: int, body: Path, connections: int, stre
     res = lc.h2load_point(lc.parse_h2load(out), status, dur_us, float(seconds), ids)
     ticks = (after[1] - before[1]) if before and after else 0
     res.update({"connections": connections, "streams": streams,
-                "server_cpu_us_per_call": ticks / CLOCK_TICKS * 1e6 / max(res["ok"], 1),
+                "server_cpu_us_per_call": ticks / CLK_TCK * 1e6 / max(res["ok"], 1),
                 "client_cpu_us_per_call": client_cpu_s * 1e6 / max(res["ok"], 1)})
     return res
 
@@ -172,12 +148,13 @@ def run(args: Any) -> dict[str, Any]:
         body.write(request)
         body.flush()
         for kind in args.servers:
-            proc, port = _start(kind, args.dim)
-            try:
-                check = lc.grpc_check(f"127.0.0.1:{port}", request[5:])
+            with Daemon(command=("-m", "bench.frontdoor.grpc_endpoint", "--serve", kind),
+                        args=["--dim", str(args.dim)], name=f"{kind} gRPC endpoint",
+                        ready_path=None, ready_timeout_s=60.0, grace_s=2.0) as srv:
+                check = lc.grpc_check(f"127.0.0.1:{srv.port}", request[5:])
                 for c in args.connections:
                     for m in args.streams:
-                        row = point(tool, port, proc.pid, Path(body.name), c, m, args.seconds,
+                        row = point(tool, srv.port, srv.pid, Path(body.name), c, m, args.seconds,
                                     args.ids)
                         row.update(server=kind, check=check)
                         rows.append(row)
@@ -185,14 +162,7 @@ def run(args: Any) -> dict[str, Any]:
                               f"{row['server_cpu_us_per_call']:.1f} | {row['p50_ms']:.2f} / "
                               f"{row['p99_ms']:.2f} / {row['p999_ms']:.2f} | {row['errors']} |",
                               flush=True)
-            finally:
-                proc.kill()
-                proc.wait()
-    return {"meta": {"bench": "grpc_endpoint", "git_head": git_head(),
-                     "machine": args.machine or machine_name(), "date": time.strftime(
-                         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
-                     "h2load": tool.version(), "cpus": os.cpu_count()},
-            "rows": rows, "ratios": ratios(rows)}
+    return {"meta": run_meta(args, h2load=tool.version()), "rows": rows, "ratios": ratios(rows)}
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,12 +188,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ids", type=int, default=48, help="ids per request")
     ap.add_argument("--dim", type=int, default=64, help="columns of the stub's answer rows")
     ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out")
     ap.add_argument("--out-dir")
     add_result_options(ap)
     args = ap.parse_args(argv)
     if args.serve:
-        serve(args.serve, args.dim)
+        serve(args.serve, args.dim, args.port)
         return
     print("| server | connections x streams | calls/s | server CPU-us per call | "
           "p50 / p99 / p99.9 ms | errors |\n|---|---|---|---|---|---|", flush=True)
@@ -231,10 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in result["ratios"]:
         print(f"own / grpc.aio at {r['connections']} x {r['streams']}: CPU per call "
               f"{r['cpu_per_call']:.2f}, calls/s {r['calls_per_s']:.2f}")
-    path = result_path("grpc_endpoint", args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path.name}")
+    write_result(result_path("grpc_endpoint", args), result)
 
 
 if __name__ == "__main__":

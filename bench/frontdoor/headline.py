@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -42,14 +41,14 @@ from loadtest.gen import Generator
 from loadtest.harness import Daemon, baseline_daemon, free_port, save_graph, serve_config
 from loadtest.results import (
     Budget,
-    add_result_options,
-    add_set_option,
+    add_run_options,
     doc_parser,
     exit_on_sigterm,
     load_config,
     result_name,
     results_dir,
     run_meta,
+    smoke_settings,
     write_result,
 )
 from loadtest.stats import best_under, fmt, point_row
@@ -269,9 +268,7 @@ def write_plots(run: Run, stem: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser(None, __doc__)
-    ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true",
-                    help="Cora (quiver_serve/defaults/default.yaml), short points, CPU routes: a check, not a figure")
+    add_run_options(ap, budget_s=500.0, start_timeout_s=240.0, out_file=False)
     ap.add_argument("--routes", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "cpu", "gpu"],
                     help="sampling.route of each quiver-serve start, in this order")
     ap.add_argument("--queue-routes", nargs="+", default=None, help="routes of the queue API "
@@ -287,23 +284,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-p99-ms", type=float, default=30.0)
     ap.add_argument("--seconds", type=float, default=1.5, help="measured window per point")
     ap.add_argument("--warmup", type=float, default=0.5)
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                    help="load processes (default cpus / 4, 1..4)")
-    ap.add_argument("--timeout-s", type=float, default=10.0)
-    ap.add_argument("--budget-s", type=float, default=500.0,
-                    help="phases that would start past this (from the start) are skipped")
     ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected server start-up")
-    ap.add_argument("--start-timeout-s", type=float, default=240.0)
     ap.add_argument("--out", default=str(results_dir()),
                     help="folder of the JSON and PNGs (default $OUT, else bench/results/)")
-    add_set_option(ap)
-    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
-        if args.config == "configs/bench_reddit.yaml":
-            args.config = "quiver_serve/defaults/default.yaml"
-        args.clients, args.seconds, args.warmup = [1, 2, 4, 8], 1.0, 0.3
-        args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 240.0)
+        procs, sets = args.procs, list(args.sets)
+        smoke_settings(args, budget_s=240.0, start_timeout_s=args.start_timeout_s, procs=procs)
+        args.sets = sets  # the daemon's own CPU defaults: the routes are what it measures
+        args.clients, args.seconds, args.warmup, args.start_cost_s = [1, 2, 4, 8], 1.0, 0.3, 30.0
     return args
 
 

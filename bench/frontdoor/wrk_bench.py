@@ -57,12 +57,12 @@ from loadtest.harness import Daemon, free_port, save_graph, serve_config
 from loadtest.meter import OPT_IN_PATHS, PATHS, Meter, Target, Workloads, routes
 from loadtest.results import (
     Budget,
-    add_result_options,
-    add_set_option,
+    add_run_options,
     doc_parser,
     exit_on_sigterm,
     load_config,
     result_path,
+    smoke_settings,
 )
 from loadtest.stats import served
 from quiver_serve.engine.procs.standby import SETTLE_S as STANDBY_SETTLE_S
@@ -327,9 +327,7 @@ def single_id_levels(connections: list[int]) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.frontdoor.wrk_bench", __doc__)
-    ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true", help="Cora (quiver_serve/defaults/default.yaml), short "
-                    "points, workload a only: a check, not a figure")
+    add_run_options(ap, budget_s=420.0, start_timeout_s=300.0)
     ap.add_argument("--workloads", nargs="+", choices=["a", "b"], help="default: a b (--smoke: a)")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS),
                     default=[p for p in PATHS if p not in OPT_IN_PATHS],
@@ -352,28 +350,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-p99-ms", type=float, default=30.0, help="a sweep stops past this")
     ap.add_argument("--client-threads", type=int, help="wrk / h2load threads (default: CPUs / 4, "
                     "1 to 4)")
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                    help="loadtest.gen load processes (default CPUs / 4, 1 to 4)")
     ap.add_argument("--bodies", type=int, default=4096, help="distinct requests per workload")
     ap.add_argument("--lua-statuses", action="store_true", help="wrk counts every status "
                     "(defines response(): more client CPU); default: status > 399 only")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="phases that would start past this (from the start) are skipped")
     ap.add_argument("--start-cost-s", type=float, default=60.0, help="expected daemon start-up")
-    ap.add_argument("--start-timeout-s", type=float, default=300.0)
-    ap.add_argument("--out", help="the result file (default: the loadtest/results.py name in --out-dir)")
-    ap.add_argument("--out-dir", help="its folder (default $OUT, else bench/results/)")
-    add_set_option(ap)
-    add_result_options(ap)
     args = ap.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke.get(key, value))
     if args.smoke:
-        if args.config == "configs/bench_reddit.yaml":
-            args.config = "quiver_serve/defaults/default.yaml"
-        args.start_cost_s, args.budget_s = 30.0, min(args.budget_s, 300.0)
+        procs, sets = args.procs, list(args.sets)
+        smoke_settings(args, budget_s=300.0, start_timeout_s=args.start_timeout_s, procs=procs)
+        args.sets, args.start_cost_s = sets, 30.0  # the config's own server settings
     args.connections_c = args.connections_c or smoke.get("connections_c") or \
         single_id_levels(args.connections)
     if args.queue_workloads is None:

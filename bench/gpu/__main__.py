@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest.results import machine_name
 from bench.gpu import runner
 from bench.gpu.suites import MAIN_BENCH, SUITES
+from loadtest.results import machine_name
 
 
 def env_list(name: str, default: str) -> list[str]:

@@ -11,8 +11,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from loadtest.results import ROOT, result_name
 from bench.gpu.runner import Step
+from loadtest.results import ROOT, result_name
 
 BENCH_CONFIG = "configs/bench_reddit.yaml"
 #: console filters (the logs keep every line): log records, progress bars, blank lines

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -47,22 +45,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loadtest.results import (
-    add_result_options,
-    add_set_option,
-    afford,
-    doc_parser,
-    git_head,
-    load_config,
-    result_path,
-)
 from bench.graph import table_watch as tw
 from bench.graph import watch
 from bench.graph.exact_refresh import add_refresh_options, refresh_step
 from bench.graph.exact_report import build_line, print_report, targets
 from loadtest import promdiff
-from loadtest.gen import Generator, jsonable
-from loadtest.harness import Daemon
+from loadtest.gen import Generator
+from loadtest.harness import Daemon, config_yaml, saved_graph_facts
+from loadtest.results import (
+    Budget,
+    add_run_options,
+    doc_parser,
+    exit_on_sigterm,
+    load_config,
+    result_path,
+    run_meta,
+    smoke_settings,
+    write_result,
+)
 from loadtest.stats import best_under
 
 SERVER_GRACE_S = 8.0
@@ -71,9 +71,7 @@ MODES = {"table": "on", "on_the_fly": "off"}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.graph.exact_table", __doc__)
-    ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true",
-                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
+    add_run_options(ap, budget_s=540.0, start_timeout_s=600.0)
     ap.add_argument("--protocols", nargs="+", default=["http-npy", "queue"],
                     choices=["http-npy", "http-json", "queue"])
     ap.add_argument("--ids-per-request", type=int, default=48)
@@ -88,7 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--baseline-seconds", type=float, default=4.0)
     ap.add_argument("--baseline-warmup", type=float, default=2.0)
-    ap.add_argument("--timeout-s", type=float, default=10.0, help="client timeout of a request")
     ap.add_argument("--baseline-timeout-s", type=float, default=60.0,
                     help="client timeout and the baseline daemon's server.request_timeout_s")
     ap.add_argument("--no-sampled", action="store_true", help="no sampled series")
@@ -99,63 +96,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "section.key=value overrides of --config, space-separated in one "
                          "argument (default: graph.synthetic_preset=products; smoke: none)")
     add_refresh_options(ap)
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                    help="load processes (default cpus / 4, 1..4)")
     ap.add_argument("--admin-token", help="server.admin_token, sent as the bearer token")
     ap.add_argument("--poll-interval-s", type=float, default=0.1)
-    ap.add_argument("--budget-s", type=float, default=540.0,
-                    help="steps that would start past this (from the start) are skipped")
-    ap.add_argument("--start-timeout-s", type=float, default=600.0)
-    ap.add_argument("--out", help="the JSON file (default: in --out-dir, by name)")
-    ap.add_argument("--out-dir", help="folder of the JSON (default $OUT, else bench/results/)")
-    add_set_option(ap)
-    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
-        smoke_settings(args)
+        smoke(args)
     elif args.build_configs is None:
         args.build_configs = ["graph.synthetic_preset=products"]
     return args
 
 
-def smoke_settings(args: argparse.Namespace) -> None:
+def smoke(args: argparse.Namespace) -> None:
     """Cora, tiny levels and windows; the pure-torch sampler (no C++ build in the time)."""
-    if args.config == "configs/bench_reddit.yaml":
-        args.config = "quiver_serve/defaults/default.yaml"
+    smoke_settings(args, budget_s=100.0)
     args.levels, args.baseline_levels = [1, 4], [1, 2]
     args.seconds, args.warmup, args.baseline_seconds, args.baseline_warmup = 0.8, 0.3, 0.8, 0.3
     args.baseline_timeout_s, args.refresh_seconds = min(args.baseline_timeout_s, 20.0), 1.5
     args.update_rate, args.edges_per_call, args.update_procs = 500.0, 100, 1
     args.exact_rates, args.load_fraction = [0.0, 10.0], min(args.load_fraction, 0.5)
-    args.procs, args.budget_s, args.start_timeout_s = 1, min(args.budget_s, 100.0), 120.0
     args.build_configs = args.build_configs or []
-    args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
 
 
-class Run:
+class Run(Budget):
     """The run's state: budget, load processes, the graph's facts, results."""
 
     def __init__(self, args: argparse.Namespace, cfg: Any, npz: Path, folder: Path, facts: dict,
                  gen: Generator, t0: float) -> None:
+        super().__init__(args.budget_s, t0)
         self.args, self.cfg, self.npz, self.folder, self.facts = args, cfg, npz, folder, facts
-        self.gen, self.t0 = gen, t0
+        self.gen = gen
         self.headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
         self.series: list[dict[str, Any]] = []
         self.builds: list[dict[str, Any]] = []
         self.refresh: list[dict[str, Any]] = []
-        self.skipped: list[str] = []
         self.starts_s: list[float] = []
 
     @property
     def start_s(self) -> float:
         """A daemon's start: the slowest measured, else a guess."""
         return max(self.starts_s, default=15.0 if self.args.smoke else 90.0)
-
-    def left_s(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
-    def afford(self, what: str, cost_s: float) -> bool:
-        return afford(self.skipped, what, cost_s, self.left_s())
 
     def sweep_cost_s(self, slow: bool) -> float:
         """A series' time; ``slow``: exact requests on the fly (the baseline's levels)."""
@@ -190,9 +169,7 @@ class Run:
 
 
 def write_config(cfg: Any, path: Path) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))  # quotes 'on' / 'off'
+    path.write_text(config_yaml(cfg))  # YAML quotes 'on' / 'off'
     return path
 
 
@@ -380,36 +357,17 @@ def phases(run: Run) -> None:
     build_configs(run)
 
 
-def prepare(cfg: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
-    """The graph built once and saved as an .npz every daemon loads; what the load and the
-    updaters need of it."""
-    from bench.frontdoor.headline import saved_graph_facts
-
-    return saved_graph_facts(cfg, folder)
-
-
 def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "graph": facts["graph"], "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}",
-            "fanouts": cfg.sampling.fanouts, "exact": cfg.exact.model_dump(mode="json"),
-            "workload": f"b ({args.ids_per_request} ids uniform over every node), closed loop",
-            "protocols": args.protocols, "levels": args.levels,
-            "baseline_levels": args.baseline_levels, "bound_ms": args.bound_ms,
-            "seconds": args.seconds, "baseline_seconds": args.baseline_seconds,
-            "baseline_request_timeout_s": max(cfg.server.request_timeout_s,
-                                              args.baseline_timeout_s),
-            "load_fraction": args.load_fraction, "sampled_rate": args.sampled_rate,
-            "exact_rates": args.exact_rates,
-            "update_rate": args.update_rate, "edges_per_call": args.edges_per_call,
-            "load_procs": args.procs, "update_procs": args.update_procs,
-            "command": "python -m bench.graph.exact_table " + " ".join(sys.argv[1:])}
+    return run_meta(
+        args, cfg, graph=facts["graph"], exact=cfg.exact.model_dump(mode="json"),
+        workload=f"b ({args.ids_per_request} ids uniform over every node), closed loop",
+        protocols=args.protocols, levels=args.levels, baseline_levels=args.baseline_levels,
+        bound_ms=args.bound_ms, seconds=args.seconds, baseline_seconds=args.baseline_seconds,
+        baseline_request_timeout_s=max(cfg.server.request_timeout_s, args.baseline_timeout_s),
+        load_fraction=args.load_fraction, sampled_rate=args.sampled_rate,
+        exact_rates=args.exact_rates, update_rate=args.update_rate,
+        edges_per_call=args.edges_per_call, load_procs=args.procs,
+        update_procs=args.update_procs)
 
 
 def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float) -> None:
@@ -420,9 +378,8 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
               "builds": run.builds if run else [], "refresh": run.refresh if run else [],
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
-    print(f"\nwrote {out}; wall {result['wall_s']:.0f} s")
+    write_result(out, result)
+    print(f"wall {result['wall_s']:.0f} s")
     if result["skipped"]:
         print("skipped: " + "; ".join(result["skipped"]))
     print_report(result)
@@ -432,8 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     args = parse_args(argv)
-    # SIGTERM (the runner's limit) unwinds like an exception: processes stopped, results written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     if args.smoke:
         os.environ["QUIVER_SERVE_DISABLE_CPP"] = "1"  # the daemons and the in-process Pipeline
     cfg = load_config(args.config, args.sets)
@@ -445,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     code = 0
     try:
-        npz, facts = prepare(cfg, folder)
+        npz, facts = saved_graph_facts(cfg, folder)
         info = meta(args, cfg, facts)
         gen = Generator(args.procs, args.warmup, args.seconds)
         run = Run(args, cfg, npz, folder, facts, gen, t0)

@@ -30,9 +30,6 @@ Budgeted (--budget-s): a step that would start past it is skipped and named. The
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
 import tempfile
 import threading
@@ -40,19 +37,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.results import (
-    add_result_options,
-    add_set_option,
-    afford,
-    doc_parser,
-    git_head,
-    load_config,
-    result_path,
-)
 from bench.graph import watch
 from bench.graph.updater import UpdaterPool
-from loadtest.gen import Generator, jsonable
-from loadtest.harness import Daemon
+from loadtest.gen import Generator
+from loadtest.harness import Daemon, saved_graph_facts, serve_config
+from loadtest.results import (
+    Budget,
+    add_run_options,
+    doc_parser,
+    exit_on_sigterm,
+    load_config,
+    result_path,
+    run_meta,
+    smoke_settings,
+    write_result,
+)
 from loadtest.stats import best_under, fmt
 
 SERVER_GRACE_S = 8.0
@@ -61,9 +60,7 @@ COMPACTION_LEAD_S = 0.5  # into the window before the compaction is asked for
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.graph.updates", __doc__)
-    ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true",
-                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
+    add_run_options(ap, budget_s=500.0, start_timeout_s=600.0)
     ap.add_argument("--protocol", default="http-npy", choices=["http-npy", "http-json",
                                                                 "kserve-binary"])
     ap.add_argument("--ids-per-request", type=int, default=48)
@@ -85,8 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="share of added edges whose dst is drawn by in-degree (else uniform)")
     ap.add_argument("--update-procs", type=int, default=2)
     ap.add_argument("--update-inflight", type=int, default=4, help="calls in flight per process")
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                    help="load processes (default cpus / 4, 1..4)")
     ap.add_argument("--no-compaction", action="store_true")
     ap.add_argument("--compaction-seconds", type=float, default=20.0)
     ap.add_argument("--compaction-timeout-s", type=float, default=180.0,
@@ -95,40 +90,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="edge updates/s during the compaction step (default the first rate)")
     ap.add_argument("--admin-token", help="server.admin_token, sent as the bearer token")
     ap.add_argument("--poll-interval-s", type=float, default=0.1)
-    ap.add_argument("--timeout-s", type=float, default=10.0)
-    ap.add_argument("--budget-s", type=float, default=500.0,
-                    help="steps that would start past this (from the start) are skipped")
-    ap.add_argument("--start-timeout-s", type=float, default=600.0)
-    ap.add_argument("--out", help="the JSON file (default: in --out-dir, by name)")
-    ap.add_argument("--out-dir", help="folder of the JSON (default $OUT, else bench/results/)")
-    add_set_option(ap)
-    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
-        smoke_settings(args)
+        smoke(args)
     return args
 
 
-def smoke_settings(args: argparse.Namespace) -> None:
+def smoke(args: argparse.Namespace) -> None:
     """Cora, small rates and short windows; the pure-torch sampler (no C++ build in the time)."""
-    if args.config == "configs/bench_reddit.yaml":
-        args.config = "quiver_serve/defaults/default.yaml"
+    smoke_settings(args, budget_s=75.0)
     args.capacity_callers, args.capacity_seconds = [1, 2, 4], 0.8
     args.seconds, args.warmup, args.compaction_seconds = 1.5, 0.3, 3.0
     args.update_rates, args.edges_per_call, args.update_procs = [500.0, 2000.0], 100, 1
-    args.procs, args.budget_s, args.start_timeout_s = 1, min(args.budget_s, 75.0), 120.0
     args.compaction_timeout_s = min(args.compaction_timeout_s, 30.0)
     args.load_fraction = min(args.load_fraction, 0.5)  # a 2-core box runs daemon and load alike
-    args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
 
 
-class Run:
+class Run(Budget):
     """The run's state: budget, daemon URL, load and updater processes, results."""
 
     def __init__(self, args: argparse.Namespace, url: str, gen: Generator, updaters: UpdaterPool,
                  facts: dict, t0: float) -> None:
+        super().__init__(args.budget_s, t0)  # from the bench's start (graph build, daemon start)
         self.args, self.url, self.gen, self.updaters, self.facts = args, url, gen, updaters, facts
-        self.t0 = t0  # the budget counts from the bench's start (graph build and daemon start in)
         self.headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
         self.spec = {"workload": "b", "hot": None, "num_nodes": facts["num_nodes"], "seed": 0,
                      "ids_per_request": args.ids_per_request}
@@ -137,13 +121,6 @@ class Run:
         self.capacity: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.compaction: dict[str, Any] | None = None
-        self.skipped: list[str] = []
-
-    def left_s(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
-    def afford(self, what: str, cost_s: float) -> bool:
-        return afford(self.skipped, what, cost_s, self.left_s())
 
     def step_cost_s(self, seconds: float) -> float:
         return seconds + self.args.warmup + 3.0
@@ -329,38 +306,20 @@ def offers_compaction(run: Run) -> bool:
 def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """The graph built once and saved as an .npz the daemon loads; the daemon's config beside it
     (its update log in ``folder``); what the load and the updaters need of the graph."""
-    import yaml
-
-    from bench.frontdoor.headline import saved_graph_facts
-
     npz, facts = saved_graph_facts(cfg, folder)
-    c = cfg.model_copy(deep=True)
-    c.graph.format, c.graph.path = "npz", str(npz)
-    c.graph.update_log_dir = str(folder / "graph-state")
+    fields = {"graph.update_log_dir": str(folder / "graph-state")}
     if args.admin_token:
-        c.server.admin_token = args.admin_token
-    path = folder / "serve.yaml"
-    path.write_text(yaml.safe_dump(c.model_dump(mode="json")))
-    return path, facts
+        fields["server.admin_token"] = args.admin_token
+    return serve_config(cfg, npz, folder, fields=fields), facts
 
 
 def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "graph": facts["graph"], "model": f"{cfg.model.pyg_class} {cfg.model.kwargs}",
-            "fanouts": cfg.sampling.fanouts, "protocol": args.protocol,
-            "workload": f"b ({args.ids_per_request} ids uniform over every node)",
-            "load_fraction": args.load_fraction, "edges_per_call": args.edges_per_call,
-            "remove_fraction": args.remove_fraction, "degree_bias": args.degree_bias,
-            "update_procs": args.update_procs, "update_inflight": args.update_inflight,
-            "load_procs": args.procs, "fsync": cfg.graph.fsync,
-            "command": "python -m bench.graph.updates " + " ".join(sys.argv[1:])}
+    return run_meta(args, cfg, graph=facts["graph"], protocol=args.protocol,
+                    workload=f"b ({args.ids_per_request} ids uniform over every node)",
+                    load_fraction=args.load_fraction, edges_per_call=args.edges_per_call,
+                    remove_fraction=args.remove_fraction, degree_bias=args.degree_bias,
+                    update_procs=args.update_procs, update_inflight=args.update_inflight,
+                    load_procs=args.procs, fsync=cfg.graph.fsync)
 
 
 def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float) -> None:
@@ -372,9 +331,8 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
               "rows": rows, "compaction": run.compaction if run else None,
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
-    print(f"\nwrote {out}; wall {result['wall_s']:.0f} s")
+    write_result(out, result)
+    print(f"wall {result['wall_s']:.0f} s")
     if result["skipped"]:
         print("skipped: " + "; ".join(result["skipped"]))
     print(f"\n{info.get('graph')}, {info.get('device')}, workload (b) {info.get('protocol')}")
@@ -405,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     args = parse_args(argv)
-    # SIGTERM (the runner's limit) unwinds like an exception: processes stopped, results written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     cfg = load_config(args.config, args.sets)
     out = result_path("updates", args, "smoke" if args.smoke else None)
     folder = Path(tempfile.mkdtemp(prefix="qs-updates-"))

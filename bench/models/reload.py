@@ -35,9 +35,6 @@ reload_<machine>_<date>[_<variant>].json; a table is printed last.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
 import tempfile
 import threading
@@ -45,16 +42,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.results import (
-    add_result_options,
-    add_set_option,
-    afford,
-    doc_parser,
-    git_head,
-    load_config,
-    machine_name,
-    result_path,
-)
 from bench.graph import watch
 from bench.graph.updates import measure_capacity
 from bench.models.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
@@ -68,8 +55,19 @@ from bench.models.reload_report import (
     serving_lines,
     targets,
 )
-from loadtest.gen import Generator, jsonable
-from loadtest.harness import Daemon
+from loadtest.gen import Generator
+from loadtest.harness import Daemon, save_graph, serve_config
+from loadtest.results import (
+    Budget,
+    add_run_options,
+    doc_parser,
+    exit_on_sigterm,
+    load_config,
+    result_path,
+    run_meta,
+    smoke_settings,
+    write_result,
+)
 from loadtest.stats import fmt
 
 MODEL = "sage"
@@ -80,9 +78,7 @@ SERVER_GRACE_S = 8.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.models.reload", __doc__)
-    ap.add_argument("--config", default="configs/bench_reddit.yaml")
-    ap.add_argument("--smoke", action="store_true",
-                    help="Cora (quiver_serve/defaults/default.yaml) on the CPU, short steps: a check, not a figure")
+    add_run_options(ap, budget_s=500.0, start_timeout_s=600.0)
     ap.add_argument("--ids-per-request", type=int, default=48)
     ap.add_argument("--capacity-callers", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
@@ -103,44 +99,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(version_policy, traffic); default: none (the repository's config.yaml)")
     ap.add_argument("--first-answer-target-s", type=float, default=2.0)
     ap.add_argument("--p99-ratio-target", type=float, default=2.0)
-    ap.add_argument("--procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                    help="load processes (default cpus / 4, 1..4)")
     ap.add_argument("--admin-token", help="server.admin_token, sent as the bearer token")
-    ap.add_argument("--timeout-s", type=float, default=10.0, help="client timeout of one request")
     ap.add_argument("--load-timeout-s", type=float, default=300.0,
                     help="longest the load call is waited for")
-    ap.add_argument("--budget-s", type=float, default=500.0,
-                    help="steps that would start past this (from the start) are skipped")
-    ap.add_argument("--start-timeout-s", type=float, default=600.0)
-    ap.add_argument("--out", help="the JSON file (default: in --out-dir, by name)")
-    ap.add_argument("--out-dir", help="folder of the JSON (default $OUT, else bench/results/)")
-    add_set_option(ap)
-    add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
-        smoke_settings(args)
+        smoke(args)
     return args
 
 
-def smoke_settings(args: argparse.Namespace) -> None:
+def smoke(args: argparse.Namespace) -> None:
     """Cora, short windows, low load; the pure-torch sampler (no C++ build in the time)."""
-    if args.config == "configs/bench_reddit.yaml":
-        args.config = "quiver_serve/defaults/default.yaml"
+    smoke_settings(args, budget_s=75.0)
     args.capacity_callers, args.capacity_seconds, args.warmup = [1, 2, 4], 0.8, 0.3
     args.steady_s, args.before_s, args.reload_window_s = 1.5, 1.0, 4.0
     args.swap_s = min(args.swap_s, 1.0)
-    args.procs, args.budget_s, args.start_timeout_s = 1, min(args.budget_s, 75.0), 120.0
     args.load_fraction = min(args.load_fraction, 0.5)  # a 2-core box runs daemon and load alike
-    args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
 
 
-class Run:
+class Run(Budget):
     """The run's state: budget, daemon, load processes, the repository, results."""
 
     def __init__(self, args: argparse.Namespace, daemon: Daemon, gen: Generator,
                  rec: RecorderPool, facts: dict, t0: float) -> None:
+        super().__init__(args.budget_s, t0)
         self.args, self.daemon, self.url = args, daemon, daemon.url
-        self.gen, self.rec, self.facts, self.t0 = gen, rec, facts, t0
+        self.gen, self.rec, self.facts = gen, rec, facts
         self.headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
         self.spec = {"workload": "a", "hot": facts["hot"], "num_nodes": facts["num_nodes"],
                      "seed": 0, "ids_per_request": args.ids_per_request}
@@ -149,13 +133,6 @@ class Run:
         self.capacity: dict[str, Any] = {}
         self.steady: dict[str, Any] | None = None
         self.reload: dict[str, Any] | None = None
-        self.skipped: list[str] = []
-
-    def left_s(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
-    def afford(self, what: str, cost_s: float) -> bool:
-        return afford(self.skipped, what, cost_s, self.left_s())
 
     def run_cost_s(self, seconds: float) -> float:
         return seconds + self.args.warmup + 3.0
@@ -257,7 +234,6 @@ def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dic
     for the load); the daemon's config serving the repository."""
     import yaml
 
-    from bench.frontdoor.headline import save_graph
     from loadtest.workloads import hot_set
 
     graph, npz = save_graph(cfg, folder)
@@ -268,42 +244,29 @@ def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dic
     (repo / MODEL).mkdir(parents=True)
     (repo / MODEL / "config.yaml").write_text(yaml.safe_dump(model_cfg))
     write_version(repo, OLD, random_state(cfg, graph.num_features, OLD))
-    c = cfg.model_copy(deep=True)
-    c.graph.format, c.graph.path = "npz", str(npz)
-    c.graph.update_log_dir = str(folder / "graph-state")
-    c.models.repository, c.models.default = str(repo), MODEL
+    fields = {"graph.update_log_dir": str(folder / "graph-state"),
+              "models.repository": str(repo), "models.default": MODEL}
     if args.admin_token:
-        c.server.admin_token = args.admin_token
-    path = folder / "serve.yaml"
-    path.write_text(yaml.safe_dump(c.model_dump(mode="json")))
+        fields["server.admin_token"] = args.admin_token
+    path = serve_config(cfg, npz, folder, fields=fields)
     facts = {"num_nodes": graph.num_nodes, "num_features": graph.num_features,
              "graph": graph.describe(), "hot": hot_set(graph.degree().numpy()), "repo": repo,
              "model_config": model_cfg, "new_state": random_state(cfg, graph.num_features, NEW),
-             "serve_config": c.model_dump(mode="json")}
+             "serve_config": yaml.safe_load(path.read_text())}
     return path, facts
 
 
 def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-            "machine": args.machine or machine_name(), "torch": torch.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "graph": facts["graph"],
-            "model": f"{cfg.model.pyg_class} {cfg.model.kwargs} (versions {OLD} and {NEW}: "
-                     f"random weights, seeds {OLD} and {NEW})",
-            "repository_config": facts["model_config"], "fanouts": cfg.sampling.fanouts,
-            "protocol": "http-npy",
-            "workload": f"a ({args.ids_per_request} ids from the 1,500-node hot set)",
-            "load_fraction": args.load_fraction, "steady_s": args.steady_s,
-            "before_s": args.before_s, "reload_window_s": args.reload_window_s,
-            "swap_s": args.swap_s, "warmup_s": args.warmup, "load_procs": args.procs,
-            "load_config": args.load_config, "config_file": args.config, "sets": args.sets,
-            "config": facts["serve_config"],
-            "command": "python -m bench.models.reload " + " ".join(sys.argv[1:])}
+    return run_meta(
+        args, cfg, graph=facts["graph"],
+        model=f"{cfg.model.pyg_class} {cfg.model.kwargs} (versions {OLD} and {NEW}: "
+              f"random weights, seeds {OLD} and {NEW})",
+        repository_config=facts["model_config"], protocol="http-npy",
+        workload=f"a ({args.ids_per_request} ids from the 1,500-node hot set)",
+        load_fraction=args.load_fraction, steady_s=args.steady_s, before_s=args.before_s,
+        reload_window_s=args.reload_window_s, swap_s=args.swap_s, warmup_s=args.warmup,
+        load_procs=args.procs, load_config=args.load_config, config_file=args.config,
+        serve_config=facts["serve_config"])
 
 
 def phases(run: Run) -> None:
@@ -328,9 +291,8 @@ def finish(a: argparse.Namespace, run: Run | None, info: dict, out: Path, skippe
               "targets": targets(steady, reloaded, a.first_answer_target_s, a.p99_ratio_target),
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(jsonable(result), indent=1) + "\n")
-    print(f"\nwrote {out}; wall {result['wall_s']:.0f} s")
+    write_result(out, result)
+    print(f"wall {result['wall_s']:.0f} s")
     if result["skipped"]:
         print("skipped: " + "; ".join(result["skipped"]))
     print(f"\n{info.get('graph')}, {info.get('device')}, workload (a) http-npy")
@@ -345,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     args = parse_args(argv)
-    # SIGTERM (the runner's limit) unwinds like an exception: processes stopped, results written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     cfg = load_config(args.config, args.sets)
     out = result_path("reload", args, "smoke" if args.smoke else None)
     folder = Path(tempfile.mkdtemp(prefix="qs-reload-"))

@@ -23,7 +23,6 @@ JSON: --out, else $OUT or bench/results/, routing_<machine>_<date>[_<variant>].j
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import threading
 import time
@@ -31,8 +30,15 @@ import time
 import numpy as np
 import torch
 
-from loadtest.results import add_result_options, add_set_option, load_config, result_path
-from bench.engine.probe import latency_ms
+from loadtest.results import (
+    add_result_options,
+    add_set_option,
+    load_config,
+    result_path,
+    run_meta,
+    write_result,
+)
+from loadtest.stats import percentiles_ms
 from loadtest.workloads import hot_set
 from quiver_serve.config import ServeConfig
 
@@ -128,7 +134,7 @@ def point(core, pool, poller, reqs: list[np.ndarray], callers: int, seconds: flo
         for r in replies:
             sent.pop(r.done.seq, None)
     core.on_stats = None
-    return {"callers": callers, "seeds_per_s": 48 * len(lat) / window, **latency_ms(lat),
+    return {"callers": callers, "seeds_per_s": 48 * len(lat) / window, **percentiles_ms(lat),
             "routes": routes, "psgs_mare": float(np.mean(err)) if err else None}
 
 
@@ -226,17 +232,12 @@ def main() -> None:
     torch.set_num_threads(cfg.inference.torch_threads)
     graph = load_graph(cfg.graph)
     hot = hot_set(graph.degree().numpy())
-    out: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                 "graph": graph.describe(), "args": vars(args), "points": []}
+    out: dict = {**run_meta(args, graph=graph.describe(), args=vars(args)), "points": []}
     gpu_modes = ("device", "uva") if torch.cuda.is_available() else ("device",)
     for gm in gpu_modes:
         run_memory_mode(cfg, graph, hot, gm, args, out)
     summary(out, args.p99_ms)
-    dest = result_path("routing", args, "smoke" if args.smoke else None)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1, default=str))
-    print(f"wrote {dest}")
+    write_result(result_path("routing", args, "smoke" if args.smoke else None), out)
     threading.Event().wait(0.1)
 
 

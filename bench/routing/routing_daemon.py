@@ -32,9 +32,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from loadtest.results import add_result_options, add_set_option, git_head, load_config, result_path
-from bench.engine.pipeline import fmt, jsonable
 from bench.engine.probe import DaemonLoad, merge_point
+from loadtest.results import (
+    add_result_options,
+    add_set_option,
+    load_config,
+    result_path,
+    run_meta,
+    write_result,
+)
+from loadtest.stats import fmt
 from loadtest.workloads import hot_set
 
 MODES = ("cpu", "gpu", "auto", "quiver")
@@ -245,14 +252,10 @@ def main() -> None:
             results[gm][name] = run_daemon(cfg.with_overrides(sets), graph, hot, args,
                                            f"{gm:6s} {name:6s}")
             last_s = results[gm][name]["total_s"]
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-           "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cpus": os.cpu_count(),
-           "graph": graph.describe(), "args": vars(args), "results": results,
+    out = {**run_meta(args, graph=graph.describe(), args=vars(args)), "results": results,
            "wall_s": time.perf_counter() - t_start}
-    dest = result_path("routing_daemon", args, "smoke" if args.smoke else None)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(jsonable(out), indent=1, default=str) + "\n")
-    print(f"\nJSON: {dest} (wall {out['wall_s']:.0f} s)\n")
+    write_result(result_path("routing_daemon", args, "smoke" if args.smoke else None), out)
+    print(f"wall {out['wall_s']:.0f} s\n")
     names = list(dict.fromkeys(m.partition("@")[0] for m in args.modes))
     print("\n".join(table(results, names, args.p99_ms)))
 

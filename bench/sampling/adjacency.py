@@ -17,7 +17,6 @@ Used by bench/features/features_e2e.py; alone (CPU: only the read model):
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from bench.features.common import FANOUTS, make_graph, sync, timed
+from loadtest.results import run_meta, write_result
 from quiver_serve.sampling.graph_cache.adjacency import build_adjacency_cache, expansion_scores
 from quiver_serve.sampling.graph_cache.reads import served_shares
 
@@ -180,8 +180,7 @@ def main() -> None:
     sections = [adjacency_section(graph, dev, b, args.iters, args.model_batches, args.layouts)
                 for b in args.budget]
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(sections[0] if len(sections) == 1 else sections, indent=1))
+        write_result(args.out, {"meta": run_meta(args), "sections": sections})
     for section in sections:
         print_table(section)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.results import portable, run_meta, write_result
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling.cpu import CppSampler, cpp_sampler_available, cpu_sampler_status
@@ -372,22 +372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def portable(value: object) -> str:
-    """An argument as recorded in the results: paths relative to the repository, or the bare
-    file name when outside it, so results name no folder of the machine they ran on."""
-    if not isinstance(value, Path):
-        return str(value)
-    path = value.resolve()
-    try:
-        return path.relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return path.name
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report: dict[str, object] = {"machine": machine_info(),
-                                 "args": {k: portable(v) for k, v in vars(args).items()}}
+    report: dict[str, object] = {"meta": run_meta(args), "machine": machine_info(), "args": {
+        k: portable(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()}}
     if args.memory:
         report["memory"] = memory_report(args)
     else:
@@ -400,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table(rows)
         report.update(graph=graph.describe(), graph_note=note, notes=notes, rows=[asdict(r) for r in rows])
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        write_result(args.json, report)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ JSON with ``--json FILE``, or by default when ``$OUT`` is set:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.results import add_result_options, result_path
+from loadtest.results import add_result_options, result_path, run_meta, write_result
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling.gpu import CudaSampler, UvaSampler, gpu_sampler_available
 
@@ -349,11 +348,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     report = summary(cells, sweep, notes)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"cells": [asdict(c) for c in cells], "sweep": sweep, "notes": notes}, indent=1
-            )
-        )
+        write_result(args.json, {"meta": run_meta(args), "cells": [asdict(c) for c in cells],
+                                 "sweep": sweep, "notes": notes})
     print(report)
 
 

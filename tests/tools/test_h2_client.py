@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.frontdoor.grpc_endpoint import _grpcio_server, _state
+from bench.frontdoor.grpc_endpoint import grpcio_server, stub_state
 from loadtest.protocols import OK, make_caller
 
 
@@ -47,8 +47,8 @@ def test_calls_answer_over_several_connections_and_past_the_default_windows(serv
     """1,024-wide float32 rows of 48 ids: 196 KiB answers, three times the default 64 KiB window
     of a connection; 300 calls on 4 connections, every one answered."""
     async def main() -> None:
-        state = _state(1024)
-        srv, port = await (_own(state) if server == "own" else _grpcio_server(state, 0))
+        state = stub_state(1024)
+        srv, port = await (_own(state) if server == "own" else grpcio_server(state, 0))
         reqs = [np.arange(k, k + 48) for k in range(300)]
         try:
             async with make_caller(_target(port), reqs, limit=4) as caller:
@@ -66,7 +66,7 @@ def test_errors_deadlines_and_a_server_that_goes() -> None:
     async def main() -> None:
         import types
 
-        state = _state(8)
+        state = stub_state(8)
         srv, port = await _own(state)
         reqs = [np.array([1, 2]), np.array([], dtype=np.int64)]  # the second: no ids
         async with make_caller(_target(port), reqs, limit=2) as caller:
@@ -100,7 +100,7 @@ def test_stream_calls_pipeline_past_the_windows_and_go_on_after_an_error() -> No
     async def main() -> None:
         import types
 
-        state = _state(1024)
+        state = stub_state(1024)
         srv, port = await _own(state)
         reqs = [np.arange(k, k + 48) for k in range(300)] + [np.array([], dtype=np.int64)]
         try:
