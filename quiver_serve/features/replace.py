@@ -10,12 +10,15 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.features.build import plan_for
+from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore, Layout
 from quiver_serve.graph.csc import GraphData
 
@@ -51,11 +54,15 @@ class Replacer:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def poll(self, core: Any) -> None:
-        """Start a requested re-placement, or commit one that has finished."""
+    def poll(self, request_log: RequestLog, stream: torch.cuda.Stream | None = None,
+             paused: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+             ) -> None:
+        """Start a requested re-placement (seeded by ``request_log``), or commit one that has
+        finished: on ``stream`` (the engine's compute stream; None: the current one), inside
+        ``paused()`` (no exact-table chunk reads the store meanwhile)."""
         if self._wanted.is_set() and not self.running and self._ready is None:
             self._wanted.clear()
-            ids = core.request_log.snapshot()
+            ids = request_log.snapshot()
             self._thread = threading.Thread(target=self._build, args=(ids,), daemon=True,
                                             name="feature-replacement")
             self._thread.start()
@@ -66,8 +73,6 @@ class Replacer:
                       type(error).__name__, error)
         if layout is None:
             return
-        stream = getattr(core, "_compute_stream", None)
-        paused = getattr(core, "table_paused", contextlib.nullcontext)
         with paused(), torch.cuda.stream(stream) if stream is not None \
                 else contextlib.nullcontext():
             self.store.commit(layout)  # no exact-table chunk reads the store meanwhile

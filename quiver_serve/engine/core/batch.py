@@ -4,8 +4,9 @@ per-batch numbers it reports (``BatchStats``): the data the stage logic in ``cor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from quiver_serve.engine.core.micro_batch import Part
@@ -13,6 +14,9 @@ from quiver_serve.features.store import FeatureStore
 from quiver_serve.messages import BatchStats
 from quiver_serve.models.graphed import Staged
 from quiver_serve.sampling.base import SamplerOutput
+
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.model_slots import ModelSlot
 
 
 @dataclass
@@ -32,8 +36,8 @@ class Batch:
     # set once launched
     rows: Tensor | None = None
     counts: Tensor | None = None  # the feature store's hit/miss counters after this batch
-    done_event: Any = None
-    start_event: Any = None
+    done_event: torch.cuda.Event | None = None
+    start_event: torch.cuda.Event | None = None
     launched_s: float = 0.0
     expected_done_s: float = 0.0
     # routing: predicted sampled-graph size and batch latency; the pool sampler it went to
@@ -43,7 +47,7 @@ class Batch:
     sent_s: float = 0.0
     sent_idle: bool = False
     #: the ``ModelSlot`` (model version) every micro-batch of it asked for
-    slot: Any = None
+    slot: ModelSlot | None = None
 
 
 class SamplerPool:

@@ -1,6 +1,7 @@
 """The engine core's factory: device, model (weights-only), samplers (the GPU sampler with its
-adjacency cache, the C++ sampler), feature placement, CUDA graphs, a warm-up through every path,
-then the PSGS table and the cost model (``engine/core/calibrate.py``)."""
+adjacency cache, the C++ sampler), feature placement and the PSGS table, the core's parts
+(``parts.py``), CUDA graphs, a warm-up through every path, then the cost model
+(``engine/core/calibrate.py``) and the exact table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,10 +18,15 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.batch import SamplerPool
 from quiver_serve.engine.core.core import EngineCore
 from quiver_serve.engine.core.devices import worker_device
+from quiver_serve.engine.core.forming import BatchFormer
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.engine.core.model_load import LoadSettings
+from quiver_serve.engine.core.model_tables import ExactTables, TableArgs
+from quiver_serve.engine.core.parts import CoreParts
 from quiver_serve.engine.core.samplers import gpu_sampler_or_none
 from quiver_serve.engine.core.slot_checks import capture_graphs, check_fast_model
 from quiver_serve.features.build import build_feature_store
+from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import Capacities, LiveGraphArgs
@@ -30,6 +37,9 @@ from quiver_serve.routing.router import EngineRouter
 from quiver_serve.sampling import make_cpu_sampler
 from quiver_serve.wire import NO_SEED
 
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.graph_sync import GraphSync
+
 log = logging.getLogger(__name__)
 
 
@@ -37,59 +47,80 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
                pool: SamplerPool | None, calibration: str | None = None,
                progress: bool = True, live: LiveGraphArgs | None = None,
                plan: StartPlan | None = None) -> EngineCore:
-    """Device, model (weights-only), samplers, feature placement, a warm-up batch, then the
-    PSGS table and the cost model (``engine/core/calibrate.py``; ``calibration`` overrides
-    ``sampling.calibration``); with ``live``, the updates acknowledged so far are applied;
-    ``plan``: the models to serve (default: ``models/startup.start_plan``)."""
-    from quiver_serve.engine.core.calibrate import prepare_routing
+    """Device, model (weights-only), samplers, feature placement and the PSGS table, then the
+    core from its parts (``parts.py``); with ``live``, the updates acknowledged so far are
+    applied; then a warm-up batch, the cost model (``engine/core/calibrate.py``;
+    ``calibration`` overrides ``sampling.calibration``) and the exact table; ``plan``: the
+    models to serve (default: ``models/startup.start_plan``)."""
+    from quiver_serve.engine.core.calibrate import Calibration
+
     caps = live.caps if live is not None else None
+    rows = caps.node_capacity if caps is not None else graph.num_nodes
     plan = plan or start_plan(cfg)
     spec = plan.primary()
     device, model, features = place_model_and_features(cfg, graph, index, caps, spec)
-    core = EngineCore(
-        model, features, device, make_cpu_sampler(graph.indptr, graph.indices,
-                                                  cfg.sampling.implementation),
-        spec.fanouts_or(cfg.sampling.fanouts), graph.num_nodes, max_batch_nodes=cfg.batching.max_batch_nodes,
-        router=EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold),
-        index=index, pool=pool, max_waiting=cfg.batching.queue_capacity,
-        gpu_sampler=gpu_sampler_or_none(cfg, graph, device),
-        request_log_size=cfg.features.request_log_size, spec=spec)
-    from quiver_serve.features.replace import Replacer
-
-    core.replacer = Replacer(cfg, graph, core.features)
-    core.expected_fill = expected_fill_for(cfg.batching.expected_fill, device)
-    core.current_degrees = degree_source(core, graph, caps.node_capacity if caps is not None
-                                         else graph.num_nodes)
-    if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
-        from quiver_serve.engine.core.overlap import PoolOverlap
-
-        core.overlap = PoolOverlap(serial=cfg.sampling.pool_overlap == "serial")
+    fanouts = spec.fanouts_or(cfg.sampling.fanouts)
+    local = make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
+    calib = Calibration(cfg, graph, calibration, progress)
+    parts = core_parts(cfg, graph, index, pool, live, spec.name, device, features, rows)
+    parts.gpu_sampler = gpu_sampler_or_none(cfg, graph, device)
+    psgs = calib.psgs_table(fanouts, device, local, caps.node_capacity if caps else None)
+    parts.former = BatchFormer(cfg.batching.max_batch_nodes, psgs,
+                               RequestLog(cfg.features.request_log_size),
+                               expected_fill_for(cfg.batching.expected_fill, device))
+    core = EngineCore(model, features, device, local, fanouts, graph.num_nodes, parts,
+                      index=index, spec=spec)
+    if parts.graph_sync is not None and live is not None:
+        replay_updates(core, parts.graph_sync, live, index)
     check_fast_model(core)
     capture_graphs(core, cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
-    prepare_routing(core, cfg, graph, calibration, progress)
-    if live is not None:
-        follow_updates(core, cfg, graph, live, index)
-    from quiver_serve.engine.core.exact_table import build_exact_table
-
-    core.table_args = (cfg.exact, (graph.indptr, graph.indices),
-                       caps.node_capacity if caps is not None else graph.num_nodes)
-    core.exact_table = build_exact_table(core, *core.table_args, progress)
-    core.table_model = spec.name  # a new version of it gets a table of its own
+    calib.cost_model(core)
+    core.tables.build(core, core.model, progress)
     if core.exact_table is not None:
         _warm_batches(core, exact_only=True)  # the table's answer path, once
     load_other_models(core, cfg, plan)
     return core
 
 
+def core_parts(cfg: ServeConfig, graph: GraphData, index: int, pool: SamplerPool | None,
+               live: LiveGraphArgs | None, table_model: str, device: torch.device,
+               features: FeatureStore, rows: int) -> CoreParts:
+    """The core's parts that need no sampler: router, exact tables (built once the core is
+    warm), pool overlap, the living graph's follower, re-placement and load settings; the batch
+    former and the GPU sampler are placeholders ``build_core`` fills."""
+    from quiver_serve.features.replace import Replacer
+
+    tables = ExactTables(TableArgs(cfg.exact, (graph.indptr, graph.indices), rows),
+                         table_model, device)  # a new version of it gets a table of its own
+    parts = CoreParts(former=BatchFormer(cfg.batching.max_batch_nodes, None, RequestLog(0)),
+                      router=EngineRouter(cfg.sampling.route,
+                                          quiver_threshold=cfg.sampling.quiver_threshold),
+                      tables=tables, pool=pool, replacer=Replacer(cfg, graph, features),
+                      max_waiting=cfg.batching.queue_capacity)
+    if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
+        from quiver_serve.engine.core.overlap import PoolOverlap
+
+        parts.overlap = PoolOverlap(serial=cfg.sampling.pool_overlap == "serial")
+    if live is not None:
+        from quiver_serve.engine.core.graph_sync import GraphSync
+        from quiver_serve.graph.state import GraphState
+
+        parts.graph_sync = GraphSync(graph, live.base_version, live.caps, Path(live.log_dir),
+                                     GraphState(live.state), index, cfg)
+    parts.current_degrees = degree_source(parts.graph_sync, graph, rows)
+    inf = cfg.inference
+    parts.loads = LoadSettings(inf.precision, inf.fast_model, inf.cuda_graph_max_seeds,
+                               cfg.models.unload_drain_s)
+    return parts
+
+
 def load_other_models(core: EngineCore, cfg: ServeConfig, plan: StartPlan) -> None:
     """Every start-up version but the primary, built as a load builds them, and each model's
     traffic split (``models/startup.py``)."""
-    from quiver_serve.engine.core.model_load import ModelLoads, build_slot
+    from quiver_serve.engine.core.model_load import build_slot
 
     inf = cfg.inference
-    core.loads = ModelLoads(core, inf.precision, inf.fast_model, inf.cuda_graph_max_seeds,
-                            cfg.models.unload_drain_s)
     for spec in plan.others():
         slot = build_slot(core, spec, inf.precision, inf.fast_model, inf.cuda_graph_max_seeds)
         core.models.add(slot)
@@ -99,13 +130,13 @@ def load_other_models(core: EngineCore, cfg: ServeConfig, plan: StartPlan) -> No
         core.models.set_traffic(model.name, model.traffic)
 
 
-def degree_source(core: EngineCore, graph: GraphData,
+def degree_source(sync: GraphSync | None, graph: GraphData,
                   rows: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
     """() -> in-degree and self-loop count of every node (``rows`` of them) on the graph the
-    core serves now: a GCN loaded later normalises by them."""
+    core serves now (``sync``'s overlay; None: the fixed ``graph``): a GCN loaded later
+    normalises by them."""
 
     def current() -> tuple[torch.Tensor, torch.Tensor | None]:
-        sync = core.graph_sync
         if sync is None:
             return _padded(graph.degree(), rows), _padded(graph.self_loop_count(), rows)
         nodes = np.arange(sync.overlay.num_nodes, dtype=np.int64)
@@ -115,21 +146,12 @@ def degree_source(core: EngineCore, graph: GraphData,
     return current
 
 
-def follow_updates(core: EngineCore, cfg: ServeConfig, graph: GraphData, live: LiveGraphArgs,
-                   index: int) -> None:
-    """Give ``core`` its :class:`GraphSync` and apply what the log holds (start-up replay)."""
-    from quiver_serve.engine.core.graph_sync import GraphSync
-    from quiver_serve.graph.state import GraphState
-
-    state = GraphState(live.state)
-    if core.psgs is not None and core.psgs.capacity < live.caps.node_capacity:
-        core.psgs = core.psgs.with_capacity(live.caps.node_capacity)
-    sync = GraphSync(graph, live.base_version, live.caps, Path(live.log_dir), state, index)
-    sync.cfg = cfg  # to build samplers over a compacted base (``rebase.py``)
-    core.graph_sync = sync
+def replay_updates(core: EngineCore, sync: GraphSync, live: LiveGraphArgs, index: int) -> None:
+    """Apply what the log holds to ``core`` (start-up replay) and publish its version."""
     t0 = time.perf_counter()
     sync.catch_up(core)
-    state.publish_engine(index, sync.version, 0.0)
+    assert sync.state is not None
+    sync.state.publish_engine(index, sync.version, 0.0)
     if sync.version > live.base_version:
         log.info("engine %d: %d update(s) applied over base version %d in %.2f s", index,
                  sync.version - live.base_version, live.base_version, time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """Start-up calibration of the engine core's PSGS table and cost model.
 
-``prepare_routing`` gives an engine core its PSGS table (cached per graph and fanouts) with the
-union correction fitted on measured samples, and its cost model: the saved one when its key
-(graph, fanouts, hardware, GPU memory mode, model) matches, else timed here and saved.
+:class:`Calibration` makes an engine core's PSGS table (cached per graph and fanouts; before the
+core is built) with the union correction fitted on measured samples, and, once the core is warm,
+its cost model: the saved one when its key (graph, fanouts, hardware, GPU memory mode, model)
+matches, else timed here and saved.
 
 Timing (``calibrate_paths``): for batch sizes 1 .. ``max_batch_nodes`` (powers of 4 and 48), random
 uniform seeds, every in-engine path (C++ sampler here, GPU sampler) samples a few batches; the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ import torch
 from quiver_serve.engine.core.batch import Batch
 from quiver_serve.routing.cost import PRIORS, CostModel, cost_key, cost_path, fit_line
 from quiver_serve.routing.psgs import PsgsTable, calibrate_union, load_or_build
-from quiver_serve.sampling.base import BaseSampler, new_batch_seed
+from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 
 if TYPE_CHECKING:
     from quiver_serve.config import ServeConfig
@@ -47,27 +48,28 @@ def calibration_sizes(num_nodes: int, max_batch_nodes: int) -> list[int]:
     return sorted(sizes)
 
 
-def _time_compute(core: EngineCore, seeds: torch.Tensor, sampled) -> float:
+def _time_compute(core: EngineCore, seeds: torch.Tensor, sampled: SamplerOutput) -> float:
     """Gather + model of one sampled batch, timed as the engine times it."""
     batch = Batch(-1, [], seeds, False, 0, sampled=sampled, slot=core.primary)
     if core.compute_stream is None:
         t0 = time.perf_counter()
-        core._forward(batch)
+        core.forward(batch)
         return time.perf_counter() - t0
-    core._stage(batch)
+    core.stage(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(core.compute_stream):
         start.record()
-        core._forward(batch)
+        core.forward(batch)
         end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
 
 
-def _time_sample(core: EngineCore, sampler: BaseSampler, seeds: torch.Tensor) -> tuple[float, object]:
+def _time_sample(core: EngineCore, sampler: BaseSampler,
+                 seeds: torch.Tensor) -> tuple[float, SamplerOutput]:
     t0 = time.perf_counter()
-    if core._sample_stream is not None:
-        with torch.cuda.stream(core._sample_stream):
+    if core.sample_stream is not None:
+        with torch.cuda.stream(core.sample_stream):
             out = sampler.sample(seeds, core.fanouts, new_batch_seed())
     else:
         out = sampler.sample(seeds, core.fanouts, new_batch_seed())
@@ -82,7 +84,7 @@ def calibrate_paths(core: EngineCore, budget_s: float = 20.0, progress: bool = T
     paths: dict[str, BaseSampler] = {"local": core.local_sampler}
     if core.gpu_sampler is not None:
         paths["gpu"] = core.gpu_sampler
-    sizes = calibration_sizes(core.num_nodes, core.max_batch_nodes)
+    sizes = calibration_sizes(core.num_nodes, core.former.max_batch_nodes)
     rng = np.random.default_rng(seed)
     points: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
     compute: list[tuple[float, float]] = []
@@ -127,7 +129,7 @@ def calibrate_paths(core: EngineCore, budget_s: float = 20.0, progress: bool = T
     return model
 
 
-def engine_cost_key(cfg: ServeConfig, table: PsgsTable, core: EngineCore) -> dict:
+def engine_cost_key(cfg: ServeConfig, table: PsgsTable, core: EngineCore) -> dict[str, Any]:
     gpu = getattr(core.gpu_sampler, "name", None)
     spec = core.primary.spec
     model = {"class": spec.pyg_class, "kwargs": spec.kwargs,
@@ -142,30 +144,47 @@ def engine_cost_key(cfg: ServeConfig, table: PsgsTable, core: EngineCore) -> dic
                      "max_batch_nodes": cfg.batching.max_batch_nodes, "model": model})
 
 
-def prepare_routing(core: EngineCore, cfg: ServeConfig, graph: GraphData,
-                    calibration: str | None = None, progress: bool = True) -> None:
-    """PSGS table (+ union correction) and cost model for ``core``; ``calibration`` overrides
-    ``cfg.sampling.calibration`` (``auto``: reuse a matching saved model; ``startup``/``force``:
-    time now and save; ``off``: priors, refined online)."""
-    mode = calibration or cfg.sampling.calibration
-    device = core.device if core.on_gpu else None
-    table = load_or_build(graph.indptr, graph.indices, core.fanouts,
-                          cfg.sampling.psgs_rounds, device=device, progress=progress)
-    calibrate_union(table, core.local_sampler)
-    core.psgs = table
-    if mode == "off":
-        return
-    key = engine_cost_key(cfg, table, core)
-    path = cost_path(key)
-    model = CostModel.load(path, key) if mode == "auto" else None
-    if model is not None:
-        log.info("cost model loaded from %s", path)
-    else:
-        model = calibrate_paths(core, cfg.sampling.calibration_s, progress)
-        model.key = key
-        try:
-            model.save(path)
-            log.info("cost model saved to %s", path)
-        except OSError as exc:
-            log.warning("cost model not saved (%s): calibrated again at the next start", exc)
-    core.set_cost_model(model)
+class Calibration:
+    """Start-up routing calibration of one engine core (see the module docstring): ``mode``
+    overrides ``cfg.sampling.calibration`` (``auto``: reuse a matching saved cost model;
+    ``startup``/``force``: time now and save; ``off``: priors, refined online)."""
+
+    def __init__(self, cfg: ServeConfig, graph: GraphData, mode: str | None = None,
+                 progress: bool = True) -> None:
+        self.cfg, self.graph, self.progress = cfg, graph, progress
+        self.mode = mode or cfg.sampling.calibration
+
+    def psgs_table(self, fanouts: list[int], device: torch.device, sampler: BaseSampler,
+                   capacity: int | None = None) -> PsgsTable:
+        """The PSGS table of the graph and ``fanouts``, its union correction fitted on
+        ``sampler``'s samples; ``capacity``: entries for nodes appended later."""
+        table = load_or_build(self.graph.indptr, self.graph.indices, fanouts,
+                              self.cfg.sampling.psgs_rounds,
+                              device=device if device.type == "cuda" else None,
+                              progress=self.progress)
+        calibrate_union(table, sampler)
+        if capacity is not None and table.capacity < capacity:
+            table = table.with_capacity(capacity)
+        return table
+
+    def cost_model(self, core: EngineCore) -> None:
+        """Give the warm ``core`` its cost model: loaded when a saved one matches, else timed
+        and saved (nothing with mode ``off``)."""
+        if self.mode == "off" or core.psgs is None:
+            return
+        cfg = self.cfg
+        key = engine_cost_key(cfg, core.psgs, core)
+        path = cost_path(key)
+        model = CostModel.load(path, key) if self.mode == "auto" else None
+        if model is not None:
+            log.info("cost model loaded from %s", path)
+        else:
+            model = calibrate_paths(core, cfg.sampling.calibration_s, self.progress)
+            model.key = key
+            try:
+                model.save(path)
+                log.info("cost model saved to %s", path)
+            except OSError as exc:
+                log.warning("cost model not saved (%s): calibrated again at the next start",
+                            exc)
+        core.set_cost_model(model)

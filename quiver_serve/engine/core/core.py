@@ -16,19 +16,20 @@ tick) and leaves as one reply per micro-batch. Each ``step()``:
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.engine.core import exact_answers, forming, versions
-from quiver_serve.engine.core.batch import Batch, SamplerPool, batch_stats, is_cuda_fatal
+from quiver_serve.engine.core import exact_answers, versions
+from quiver_serve.engine.core.batch import Batch, batch_stats, is_cuda_fatal
+from quiver_serve.engine.core.exact_table import ExactTable
 from quiver_serve.engine.core.fill import ExpectedFill
 from quiver_serve.engine.core.forming import MAX_IN_FLIGHT
 from quiver_serve.engine.core.micro_batch import (
@@ -38,7 +39,9 @@ from quiver_serve.engine.core.micro_batch import (
     failed_replies,
     split_rows,
 )
+from quiver_serve.engine.core.model_load import ModelLoads
 from quiver_serve.engine.core.model_slots import ModelSlot, ModelTable, Refusal
+from quiver_serve.engine.core.parts import CoreParts
 from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.messages import BatchStats
@@ -47,54 +50,45 @@ from quiver_serve.models.served import ServedModel
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.routing.cost import CostModel, LatencyModel
 from quiver_serve.routing.psgs import PsgsTable
-from quiver_serve.routing.router import EngineRouter, EngineRouteState, PoolClock
+from quiver_serve.routing.router import EngineRouteState, PoolClock
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput
 from quiver_serve.wire import MicroBatchDone, RequestError
 
 log = logging.getLogger(__name__)
 
-#: a client's report of its outstanding ids counts this long after its last micro-batch
-CLIENT_REPORT_S = 1.0
-
-
 class EngineCore:
     """Stage logic of one engine core; see the module docstring."""
 
     def __init__(self, model: ServedModel, features: FeatureStore, device: torch.device,
-                 local_sampler: BaseSampler, fanouts: list[int], num_nodes: int, *,
-                 max_batch_nodes: int, router: EngineRouter, index: int = 0,
-                 pool: SamplerPool | None = None, max_waiting: int = 4096,
-                 gpu_sampler: BaseSampler | None = None, request_log_size: int = 0,
-                 spec: ModelSpec | None = None) -> None:
+                 local_sampler: BaseSampler, fanouts: list[int], num_nodes: int,
+                 parts: CoreParts, *, index: int = 0, spec: ModelSpec | None = None) -> None:
         self.model, self.features, self.device = model, features, device
-        self._init_models(model, spec or ModelSpec("model", 1, type(model.model).__name__,
-                                                   num_layers=len(fanouts)), fanouts)
-        #: () -> (in-degree, self-loop counts) of every node now, for a GCN loaded later
-        self.current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None = None
-        #: requested ids, the seed distribution of a feature re-placement (``replace.py``)
-        self.request_log = RequestLog(request_log_size)
-        self.replacer: Any = None  # a ``features.replace.Replacer`` when re-placement is wired
-        self.local_sampler, self.gpu_sampler = local_sampler, gpu_sampler
+        spec = spec or ModelSpec("model", 1, type(model.model).__name__, num_layers=len(fanouts))
+        #: every loaded (model, version) (``model_slots.py``); ``primary`` is the one built at
+        #: start-up, whose model ``self.model`` is (the exact table's, the calibration's)
+        self.primary = ModelSlot(spec, model, spec.fanouts_or(fanouts))
+        self.models = ModelTable(spec.name)
+        self.models.add(self.primary)
+        self.former, self.router, self.tables = parts.former, parts.router, parts.tables
+        self.pool, self.overlap, self.graph_sync = parts.pool, parts.overlap, parts.graph_sync
+        self.replacer, self.current_degrees = parts.replacer, parts.current_degrees
+        self.local_sampler, self.gpu_sampler = local_sampler, parts.gpu_sampler
         self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
-        self.max_batch_nodes, self.max_waiting = max_batch_nodes, max_waiting
-        #: hold a batch for the callers expected back (``fill.py``); False: form from what waits
-        self.expected_fill = True
-        self.router, self.pool = router, pool
-        self.waiting: deque[MicroBatch] = deque()
-        self._waiting_ids = 0
-        #: per client: ids it had outstanding at its last micro-batch, and when that arrived
-        self._client_ids: dict[bytes, tuple[int, float]] = {}
+        self.max_waiting = parts.max_waiting
+        #: while above 0, no update is applied (a GCN's degrees or a new exact table being read)
+        self.updates_held = 0
         self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
         self.sampled: deque[Batch] = deque()  # back from the pool, not yet computed
         self.in_flight: deque[Batch] = deque()  # launched on the GPU
-        self.reset_cost_models()
-        #: PSGS table (``engine/core/calibrate.py`` sets it); None: route and size by seed count
-        self.psgs: PsgsTable | None = None
-        self._waiting_draws = 0.0
+        #: micro-batches waiting for a graph version (``versions.py``)
+        self.parked: deque[MicroBatch] = deque()
+        #: exact micro-batches taken in since the last step (``exact_answers.py``)
+        self.exact_waiting: list[MicroBatch] = []
+        self.latency = LatencyModel()
+        self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
         self._pool_clock = PoolClock()  # when each CPU sampler's queue is predicted done
         #: learn from measured batches (off during the warm-up: one-off costs)
         self.learn_costs = True
-        self._ids = itertools.count()
         self.on_gpu = device.type == "cuda"
         # Serving streams at high priority: background work on the device (an exact table's
         # build and refresh, a model version loading, a re-placement) yields to them.
@@ -103,7 +97,7 @@ class EngineCore:
         self._counts_seen = (0, 0)  # hit/miss counters at the last batch answered
         #: timing events of answered batches, used again: an event made and destroyed per batch
         #: costs two more driver calls, slow while the GPU computes
-        self._spare_events: list[tuple[Any, Any]] = []
+        self._spare_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         #: called with each finished batch's stats (the process wrapper turns them into metrics)
         self.on_stats: Callable[[BatchStats], None] | None = None
         #: hold stats until ``flush_stats()`` (the process loop sends replies first, then records)
@@ -112,30 +106,34 @@ class EngineCore:
         #: sends replies at once (the process loop's socket): a finished batch is then answered
         #: before the next batch is sampled and launched, not after; None: ``step()`` returns them
         self.send_now: Callable[[list[Reply]], None] | None = None
-        #: route auto: batches for idle CPU samplers while the GPU is busy (``overlap.py``)
-        self.overlap: Any = None
-        #: the living graph's follower (``graph_sync.py``); None: a fixed graph
-        self.graph_sync: Any = None
-        #: micro-batches waiting for a graph version (``versions.py``)
-        self.parked: deque[MicroBatch] = deque()
-        #: the exact table (``exact_table.py``); None: every exact request is computed on the fly
-        self.exact_table: Any = None
-        #: exact micro-batches taken in since the last step (``exact_answers.py``)
-        self.exact_waiting: list[MicroBatch] = []
+        #: loads building and unloads draining (``model_load.py``); None: fixed models
+        self.loads = ModelLoads(self, parts.loads) if parts.loads is not None else None
 
-    def _init_models(self, model: ServedModel, spec: ModelSpec, fanouts: list[int]) -> None:
-        #: every loaded (model, version) (``model_slots.py``); ``primary`` is the one built at
-        #: start-up, whose model ``self.model`` is (the exact table's, the calibration's)
-        self.primary = ModelSlot(spec, model, spec.fanouts_or(fanouts))
-        self.models = ModelTable(spec.name)
-        self.models.add(self.primary)
-        #: loads building and unloads draining (``model_load.ModelLoads``); None: fixed models
-        self.loads: Any = None
-        #: while above 0, no update is applied (a GCN's degrees or a new exact table being read)
-        self.updates_held = 0
-        #: (exact config, base CSC, node capacity): what a new version's exact table is built from
-        self.table_args: Any = None
-        self.table_model = ""  # the model whose versions the exact table follows
+    # ---- the parts' state, read through the core ---------------------------------------------
+    @property
+    def waiting(self) -> deque[MicroBatch]:
+        """Micro-batches waiting for the batch former (``BatchFormer.waiting``)."""
+        return self.former.waiting
+
+    @property
+    def fill(self) -> ExpectedFill:
+        """The batch former's expected fill (``fill.py``)."""
+        return self.former.fill
+
+    @property
+    def psgs(self) -> PsgsTable | None:
+        """The PSGS table (``engine/core/calibrate.py``); None: route and size by seed count."""
+        return self.former.psgs
+
+    @property
+    def request_log(self) -> RequestLog:
+        """Requested ids, the seed distribution of a feature re-placement (``replace.py``)."""
+        return self.former.request_log
+
+    @property
+    def exact_table(self) -> ExactTable | None:
+        """The exact table (``model_tables.ExactTables``); None: exact requests on the fly."""
+        return self.tables.table
 
     @property
     def graphed(self) -> GraphedForward | None:
@@ -162,7 +160,8 @@ class EngineCore:
         self._counts_seen = (0, 0)
 
     def reset_cost_models(self) -> None:
-        self.fill = ExpectedFill()
+        """Forget the fill and latencies learned so far (the warm-up's one-off costs)."""
+        self.former.reset_fill()
         self.latency = LatencyModel()
         self.sample_latency = LatencyModel(prior_fixed_s=2e-4)
 
@@ -199,8 +198,7 @@ class EngineCore:
             errs = [RequestError(i, "overloaded", "engine queue is full; retry later", 503)
                     for i in range(mb.num_requests)]
             return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
-        if mb.exact and self.exact_table is not None \
-                and self.exact_table.model.served is mb.slot.served:
+        if mb.exact and self.tables.serves(mb.slot.served):
             self.exact_waiting.append(mb)  # answered from the table at the next step
             return None
         self.enqueue(mb)
@@ -208,36 +206,21 @@ class EngineCore:
 
     def enqueue(self, mb: MicroBatch) -> None:
         """Queue a checked micro-batch for the batch former."""
-        if self.psgs is not None:
-            ids = mb.ids if mb.valid is None else mb.ids[(mb.ids >= 0) & (mb.ids < self.num_nodes)]
-            mb.draws = self.psgs.draws(ids)
-            self._waiting_draws += mb.draws
-        self.waiting.append(mb)
-        self._waiting_ids += mb.num_ids
-        if mb.outstanding_ids:
-            self._client_ids[mb.client] = (mb.outstanding_ids, mb.received_s)
+        self.former.push(mb, self.num_nodes)
 
     def ids_in_hand(self) -> int:
         """Ids waiting, at the CPU pool, sampled or on the GPU (not the batch being answered)."""
-        return self._waiting_ids + sum(
+        return self.former.waiting_ids + sum(
             int(b.seeds.numel()) for group in (self.sampling.values(), self.sampled,
                                                self.in_flight) for b in group)
 
-    def _clients_outstanding(self, now_s: float) -> int:
-        """Ids the clients heard from in the last second say they have outstanding: callers
-        between two requests count too, which the engine cannot see itself."""
-        stale = [c for c, (_, at) in self._client_ids.items() if now_s - at > CLIENT_REPORT_S]
-        for c in stale:
-            del self._client_ids[c]
-        return sum(ids for ids, _ in self._client_ids.values())
-
     @property
-    def compute_stream(self) -> Any:
+    def compute_stream(self) -> torch.cuda.Stream | None:
         """The CUDA stream batches are gathered and computed on (None on a CPU)."""
         return self._compute_stream
 
     @property
-    def sample_stream(self) -> Any:
+    def sample_stream(self) -> torch.cuda.Stream | None:
         """The CUDA stream samples are drawn on (None on a CPU)."""
         return self._sample_stream
 
@@ -255,17 +238,15 @@ class EngineCore:
         return bool(self.waiting or self.sampled or self.in_flight or self.sampling or self.parked
                     or self.exact_waiting)
 
-    def table_paused(self) -> Any:
+    def table_paused(self) -> AbstractContextManager[object]:
         """A block during which no exact-table chunk runs (swap what chunks read inside it)."""
-        import contextlib
-
-        return self.exact_table.work_lock if self.exact_table is not None \
-            else contextlib.nullcontext()
+        table = self.tables.table
+        return table.work_lock if table is not None else contextlib.nullcontext()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Reply]:
-        if self.replacer is not None:
-            self.replacer.poll(self)  # a finished re-placement switches here, between batches
+        if self.replacer is not None:  # a finished re-placement switches here, between batches
+            self.replacer.poll(self.request_log, self._compute_stream, self.table_paused)
         replies = self._answer_finished()
         if self.loads is not None and self.loads.pending:
             replies += self.loads.poll()  # a built version joins, a drained one leaves
@@ -281,31 +262,37 @@ class EngineCore:
                 replies += exact_answers.answer(self, time.time())
         while self.sampled:
             replies += self._launch(self.sampled.popleft())
-        if self.waiting and self._may_form():
-            batch, refused = self._form(time.time())
+        if self.waiting and self.may_form():
+            batch, refused = self.form(time.time())
             replies += refused
             if batch is not None:
-                replies += self._route_and_run(batch)
+                replies += self.route_and_run(batch)
         elif self.waiting and self.overlap is not None:  # GPU busy: idle CPU samplers' share
             replies += self.overlap.step(self)
         if not replies and not self.has_ready_work() and self.in_flight:
             replies += self._finish(block=not self.waiting)
         return replies
 
-    def _may_form(self) -> bool:
-        """Form the next batch now (``forming.may_form``); tests replace it."""
-        return forming.may_form(self)
+    def may_form(self) -> bool:
+        """Form the next batch now (``BatchFormer.may_form``)."""
+        return self.former.may_form(self.in_flight, self.latency, self.sample_latency)
 
-    def _form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]:
-        """The next batch from what waits (``forming.form``)."""
-        return forming.form(self, now_s, cap)
+    def form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]:
+        """The next batch from what waits (``BatchFormer.form``), of at most ``cap`` seeds
+        (default: as many as finish inside the oldest request's deadline budget)."""
+        if cap is None:
+            budget_s = self.former.waiting[0].min_deadline_s - now_s
+            cap = self.former.seed_cap(budget_s, self.latency, self.cost, self.router.paths(
+                self.gpu_sampler is not None, self.pool is not None))
+        return self.former.form(now_s, cap)
 
     # ---- routing, sampling, launching ------------------------------------------------------------
     def _route_state(self, batch: Batch) -> EngineRouteState:
         n = int(batch.seeds.numel())
         outstanding = self.pool.outstanding() if self.pool is not None else []
         state = EngineRouteState(n, len(self.waiting), outstanding, self.gpu_sampler is not None,
-                                 len(self.in_flight), waiting_batches=self._waiting_ids / max(n, 1))
+                                 len(self.in_flight),
+                                 waiting_batches=self.former.waiting_ids / max(n, 1))
         if self.psgs is not None and not batch.exact and batch.slot.fanouts == self.fanouts:
             ids = batch.seeds.numpy()
             state.psgs = batch.psgs = float(self.psgs.estimate(ids))
@@ -315,7 +302,8 @@ class EngineCore:
             state.pool_queued_s = self._pool_clock.queued_s(outstanding, time.time())
         return state
 
-    def _route_and_run(self, batch: Batch) -> list[Reply]:
+    def route_and_run(self, batch: Batch) -> list[Reply]:
+        """Route a formed batch and sample it here, or send it to the CPU pool."""
         state = self._route_state(batch)
         decision = self.router.decide(state)
         batch.route = decision.route
@@ -339,7 +327,7 @@ class EngineCore:
             if self._sample_stream is not None:
                 with torch.cuda.stream(self._sample_stream):
                     batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
-                    self._stage(batch)  # its copy to the host waits for sampling only
+                    self.stage(batch)  # its copy to the host waits for sampling only
             else:
                 batch.sampled = sampler.sample(batch.seeds, self._fanouts(batch), batch.seed)
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -370,13 +358,11 @@ class EngineCore:
         for task_id in task_ids:
             batch = self.sampling.pop(task_id, None)
             if batch is not None:
-                for part in reversed(batch.parts):
-                    self.waiting.appendleft(part.mb)
-                    self._waiting_ids += part.mb.num_ids
+                self.former.put_back([part.mb for part in batch.parts])
 
-    def _stage(self, batch: Batch) -> None:
-        """Pack a small sampled batch for its CUDA graph; always right before ``_launch``, so a
-        host buffer is never packed twice before its copy is queued."""
+    def stage(self, batch: Batch) -> None:
+        """Pack a small sampled batch for its CUDA graph; always right before it is launched,
+        so a host buffer is never packed twice before its copy is queued."""
         graphed = batch.slot.graphed
         if graphed is not None and not batch.exact and batch.sampled is not None \
                 and batch.staged is None:
@@ -394,7 +380,7 @@ class EngineCore:
             if self._compute_stream is None:
                 return self._run_sync(batch)
             early = self._answer_finished() if self.in_flight else []
-            self._stage(batch)  # pool samples (host tensors); GPU samples were staged already
+            self.stage(batch)  # pool samples (host tensors); GPU samples were staged already
             self._run_async(batch)
             return early
         except Exception as exc:  # noqa: BLE001 - fails this batch only (CUDA faults re-raise)
@@ -409,7 +395,8 @@ class EngineCore:
             return []
         return replies
 
-    def _forward(self, batch: Batch) -> Tensor:
+    def forward(self, batch: Batch) -> Tensor:
+        """Gather and model of a sampled batch, its seeds' rows (on the current stream)."""
         sb = batch.sampled
         assert sb is not None
         if batch.staged is not None:
@@ -423,11 +410,11 @@ class EngineCore:
 
     def _run_sync(self, batch: Batch) -> list[Reply]:
         t0 = time.perf_counter()
-        rows = self._forward(batch).float()
+        rows = self.forward(batch).float()
         compute_s = time.perf_counter() - t0
         self.latency.observe(int(batch.seeds.numel()), compute_s + batch.sample_s)
         self._observe_compute(batch, compute_s)
-        return self._replies(batch, rows.numpy(), compute_s)
+        return self.answer(batch, rows.numpy(), compute_s)
 
     def _run_async(self, batch: Batch) -> None:
         stream = self._compute_stream
@@ -439,7 +426,7 @@ class EngineCore:
             else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(stream):
             batch.start_event.record(stream)
-            rows = self._forward(batch).float()
+            rows = self.forward(batch).float()
             host = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             batch.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
@@ -468,7 +455,7 @@ class EngineCore:
             self.latency.observe(int(batch.seeds.numel()), compute_s)
             self._observe_compute(batch, compute_s)
             assert batch.rows is not None
-            replies += self._replies(batch, batch.rows.numpy(), compute_s)
+            replies += self.answer(batch, batch.rows.numpy(), compute_s)
             block = False
         return replies
 
@@ -477,10 +464,12 @@ class EngineCore:
             self.cost.observe_compute(batch.sampled.num_nodes, compute_s)
 
     # ---- replies ---------------------------------------------------------------------------------
-    def _replies(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
+    def answer(self, batch: Batch, rows: np.ndarray, compute_s: float) -> list[Reply]:
+        """The replies of a computed batch (``rows``: its seeds' rows, in part order), one per
+        micro-batch; its stats are recorded and the expected fill learns from it."""
         stats = self._stats(batch, compute_s)
         self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
-                              self._clients_outstanding(time.time()))
+                              self.former.clients_outstanding(time.time()))
         dim = int(rows.shape[1])
         replies = []
         for i, (part, chunk) in enumerate(zip(batch.parts, split_rows(batch.parts, rows),

@@ -13,21 +13,32 @@ both paths answer for the version the engine core serves.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
 from quiver_serve.engine.core.micro_batch import MicroBatch, Part, Reply, prune
+from quiver_serve.engine.core.model_tables import ExactTables
 from quiver_serve.messages import BatchStats
 from quiver_serve.wire import MicroBatchDone
 
-#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
-EngineCore = Any
+
+class AnsweringCore(Protocol):
+    """The engine core as the table's answers see it (``core.EngineCore``)."""
+
+    index: int
+    tables: ExactTables
+    exact_waiting: list[MicroBatch]
+
+    def enqueue(self, mb: MicroBatch) -> None: ...
+
+    def record_stats(self, stats: BatchStats) -> None: ...
 
 
-def answer(core: EngineCore, now_s: float) -> list[Reply]:
+def answer(core: AnsweringCore, now_s: float) -> list[Reply]:
     """Answer the waiting exact micro-batches the table can; queue the rest on the fly."""
-    table = core.exact_table
+    table = core.tables.table
+    assert table is not None
     waiting, core.exact_waiting = core.exact_waiting, []
     replies: list[Reply] = []
     parts: list[Part] = []
@@ -61,7 +72,7 @@ def answer(core: EngineCore, now_s: float) -> list[Reply]:
     return replies
 
 
-def _stats(core: EngineCore, parts: list[Part], num_ids: int, gather_s: float,
+def _stats(core: AnsweringCore, parts: list[Part], num_ids: int, gather_s: float,
            now_s: float) -> BatchStats:
     """The table answers of one step, reported as a batch of route ``table``."""
     oldest = min(p.mb.received_s for p in parts)

@@ -22,17 +22,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from quiver_serve.config import ExactConfig
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.neighbourhood import CurrentGraph, OutIndex
+from quiver_serve.graph.overlay import DeviceOverlay, Overlay
 from quiver_serve.models.layerwise import LayerwiseModel, unsupported
+from quiver_serve.models.served import ServedModel
+from quiver_serve.sampling.base import BaseSampler
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +75,22 @@ class TableCounters:
     failures: int = 0
 
 
+class RefreshThread(Protocol):
+    """The table's refresh thread as the table sees it (``table_refresh.Refresher``)."""
+
+    busy: bool
+
+    def wake(self) -> None: ...
+
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+
 class ExactTable:
     """Every layer's output for every node, on one engine core; see the module docstring."""
 
-    def __init__(self, cfg: ExactConfig, model: LayerwiseModel, features: Any,
+    def __init__(self, cfg: ExactConfig, model: LayerwiseModel, features: FeatureStore,
                  device: torch.device, capacity: int, where: str,
-                 graph_of: Any) -> None:
+                 graph_of: Callable[[], CurrentGraph]) -> None:
         self.cfg, self.model, self.features = cfg, model, features
         self.device, self.capacity, self.where = device, int(capacity), where
         #: () -> CurrentGraph on ``device``: the graph as the engine core serves it now
@@ -110,11 +124,11 @@ class ExactTable:
         self.serve_stream = torch.cuda.Stream(device, priority=-1) if self.on_gpu else None
         self._map = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
         self.out_index: OutIndex | None = None
-        self.refresher: Any = None
+        self.refresher: RefreshThread | None = None
 
     # ---- computing rows ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def on_stream(self, stream: Any) -> Iterator[None]:
+    def on_stream(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             yield
 
@@ -211,7 +225,8 @@ class ExactTable:
 
     # ---- marking (engine thread, after a step's records are applied) ---------------------------
     def mark(self, struct_nodes: np.ndarray, feature_nodes: np.ndarray, added: np.ndarray | None,
-             version: int, accepted_s: float, sample_stream: Any = None) -> None:
+             version: int, accepted_s: float,
+             sample_stream: torch.cuda.Stream | None = None) -> None:
         """Mark what records up to ``version`` changed: ``struct_nodes`` (their in-lists),
         ``feature_nodes`` (their feature rows; nodes appended too), ``added`` (int64 [n, 2]
         edges added). The graph the engine serves already holds them."""
@@ -294,66 +309,52 @@ class ExactTable:
             self.refresher.stop(timeout_s)
 
 
-def current_graph(core: Any, device: torch.device, static: tuple[Tensor, Tensor]) -> CurrentGraph:
-    """The graph ``core`` serves now, on ``device`` where its GPU sampler holds a copy (else on
-    the host: the caller moves what it reads)."""
-    sync = core.graph_sync
-    gpu = core.gpu_sampler
-    dev_ptr = getattr(gpu, "indptr_device", None)
-    if device.type == "cuda" and dev_ptr is not None and dev_ptr.device.type == "cuda":
-        view = sync.device_overlay.view() if sync is not None and sync.device_overlay is not None \
-            else None
-        return CurrentGraph(dev_ptr, gpu.indices_device, view, core.num_nodes)
-    if sync is not None:
-        ov = sync.overlay
-        indptr, indices = torch.from_numpy(ov.indptr), torch.from_numpy(ov.indices)
-        view = ov.view()
-    else:
-        (indptr, indices), view = static, None
-    graph = CurrentGraph(indptr, indices, view, core.num_nodes)
-    if device.type == "cuda":  # a table on the GPU over a host graph: one device copy for it
-        return _device_copy(core, graph, device)
-    return graph
+class TableGraph:
+    """The graph an engine core serves now, as its exact tables read it: on the device where
+    the GPU sampler holds a copy, else the host's (a table on the GPU over a host graph reads
+    one device copy of it, made once per base)."""
+
+    def __init__(self, device: torch.device, static: tuple[Tensor, Tensor]) -> None:
+        self.device, self.static = device, static
+        #: (host indices it copies, device indptr, device indices)
+        self._copy: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def current(self, gpu: BaseSampler | None, overlay: Overlay | None,
+                device_overlay: DeviceOverlay | None, num_nodes: int) -> CurrentGraph:
+        """``overlay``/``device_overlay``: the living graph's (None: a fixed graph)."""
+        dev_ptr = getattr(gpu, "indptr_device", None)  # a device-resident GPU sampler's CSC
+        dev_idx = getattr(gpu, "indices_device", None)
+        if self.device.type == "cuda" and dev_ptr is not None and dev_idx is not None \
+                and dev_ptr.device.type == "cuda":
+            view = device_overlay.view() if device_overlay is not None else None
+            return CurrentGraph(dev_ptr, dev_idx, view, num_nodes)
+        if overlay is not None:
+            indptr, indices = torch.from_numpy(overlay.indptr), torch.from_numpy(overlay.indices)
+            view = overlay.view()
+        else:
+            (indptr, indices), view = self.static, None
+        graph = CurrentGraph(indptr, indices, view, num_nodes)
+        if self.device.type == "cuda":  # a table on the GPU over a host graph
+            return self._device_copy(graph, device_overlay, num_nodes)
+        return graph
+
+    def _device_copy(self, graph: CurrentGraph, device_overlay: DeviceOverlay | None,
+                     num_nodes: int) -> CurrentGraph:
+        cached = self._copy
+        if cached is None or cached[0] is not graph.indices:
+            cached = (graph.indices, graph.indptr.to(self.device), graph.indices.to(
+                self.device, torch.int32 if num_nodes < 2 ** 31 else torch.int64))
+            self._copy = cached
+        view = graph.view
+        if view is not None:
+            view = device_overlay.view() if device_overlay is not None else None
+        return CurrentGraph(cached[1], cached[2], view, graph.num_nodes)
 
 
-def _device_copy(core: Any, graph: CurrentGraph, device: torch.device) -> CurrentGraph:
-    cached = getattr(core, "_table_graph_copy", None)
-    if cached is None or cached[0] is not graph.indices:
-        cached = (graph.indices, graph.indptr.to(device), graph.indices.to(device, torch.int32
-                  if core.num_nodes < 2 ** 31 else torch.int64))
-        core._table_graph_copy = cached
-    view = graph.view
-    if view is not None:
-        sync = core.graph_sync
-        dev = sync.device_overlay if sync is not None else None
-        view = dev.view() if dev is not None else None
-    return CurrentGraph(cached[1], cached[2], view, graph.num_nodes)
-
-
-def build_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
-                      capacity: int, progress: bool = True) -> ExactTable | None:
-    """The engine core's exact table, built, with its refresh thread; None when the config or
-    the model says no (logged)."""
-    table = new_exact_table(core, cfg, static, capacity, core.model, progress)
-    if table is not None:
-        start_refresh(core, table)
-    return table
-
-
-def start_refresh(core: Any, table: ExactTable) -> None:
-    """The table serves the version the core serves now, and its refresh thread runs."""
-    if core.graph_sync is not None:
-        from quiver_serve.engine.core.table_refresh import Refresher
-
-        table.version = table.marked_version = core.graph_sync.version
-        table.refresher = Refresher(table)
-        table.refresher.start()
-
-
-def new_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
-                    capacity: int, served: Any, progress: bool = True,
-                    yield_fraction: float = 0.0) -> ExactTable | None:
-    """An exact table of ``served`` over the graph the core serves now, built (no refresh
+def new_exact_table(cfg: ExactConfig, served: ServedModel, features: FeatureStore,
+                    device: torch.device, capacity: int, graph_of: Callable[[], CurrentGraph],
+                    progress: bool = True, yield_fraction: float = 0.0) -> ExactTable | None:
+    """An exact table of ``served`` over the graph ``graph_of()`` returns, built (no refresh
     thread yet); None when the config or the model says no (logged). The graph must not change
     while it builds (start-up, or updates held: ``model_load.py``)."""
     if cfg.materialize == "off":
@@ -366,12 +367,11 @@ def new_exact_table(core: Any, cfg: ExactConfig, static: tuple[Tensor, Tensor],
         return None
     model = LayerwiseModel(served)
     num_bytes = table_bytes(capacity, model.out_dims())
-    where = placement(cfg, core.device, num_bytes)
+    where = placement(cfg, device, num_bytes)
     if where is None:
         log.info("exact table off: %.1f MiB exceeds exact.gpu_bytes and exact.host_bytes",
                  num_bytes / 2**20)
         return None
-    table = ExactTable(cfg, model, core.features, core.device, capacity, where,
-                       lambda: current_graph(core, core.device, static))
+    table = ExactTable(cfg, model, features, device, capacity, where, graph_of)
     table.build(progress, yield_fraction)
     return table

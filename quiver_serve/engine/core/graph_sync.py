@@ -16,24 +16,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.batch import Batch
+from quiver_serve.engine.core.exact_table import ExactTable
+from quiver_serve.engine.core.micro_batch import Reply
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import Capacities
 from quiver_serve.graph.overlay import DeviceOverlay, Overlay, Patch
 from quiver_serve.graph.overlay_view import OverlayView
-from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
+from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord, Record
 from quiver_serve.graph.state import GraphState
 from quiver_serve.graph.update_log import LogFollower
+from quiver_serve.routing.psgs import PsgsTable
+from quiver_serve.sampling.base import BaseSampler
 
 if TYPE_CHECKING:
-    from quiver_serve.engine.core.core import EngineCore
-    from quiver_serve.engine.core.micro_batch import Reply
+    from quiver_serve.engine.core.rebase import Rebase
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +52,56 @@ MAX_RECORDS_PER_POLL = 256
 REBASE_RETRY_S = 10.0
 
 
+class SyncedCore(Protocol):
+    """The engine core as the update log's follower sees it (``core.EngineCore``)."""
+
+    num_nodes: int
+    local_sampler: BaseSampler
+    gpu_sampler: BaseSampler | None
+    in_flight: deque[Batch]
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def features(self) -> FeatureStore: ...
+
+    @property
+    def psgs(self) -> PsgsTable | None: ...
+
+    @property
+    def exact_table(self) -> ExactTable | None: ...
+
+    @property
+    def sample_stream(self) -> torch.cuda.Stream | None: ...
+
+    def finish_all(self) -> list[Reply]: ...
+
+    def degree_weighted(self) -> bool: ...
+
+    def update_degrees(self, nodes: Tensor, in_degree: Tensor,
+                       self_loops: Tensor | None = None) -> None: ...
+
+    def table_paused(self) -> AbstractContextManager[object]: ...
+
+
 class GraphSync:
-    """Applies the update log to one engine core; see the module docstring."""
+    """Applies the update log to one engine core; see the module docstring. ``cfg``: to build
+    samplers over a compacted base (``rebase.py``); None: the core stays on its base."""
 
     def __init__(self, base: GraphData, base_version: int, caps: Capacities, log_dir: Path,
-                 state: GraphState | None, index: int) -> None:
+                 state: GraphState | None, index: int, cfg: ServeConfig | None = None) -> None:
         self.overlay = Overlay(base.indptr, base.indices, caps.node_capacity, caps.edge_capacity)
         self.follower = LogFollower(log_dir, base_version)
         self.version = self.base_version = base_version
         self.log_dir, self.caps = log_dir, caps
         #: the next base being built (``rebase.py``), and the config it needs
-        self.rebase: Any = None
-        self.cfg: Any = None
+        self.rebase: Rebase | None = None
+        self.cfg = cfg
         self._rebase_after_s = 0.0
         self.state, self.index = state, index
         self.device_overlay: DeviceOverlay | None = None
-        self.views: list[tuple[Any, OverlayView]] = []  # (sampler, the view it was given)
+        self.views: list[tuple[BaseSampler, OverlayView]] = []  # (sampler, its view)
         if state is not None:
             state.set_reader_base("engine", index, base_version)
         #: per applied record since the last poll, the nodes it changed (for the exact table)
@@ -70,7 +113,7 @@ class GraphSync:
     def behind(self) -> bool:
         return self.state is not None and self.state.acked > self.version
 
-    def poll(self, core: EngineCore, max_records: int = MAX_RECORDS_PER_POLL) -> list[Reply]:
+    def poll(self, core: SyncedCore, max_records: int = MAX_RECORDS_PER_POLL) -> list[Reply]:
         """Apply what was acknowledged since the last poll; replies of batches finished first.
         Also moves the core onto a newer compacted base once it is built beside."""
         if self.state is not None and self.cfg is not None:
@@ -90,7 +133,7 @@ class GraphSync:
             self._mark_table(core, records)
         return replies
 
-    def _mark_table(self, core: EngineCore, records: list[Any]) -> None:
+    def _mark_table(self, core: SyncedCore, records: list[Record]) -> None:
         """Tell the exact table what these applied records changed (``exact_table.py``)."""
         struct, feats, added = [], [], []
         for record, changed in zip(records, self._changed[-len(records):], strict=True):
@@ -101,16 +144,17 @@ class GraphSync:
                 feats.append(changed)
         self._changed.clear()
         empty = np.empty(0, np.int64)
+        assert core.exact_table is not None
         core.exact_table.mark(np.unique(np.concatenate(struct)) if struct else empty,
                               np.unique(np.concatenate(feats)) if feats else empty,
                               np.concatenate(added) if added else None, self.version,
                               float(records[0].accepted_s), core.sample_stream)
 
-    def _follow_base(self, core: EngineCore) -> None:
-        from quiver_serve.engine.core.rebase import Rebase, switch
+    def _follow_base(self, core: SyncedCore) -> None:
+        from quiver_serve.engine.core.rebase import Rebase
         from quiver_serve.graph.state import NEWEST_BASE
 
-        assert self.state is not None
+        assert self.state is not None and self.cfg is not None
         if self.rebase is None:
             if self.state.get(NEWEST_BASE) > self.base_version \
                     and time.monotonic() >= self._rebase_after_s:
@@ -128,13 +172,34 @@ class GraphSync:
             return
         try:
             with core.table_paused():  # no exact-table chunk reads the old base meanwhile
-                switch(self, core, rebase)
+                self._switch(core, rebase)
         except Exception as exc:  # noqa: BLE001 - the old state is untouched until the swap
             log.warning("engine %d: switching to the compacted base failed (%s)", self.index, exc)
             return
         self.state.set_reader_base("engine", self.index, self.base_version)
 
-    def catch_up(self, core: EngineCore) -> list[Reply]:
+    def _switch(self, core: SyncedCore, rebase: Rebase) -> None:
+        """Swap ``core`` onto the rebased samplers and overlay (at a step boundary)."""
+        assert rebase.overlay is not None and rebase.local is not None
+        rebase.catch_up(self.version)
+        if rebase.follower is not None:
+            rebase.follower.close()
+        old_views = self.views
+        self.overlay, self.views, self.device_overlay = rebase.overlay, [], None
+        core.local_sampler = rebase.local
+        if core.gpu_sampler is not None and rebase.gpu_sampler is not None:
+            core.gpu_sampler = rebase.gpu_sampler
+        ov = rebase.overlay
+        if old_views or ov.active or ov.num_nodes > ov.n_base:
+            stream = core.sample_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.attach_views(core)
+        self.base_version = rebase.base_version
+        log.info("engine %d: on the compacted base of version %d (built in %.2f s; overlay %d "
+                 "of %d entries)", self.index, rebase.base_version, rebase.seconds, ov.top,
+                 ov.edge_capacity)
+
+    def catch_up(self, core: SyncedCore) -> list[Reply]:
         """Poll until nothing acknowledged is left (start-up replay, tests)."""
         replies: list[Reply] = []
         while True:
@@ -143,13 +208,13 @@ class GraphSync:
             if self.version == before:
                 return replies
 
-    def _publish(self, last: Any) -> None:
+    def _publish(self, last: Record) -> None:
         staleness_s = max(0.0, time.time() - float(last.accepted_s))
         if self.state is not None:
             self.state.publish_engine(self.index, self.version, staleness_s)
 
     # ---- applying one record ---------------------------------------------------------------------
-    def apply(self, core: EngineCore, record: Any) -> None:
+    def apply(self, core: SyncedCore, record: Record) -> None:
         if record.version != self.version + 1:
             raise RuntimeError(f"update log gap: engine {self.index} at version {self.version} "
                                f"read version {record.version}")
@@ -175,7 +240,7 @@ class GraphSync:
         if self.on_applied is not None:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
-    def _edges_changed(self, core: EngineCore, patch: Patch) -> None:
+    def _edges_changed(self, core: SyncedCore, patch: Patch) -> None:
         self.attach_views(core)
         if self.device_overlay is not None:
             stream = core.sample_stream
@@ -188,7 +253,7 @@ class GraphSync:
         if nodes.size:
             self._degrees_changed(core, nodes)
 
-    def _degrees_changed(self, core: EngineCore, nodes: np.ndarray) -> None:
+    def _degrees_changed(self, core: SyncedCore, nodes: np.ndarray) -> None:
         degree = torch.from_numpy(self.overlay.degree(nodes))
         t_nodes = torch.from_numpy(nodes)
         if core.degree_weighted():
@@ -196,7 +261,7 @@ class GraphSync:
         if core.psgs is not None:
             core.psgs.update_nodes(t_nodes, degree)
 
-    def _nodes_added(self, core: EngineCore, ids: np.ndarray, features: np.ndarray) -> None:
+    def _nodes_added(self, core: SyncedCore, ids: np.ndarray, features: np.ndarray) -> None:
         self.attach_views(core)  # the samplers must know the new ids even before any edge
         core.features.write_rows(torch.from_numpy(ids), torch.from_numpy(np.ascontiguousarray(features)))
         zeros = torch.zeros(ids.size, dtype=torch.int64)
@@ -207,14 +272,14 @@ class GraphSync:
             core.psgs.update_nodes(t_ids, zeros)
         self.set_num_nodes(core, self.overlay.num_nodes)
 
-    def set_num_nodes(self, core: EngineCore, num_nodes: int) -> None:
+    def set_num_nodes(self, core: SyncedCore, num_nodes: int) -> None:
         core.num_nodes = num_nodes
         if self.device_overlay is not None:
             self.device_overlay.num_nodes = num_nodes
         for _, view in self.views:
             view.num_nodes = num_nodes
 
-    def attach_views(self, core: EngineCore) -> None:
+    def attach_views(self, core: SyncedCore) -> None:
         """Hand the samplers their views at the first edge update (before it, they read the
         base alone, at the base's speed)."""
         if self.views:
@@ -234,7 +299,7 @@ class GraphSync:
 
     # ---- temporary nodes (inductive requests) ------------------------------------------------------
     @contextlib.contextmanager
-    def virtual_nodes(self, core: EngineCore, ids: np.ndarray, offsets: np.ndarray,
+    def virtual_nodes(self, core: SyncedCore, ids: np.ndarray, offsets: np.ndarray,
                       neighbors: np.ndarray, features: np.ndarray) -> Iterator[None]:
         """Nodes ``ids`` (the next free ids) with these in-neighbours and feature rows, for the
         duration of the block; the overlay's free space holds their lists, so nothing of the
@@ -265,7 +330,7 @@ class GraphSync:
             self._write_patch(core, reset)
             self.set_num_nodes(core, ov.num_nodes)
 
-    def _write_patch(self, core: EngineCore, patch: Patch) -> None:
+    def _write_patch(self, core: SyncedCore, patch: Patch) -> None:
         """Write a patch that is not an acknowledged update into the host and device overlays."""
         ov = self.overlay
         host = ov.view()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from quiver_serve import errors
 from quiver_serve.wire import MicroBatchDone, RequestError
+
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.model_slots import ModelSlot
 
 
 @dataclass
@@ -49,7 +52,7 @@ class MicroBatch:
     model: str = ""
     version: int = 0
     #: the ``ModelSlot`` it runs on, resolved at intake (``model_slots.py``)
-    slot: Any = None
+    slot: ModelSlot | None = None
 
     @property
     def num_new_nodes(self) -> int:

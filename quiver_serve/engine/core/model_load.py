@@ -25,15 +25,20 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from quiver_serve.engine.core import model_tables
+from quiver_serve.engine.core.batch import Batch
+from quiver_serve.engine.core.forming import BatchFormer
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
-from quiver_serve.engine.core.model_slots import DRAINING, ModelSlot
-from quiver_serve.engine.core.slot_checks import capture_graphs, check_fast_model
+from quiver_serve.engine.core.model_slots import DRAINING, Hold, ModelSlot
+from quiver_serve.engine.core.model_tables import TablesCore
+from quiver_serve.engine.core.slot_checks import SlotCore, capture_graphs, check_fast_model
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling import make_cpu_sampler
@@ -42,8 +47,6 @@ from quiver_serve.wire import MicroBatchDone, RequestError
 
 log = logging.getLogger(__name__)
 
-#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
-EngineCore = Any
 #: called once with the loaded slot's description, or with the error that stopped the load
 Done = Callable[[dict[str, Any] | None, str | None], None]
 WARM_SEEDS = 8
@@ -54,21 +57,43 @@ LOADER_CHECK_S = 300.0
 
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How an engine core builds the versions it loads (``inference.*``, ``models.*``)."""
+
+    precision: str
+    fast: bool
+    cuda_graph_max_seeds: int
+    unload_drain_s: float
+
+
+class LoadingCore(TablesCore, SlotCore, Protocol):
+    """The engine core as loads and unloads see it (``core.EngineCore``)."""
+
+    former: BatchFormer
+    parked: deque[MicroBatch]
+    sampling: dict[int, Batch]
+    sampled: deque[Batch]
+    in_flight: deque[Batch]
+    fanouts: list[int]
+    model: ServedModel
+    current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None
+
+
 class ModelLoads:
     """Builds in flight and slots draining, for one engine core; see the module docstring."""
 
-    def __init__(self, core: EngineCore, precision: str, fast: bool,
-                 cuda_graph_max_seeds: int, unload_drain_s: float) -> None:
-        self.core, self.precision, self.fast = core, precision, fast
-        self.cuda_graph_max_seeds = cuda_graph_max_seeds
-        self.unload_drain_s = unload_drain_s
+    def __init__(self, core: LoadingCore, settings: LoadSettings) -> None:
+        self.core, self.precision, self.fast = core, settings.precision, settings.fast
+        self.cuda_graph_max_seeds = settings.cuda_graph_max_seeds
+        self.unload_drain_s = settings.unload_drain_s
         self._built: deque[tuple[tuple[str, int], ModelSlot | None, str | None, Done]] = deque()
         self._draining: dict[int, tuple[ModelSlot, Done]] = {}
         #: loads for the loader thread (None: end it); one more slot than loads, for that
         self._queue: queue.Queue[tuple[ModelSpec, Done] | None] = queue.Queue(
             MAX_QUEUED_LOADS + 1)
         self._thread: threading.Thread | None = None
-        self._stream: Any = None  # the loader thread's CUDA stream
+        self._stream: torch.cuda.Stream | None = None  # the loader thread's CUDA stream
         self._lock = threading.Lock()
         self._asked: list[model_tables.Hold] = []  # holds on updates loaders wait for
         self._building: set[tuple[str, int]] = set()  # queued or building (loop thread's view)
@@ -203,15 +228,10 @@ class ModelLoads:
         if time.monotonic() - slot.drain_since_s < self.unload_drain_s:
             return []
         core = self.core
-        mine = [mb for mb in core.waiting if mb.slot is slot]
+        mine = core.former.take_slot(slot)
         if not mine and not any(mb.slot is slot for mb in core.exact_waiting) \
                 and not any(mb.slot is slot for mb in core.parked):
             return []
-        keep = [mb for mb in core.waiting if mb.slot is not slot]
-        core.waiting.clear()
-        core.waiting.extend(keep)
-        core._waiting_ids = sum(mb.num_ids for mb in keep)
-        core._waiting_draws = sum(mb.draws for mb in keep)
         gone = mine + [mb for mb in core.exact_waiting if mb.slot is slot] \
             + [mb for mb in core.parked if mb.slot is slot]
         core.exact_waiting = [mb for mb in core.exact_waiting if mb.slot is not slot]
@@ -228,7 +248,7 @@ class ModelLoads:
         core = self.core
         core.models.remove(slot)
         model_tables.discard_pending(core, slot)
-        if core.exact_table is not None and core.exact_table.model.served is slot.served:
+        if core.tables.serves(slot.served):
             model_tables.drop_exact_table(core, f"{slot.name} version {slot.version} was "
                                           "unloaded")
         if slot is core.primary:
@@ -276,7 +296,7 @@ def _refuse(mb: MicroBatch, slot: ModelSlot) -> Reply:
     return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
 
 
-def in_use(core: EngineCore, slot: ModelSlot) -> bool:
+def in_use(core: LoadingCore, slot: ModelSlot) -> bool:
     """Whether any work the core holds runs on ``slot``."""
     if any(mb.slot is slot for group in (core.waiting, core.exact_waiting, core.parked)
            for mb in group):
@@ -300,9 +320,10 @@ def release_cache(device: torch.device) -> None:
 
 
 # ---- building one version (the loader thread) ------------------------------------------------------
-def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
-               cuda_graph_max_seeds: int, stream: Any = None, ask: Any = None,
-               holds: list[Any] | None = None) -> ModelSlot:
+def build_slot(core: LoadingCore, spec: ModelSpec, precision: str, fast: bool,
+               cuda_graph_max_seeds: int, stream: torch.cuda.Stream | None = None,
+               ask: Callable[[Hold], None] | None = None,
+               holds: list[Hold] | None = None) -> ModelSlot:
     """The slot of ``spec`` on the core's device, checked and warmed up; raises naming what is
     wrong. ``stream``: the CUDA stream to build on (default: a new one). ``ask``: beside a
     serving loop (``ModelLoads``), how to ask it to hold updates while the graph is read (a
@@ -314,7 +335,7 @@ def build_slot(core: EngineCore, spec: ModelSpec, precision: str, fast: bool,
         raise ValueError(f"{spec.name}: {len(fanouts)} fanouts for {spec.num_layers} layers")
     module = build_model(spec, core.features.dim)
     gcn = degree_weighted(module)
-    table = ask is not None and model_tables.wants_table(core, spec.name)
+    table = ask is not None and core.tables.wants(spec.name)
     hold = model_tables.take_hold(ask) if ask is not None and (gcn or table) else None
     if hold is not None and holds is not None:
         holds.append(hold)
@@ -353,7 +374,7 @@ def degree_weighted(module: torch.nn.Module) -> bool:
     return any(isinstance(m, GCNConv) and m.normalize for m in module.modules())
 
 
-def loader_sampler(core: EngineCore) -> BaseSampler:
+def loader_sampler(core: LoadingCore) -> BaseSampler:
     """A sampler of its own over the base graph (the loop's samplers are not shared across
     threads); its samples only check and warm the new version."""
     ref = core.local_sampler
@@ -361,7 +382,7 @@ def loader_sampler(core: EngineCore) -> BaseSampler:
 
 
 @torch.no_grad()
-def warm_up(core: EngineCore, slot: ModelSlot, sampler: BaseSampler) -> None:
+def warm_up(core: LoadingCore, slot: ModelSlot, sampler: BaseSampler) -> None:
     """One sampled and one exact forward of a few seeds; their rows must be finite."""
     n = max(min(sampler.num_nodes, core.num_nodes), 1)
     seeds = torch.from_numpy(np.random.default_rng().integers(0, n, WARM_SEEDS))

@@ -21,14 +21,25 @@ A slot's states: ``READY`` (serving; takes unpinned requests when its weight is 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from quiver_serve.engine.core.exact_table import ExactTable
 from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.models.served import ServedModel
 from quiver_serve.models.spec import ModelSpec
 
 READY, DRAINING = "READY", "DRAINING"
+
+
+class Hold:
+    """One hold on the core's updates, asked for by a loader thread, given by the loop."""
+
+    def __init__(self) -> None:
+        self.given = threading.Event()
+        self.since_s = 0.0
+        self.active = False
 
 
 @dataclass(eq=False)
@@ -50,9 +61,9 @@ class ModelSlot:
     load_s: dict[str, float] = field(default_factory=dict)
     #: an exact table built with the load, waiting for this version to take the model's
     #: traffic (``model_load.ModelLoads.follow_table``); updates are held meanwhile
-    pending_table: Any = None
-    #: the hold on updates this slot's pending table has (``model_load.Hold``)
-    hold: Any = None
+    pending_table: ExactTable | None = None
+    #: the hold on updates this slot's pending table has (``model_tables.take_hold``)
+    hold: Hold | None = None
 
     @property
     def name(self) -> str:

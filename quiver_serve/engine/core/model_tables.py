@@ -16,38 +16,132 @@ discarded: a table may never be served stale).
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from quiver_serve.engine.core.model_slots import ModelSlot
+import torch
+from torch import Tensor
+
+from quiver_serve.config import ExactConfig
+from quiver_serve.engine.core.exact_table import ExactTable, TableGraph, new_exact_table
+from quiver_serve.engine.core.micro_batch import MicroBatch
+from quiver_serve.engine.core.model_slots import Hold, ModelSlot, ModelTable
+from quiver_serve.features.store import FeatureStore
+from quiver_serve.graph.neighbourhood import CurrentGraph
+from quiver_serve.models.served import ServedModel
+from quiver_serve.sampling.base import BaseSampler
+
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.graph_sync import GraphSync
 
 log = logging.getLogger(__name__)
 
-EngineCore = Any
 #: the longest updates are held for a pending table (its version never took the traffic)
 HOLD_LIMIT_S = 60.0
 #: a pending table's build leaves the device to serving for this multiple of each chunk's time
 BUILD_YIELD = 1.0
 
 
-class Hold:
-    """One hold on the core's updates, asked for by a loader thread, given by the loop."""
+@dataclass(frozen=True)
+class TableArgs:
+    """What an exact table is built from: the exact config, the base CSC (indptr, indices), and
+    the node capacity (rows for nodes appended later)."""
 
-    def __init__(self) -> None:
-        self.given = threading.Event()
-        self.since_s = 0.0
-        self.active = False
-
-
-def wants_table(core: EngineCore, name: str) -> bool:
-    """Whether ``name`` is the model the exact table serves."""
-    table = core.exact_table
-    return table is not None and core.table_args is not None \
-        and getattr(core, "table_model", None) == name
+    cfg: ExactConfig
+    static: tuple[Tensor, Tensor]
+    capacity: int
 
 
-def take_hold(ask: Any) -> Hold | None:
+class TablesCore(Protocol):
+    """The engine core as its exact tables and update holds see it."""
+
+    index: int
+    #: while above 0, no update is applied (a GCN's degrees or a new exact table being read)
+    updates_held: int
+    exact_waiting: list[MicroBatch]
+    num_nodes: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def features(self) -> FeatureStore: ...
+
+    @property
+    def models(self) -> ModelTable: ...
+
+    @property
+    def tables(self) -> ExactTables: ...
+
+    @property
+    def graph_sync(self) -> GraphSync | None: ...
+
+    @property
+    def gpu_sampler(self) -> BaseSampler | None: ...
+
+    def enqueue(self, mb: MicroBatch) -> None: ...
+
+
+class ExactTables:
+    """The exact table an engine core answers from (None: every exact request is computed on
+    the fly), what a new one is built from, and the model whose versions it follows."""
+
+    def __init__(self, args: TableArgs | None, model_name: str,
+                 device: torch.device) -> None:
+        self.args, self.model_name = args, model_name
+        self.table: ExactTable | None = None
+        self.graph = TableGraph(device, args.static if args is not None
+                                else (torch.empty(0), torch.empty(0)))
+
+    def graph_of(self, core: TablesCore) -> Callable[[], CurrentGraph]:
+        """() -> the graph ``core`` serves now, as a table reads it."""
+        def current() -> CurrentGraph:
+            sync = core.graph_sync
+            return self.graph.current(core.gpu_sampler, sync.overlay if sync else None,
+                                      sync.device_overlay if sync else None, core.num_nodes)
+
+        return current
+
+    def new_table(self, core: TablesCore, served: ServedModel, progress: bool = True,
+                  yield_fraction: float = 0.0) -> ExactTable | None:
+        """A table of ``served`` over the graph ``core`` serves now, built (no refresh thread
+        yet); None when there are no table args, or the config or the model says no."""
+        if self.args is None:
+            return None
+        return new_exact_table(self.args.cfg, served, core.features, core.device,
+                               self.args.capacity, self.graph_of(core), progress,
+                               yield_fraction)
+
+    def build(self, core: TablesCore, served: ServedModel, progress: bool = True) -> None:
+        """The start-up table of ``served`` (the model ``model_name``), with its refresh
+        thread."""
+        self.table = self.new_table(core, served, progress)
+        if self.table is not None:
+            self.start_refresh(core, self.table)
+
+    def start_refresh(self, core: TablesCore, table: ExactTable) -> None:
+        """``table`` serves the version ``core`` serves now, and its refresh thread runs."""
+        sync = core.graph_sync
+        if sync is not None:
+            from quiver_serve.engine.core.table_refresh import Refresher
+
+            table.version = table.marked_version = sync.version
+            refresher = Refresher(table)
+            table.refresher = refresher
+            refresher.start()
+
+    def serves(self, served: ServedModel) -> bool:
+        """Whether the table (if any) is of ``served``."""
+        return self.table is not None and self.table.model.served is served
+
+    def wants(self, name: str) -> bool:
+        """Whether ``name`` is the model the exact table serves."""
+        return self.table is not None and self.args is not None and self.model_name == name
+
+
+def take_hold(ask: Callable[[Hold], None]) -> Hold | None:
     """In the loader thread: a hold on the core's updates (``ask(hold)`` queues it for the loop
     thread, which gives it between two steps); None when none came in ``HOLD_LIMIT_S``."""
     hold = Hold()
@@ -58,27 +152,24 @@ def take_hold(ask: Any) -> Hold | None:
     return hold
 
 
-def build_pending_table(core: EngineCore, slot: ModelSlot) -> None:
+def build_pending_table(core: TablesCore, slot: ModelSlot) -> None:
     """In the loader thread, with ``slot.hold`` given: build ``slot``'s table. A failure leaves
     the slot without one (its exact requests are computed on the fly)."""
-    from quiver_serve.engine.core.exact_table import new_exact_table
-
     if slot.hold is None:
         log.warning("engine %d: %s version %d gets no exact table: updates could not be held",
                     core.index, slot.name, slot.version)
         return
-    cfg, static, capacity = core.table_args
     t0 = time.perf_counter()
     try:
-        slot.pending_table = new_exact_table(core, cfg, static, capacity, slot.served,
-                                             progress=False, yield_fraction=BUILD_YIELD)
+        slot.pending_table = core.tables.new_table(core, slot.served, progress=False,
+                                                   yield_fraction=BUILD_YIELD)
     except Exception as exc:  # noqa: BLE001 - the version serves; its exact answers on the fly
         log.warning("engine %d: exact table of %s version %d failed: %s", core.index, slot.name,
                     slot.version, exc)
     slot.load_s["exact_table_s"] = time.perf_counter() - t0
 
 
-def give_holds(core: EngineCore, asked: list[Hold]) -> None:
+def give_holds(core: TablesCore, asked: list[Hold]) -> None:
     """In the loop thread: hold updates for every loader that asked."""
     while asked:
         hold = asked.pop()
@@ -87,18 +178,18 @@ def give_holds(core: EngineCore, asked: list[Hold]) -> None:
         hold.given.set()
 
 
-def release_hold(core: EngineCore, slot: ModelSlot) -> None:
+def release_hold(core: TablesCore, slot: ModelSlot) -> None:
     hold, slot.hold = slot.hold, None
     give_back(core, hold)
 
 
-def give_back(core: EngineCore, hold: Hold | None) -> None:
+def give_back(core: TablesCore, hold: Hold | None) -> None:
     if hold is not None and hold.active:
         hold.active = False
         core.updates_held -= 1
 
 
-def discard_pending(core: EngineCore, slot: ModelSlot) -> None:
+def discard_pending(core: TablesCore, slot: ModelSlot) -> None:
     """Drop ``slot``'s pending table and give back its hold."""
     table, slot.pending_table = slot.pending_table, None
     if table is not None:
@@ -106,7 +197,7 @@ def discard_pending(core: EngineCore, slot: ModelSlot) -> None:
     release_hold(core, slot)
 
 
-def expire_holds(core: EngineCore) -> None:
+def expire_holds(core: TablesCore) -> None:
     """Give back holds kept past ``HOLD_LIMIT_S`` (their tables are discarded)."""
     now = time.monotonic()
     for slot in core.models.each():
@@ -117,10 +208,10 @@ def expire_holds(core: EngineCore) -> None:
             discard_pending(core, slot)
 
 
-def drop_exact_table(core: EngineCore, why: str) -> None:
+def drop_exact_table(core: TablesCore, why: str) -> None:
     """Stop serving from the exact table (its model left): exact requests waiting for it go to
     the on-the-fly path."""
-    table, core.exact_table = core.exact_table, None
+    table, core.tables.table = core.tables.table, None
     if table is None:
         return
     log.info("engine %d: exact table dropped: %s", core.index, why)
@@ -130,7 +221,7 @@ def drop_exact_table(core: EngineCore, why: str) -> None:
         core.enqueue(mb)
 
 
-def follow_table(core: EngineCore, name: str) -> None:
+def follow_table(core: TablesCore, name: str) -> None:
     """In the loop thread, after ``name``'s traffic split changed: the version with the largest
     weight takes the table (swapped in if it has a pending one); other pending tables go."""
     slots = core.models.of(name)
@@ -144,10 +235,8 @@ def follow_table(core: EngineCore, name: str) -> None:
             release_hold(core, main)
         return
     new, main.pending_table = main.pending_table, None
-    from quiver_serve.engine.core.exact_table import start_refresh
-
-    start_refresh(core, new)
-    old, core.exact_table = core.exact_table, new
+    core.tables.start_refresh(core, new)
+    old, core.tables.table = core.tables.table, new
     if old is not None:
         old.stop(timeout_s=0.0)  # not waited for in the loop thread
     waiting, core.exact_waiting = core.exact_waiting, []

@@ -1,6 +1,6 @@
 """Pool overlap (route ``auto``): batches for idle CPU samplers while the GPU path is busy.
 
-The engine core forms the next GPU batch only near the end of the one computing (``_may_form``),
+The engine core forms the next GPU batch only near the end of the one computing (``may_form``),
 so that it holds as many requests as possible. Between two such moments the CPU sampler pool has
 nothing to do, even when GPU sampling is the slower stage (UVA: the graph in pinned host memory,
 2.2 ms for 8 k seeds against 0.25 ms device-resident) and the GPU idles while the engine thread
@@ -32,15 +32,18 @@ behaves as before. Config ``sampling.pool_overlap``: hidden (default), serial, o
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from quiver_serve.engine.core.batch import Batch, SamplerPool
+from quiver_serve.engine.core.forming import BatchFormer
+from quiver_serve.engine.core.micro_batch import Reply
 from quiver_serve.routing.cost import CostModel
+from quiver_serve.routing.psgs import PsgsTable
+from quiver_serve.routing.router import EngineRouter
+from quiver_serve.sampling.base import BaseSampler
 from quiver_serve.wire import NO_SEED
-
-if TYPE_CHECKING:
-    from quiver_serve.engine.core.core import EngineCore
-    from quiver_serve.engine.core.micro_batch import Reply
 
 
 @dataclass
@@ -90,6 +93,27 @@ def offload_seeds(cost: CostModel, x: OverlapInputs, serial: bool = False) -> in
     return seeds if 0 < seeds <= x.waiting_ids else 0
 
 
+class OverlapCore(Protocol):
+    """The engine core as the planner sees it (``core.EngineCore``)."""
+
+    former: BatchFormer
+    router: EngineRouter
+    pool: SamplerPool | None
+    gpu_sampler: BaseSampler | None
+    in_flight: deque[Batch]
+    sampling: dict[int, Batch]
+
+    @property
+    def psgs(self) -> PsgsTable | None: ...
+
+    @property
+    def cost(self) -> CostModel: ...
+
+    def form(self, now_s: float, cap: int | None = None) -> tuple[Batch | None, list[Reply]]: ...
+
+    def route_and_run(self, batch: Batch) -> list[Reply]: ...
+
+
 class PoolOverlap:
     """The engine core's side: inputs from its state, then form and send one pool batch."""
 
@@ -99,30 +123,31 @@ class PoolOverlap:
         #: (waiting ids, batches at the pool, on the GPU) at the last "no": skip repeats
         self._refused_at = (-1, -1, -1)
 
-    def inputs(self, core: EngineCore, now_s: float) -> OverlapInputs | None:
+    def inputs(self, core: OverlapCore, now_s: float) -> OverlapInputs | None:
         if not (core.in_flight and core.pool is not None and core.psgs is not None
                 and core.gpu_sampler is not None and core.router.forced == "auto"):
             return None
-        first = core.waiting[0]
+        former = core.former
+        first = former.waiting[0]
         if first.exact or first.seed != NO_SEED:
             return None  # exact and seeded requests keep their own paths
         idle = sum(1 for k in core.pool.outstanding() if k == 0)
         if idle == 0:
             return None
-        waiting = core._waiting_ids
-        per_seed = core.psgs.union_of(max(core._waiting_draws, 0.0), waiting) / max(waiting, 1)
+        waiting = former.waiting_ids
+        per_seed = former.per_seed_psgs()
         at_pool = sum(int(b.seeds.numel()) for b in core.sampling.values())
         at_pool_s = sum(core.cost.compute.predict_s(b.psgs) for b in core.sampling.values())
         free_in_s = max(0.0, core.in_flight[-1].expected_done_s - now_s) + at_pool_s
-        return OverlapInputs(waiting, per_seed, core.fill.target_ids(core.max_batch_nodes),
+        return OverlapInputs(waiting, per_seed, former.fill.target_ids(former.max_batch_nodes),
                              at_pool, free_in_s, idle, first.min_deadline_s - now_s)
 
-    def step(self, core: EngineCore) -> list[Reply]:
+    def step(self, core: OverlapCore) -> list[Reply]:
         """Send one batch to an idle CPU sampler if the planner says so (see module doc)."""
         if not self.serial and not may_pay(core.cost):
             return []
         # the engine loop spins while the GPU computes: plan again only when the work changed
-        seen = (core._waiting_ids, len(core.sampling), len(core.in_flight))
+        seen = (core.former.waiting_ids, len(core.sampling), len(core.in_flight))
         if seen == self._refused_at:
             return []
         now_s = time.time()
@@ -132,15 +157,15 @@ class PoolOverlap:
             self._refused_at = seen
             return []
         self._refused_at = (-1, -1, -1)
-        fill = core.fill
+        fill = core.former.fill
         usual = fill.recent_ids, fill.hit_rate  # a pool chunk is no sample of the GPU batches
-        batch, replies = core._form(now_s, cap=seeds)
+        batch, replies = core.form(now_s, cap=seeds)
         fill.recent_ids, fill.hit_rate = usual
         if batch is not None:
             # the next GPU batch waits for fewer ids: they are at the pool (the estimate of
             # what is in the system returns to the full count as batches are answered)
             fill.system_ids = max(0.0, fill.system_ids - int(batch.seeds.numel()))
             core.router.pool_next = True
-            replies += core._route_and_run(batch)
+            replies += core.route_and_run(batch)
             self.sent_batches += 1
         return replies

@@ -5,19 +5,17 @@ When the writer has written a new base (``GraphState`` slot ``NEWEST_BASE``), :c
 builds beside the serving state, in a thread: the base's CSC over the files' read-only mappings,
 new samplers over it (the GPU sampler's copies and adjacency cache on a side stream), and a new
 overlay with the log's records after the base replayed up to the version the core serves. At a
-step boundary :func:`switch` catches the new overlay up to that version (a few records) and swaps
-samplers and overlay in one assignment each; the old ones are freed with their last batch.
+step boundary ``GraphSync`` catches the new overlay up to that version (a few records) and swaps
+samplers and overlay in one assignment each (``GraphSync``); the old ones are freed with their last batch.
 Feature rows, GCN degrees and PSGS entries are already at that version and stay as they are.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -26,14 +24,15 @@ from quiver_serve.graph import living
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import Capacities
 from quiver_serve.graph.overlay import Overlay
-from quiver_serve.graph.records import EdgeRecord, NodeRecord
+from quiver_serve.graph.records import EdgeRecord, NodeRecord, Record
 from quiver_serve.graph.update_log import LogFollower, load_base
 from quiver_serve.sampling import make_cpu_sampler
+from quiver_serve.sampling.base import BaseSampler
 
 log = logging.getLogger(__name__)
 
 
-def apply_structure(overlay: Overlay, record: Any) -> None:
+def apply_structure(overlay: Overlay, record: Record) -> None:
     """The part of a record that changes the graph's structure (edges, node count)."""
     if isinstance(record, EdgeRecord):
         overlay.apply_edges(record.add, record.remove)
@@ -53,8 +52,8 @@ class Rebase:
         self.graph: GraphData | None = None
         self.overlay: Overlay | None = None
         self.follower: LogFollower | None = None
-        self.local: Any = None
-        self.gpu_sampler: Any = None
+        self.local: BaseSampler | None = None
+        self.gpu_sampler: BaseSampler | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.done = threading.Event()
@@ -108,26 +107,4 @@ class Rebase:
                 self.version = record.version
 
 
-def switch(sync: Any, core: Any, rebase: Rebase) -> None:
-    """Swap ``core`` onto the rebased samplers and overlay (at a step boundary)."""
-    assert rebase.overlay is not None
-    rebase.catch_up(sync.version)
-    if rebase.follower is not None:
-        rebase.follower.close()
-    old_views = sync.views
-    sync.overlay, sync.views, sync.device_overlay = rebase.overlay, [], None
-    core.local_sampler = rebase.local
-    if core.gpu_sampler is not None and rebase.gpu_sampler is not None:
-        core.gpu_sampler = rebase.gpu_sampler
-    ov = rebase.overlay
-    if old_views or ov.active or ov.num_nodes > ov.n_base:
-        stream = core.sample_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            sync.attach_views(core)
-    sync.base_version = rebase.base_version
-    log.info("engine %d: on the compacted base of version %d (built in %.2f s; overlay %d of "
-             "%d entries)", sync.index, rebase.base_version, rebase.seconds, rebase.overlay.top,
-             rebase.overlay.edge_capacity)
-
-
-__all__ = ["Rebase", "apply_structure", "switch"]
+__all__ = ["Rebase", "apply_structure"]

@@ -5,23 +5,42 @@ its fast layers checked against PyG's on a real sample, and its CUDA graphs capt
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from quiver_serve.engine.core.model_slots import ModelSlot
+from quiver_serve.features.store import FeatureStore
 from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 
 log = logging.getLogger(__name__)
 
-#: the engine core (``core.py``): typed loosely to keep imports one-way
-EngineCore = Any
+
+class SlotCore(Protocol):
+    """The engine core as a model version's checks see it (``core.EngineCore``)."""
+
+    index: int
+    num_nodes: int
+    on_gpu: bool
+    primary: ModelSlot
+    local_sampler: BaseSampler
+    gpu_sampler: BaseSampler | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def features(self) -> FeatureStore: ...
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream | None: ...
 
 
-def capture_graphs(core: EngineCore, max_seeds: int, slot: ModelSlot | None = None,
-                   sampler: BaseSampler | None = None, stream: Any = None) -> None:
+def capture_graphs(core: SlotCore, max_seeds: int, slot: ModelSlot | None = None,
+                   sampler: BaseSampler | None = None,
+                   stream: torch.cuda.Stream | None = None) -> None:
     """CUDA graphs of gather + model for ``slot``'s (default: the primary's) sampled batches of
     up to ``max_seeds`` seeds (GPU, features on the device); each is checked against the eager
     forward on a real sample. ``stream``: captured on it, beside a serving loop in another
@@ -52,7 +71,7 @@ def capture_graphs(core: EngineCore, max_seeds: int, slot: ModelSlot | None = No
                  core.index, slot.name, slot.version, slot.graphed.max_seeds)
 
 
-def check_fast_model(core: EngineCore, num_seeds: int = 64, slot: ModelSlot | None = None,
+def check_fast_model(core: SlotCore, num_seeds: int = 64, slot: ModelSlot | None = None,
                      sampler: BaseSampler | None = None) -> float | None:
     """Check ``slot``'s (default: the primary's) fast model path against PyG's layers on one
     real sampled batch (start-up, and each load)."""

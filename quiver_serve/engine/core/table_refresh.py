@@ -20,9 +20,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.exact_table import ExactTable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ IDLE_WAIT_S = 0.1
 class Refresher:
     """The refresh thread of one :class:`~quiver_serve.engine.core.exact_table.ExactTable`."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: ExactTable) -> None:
         self.table = table
         self._wake = threading.Event()
         self._stop = threading.Event()

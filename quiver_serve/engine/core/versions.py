@@ -12,32 +12,59 @@ through here and are computed at once, alone (:func:`run_inductive`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from quiver_serve import errors
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
-from quiver_serve.sampling.base import new_batch_seed
+from quiver_serve.features.store import FeatureStore
+from quiver_serve.sampling.base import BaseSampler, new_batch_seed
 from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
 
-#: the engine core (``core.py``), which imports this module: typed loosely to keep imports one-way
-EngineCore = Any
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.graph_sync import GraphSync
 
 
-def must_wait(core: EngineCore, mb: MicroBatch) -> bool:
+class VersionedCore(Protocol):
+    """The engine core as version waits and inductive requests see it (``core.EngineCore``)."""
+
+    num_nodes: int
+    max_waiting: int
+    parked: deque[MicroBatch]
+    graph_sync: GraphSync | None
+    local_sampler: BaseSampler
+    gpu_sampler: BaseSampler | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def features(self) -> FeatureStore: ...
+
+    @property
+    def sample_stream(self) -> torch.cuda.Stream | None: ...
+
+    def add(self, mb: MicroBatch) -> Reply | None: ...
+
+    def finish_all(self) -> list[Reply]: ...
+
+
+def must_wait(core: VersionedCore, mb: MicroBatch) -> bool:
     """Whether ``mb`` waits: its ``min_version`` is not visible here yet, or updates are
     acknowledged but not applied here and it names a node id this core does not know yet (a
     node just added); inductive requests always pass through ``unpark``. A request that asks
     for no version is served on the version applied here (at most one step old)."""
     sync = core.graph_sync
+    assert sync is not None
     if mb.num_new_nodes or mb.min_version > sync.version:
         return True
     return bool(sync.behind() and mb.ids.size and int(mb.ids.max()) >= core.num_nodes)
 
 
-def park(core: EngineCore, mb: MicroBatch) -> Reply | None:
+def park(core: VersionedCore, mb: MicroBatch) -> Reply | None:
     if len(core.parked) >= core.max_waiting:
         return refuse_all(mb, "overloaded", "engine queue is full; retry later", 503)
     core.parked.append(mb)
@@ -49,12 +76,13 @@ def refuse_all(mb: MicroBatch, code: str, message: str, status: int) -> Reply:
     return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
 
 
-def unpark(core: EngineCore, now_s: float) -> list[Reply]:
+def unpark(core: VersionedCore, now_s: float) -> list[Reply]:
     """Move on the parked micro-batches whose version is visible; 504 the expired ones."""
     replies: list[Reply] = []
     pending = list(core.parked)
     core.parked.clear()
     sync = core.graph_sync
+    assert sync is not None
     for mb in pending:
         if mb.deadlines_s.size and float(mb.deadlines_s.max()) <= now_s:
             replies.append(refuse_all(mb, *errors.DEADLINE))
@@ -69,7 +97,7 @@ def unpark(core: EngineCore, now_s: float) -> list[Reply]:
     return replies
 
 
-def _names_unknown(core: EngineCore, mb: MicroBatch) -> bool:
+def _names_unknown(core: VersionedCore, mb: MicroBatch) -> bool:
     """Ids (or inductive in-neighbours) at or past the node count applied here."""
     n = core.num_nodes
     known = not mb.ids.size or int(mb.ids.max()) < n
@@ -79,13 +107,14 @@ def _names_unknown(core: EngineCore, mb: MicroBatch) -> bool:
 
 
 # ---- inductive requests ----------------------------------------------------------------------------
-def run_inductive(core: EngineCore, mb: MicroBatch) -> list[Reply]:
+def run_inductive(core: VersionedCore, mb: MicroBatch) -> list[Reply]:
     """Embeddings of ``mb.ids`` and of new nodes that are not added: each new node is given a
     temporary id past the graph's nodes, its in-edges and its feature row, the batch is sampled
     and computed on the current graph plus those nodes, then the temporary nodes are removed.
     Nothing else runs meanwhile (the GPU's batches are finished first)."""
     replies = core.finish_all()
     sync = core.graph_sync
+    assert sync is not None and mb.slot is not None
     assert mb.new_features is not None and mb.new_offsets is not None \
         and mb.new_neighbors is not None
     problem = _check_inductive(core, mb)
@@ -103,7 +132,8 @@ def run_inductive(core: EngineCore, mb: MicroBatch) -> list[Reply]:
     return replies + [Reply(mb.client, done, rows)]
 
 
-def _check_inductive(core: EngineCore, mb: MicroBatch) -> tuple[str, str, int] | None:
+def _check_inductive(core: VersionedCore, mb: MicroBatch) -> tuple[str, str, int] | None:
+    assert core.graph_sync is not None
     n = core.graph_sync.overlay.num_nodes
     for name, ids in (("node_ids", mb.ids), ("in_neighbors", mb.new_neighbors)):
         if ids is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
@@ -120,8 +150,9 @@ def _check_inductive(core: EngineCore, mb: MicroBatch) -> tuple[str, str, int] |
     return None
 
 
-def _forward(core: EngineCore, seeds: np.ndarray, mb: MicroBatch) -> np.ndarray:
+def _forward(core: VersionedCore, seeds: np.ndarray, mb: MicroBatch) -> np.ndarray:
     sampler = core.gpu_sampler or core.local_sampler
+    assert mb.slot is not None
     fanouts = [-1] * len(mb.slot.fanouts) if mb.exact else mb.slot.fanouts
     seed = mb.seed if mb.seed != NO_SEED else new_batch_seed()
     stream = core.sample_stream

@@ -26,8 +26,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.batch import SamplerPool
 from quiver_serve.engine.core.build import build_core
-from quiver_serve.engine.core.core import EngineCore, MicroBatch, Reply, SamplerPool
+from quiver_serve.engine.core.core import EngineCore, MicroBatch, Reply
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive

@@ -83,7 +83,7 @@ def test_waiting_micro_batches_form_one_batch_up_to_the_cap(cora: GraphData) -> 
 def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphData) -> None:
     """Expected fill: callers that come back together share one batch (not two alternating)."""
     core = make_core(cora, batching__expected_fill=True)
-    assert core.expected_fill
+    assert core.former.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
     assert core.fill.recent_ids == pytest.approx(100)
@@ -112,7 +112,7 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
 def test_expected_fill_auto_is_on_for_a_cpu_engine_core_and_off_on_a_gpu(cora: GraphData) -> None:
     from quiver_serve.engine.core.build import expected_fill_for
 
-    assert make_core(cora).expected_fill  # the default, auto, on the CPU
+    assert make_core(cora).former.expected_fill  # the default, auto, on the CPU
     assert expected_fill_for("auto", torch.device("cpu"))
     assert not expected_fill_for("auto", torch.device("cuda", 0))
     assert expected_fill_for(True, torch.device("cuda", 0))
@@ -124,7 +124,7 @@ def test_without_expected_fill_a_small_batch_forms_from_what_waits(cora: GraphDa
     """``batching.expected_fill: false`` (auto's choice on a GPU): no hold, whatever the
     usual size."""
     core = make_core(cora, batching__expected_fill=False)
-    assert not core.expected_fill
+    assert not core.former.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
     assert core.fill.target_ids(4096) == pytest.approx(98)  # what a hold would wait for
@@ -177,7 +177,7 @@ def test_clients_report_what_they_have_outstanding(cora: GraphData) -> None:
     run(core, a, b)
     assert core.fill.system_ids == pytest.approx(1200)  # not the 3 ids the engine saw
     assert core.fill.target_ids(4096) == pytest.approx(core.fill.fraction * 1200)
-    assert core._clients_outstanding(time.time() + 5.0) == 0  # silent clients are forgotten
+    assert core.former.clients_outstanding(time.time() + 5.0) == 0  # silent clients are forgotten
     old_header = msgspec.msgpack.encode([7, False, -1])  # a client that does not report
     assert Decoders.micro_batch.decode(old_header).outstanding_ids == 0
 
@@ -374,10 +374,10 @@ def test_a_finished_batch_is_answered_before_the_next_batch_is_sampled_and_launc
     def run_async(batch: object) -> None:
         order.append(f"launch with {len(sent)} sent")
 
-    monkeypatch.setattr(core, "_route_and_run", route_and_run)
+    monkeypatch.setattr(core, "route_and_run", route_and_run)
     monkeypatch.setattr(core, "_compute_stream", object())  # the GPU path: launched async
     monkeypatch.setattr(core, "_run_async", run_async)
-    monkeypatch.setattr(core, "_stage", lambda batch: None)
+    monkeypatch.setattr(core, "stage", lambda batch: None)
     on_gpu = types.SimpleNamespace(expected_done_s=0.0, seeds=torch.zeros(1))  # still running
     core.in_flight.append(on_gpu)  # type: ignore[arg-type]
     assert core.add(mb(7, [[1, 2]])) is None

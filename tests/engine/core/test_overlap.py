@@ -112,7 +112,7 @@ def test_engine_splits_work_off_to_real_samplers_and_answers_every_request(cora)
         # the first batch is sampled on the GPU
         # (route gpu for one step) and stays in flight, not polled, until the planner has sent the
         # pool its share; a blocking finish (nothing waiting) still waits.
-        core._may_form = lambda: not core.in_flight
+        core.may_form = lambda: not core.in_flight
         real_finish = core._finish
         core._finish = lambda block: real_finish(block) \
             if block or core.overlap.sent_batches else []
