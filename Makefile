@@ -5,7 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is pinned to the local CPU wheel on the reference machines; the package itself accepts a range.
+# A torch already in the venv (a GPU machine's own build) is never replaced.
 TORCH  ?= torch==2.13.0
+# the exact versions of every other package the project is tested with (pyproject.toml has ranges)
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: serve test install install-test bench lint
 
@@ -13,27 +16,28 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(PY) pyproject.toml
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e .
+$(VENV)/.installed: $(PY) pyproject.toml $(CONSTRAINTS)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# the package's console script (quiver_serve/cli.py), as `pip install .` installs it
 serve: install
-	$(PY) server.py $(ARGS)
+	$(VENV)/bin/quiver-serve $(ARGS)
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # the CPU-box pipeline target (bench/README.md lists every bench and the GPU suites)
 bench: install-test
-	$(PY) -m bench.engine.pipeline --config configs/default.yaml --cpu-efficiency $(ARGS)
+	$(PY) -m bench.engine.pipeline --config quiver_serve/defaults/default.yaml --cpu-efficiency $(ARGS)
 
 lint: install-test
 	$(PY) -m ruff check quiver_serve server.py tests bench

@@ -1,4 +1,5 @@
-"""The feature-store gather on a GPU: ``csrc/feature_gather.cu`` compiled and launched by CuPy.
+"""The feature-store gather on a GPU: ``quiver_serve/csrc/feature_gather.cu`` compiled and launched
+by CuPy.
 
 One launch per batch, on torch's current stream, with a grid that depends on the number of rows
 only, so it can be captured inside the CUDA graphs of ``models/graphed.py``. The pure-torch twin
@@ -16,7 +17,7 @@ from torch import Tensor
 from quiver_serve.ops.cuda import StreamHandle
 from quiver_serve.ops.nvrtc import compile_module
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "feature_gather.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "feature_gather.cu"
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
 #: word sizes the kernel copies rows in, widest first

@@ -1,4 +1,4 @@
-"""The sampled layers' neighbour aggregation on a GPU: ``csrc/csr_aggregate.cu`` by CuPy.
+"""The sampled layers' neighbour aggregation on a GPU: ``quiver_serve/csrc/csr_aggregate.cu`` by CuPy.
 
 ``out[v] = sum (or mean) of dense[col[e]]`` over the in-edges ``e`` of each target ``v`` of one
 layer, in one launch on torch's current stream. It replaces the per-edge weights, the CSR tensor
@@ -22,7 +22,7 @@ from quiver_serve.ops.nvrtc import compile_module
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "csr_aggregate.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "csr_aggregate.cu"
 THREADS = 256
 WARPS_PER_BLOCK = THREADS // 32
 

@@ -1,7 +1,8 @@
 """Neighbour samplers: one semantics (see ``base``), several implementations.
 
-``reference`` (pure torch, always available), ``cpp`` (compiled CPU extension from ``csrc/``),
-``cuda`` (CuPy kernels, CSC in device memory) and ``uva`` (CuPy kernels, CSC in pinned host memory).
+``reference`` (pure torch, always available), ``cpp`` (compiled CPU extension from
+``quiver_serve/csrc/``), ``cuda`` (CuPy kernels, CSC in device memory) and ``uva`` (CuPy kernels,
+CSC in pinned host memory).
 Each samples the base CSC alone, or with ``set_overlay(view)`` the living graph: the base plus the
 overlay of updates since it (``graph/overlay_view.py``, docs/architecture.md, "The living graph"),
 with the same semantics.

@@ -1,4 +1,4 @@
-"""The compiled CPU sampler (``csrc/cpu_sampler.cpp``), JIT-built on first use.
+"""The compiled CPU sampler (``quiver_serve/csrc/cpu_sampler.cpp``), JIT-built on first use.
 
 The extension is built once into a stable cache directory (``$QUIVER_SERVE_CACHE/ext/...``, else
 ``~/.cache/quiver_serve/ext/...``) and later processes load the cached library. When there is no
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 #: names of the variables this module reads (``envs.py``), for messages and tests
 DISABLE_ENV = "QUIVER_SERVE_DISABLE_CPP"
 CACHE_ENV = "QUIVER_SERVE_CACHE"
-SOURCE_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu_sampler.cpp"
+SOURCE_PATH = Path(__file__).resolve().parents[1] / "csrc" / "cpu_sampler.cpp"
 EXTENSION_NAME = "quiver_serve_cpu_sampler"
 # -fopenmp makes at::parallel_for use torch's OpenMP pool (torch's own libgomp is already loaded,
 # so the extension binds to it and follows torch.set_num_threads); no -march, so the cached

@@ -1,4 +1,5 @@
-"""GPU neighbour samplers: the CUDA kernel of ``csrc/gpu_sampler.cu``, compiled and launched by CuPy.
+"""GPU neighbour samplers: the CUDA kernel of ``quiver_serve/csrc/gpu_sampler.cu``, compiled and
+launched by CuPy.
 
 Same semantics and random numbers as :mod:`quiver_serve.sampling.reference` (docs/architecture.md,
 "Sampling"), bit for bit.
@@ -46,7 +47,7 @@ from quiver_serve.sampling.base import BaseSampler, SamplerOutput, seed_base, va
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gpu_sampler.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "gpu_sampler.cu"
 KERNEL_NAME = "sample_subgraph"
 
 _STATUS_OK, _STATUS_OVERFLOW, _STATUS_BAD_SEED = 0, 1, 2

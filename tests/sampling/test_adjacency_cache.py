@@ -171,7 +171,7 @@ typedef long long i64; typedef unsigned int u32; typedef unsigned long long u64;
 
 def compile_list_reader(tmp_path: Path, harness: str) -> Path:
     """``harness`` (with ``%s`` for the struct) around the kernel's ``ListReader``, built with g++."""
-    source = (Path(__file__).resolve().parents[2] / "csrc" / "gpu_sampler.cu").read_text()
+    source = (Path(__file__).resolve().parents[2] / "quiver_serve" / "csrc" / "gpu_sampler.cu").read_text()
     reader = re.search(r"^struct ListReader \{.*?^\};", source, re.S | re.M)
     assert reader is not None, "struct ListReader not found in csrc/gpu_sampler.cu"
     (tmp_path / "reader.cpp").write_text(harness % reader.group(0))

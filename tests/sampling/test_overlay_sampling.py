@@ -524,7 +524,7 @@ class EmulatedLauncher:
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> EmulatedLauncher:
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    kernel = (Path(__file__).resolve().parents[2] / "csrc" / "gpu_sampler.cu").read_text()
+    kernel = (Path(__file__).resolve().parents[2] / "quiver_serve" / "csrc" / "gpu_sampler.cu").read_text()
     folder = tmp_path_factory.mktemp("emulated_kernel")
     (folder / "kernel.cpp").write_text(_EMU_HEAD + kernel + _EMU_TAIL)
     library = folder / "kernel.so"
