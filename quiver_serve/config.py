@@ -11,6 +11,7 @@ from any working directory.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -271,6 +272,19 @@ class GrpcLimitsConfig(_Section):
 class ServerConfig(_Section):
     """HTTP front-end and admission limits."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        """``fast_routes`` is accepted and ignored, with a warning: the hot routes have one
+        answering path, in the HTTP protocol (docs/decisions/0037-one-answering-path.md)."""
+        if isinstance(data, Mapping) and "fast_routes" in data:
+            logging.getLogger(__name__).warning(
+                "server.fast_routes is deprecated and ignored: the hot routes are always "
+                "answered in the HTTP protocol (docs/decisions/0037-one-answering-path.md); "
+                "remove it from the config")
+            data = {k: v for k, v in data.items() if k != "fast_routes"}
+        return data
+
     host: str = Field("127.0.0.1", description="bind address (loopback unless configured)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     http_workers: int = Field(
@@ -293,8 +307,6 @@ class ServerConfig(_Section):
         503, description="status when queues are full (503, or 429 for clients that back off on it)"
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
-    fast_routes: bool = Field(
-        True, description="answer POST /v1/embed, /v2/models/{name}/infer and /v2/models/{name}/versions/{v}/infer inside the HTTP protocol (uvicorn's httptools protocol, extended; a raw-ASGI layer in front of FastAPI where it cannot), with the same answers and less CPU per request; false: FastAPI's routes answer them")
     standby_processes: int = Field(
         1, ge=0, le=8, description="warm spare processes (torch and PyG imported) each supervisor keeps; a restarted engine core, sampler or HTTP front-end takes one instead of a fresh interpreter's imports (2-6 s); 0: spawn fresh")
     gc_freeze: bool = Field(
