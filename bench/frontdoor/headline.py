@@ -22,7 +22,7 @@ _latency_cdf.png).
     python -m bench.frontdoor.headline [--config configs/bench_reddit.yaml] [--out DIR]
     python -m bench.frontdoor.headline --smoke     # Cora on a CPU box, about 2 minutes
     python -m bench.frontdoor.headline --single-only --routes auto --seconds 5
-                                                   # single-id HTTP only, server.fast_routes on / off
+                                                   # single-id HTTP only
 """
 
 from __future__ import annotations
@@ -59,12 +59,10 @@ BOUNDS_MS = (10.0, 30.0)
 SERVER_GRACE_S = 8.0  # SIGTERM to SIGKILL of a server's process group
 
 
-def route_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None,
-                 fast_routes: bool = True) -> Path:
+def route_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None) -> Path:
     """The run's config for one route: the saved .npz as graph, everything else from --config."""
-    return serve_config(cfg, npz, folder, f"serve_{route}{'' if fast_routes else '_nofast'}",
-                        {"sampling.route": route, "server.grpc_port": grpc_port,
-                         "server.fast_routes": fast_routes})
+    return serve_config(cfg, npz, folder, f"serve_{route}",
+                        {"sampling.route": route, "server.grpc_port": grpc_port})
 
 
 class Run(Budget):
@@ -150,22 +148,20 @@ SINGLE_PATHS = ("http-json", "http-npy", "kserve-binary")
 
 
 def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
-    """--single-only: single-id (c), one caller, on the first route, with the hot routes' raw-ASGI
-    layer (``server.fast_routes``) on and then off: the front door's per-request cost, A/B."""
+    """--single-only: single-id (c), one caller, on the first route: the front door's
+    per-request cost."""
     route = run.args.routes[0]
-    for fast in (True, False):
-        if not run.afford(f"single-id fast_routes={fast}", run.start_cost_s() + 10):
-            return
-        port = free_port()
-        conf = route_config(cfg, npz, route, folder, None, fast_routes=fast)
-        url = f"http://127.0.0.1:{port}"
-        tag = f"{route}{'' if fast else ' (fast_routes off)'}"
-        srv = Daemon(conf, port, folder / f"server_{route}_{fast}.log", args=["--log-level",
-                     "warning"], name=f"quiver-serve {tag}", grace_s=SERVER_GRACE_S)
-        with run.serving(srv, f"quiver-serve {tag}", f"single-id {tag}"):
-            for protocol in SINGLE_PATHS:
-                run.single_id(f"{tag}/{protocol}", target_of(protocol, url, None, cfg.model.name,
-                                                             run.args))
+    if not run.afford("single-id", run.start_cost_s() + 10):
+        return
+    port = free_port()
+    conf = route_config(cfg, npz, route, folder, None)
+    url = f"http://127.0.0.1:{port}"
+    srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
+                 name=f"quiver-serve {route}", grace_s=SERVER_GRACE_S)
+    with run.serving(srv, f"quiver-serve {route}", f"single-id {route}"):
+        for protocol in SINGLE_PATHS:
+            run.single_id(f"{route}/{protocol}", target_of(protocol, url, None, cfg.model.name,
+                                                           run.args))
 
 
 def queue_route(run: Run, cfg: Any, graph: Any, route: str) -> None:
@@ -278,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--single-only", action="store_true",
                     help="only single-id (c) with one caller over HTTP JSON, npy and KServe "
-                    "binary on the first route, server.fast_routes on then off (~2-3 minutes)")
+                    "binary on the first route (~1-2 minutes)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
                     help="closed-loop callers per point, rising until p99 > --stop-p99-ms")
     ap.add_argument("--stop-p99-ms", type=float, default=30.0)
