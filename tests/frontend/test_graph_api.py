@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from quiver_serve.frontend.guards import admin_refusal
+from quiver_serve.frontend.guards import Plane, Tokens, authorize
 from tests.conftest import ServerProcess, free_port, start_server
 
 pytestmark = [pytest.mark.e2e]
@@ -191,16 +191,16 @@ def test_admin_token_opens_admin_routes_and_the_data_token_does_not(doors: dict[
 
 
 def test_without_an_admin_token_only_loopback_clients_pass() -> None:
-    assert admin_refusal(("127.0.0.1", 5000), b"", None, None) is None
-    assert admin_refusal(("::1", 5000), b"", None, None) is None
-    assert admin_refusal(("::ffff:127.0.0.1", 5000), b"", None, None) is None
+    none_set, data_only = Tokens(None, None), Tokens(b"Bearer x", None)
+    for client in (("127.0.0.1", 5000), ("::1", 5000), ("::ffff:127.0.0.1", 5000)):
+        assert authorize(Plane.ADMIN, b"", client, none_set) is None, client
     for client in (("10.1.2.3", 5000), ("192.168.0.7", 1), ("2001:db8::1", 1), None,
                    ("testclient", 50000)):
-        refused = admin_refusal(client, b"Bearer x", None, b"Bearer x")
-        assert refused is not None and refused[0] == 403, client  # the data token: no use
-    token = b"Bearer admin"
-    assert admin_refusal(("10.1.2.3", 1), token, token, None) is None  # a token opens any client
-    assert admin_refusal(("127.0.0.1", 1), b"", token, None)[0] == 401  # type: ignore[index]
+        refused = authorize(Plane.ADMIN, b"Bearer x", client, data_only)
+        assert refused is not None and refused.status == 403, client  # the data token: no use
+    admin = Tokens(None, b"Bearer admin")
+    assert authorize(Plane.ADMIN, b"Bearer admin", ("10.1.2.3", 1), admin) is None  # any client
+    assert authorize(Plane.ADMIN, b"", ("127.0.0.1", 1), admin).status == 401  # type: ignore[union-attr]
 
 
 # ---- min_version and new nodes on /v1/embed -----------------------------------------------------
