@@ -26,7 +26,7 @@ class Waiter:
     Waiters answered together wake in turn (:func:`wake_in_turn`): each caller, once awake,
     wakes the next. Released all at once, every caller would wake to queue for the GIL and the
     lock behind it, most of them only to sleep again; one at a time, each finds the GIL about
-    free (decision 28: ~20% less caller CPU per request with 64 threads on a 2-core box).
+    free (decision 28: ~20% less caller CPU per request with 64 threads on two CPU cores).
     ``wake`` may be called more than once (the IO thread wakes a stalled chain's waiters)."""
 
     __slots__ = ("result", "next", "returns", "_lock", "_woken")
