@@ -14,7 +14,7 @@ probe is named by ``{"factory": "package.module:Class", ...options}``, made once
 asked for: ``observer()`` (handed to the queue API's client: the engine's per-batch stats reach
 it), ``await window(win0, win1)`` (runs beside the callers from the start instant) and
 ``report(caller, lat_s, options) -> dict`` (after the point; in the part as ``"probe"``). The
-engine-side probe of the daemon benches is ``bench/engine/probe.py``.
+engine-side probe of the daemon benches is ``loadtest/engine_probe.py``.
 """
 
 from __future__ import annotations

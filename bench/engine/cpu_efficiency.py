@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from bench.engine.pipeline import print_daemon_row
-from bench.engine.probe import DaemonLoad, merge_point
 from loadtest.cpu import CLK_TCK, read_stat
 from loadtest.driver import closed_loop
+from loadtest.engine_probe import DaemonLoad, merge_point
 from loadtest.stats import fmt, percentiles_ms
 from loadtest.workloads import draw_requests
 from quiver_serve.config import ServeConfig
@@ -61,7 +61,7 @@ class WindowProbe:
         for w in self.p.workers():
             if w["pid"] is not None:
                 cpu[w["role"]] += cpu_seconds(w["pid"])
-        return sum(sum(c.sent) for c in self.p._clients()), cpu
+        return sum(sum(c.sent) for c in self.p.clients()), cpu
 
     def _run(self) -> None:
         for at in (self.win0, self.win1):

@@ -12,7 +12,7 @@ directly vs the daemon through its queue API, on one graph and model, in one run
    running closed-loop asyncio callers (``await client.submit_async(ids)``). Every process starts
    its callers at the same wall-clock instant; after a warm-up, only requests that complete inside
    the common window count. Each process reports its latencies, statuses, its own CPU use and,
-   through the engine probe (``bench/engine/probe.py``), the batches the engine formed (from the
+   through the engine probe (``loadtest/engine_probe.py``), the batches the engine formed (from the
    stats-bearing replies, via a PipelineObserver).
 3. Workloads: (a) 48 ids from a fixed hot set of 1,500 nodes, half lowest and half highest
    in-degree (ties broken by a seeded permutation); (b) 48 ids uniform; (c) 1 id uniform.
@@ -45,8 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.engine.probe import DaemonLoad, merge_point
-from bench.engine.tail_trace import print_tail
+from loadtest.engine_probe import DaemonLoad, merge_point
 from loadtest.results import (
     add_result_options,
     add_set_option,
@@ -57,6 +56,7 @@ from loadtest.results import (
     write_result,
 )
 from loadtest.stats import fmt, percentiles_ms
+from loadtest.tail_trace import print_tail
 from loadtest.workloads import (  # docs/architecture.md, "Performance contract"
     IDS_PER_REQUEST,
     REQUEST_POOL,
@@ -159,7 +159,7 @@ def engine_sweep(cfg: ServeConfig, graph: Any, hot: np.ndarray, args: argparse.N
     return rows
 
 
-# ---- 2. load processes (loadtest/driver.py with the engine probe: bench/engine/probe.py) ----------
+# ---- 2. load processes (loadtest/driver.py with the engine probe: loadtest/engine_probe.py) ----------
 
 # ---- 3. the daemon through the queue API ------------------------------------------------------
 def caller_list(args: argparse.Namespace, workload: str) -> list[int]:
@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="feed the engine one micro-batch per batch instead of one per request")
     ap.add_argument("--p99-ms", type=float, default=10.0, help="latency bound of the headline figure")
     ap.add_argument("--tail-ms", type=float, default=20.0,
-                    help="requests slower than this are traced to a stage (bench/engine/tail_trace.py)")
+                    help="requests slower than this are traced to a stage (loadtest/tail_trace.py)")
     ap.add_argument("--cpu-efficiency", action="store_true",
                     help="the CPU-box target (64x48 vs 2x4096 ids, single-id p50) instead of the sweep")
     ap.add_argument("--out", help="JSON file (default $OUT or bench/results/, "

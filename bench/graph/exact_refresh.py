@@ -1,5 +1,5 @@
 """The refresh step of ``bench.graph.exact_table``: on the table daemon, updater processes
-(``bench/graph/updater.py``) posting edge batches at --update-rate while the load generator serves
+(``loadtest/updater.py``) posting edge batches at --update-rate while the load generator serves
 sampled requests at --load-fraction of the sampled HTTP capacity measured before, and a trickle of
 exact requests at --exact-rate (a second pool of load processes); the table watched
 (``bench/graph/table_watch.py``): acknowledged edge updates/s, table staleness, rows refreshed/s,
@@ -12,11 +12,11 @@ import threading
 from typing import Any
 
 from bench.graph import table_watch as tw
-from bench.graph import watch
 from bench.graph.exact_report import refresh_line
-from bench.graph.updater import UpdaterPool
+from loadtest import watch
 from loadtest.gen import Generator
 from loadtest.harness import Daemon
+from loadtest.updater import UpdaterPool
 
 
 def add_refresh_options(ap: argparse.ArgumentParser) -> None:

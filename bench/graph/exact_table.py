@@ -17,7 +17,7 @@ One run, the project and its baseline side by side, the load from the load gener
    ``/metrics``, else its log), and for each --build-configs (a config path and/or
    ``section.key=value`` overrides of --config, space-separated in one argument) the daemon's
    start alone, table on;
-3. refresh under updates, on the table daemon: updater processes (``bench/graph/updater.py``)
+3. refresh under updates, on the table daemon: updater processes (``loadtest/updater.py``)
    posting edge batches at --update-rate while the load serves sampled requests at
    --load-fraction of step 1's sampled HTTP capacity, one window per --exact-rates (exact
    requests beside, from their own load process; 0: none): acknowledged edge updates/s, table
@@ -46,10 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.graph import table_watch as tw
-from bench.graph import watch
 from bench.graph.exact_refresh import add_refresh_options, refresh_step
 from bench.graph.exact_report import build_line, print_report, targets
-from loadtest import promdiff
+from loadtest import promdiff, watch
 from loadtest.gen import Generator
 from loadtest.harness import Daemon, config_yaml, saved_graph_facts
 from loadtest.results import (

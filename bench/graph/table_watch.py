@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.graph import watch
+from loadtest import watch
 
 TABLE_STALENESS = "quiver_serve_exact_table_staleness_seconds"
 EXACT_REQUESTS = "quiver_serve_exact_requests_total"
@@ -152,7 +152,7 @@ def polled_freshness(polls: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table_window(w: watch.Watch, seconds: float) -> dict[str, Any]:
-    """A finished :class:`~bench.graph.watch.Watch`'s table figures: the staleness histogram,
+    """A finished :class:`~loadtest.watch.Watch`'s table figures: the staleness histogram,
     the counters over the window, and the polled freshness."""
     seen = w.result()
     texts = (w.texts + [None, None])[:2]

@@ -5,7 +5,7 @@ throughput and staleness.
 One daemon (``server.py``, the graph of --config saved once as an .npz), workload (b) (48 ids
 uniform over every node) from the load generator's processes (``loadtest/``, HTTP npy as the
 front-door figures), and updater processes posting edge batches to ``POST /v1/graph/edges``
-(``bench/graph/updater.py``):
+(``loadtest/updater.py``):
 
 1. capacity: closed-loop callers doubling until p99 passes --stop-p99-ms; capacity = the most
    req/s at p99 <= --capacity-bound-ms (0: the most req/s of any point);
@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.graph import watch
-from bench.graph.updater import UpdaterPool
+from loadtest import watch
 from loadtest.gen import Generator
 from loadtest.harness import Daemon, saved_graph_facts, serve_config
 from loadtest.results import (
@@ -53,6 +52,7 @@ from loadtest.results import (
     write_result,
 )
 from loadtest.stats import best_under, fmt
+from loadtest.updater import UpdaterPool
 
 SERVER_GRACE_S = 8.0
 COMPACTION_LEAD_S = 0.5  # into the window before the compaction is asked for

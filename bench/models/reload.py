@@ -20,7 +20,7 @@ Workload (a) (48 ids from the 1,500-node hot set, half low- and half high-degree
    version's drain and unload included) and after it; p99 swap / steady; each engine core's load
    times (build, CUDA graphs, warm-up: its log line) and the repository index after.
 
-The open-loop runs go through ``bench/models/recorder.py`` (the load generator's schedule,
+The open-loop runs go through ``loadtest/recorder.py`` (the load generator's schedule,
 requests and bodies; every request's completion time and answering version kept). Targets (the
 issue): 0 failed requests, the first version-2 answer <= 2 s after the call, p99 during the swap
 <= 2x steady. Budgeted (--budget-s): a step that would start past it is skipped and named. The
@@ -42,9 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.graph import watch
 from bench.graph.updates import measure_capacity
-from bench.models.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
 from bench.models.reload_report import (
     NEW,
     OLD,
@@ -55,8 +53,10 @@ from bench.models.reload_report import (
     serving_lines,
     targets,
 )
+from loadtest import watch
 from loadtest.gen import Generator
 from loadtest.harness import Daemon, save_graph, serve_config
+from loadtest.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
 from loadtest.results import (
     Budget,
     add_run_options,

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.models.recorder import Records
+from loadtest.recorder import Records
 from loadtest.stats import fmt
 
 OLD, NEW = 1, 2  # the version served at start, the one loaded under load

@@ -2,7 +2,7 @@
 """Routing modes through the real daemon (issue 10): seed nodes/s at p99 <= 10 ms, queue API.
 
 The daemon (``Pipeline``: one engine core per GPU, ``sampling.num_cpu_workers`` CPU sampler
-processes) is driven by the daemon benches' load processes (``bench/engine/probe.py``, the driver of
+processes) is driven by the daemon benches' load processes (``loadtest/engine_probe.py``, the driver of
 ``loadtest/``: closed-loop asyncio callers of 48-id
 requests, ``submit_async``), so requests merge into batches as they do in service. One daemon per
 (GPU memory mode, route mode): ``sampling.gpu_mode`` device / uva and ``sampling.route`` cpu / gpu /
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.engine.probe import DaemonLoad, merge_point
+from loadtest.engine_probe import DaemonLoad, merge_point
 from loadtest.results import (
     add_result_options,
     add_set_option,

@@ -1,6 +1,6 @@
 """Bench plumbing: ``--set section.key=value`` config overrides and result names
 (``bench/cli.py``), the routing mixes of ``loadtest/workloads.py``, the tail trace, the daemon
-benches' point merge (``bench/engine/probe.py``), and the GPU runner (``python -m bench.gpu``)."""
+benches' point merge (``loadtest/engine_probe.py``), and the GPU runner (``python -m bench.gpu``)."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_routing_mixes_draw_the_low_and_high_degree_halves_of_the_hot_set() -> N
 
 
 def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
-    """``bench/engine/tail_trace.py``: only trips inside the window count; a slow trip goes to the part
+    """``loadtest/tail_trace.py``: only trips inside the window count; a slow trip goes to the part
     that took longest; slow requests beyond the slow round trips are the client's own."""
-    from bench.engine.tail_trace import TripLog, merge_reports, process_report
+    from loadtest.tail_trace import TripLog, merge_reports, process_report
     from quiver_serve.messages import BatchStats
 
     log = TripLog()
@@ -90,15 +90,15 @@ def test_tail_trace_puts_slow_trips_down_to_their_largest_part() -> None:
 
 
 def test_daemon_gc_diff_counts_the_pauses_of_the_point() -> None:
-    from bench.engine.tail_trace import daemon_gc_diff
-    from quiver_serve.metrics.prometheus import _GC_PAUSE_BUCKETS_S
+    from loadtest.tail_trace import daemon_gc_diff
+    from quiver_serve.metrics.prometheus import GC_PAUSE_BUCKETS_S
 
-    n = len(_GC_PAUSE_BUCKETS_S) + 1  # cumulative buckets, +Inf last
+    n = len(GC_PAUSE_BUCKETS_S) + 1  # cumulative buckets, +Inf last
     before = {("engine 0", "2"): np.zeros(n)}
     after_cum = np.zeros(n)
     # 3 pauses under 1 ms, 2 over 50 ms
-    after_cum[[i for i, le in enumerate(_GC_PAUSE_BUCKETS_S) if le >= 0.001]] = 3
-    after_cum[[i for i, le in enumerate(_GC_PAUSE_BUCKETS_S) if le >= 0.1]] = 5
+    after_cum[[i for i, le in enumerate(GC_PAUSE_BUCKETS_S) if le >= 0.001]] = 3
+    after_cum[[i for i, le in enumerate(GC_PAUSE_BUCKETS_S) if le >= 0.1]] = 5
     after_cum[-1] = 5
     diff = daemon_gc_diff(before, {("engine 0", "2"): after_cum}, tail_ms=20.0)
     assert diff == {"engine 0 gen2": {"pauses": 5, "over_tail": 2}}
@@ -179,12 +179,12 @@ def test_result_names_carry_bench_machine_date_and_variant(tmp_path, monkeypatch
 
 
 def test_daemon_point_merges_the_probe_reports_of_the_load_processes() -> None:
-    """``bench/engine/probe.py``: the driver's parts (latencies, statuses, CPU) and the engine
+    """``loadtest/engine_probe.py``: the driver's parts (latencies, statuses, CPU) and the engine
     probe's reports (batches, routes, per-engine counts) make one daemon row."""
     from collections import Counter
 
-    from bench.engine.probe import merge_point
-    from bench.engine.tail_trace import TripLog, process_report
+    from loadtest.engine_probe import merge_point
+    from loadtest.tail_trace import TripLog, process_report
 
     def part(lat_s: list[float], ok: int, errors: dict[str, int]) -> dict:
         tail = process_report(TripLog(), np.array(lat_s), [], [], 20.0)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bench.models import reload_report
-from bench.models.recorder import CLIENT_OVERLOAD, NO_VERSION, TIMEOUT, Records
+from loadtest.recorder import CLIENT_OVERLOAD, NO_VERSION, TIMEOUT, Records
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

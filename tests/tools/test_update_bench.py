@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.graph import updater, watch
+from loadtest import updater, watch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ these benches always measured), started at one wall-clock instant; after a warm-
 that complete inside the common window count. The probe (:class:`EngineProbe`, the driver's
 probe hook) adds, per process: the batches the engine formed (from the stats-bearing replies, via
 a ``PipelineObserver``), the requests each engine core got, and its part of the tail trace
-(``bench/engine/tail_trace.py``). The parent adds the daemon processes' collections during the
+(``loadtest/tail_trace.py``). The parent adds the daemon processes' collections during the
 point and merges the parts into one row (:func:`merge_point`).
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine.tail_trace import (
+from loadtest.driver import LoadPool as DriverPool
+from loadtest.stats import percentiles_ms
+from loadtest.tail_trace import (
     TripLog,
     daemon_gc_diff,
     daemon_gc_snapshot,
@@ -27,11 +29,9 @@ from bench.engine.tail_trace import (
     merge_reports,
     process_report,
 )
-from loadtest.driver import LoadPool as DriverPool
-from loadtest.stats import percentiles_ms
 from quiver_serve.metrics.observer import PipelineObserver
 
-PROBE = "bench.engine.probe:EngineProbe"
+PROBE = "loadtest.engine_probe:EngineProbe"
 OK = "200"
 
 
@@ -42,7 +42,7 @@ class BatchCounter(PipelineObserver):
         self.batches = self.seeds = self.sampled = 0
         self.compute_s = self.sample_s = 0.0
         self.routes: Counter = Counter()
-        self.log = TripLog()  # the tail trace (bench/engine/tail_trace.py)
+        self.log = TripLog()  # the tail trace (loadtest/tail_trace.py)
 
     def on_transport(self, sent_s: float, engine_received_s: float, engine_replied_s: float,
                      received_s: float) -> None:
@@ -103,7 +103,7 @@ class EngineProbe:
                 "compute_s": float(d[3]), "sample_s": float(d[4]),
                 "routes": self.snaps[1][1] - self.snaps[0][1],
                 "sent_per_engine": list(client.sent), "answered_per_engine": list(client.answered),
-                "load_per_engine": list(client._load)}
+                "load_per_engine": client.rows_in_flight}
 
 
 class DaemonLoad:
@@ -117,7 +117,7 @@ class DaemonLoad:
     def run(self, workload: str, k: int, callers: int, warm_s: float, seconds: float,
             timeout_s: float, tail_ms: float = 20.0) -> list[dict]:
         """One point; each part carries its probe report, and ``daemon_gc``: the daemon
-        processes' collections during the point (bench/engine/tail_trace.py)."""
+        processes' collections during the point (loadtest/tail_trace.py)."""
         cmd = {"target": {"protocol": "queue", "endpoints": self.endpoints, "timeout_s": timeout_s},
                "spec": {"workload": workload, "ids_per_request": k, "num_nodes": self.num_nodes,
                         "hot": self.hot, "seed": 1000 * callers},

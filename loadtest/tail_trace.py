@@ -207,9 +207,9 @@ def daemon_gc_snapshot() -> dict[tuple[str, str], np.ndarray]:
 def daemon_gc_diff(before: dict, after: dict, tail_ms: float) -> dict:
     """Collections in the daemon's processes between two snapshots: per role and generation,
     how many, and how many took longer than the bucket at or above ``tail_ms``."""
-    from quiver_serve.metrics.prometheus import _GC_PAUSE_BUCKETS_S
+    from quiver_serve.metrics.prometheus import GC_PAUSE_BUCKETS_S
 
-    les = [*_GC_PAUSE_BUCKETS_S, float("inf")]
+    les = [*GC_PAUSE_BUCKETS_S, float("inf")]
     over = next(i for i, le in enumerate(les) if le * 1e3 >= tail_ms)
     out = {}
     for key, cum in after.items():
