@@ -1,7 +1,13 @@
-"""Admission control, auth, body limits and graceful drain, against the real daemon."""
+"""Admission control, auth, body limits and graceful drain, against the real daemon.
+
+Authorization (``guards.authorize``) is tested for every plane (open, data, admin) on every
+protocol: the HTTP protocol's hot routes, the ASGI guards of the app's routes, and gRPC (unary
+RPCs, ``ModelInfer``, the repository's admin RPCs): no token, a wrong token, the right one, the
+other plane's token, and loopback against a remote client where the admin plane has no token."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -9,11 +15,18 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, start_server
+from quiver_serve import errors
+from quiver_serve.frontend.grpc import proto as gp
+from quiver_serve.frontend.grpc.calls import Aborted
+from quiver_serve.frontend.grpc.service import KServeGrpc
+from quiver_serve.frontend.guards import Guards, Plane, Tokens, authorize, plane_of
+from tests.conftest import ServerProcess, free_port, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TOKEN = "s3cret-token"
@@ -26,9 +39,12 @@ def start(tmp: Path, env: dict[str, str] | None = None, **overrides: object) -> 
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start(tmp_path_factory.mktemp("guarded"), env={"QUIVER_SERVE_TOKEN": TOKEN},
+    grpc_port = free_port()
+    srv = start(tmp_path_factory.mktemp("guarded"), env={"QUIVER_SERVE_TOKEN": TOKEN,
+                                                          "QUIVER_SERVE_ADMIN_TOKEN": ADMIN},
                 server__max_body_bytes=2048, server__max_pending_requests=4,
-                server__overload_status=429)
+                server__overload_status=429, server__grpc_port=grpc_port)
+    srv.grpc_port = grpc_port  # type: ignore[attr-defined]
     try:
         srv.wait_ready(headers=AUTH)
         yield srv
@@ -37,6 +53,8 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ADMIN = "adm1n-token"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
 def test_token_required_everywhere_but_liveness(guarded: ServerProcess) -> None:
@@ -151,3 +169,160 @@ def test_client_disconnect_is_not_computed_and_deadline_is_504(tmp_path: Path) -
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+# ---- authorize: every plane on every protocol ----------------------------------------------------
+LOCAL, REMOTE = ("127.0.0.1", 40000), ("10.1.2.3", 40000)
+
+
+@pytest.mark.parametrize("tokens", [Tokens.of("d", "a"), Tokens.of("d", None),
+                                    Tokens.of(None, "a"), Tokens.of(None, None)])
+@pytest.mark.parametrize("client", [LOCAL, REMOTE, None])
+def test_authorize_decides_each_plane(tokens: Tokens, client: Any) -> None:
+    data, admin, wrong = b"Bearer d", b"Bearer a", b"Bearer nope"
+    for given in (b"", wrong, data, admin):
+        assert authorize(Plane.OPEN, given, client, tokens) is None
+        refused = authorize(Plane.DATA, given, client, tokens)
+        if tokens.data is None or given == data:
+            assert refused is None
+        else:
+            assert (refused.status, refused.code) == (401, "unauthorized")  # type: ignore[union-attr]
+            assert refused.headers == [(b"www-authenticate", b"Bearer")]  # type: ignore[union-attr]
+        refused = authorize(Plane.ADMIN, given, client, tokens)
+        if tokens.admin is not None:
+            want = None if given == admin else 403 if tokens.data and given == data else 401
+        else:  # no admin token: loopback clients only, whatever they send
+            want = None if client == LOCAL else 403
+        assert (refused.status if refused else None) == want, (given, client, tokens)
+
+
+def test_each_path_has_its_plane() -> None:
+    assert plane_of("/v2/health/live") is Plane.OPEN
+    for path in ("/v1/embed", "/v2/models/m/infer", "/v1/graph", "/metrics", "/docs", "/v2"):
+        assert plane_of(path) is Plane.DATA, path
+    for path in ("/admin/features/replace", "/v1/graph/edges", "/v2/repository/index",
+                 "/v2/repository/models/m/load"):
+        assert plane_of(path) is Plane.ADMIN, path
+
+
+def test_every_plane_over_http(guarded: ServerProcess) -> None:
+    """The hot route (answered in the HTTP protocol), an app route (the ASGI guards) and an
+    admin route, with no token, a wrong one, the other plane's, and the right one."""
+    url, wrong = guarded.url, {"Authorization": "Bearer nope"}
+    body = {"node_ids": [1]}
+    for headers, want in (({}, 401), (wrong, 401), (ADMIN_AUTH, 401), (AUTH, 200)):
+        r = httpx.post(url + "/v1/embed", json=body, headers=headers)
+        assert r.status_code == want, ("hot route", headers, r.text)
+        r = httpx.get(url + "/v2/models/cora-graphsage", headers=headers)
+        assert r.status_code == want, ("app route", headers, r.text)
+    for headers, want in (({}, 401), (wrong, 401), (AUTH, 403), (ADMIN_AUTH, 200)):
+        r = httpx.post(url + "/v2/repository/index", json={}, headers=headers)
+        assert r.status_code == want, ("admin route", headers, r.text)
+    assert httpx.get(url + "/v2/health/live").status_code == 200
+
+
+def test_every_plane_over_grpc(guarded: ServerProcess) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{guarded.grpc_port}")  # type: ignore[attr-defined]
+    ids = grpcclient.InferInput("node_ids", [1], "INT64")
+    ids.set_data_from_numpy(np.array([3]))
+    data = {"authorization": f"Bearer {TOKEN}"}
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    wrong = {"authorization": "Bearer nope"}
+
+    def status(call: Any, *args: Any, **kwargs: Any) -> str:
+        try:
+            call(*args, **kwargs)
+        except InferenceServerException as exc:
+            return str(exc.status())
+        return "OK"
+
+    try:
+        assert status(client.is_server_live) == "OK"
+        for headers, want in (({}, "UNAUTHENTICATED"), (wrong, "UNAUTHENTICATED"),
+                              (admin, "UNAUTHENTICATED"), (data, "OK")):
+            assert want in status(client.is_server_ready, headers=headers), headers
+            assert want in status(client.infer, "cora-graphsage", [ids], headers=headers), \
+                headers
+        for headers, want in (({}, "UNAUTHENTICATED"), (wrong, "UNAUTHENTICATED"),
+                              (data, "PERMISSION_DENIED"), (admin, "OK")):
+            assert want in status(client.get_model_repository_index, headers=headers), headers
+    finally:
+        client.close()
+
+
+def test_without_an_admin_token_admin_calls_answer_loopback_clients_only() -> None:
+    """HTTP (the ASGI guards) and gRPC (the servicer), with the data token set and no admin
+    token: a loopback client passes without a token, a remote one is refused 403 even with
+    the data token."""
+    tokens = Tokens.of(TOKEN, None)
+
+    async def http(client: Any, headers: list[tuple[bytes, bytes]]) -> int:
+        sent: list[Any] = []
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        async def receive() -> Any:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/graph/compact", "client": client,
+                 "headers": [(b"content-length", b"2"), *headers]}
+        await Guards(app, tokens, 1024)(scope, receive, send)
+        return int(sent[0]["status"])
+
+    data_header = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    assert asyncio.run(http(LOCAL, [])) == 204
+    assert asyncio.run(http(("::1", 1), [])) == 204
+    assert asyncio.run(http(REMOTE, [])) == 403
+    assert asyncio.run(http(REMOTE, data_header)) == 403
+
+    class Context:
+        """A gRPC call's context as the servicer reads it: peer, metadata, abort."""
+
+        def __init__(self, peer: str, metadata: list[tuple[str, str]]) -> None:
+            self._peer, self._metadata = peer, metadata
+
+        def peer(self) -> str:
+            return self._peer
+
+        def invocation_metadata(self) -> list[tuple[str, str]]:
+            return self._metadata
+
+        async def abort(self, code: int, details: str) -> None:
+            raise Aborted(code, details)
+
+    class Starting:
+        """A pipeline still starting: a call the guard lets through is answered 503
+        (UNAVAILABLE) by the repository index; one it refuses never gets there."""
+
+        ready = False
+
+        @staticmethod
+        def refusal() -> errors.ServeError:
+            return errors.unavailable("starting", "the server is starting")
+
+    class State:
+        pipeline = Starting()
+
+    servicer = KServeGrpc(State(), TOKEN, None)
+    index_request = gp.message("RepositoryIndexRequest")(ready=False)
+
+    async def grpc(peer: str, metadata: list[tuple[str, str]]) -> str:
+        try:
+            await servicer.RepositoryIndex(index_request, Context(peer, metadata))
+        except Aborted as exc:
+            return exc.code.name
+        return "OK"
+
+    assert asyncio.run(grpc("ipv4:127.0.0.1:5000", [])) == "UNAVAILABLE"  # let through
+    assert asyncio.run(grpc("ipv6:[::1]:5000", [])) == "UNAVAILABLE"
+    assert asyncio.run(grpc("ipv4:10.1.2.3:5000", [])) == "PERMISSION_DENIED"
+    assert asyncio.run(grpc("ipv4:10.1.2.3:5000",
+                            [("authorization", f"Bearer {TOKEN}")])) == "PERMISSION_DENIED"
