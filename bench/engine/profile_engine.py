@@ -27,8 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,10 +37,15 @@ import torch
 from loadtest.results import add_set_option, load_config, portable
 from loadtest.workloads import hot_set
 
+if TYPE_CHECKING:
+    from quiver_serve.engine.core.core import EngineCore
 
-def timed(fn: Any, dev: torch.device, iters: int) -> tuple[float, Any]:
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T], dev: torch.device, iters: int) -> tuple[float, T]:
     """Median seconds of ``fn()`` with a device sync before and after; the last result."""
-    out, times = None, []
+    times: list[float] = []
     for _ in range(iters):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -51,7 +57,7 @@ def timed(fn: Any, dev: torch.device, iters: int) -> tuple[float, Any]:
     return float(np.median(times)), out
 
 
-def count_kernels(fn: Any) -> int | None:
+def count_kernels(fn: Callable[[], object]) -> int | None:
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -62,7 +68,7 @@ def count_kernels(fn: Any) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
+def stage_row(core: EngineCore, seeds: torch.Tensor, iters: int) -> dict:
     dev, b = core.device, int(seeds.numel())
     timings = []
     for sampler in filter(None, (core.local_sampler, core.gpu_sampler)):
@@ -87,9 +93,9 @@ def stage_row(core: Any, seeds: torch.Tensor, iters: int) -> dict:
     return row
 
 
-def core_latency(core: Any, ids: np.ndarray, iters: int) -> float:
+def core_latency(core: EngineCore, ids: np.ndarray, iters: int) -> float:
     """One micro-batch through add + step() until its reply; median seconds."""
-    from quiver_serve.engine.core.core import MicroBatch
+    from quiver_serve.engine.core.micro_batch import MicroBatch
     from quiver_serve.wire import NO_SEED
 
     times = []
@@ -105,9 +111,9 @@ def core_latency(core: Any, ids: np.ndarray, iters: int) -> float:
     return float(np.median(times))
 
 
-def host_overhead(core: Any, total_ids: int, parts: list[int], iters: int) -> list[dict]:
+def host_overhead(core: EngineCore, total_ids: int, parts: list[int], iters: int) -> list[dict]:
     """Host time to form one batch of ``total_ids`` from M micro-batches and build M replies."""
-    from quiver_serve.engine.core.core import MicroBatch
+    from quiver_serve.engine.core.micro_batch import MicroBatch
     from quiver_serve.sampling.base import SamplerOutput
     from quiver_serve.wire import NO_SEED, encode
 
@@ -121,12 +127,12 @@ def host_overhead(core: Any, total_ids: int, parts: list[int], iters: int) -> li
                                 np.array([k], np.int64), np.array([time.time() + 30.0]))
                 core.add(mb)
             t0 = time.perf_counter()
-            batch, _ = core._form(time.time())
+            batch, _ = core.form(time.time())
             n = int(batch.seeds.numel())
             batch.sampled = SamplerOutput(torch.zeros(n, dtype=torch.int64),
                                           torch.zeros(2, 1, dtype=torch.int64),
                                           torch.arange(n), [n, 0, 0], [1, 0])
-            for r in core._replies(batch, np.zeros((n, 64), np.float32), 0.0):
+            for r in core.answer(batch, np.zeros((n, 64), np.float32), 0.0):
                 encode(r.done)
             times.append(time.perf_counter() - t0)
         out.append({"micro_batches": m, "ids": k * m, "host_ms": float(np.median(times)) * 1e3})

@@ -19,9 +19,9 @@ import numpy as np
 from quiver_serve.graph.records import (
     HEADER_BYTES,
     MAGIC,
+    BaseRecord,
     Record,
     SegmentSeal,
-    _Record,
     decode,
     peek,
     record_length,
@@ -75,7 +75,7 @@ class SegmentReader:
         self.fd, self.offset = fd, offset
         self._buf, self._buf_at = b"", offset
 
-    def next(self, size: int, decode_after: int = -1) -> tuple[int, _Record | None] | None:
+    def next(self, size: int, decode_after: int = -1) -> tuple[int, BaseRecord | None] | None:
         """``(version, record)`` of the record at ``offset`` when it lies whole below byte
         ``size``, and move past it. A record of version <= ``decode_after`` is skipped by its
         header (``record`` None, payload not read); a seal is always decoded. None, without

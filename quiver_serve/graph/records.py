@@ -48,8 +48,9 @@ _DTYPES = {1: np.dtype("<i8"), 2: np.dtype("<f4")}
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
 
-class _Record:
-    """Bitwise equality (the log's guarantee: what is read back is what was written)."""
+class BaseRecord:
+    """What every entry of the update log is (the records and the segment seal), with bitwise
+    equality (the log's guarantee: what is read back is what was written)."""
 
     version: int
     accepted_s: float
@@ -62,7 +63,7 @@ class _Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        assert isinstance(other, _Record)
+        assert isinstance(other, BaseRecord)
         return (self.version, self.accepted_s) == (other.version, other.accepted_s) and all(
             a.shape == b.shape and a.tobytes() == b.tobytes()
             for a, b in zip(self.arrays(), other.arrays(), strict=True))
@@ -94,7 +95,7 @@ def _array(value: Any, dtype: np.dtype, ndim: int, name: str, width: int | None 
 
 
 @dataclass(eq=False)
-class EdgeRecord(_Record):
+class EdgeRecord(BaseRecord):
     """Directed edges ``src -> dst`` added (a repeat is another copy) and removed (every copy)."""
 
     version: int
@@ -111,7 +112,7 @@ class EdgeRecord(_Record):
 
 
 @dataclass(eq=False)
-class NodeRecord(_Record):
+class NodeRecord(BaseRecord):
     """New nodes, one feature row each; their ids are the node count before, +1, ... in order."""
 
     version: int
@@ -126,7 +127,7 @@ class NodeRecord(_Record):
 
 
 @dataclass(eq=False)
-class FeatureRecord(_Record):
+class FeatureRecord(BaseRecord):
     """Feature rows of existing nodes overwritten: row i of ``features`` goes to ``node_ids[i]``."""
 
     version: int
@@ -145,7 +146,7 @@ class FeatureRecord(_Record):
 
 
 @dataclass(eq=False)
-class SegmentSeal(_Record):
+class SegmentSeal(BaseRecord):
     """Last record of a segment file that is complete: ``version`` is the first version of the
     next segment. Followers read it to move on without listing the directory."""
 
@@ -158,7 +159,7 @@ class SegmentSeal(_Record):
 
 
 Record = EdgeRecord | NodeRecord | FeatureRecord
-_KINDS: dict[int, type[_Record]] = {c.KIND: c for c in (SegmentSeal, EdgeRecord, NodeRecord,
+_KINDS: dict[int, type[BaseRecord]] = {c.KIND: c for c in (SegmentSeal, EdgeRecord, NodeRecord,
                                                          FeatureRecord)}
 
 
@@ -166,7 +167,7 @@ def _pad(n_bytes: int) -> int:
     return -n_bytes % 8
 
 
-def encode(record: _Record) -> bytes:
+def encode(record: BaseRecord) -> bytes:
     """The record's bytes in the log (module docstring)."""
     parts: list[bytes] = []
     for arr in record.arrays():
@@ -201,7 +202,7 @@ def peek(buf: Any, offset: int = 0) -> tuple[int, int]:
     return fields[2], fields[4]
 
 
-def decode(buf: Any, offset: int = 0) -> tuple[_Record, int] | None:
+def decode(buf: Any, offset: int = 0) -> tuple[BaseRecord, int] | None:
     """``(record, next_offset)`` for the record at ``offset`` of ``buf`` (bytes, bytearray,
     memoryview or mmap); None when it is incomplete, torn or corrupt. Arrays are copies."""
     total = record_length(buf, offset)

@@ -26,12 +26,12 @@ from quiver_serve.metrics.observer import PipelineObserver
 PREFIX = "quiver_serve_"
 #: the variable (``envs.py``) that tells prometheus_client, and every child, where the files are
 ENV = "PROMETHEUS_MULTIPROC_DIR"
-_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _NODE_BUCKETS = tuple(float(2**i) for i in range(0, 21, 2))
 _RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _TRANSPORT_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.05, 0.5)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
-_GC_PAUSE_BUCKETS_S = (1e-5, 1e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+GC_PAUSE_BUCKETS_S = (1e-5, 1e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 _value_class_for: tuple[str, int] | None = None
@@ -72,7 +72,7 @@ def gc_pause_sink(role: str) -> Callable[[int, float], None]:
     multiprocess_dir()
     hist = Histogram(PREFIX + "gc_pause_seconds", "garbage-collector pauses, by process role and "
                      "generation (2: full collection)", ["role", "generation"],
-                     buckets=_GC_PAUSE_BUCKETS_S, registry=None)
+                     buckets=GC_PAUSE_BUCKETS_S, registry=None)
     by_generation = [hist.labels(role, str(g)) for g in range(3)]
     return lambda generation, pause_s: by_generation[min(max(generation, 0), 2)].observe(pause_s)
 
@@ -84,7 +84,7 @@ class EngineMetrics:
         multiprocess_dir()
         self.queue_duration = Histogram(
             PREFIX + "queue_duration_seconds", "time a batch's oldest request waited before work",
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.batch_nodes = Histogram(
             PREFIX + "batch_nodes", "seed nodes per batch, by engine core (one per GPU)",
             ["engine"], buckets=_NODE_BUCKETS, registry=None)
@@ -94,13 +94,13 @@ class EngineMetrics:
         self.route_total = Counter(PREFIX + "route", "batches per route", ["route"], registry=None)
         self.sample_duration = Histogram(
             PREFIX + "sample_duration_seconds", "sampling time per batch", ["route"],
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.gather_duration = Histogram(
             PREFIX + "gather_duration_seconds", "feature gather time per batch",
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.compute_duration = Histogram(
             PREFIX + "compute_duration_seconds", "gather + model time per batch (GPU: device time)",
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.cache_hits = Counter(
             PREFIX + "feature_cache_hits", "feature rows read from GPU memory", registry=None)
         self.cache_misses = Counter(
@@ -147,7 +147,7 @@ class Metrics(PipelineObserver):
         MultiProcessCollector(self.registry, path=path)
         self.request_duration = Histogram(
             PREFIX + "request_duration_seconds", "HTTP request latency", ["endpoint", "status"],
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.pending = Gauge(PREFIX + "pending_requests", "admitted requests not yet answered",
                              registry=None, multiprocess_mode="livesum")
         self.rejected = Counter(
@@ -170,7 +170,7 @@ class Metrics(PipelineObserver):
         self.model_latency = Histogram(
             PREFIX + "model_batch_round_trip_seconds", "micro-batch round trip (front-end "
             "client -> engine core -> client), by model and version", ["model", "version"],
-            buckets=_LATENCY_BUCKETS_S, registry=None)
+            buckets=LATENCY_BUCKETS_S, registry=None)
         self.grpc_cut_off = Counter(
             PREFIX + "grpc_connections_closed", "gRPC port connections ended for passing an "
             "abuse limit (server.grpc_limits, decision 0036), by reason", ["reason"],
@@ -312,7 +312,7 @@ class GraphWriterMetrics:
         self.updates = {k: updates.labels(k) for k in UPDATE_KINDS}
         self.duration = Histogram(PREFIX + "graph_update_duration_seconds", "validate + log + "
                                   "sync + apply of one update call at the writer",
-                                  buckets=_LATENCY_BUCKETS_S, registry=None)
+                                  buckets=LATENCY_BUCKETS_S, registry=None)
         self.overlay_entries = Gauge(PREFIX + "graph_overlay_entries", "overlay entries in use "
                                      "(8 bytes each per sampling process)",
                                      multiprocess_mode="max", registry=None)

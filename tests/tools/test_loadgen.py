@@ -219,12 +219,12 @@ def test_metrics_diff_on_prometheus_client_output() -> None:
     daemon's metric names and buckets: differenced counts and means are exact."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from quiver_serve.metrics.prometheus import _LATENCY_BUCKETS_S
+    from quiver_serve.metrics.prometheus import LATENCY_BUCKETS_S
 
     reg = CollectorRegistry()
     sample = Histogram("quiver_serve_sample_duration_seconds", "s", ["route"],
-                       buckets=_LATENCY_BUCKETS_S, registry=reg)
-    queue = Histogram("quiver_serve_queue_duration_seconds", "q", buckets=_LATENCY_BUCKETS_S,
+                       buckets=LATENCY_BUCKETS_S, registry=reg)
+    queue = Histogram("quiver_serve_queue_duration_seconds", "q", buckets=LATENCY_BUCKETS_S,
                       registry=reg)
     for v in (0.003, 0.004):
         sample.labels("gpu").observe(v)

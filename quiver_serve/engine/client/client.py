@@ -126,6 +126,11 @@ class EngineClient(MicroBatchSender):
     def pending_count(self) -> int:
         return self._pending
 
+    @property
+    def rows_in_flight(self) -> list[int]:
+        """Per engine core: rows this client has sent it and not had answered yet."""
+        return list(self._load)
+
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                deadline_s: float | None = None, request_id: str | None = None,
                min_version: int = 0, inductive: InductiveNodes | None = None,

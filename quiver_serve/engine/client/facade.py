@@ -64,9 +64,10 @@ class ClientFacade:
 
     @property
     def pending_count(self) -> int:
-        return sum(c.pending_count for c in self._clients())
+        return sum(c.pending_count for c in self.clients())
 
-    def _clients(self) -> list[EngineClient]:
+    def clients(self) -> list[EngineClient]:
+        """Every engine client now: the blocking callers' and each event loop's."""
         with self._clients_lock:
             loop_clients: list[EngineClient] = list(self._loop_clients.values())
         return ([self.client] if self.client is not None else []) + loop_clients
@@ -92,7 +93,7 @@ class ClientFacade:
 
     def stop_clients(self) -> None:
         """Stop every client; what they still hold is answered 503."""
-        for client in self._clients():
+        for client in self.clients():
             client.stop()
 
     def begin_drain(self) -> None:
