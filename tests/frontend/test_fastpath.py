@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
+from quiver_serve import errors
 from quiver_serve.config import ServerConfig
 from quiver_serve.engine.client.pipeline import Pipeline
 from quiver_serve.frontend.app import create_app
@@ -239,6 +240,17 @@ def test_new_nodes_alone_get_one_row_each(served: tuple) -> None:
     both_ways = orjson.loads(run(app, embed({"node_ids": [], "new_nodes": [new_node([1])],
                                              "exact": True}))["body"])
     assert np.allclose(both_ways["embeddings"][0], body["embeddings"][0], atol=1e-5)
+
+
+def test_the_queue_api_takes_new_nodes_without_node_ids(served: tuple) -> None:
+    pipeline = served[1]
+    rows = pipeline.embed(new_nodes=[new_node([1, 2])], exact=True)
+    assert tuple(rows.shape) == (1, DIM)
+    rows_async = asyncio.run(pipeline.embed_async(new_nodes=[new_node([1, 2])], exact=True))
+    assert np.allclose(rows_async.numpy(), rows.numpy(), atol=1e-5)
+    with pytest.raises(errors.ServeError) as refused:
+        pipeline.embed()
+    assert refused.value.info.status == 400 and "node_ids" in refused.value.info.message
 
 
 def test_other_methods_and_paths(served: tuple) -> None:
