@@ -14,6 +14,7 @@ import pytest
 from loadtest.h2_flood import attack_frames, infer_message, request_block
 from quiver_serve.config import GrpcLimitsConfig
 from quiver_serve.frontend.grpc import frames as f
+from quiver_serve.frontend.grpc import server as grpc_server
 from quiver_serve.frontend.grpc.connection import H2Connection
 from quiver_serve.frontend.grpc.limits import FrameCounters
 
@@ -86,7 +87,7 @@ class Harness:
         self.cut_off: list[tuple[str, str]] = []
         self.transport = Transport()
         self.conn = H2Connection(self._on_request, 4096, GrpcLimitsConfig(**limits), None,
-                                 lambda reason, peer: self.cut_off.append((reason, peer)))
+                                 lambda reason, peer, _: self.cut_off.append((reason, peer)))
         self.conn.connection_made(self.transport)
         self.conn.data_received(f.PREFACE + f.settings_frame(()))
 
@@ -142,14 +143,21 @@ def test_each_flood_is_cut_off_past_its_limit_and_not_before(
     run(test)
 
 
-def test_rapid_reset_is_cut_off_and_every_reset_call_is_cancelled() -> None:
+def test_rapid_reset_is_cut_off_and_no_reset_call_starts() -> None:
+    """Each call's request ends and is reset in the same read: the call is cancelled before it
+    is told its request ended (``connection._end_calls``), so none is parsed or submitted."""
     def test() -> None:
         h = Harness(max_resets=50, reset_ratio=0.5)
         h.send(attack_frames("rapid_reset", 1000))
         assert h.is_cut_off("rapid_reset")
         assert h.goaway() == (f.ENHANCE_YOUR_CALM, 2 * 51 - 1)  # the 51st call's stream
-        assert h.calls == {"opened": 51, "ended": 51, "cancelled": 51}
+        assert h.calls == {"opened": 51, "ended": 0, "cancelled": 51}
         assert not h.conn.streams  # nothing left that could still be computed
+        split = Harness(max_resets=50)  # the reset in the read after the request's end
+        split.send(f.frame(f.HEADERS, f.END_HEADERS, 1, BLOCK)
+                   + f.frame(f.DATA, f.END_STREAM, 1, infer_message([1])))
+        split.send(f.rst_stream(1, f.CANCEL))
+        assert split.calls == {"opened": 1, "ended": 1, "cancelled": 1}
 
     run(test)
 
@@ -237,3 +245,23 @@ def test_counts_start_again_each_window() -> None:
     for _ in range(3):
         counters.ping()
     assert counters.pings == 3 and counters.window_start_s == 110.0
+
+
+def test_cut_offs_are_all_counted_and_logged_at_most_ten_a_second(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A reconnecting attacker is cut off many times a second: the metric counts every one,
+    the log takes ten lines a second and then says how many it left out."""
+    counted: list[str] = []
+    now = [1000.2]
+    monkeypatch.setattr(grpc_server.time, "monotonic", lambda: now[0])
+    srv = grpc_server.H2Server(lambda s: None, 4096, GrpcLimitsConfig(), counted.append)
+    with caplog.at_level("WARNING", logger=grpc_server.__name__):
+        for _ in range(25):
+            srv.on_cut_off("rapid_reset", "ipv4:10.0.0.9:4000", "101 of 101 streams reset")
+        now[0] = 1001.1
+        srv.on_cut_off("ping_flood", "ipv4:10.0.0.9:4001", "more than 500 PING frames")
+    lines = [r.getMessage() for r in caplog.records]
+    assert counted == ["rapid_reset"] * 25 + ["ping_flood"] and srv.cut_off_total == 26
+    assert len(lines) == 11 and all("ipv4:10.0.0.9" in line for line in lines)
+    assert lines[-1].endswith("(15 more cut off before this, not logged)")
+    assert "cut off (ping_flood)" in lines[-1]

@@ -352,9 +352,9 @@ async def start(state: Any, host: str, port: int, token: str | None,
     every front-end process binds it; balance is per connection)."""
     front = GrpcFront(state, token, admin_token)
     metrics = getattr(state, "metrics", None)
-    on_cut_off = None if metrics is None else lambda reason, peer: metrics.on_grpc_cut_off(reason)
     server = H2Server(front.on_request, state.cfg.server.max_body_bytes,
-                      state.cfg.server.grpc_limits, on_cut_off)
+                      state.cfg.server.grpc_limits,
+                      None if metrics is None else metrics.on_grpc_cut_off)
     bound = await server.start(host, port)
     log.info("KServe v2 gRPC on %s:%d (ModelInfer, ModelStreamInfer)", host, bound)
     return server

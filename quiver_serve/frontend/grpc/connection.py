@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 #: (stream) -> its call; the call may answer the stream at once (an unknown method, say)
 OnRequest = Callable[[H2Stream], Any]
-#: (reason, peer) of a connection cut off for abuse (``limits.REASONS``)
-OnCutOff = Callable[[str, str], None]
+#: (reason, peer, what it did) of a connection cut off for abuse (``limits.REASONS``)
+OnCutOff = Callable[[str, str, str], None]
 
 #: answers queued on a connection beyond the client's windows; past this new streams are refused
 MAX_PENDING_BYTES = 32 << 20
@@ -86,6 +86,7 @@ class H2Connection(H2Sender):
         self._settings_seen = False
         # a header block being continued: stream id, END_STREAM, bytes, CONTINUATIONs so far
         self._cont: tuple[int, bool, bytearray, int] | None = None
+        self._ending: list[H2Stream] = []  # requests ended in this read, their calls not told
         self.goaway_sent = self.peer_goaway = False
         self.ping_at: float | None = None
         self.last_recv = 0.0
@@ -119,6 +120,7 @@ class H2Connection(H2Sender):
         self.counters.roll(self.last_recv)
         try:
             self._receive(self._buf + data if self._buf else data)
+            self._end_calls()
         except Abuse as exc:
             self.cut_off(exc)
         except H2Error as exc:
@@ -135,6 +137,7 @@ class H2Connection(H2Sender):
             self._timer.cancel()
         streams, self.streams = self.streams, {}
         self.blocked.clear()
+        self._ending.clear()
         for stream in streams.values():
             self._drop(stream)
         if self.registry is not None:
@@ -313,7 +316,7 @@ class H2Connection(H2Sender):
         stream.remote_closed = end_stream  # a request without a body (an answer forgets it)
         stream.call = self.on_request(stream)
         if end_stream and not stream.done and stream.call is not None:
-            stream.call.end(stream)
+            self._ending.append(stream)
 
     def _on_window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -398,9 +401,20 @@ class H2Connection(H2Sender):
     def _end_remote(self, stream: H2Stream) -> None:
         stream.remote_closed = True
         if not stream.done and stream.call is not None:
-            stream.call.end(stream)
-        if stream.done:
+            self._ending.append(stream)
+        elif stream.done:
             self.forget(stream)
+
+    def _end_calls(self) -> None:
+        """Tell the calls whose request ended in this read, in order, once the whole read is
+        applied: a call the client reset in the same read never starts (no parse, no engine
+        work: the rapid reset's calls, decision 0036)."""
+        ending, self._ending = self._ending, []
+        for stream in ending:
+            if not stream.done and not self.closed:
+                stream.call.end(stream)  # type: ignore[union-attr]
+                if stream.done:
+                    self.forget(stream)
 
     def _drop(self, stream: H2Stream) -> None:
         """The stream is gone (reset, or the connection lost): its call is cancelled."""
@@ -446,12 +460,14 @@ class H2Connection(H2Sender):
             self.closed = True
 
     def cut_off(self, exc: Abuse) -> None:
-        """A limit passed (``limits.py``): one WARNING line, the metric, GOAWAY
-        ENHANCE_YOUR_CALM and close."""
-        log.warning("gRPC connection from %s cut off (%s): %s; %s", self.peer or "unknown peer",
-                    exc.reason, exc, self.counters.summary(self.loop.time()))
+        """A limit passed (``limits.py``): GOAWAY ENHANCE_YOUR_CALM and close; ``on_cut_off``
+        logs it and counts it (``server.H2Server``), else one WARNING line here."""
+        detail = f"{exc}; {self.counters.summary(self.loop.time())}"
         if self.on_cut_off is not None:
-            self.on_cut_off(exc.reason, self.peer)
+            self.on_cut_off(exc.reason, self.peer or "unknown peer", detail)
+        else:
+            log.warning("gRPC connection from %s cut off (%s): %s", self.peer or "unknown peer",
+                        exc.reason, detail)
         self.fail(exc.code, str(exc))
 
     def close_gracefully(self) -> None:

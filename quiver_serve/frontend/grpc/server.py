@@ -1,25 +1,55 @@
-"""The gRPC port's listening socket and its connections (``connection.H2Connection``)."""
+"""The gRPC port's listening socket and its connections (``connection.H2Connection``), and the
+log line and metric of each connection cut off for abuse (``limits.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
-from quiver_serve.frontend.grpc.connection import H2Connection, OnCutOff, OnRequest
+from quiver_serve.frontend.grpc.connection import H2Connection, OnRequest
+
+log = logging.getLogger(__name__)
+
+#: WARNING lines of connections cut off, at most this many per second per process (an attacker
+#: that reconnects must not flood the log too); the next line says how many were left out
+CUT_OFF_LINES_PER_S = 10
 
 
 class H2Server:
     """The listening socket and its connections; ``stop(grace)`` drains them. ``limits`` is a
-    ``config.GrpcLimitsConfig``; ``on_cut_off(reason, peer)`` is told of each connection ended
-    for passing one (the metric)."""
+    ``config.GrpcLimitsConfig``; ``count_cut_off(reason)`` is told of each connection ended for
+    passing one (the metric)."""
 
     def __init__(self, on_request: OnRequest, max_message_bytes: int, limits: Any,
-                 on_cut_off: OnCutOff | None = None) -> None:
+                 count_cut_off: Callable[[str], None] | None = None) -> None:
         self.on_request, self.max_message_bytes = on_request, max_message_bytes
-        self.limits, self.on_cut_off = limits, on_cut_off
+        self.limits, self.count_cut_off = limits, count_cut_off
         self.connections: set[H2Connection] = set()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
+        self.cut_off_total = 0
+        self._log_second, self._lines, self._left_out = 0, 0, 0
+
+    def on_cut_off(self, reason: str, peer: str, detail: str) -> None:
+        """A connection passed a limit: counted (``count_cut_off``: the metric) and logged,
+        one WARNING line each up to ``CUT_OFF_LINES_PER_S``."""
+        self.cut_off_total += 1
+        if self.count_cut_off is not None:
+            self.count_cut_off(reason)
+        second = int(time.monotonic())
+        if second != self._log_second:
+            self._log_second, self._lines = second, 0
+        if self._lines >= CUT_OFF_LINES_PER_S:
+            self._left_out += 1
+            return
+        self._lines += 1
+        more = f" ({self._left_out} more cut off before this, not logged)" if self._left_out \
+            else ""
+        self._left_out = 0
+        log.warning("gRPC connection from %s cut off (%s): %s%s", peer, reason, detail, more)
 
     async def start(self, host: str, port: int, backlog: int = 4096) -> int:
         """Listen on ``host:port`` (``SO_REUSEPORT``: every front-end binds it); the port."""
