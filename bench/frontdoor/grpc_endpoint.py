@@ -5,7 +5,7 @@
 Each server runs in its own process on uvloop with a stub engine that answers every submission
 on the next loop turn with float32 rows [n, --dim], so the process's CPU is the endpoint's own:
 HTTP/2, the request's parsing and checks (``grpc/service.infer_args``, ``fastpath.submit_ids``),
-the hand-written answer (``grpc_proto.infer_response``). The baseline is a ``grpc.aio`` server
+the hand-written answer (``grpc/proto.infer_response``). The baseline is a ``grpc.aio`` server
 whose ``ModelInfer`` handler does that same work in a coroutine (the endpoint before decision
 33). For each server and each --connections x --streams point, h2load (another process) runs
 --seconds closed loop with one --ids-id request; the server's CPU comes from /proc.
