@@ -14,13 +14,15 @@ torch): the drills run it beside the daemon on small boxes.
 
 The benches build a graph once (:func:`save_graph`), write the config of each daemon they start
 over it (:func:`serve_config`), and start the PyG-style baseline the same way
-(:func:`baseline_daemon`: ``bench/frontdoor/baseline_server.py``).
+(:func:`baseline_daemon`: ``bench/frontdoor/baseline_server.py``). A :class:`Session` holds a
+run's scratch folder and stops what it started, whatever ends the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,9 +128,9 @@ class Daemon:
 
     def wait_ready(self, timeout_s: float | None = None,
                    headers: Mapping[str, str] | None = None) -> float:
-        """Until ``ready_path`` (``/v2/health/ready``) answers 200 (``headers``: e.g. the bearer token it needs);
-        returns the seconds from start. Raises with the log's tail if the process exits or the
-        deadline passes."""
+        """Until ``ready_path`` answers 200 (``headers``: e.g. the bearer token it needs) or,
+        without one, the port accepts a connection; returns the seconds from start. Raises with
+        the log's tail if the process exits or the deadline passes."""
         timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
@@ -257,3 +259,48 @@ def baseline_daemon(config_path: Path | str, folder: Path, **kwargs: Any) -> Dae
     kwargs.setdefault("name", "baseline")
     return Daemon(config_path, log_path=Path(folder) / "baseline.log",
                   command=("-m", "bench.frontdoor.baseline_server"), **kwargs)
+
+
+class Session:
+    """One bench run: a scratch folder, the parts it starts (daemons, load pools: each stopped or
+    closed at the end, last first) and how it ended. A daemon that dies, a start that times out
+    or SIGTERM (``SystemExit``) ends the run early but not the bench: it is named in ``skipped``,
+    ``code`` becomes 1, and what was measured is still written by the caller::
+
+        with Session("qs-updates-") as s:
+            daemon = s.own(Daemon(...))
+            ...
+        write the result (s.skipped, s.code)
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix=prefix))
+        self.t0 = time.perf_counter()
+        self.parts: list[Any] = []
+        self.skipped: list[str] = []
+        self.code = 0
+
+    def own(self, part: Any) -> Any:
+        """``part`` (with ``stop()`` or ``close()``) is ended with the session."""
+        self.parts.append(part)
+        return part
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        cut = isinstance(exc, (RuntimeError, TimeoutError, SystemExit))
+        if cut:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.skipped.append(f"cut short: {first}")
+            print(f"FAILED: {exc}", flush=True)
+            self.code = 1
+        for part in reversed(self.parts):
+            if isinstance(part, Daemon):
+                part.stop()
+                if self.code:
+                    print(f"{part.name} log (tail):\n{part.log(3000)}", flush=True)
+            else:
+                part.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return cut

@@ -1,13 +1,13 @@
 """One measured point of the front-door bench, whichever client drives it: wrk (HTTP), h2load
 (gRPC unary with one body, the endpoint's ceiling) or the project's own generator
 (``loadtest.gen``: gRPC unary and streaming, HTTP npy side by side, the queue API), each with the CPU time of the server's processes by role over the
-same window (``bench/frontdoor/proc_cpu.py``) and the load client's own CPU.
+same window (``loadtest/cpu.py``) and the load client's own CPU.
 
 Every point is a dict with the keys the tables read (those of ``loadtest.stats.merge_point``):
 ``level`` (connections), ``requests``, ``ok``, ``req_per_s``, ``seed_nodes_per_s``, ``p50_ms`` ...
 ``p999_ms``, ``max_ms``, ``errors``, ``error_fraction``, plus ``cpu_ms`` (per process),
 ``cpu_ms_per_request`` (by role, ``client`` included), ``daemon_cores`` and ``client_cores``;
-wrk and h2load points also ``net`` (``proc_cpu.net_counters`` over the window: retransmitted TCP
+wrk and h2load points also ``net`` (``cpu.net_counters`` over the window: retransmitted TCP
 segments, full-backlog drops and CPU time stolen by the hypervisor, machine-wide).
 """
 

@@ -14,6 +14,7 @@ folder of ``$OUT`` when set, else ``bench/results/``; ``--out`` names another fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +218,27 @@ class Budget:
 
     def afford(self, what: str, cost_s: float) -> bool:
         return afford(self.skipped, what, cost_s, self.left_s())
+
+    @contextlib.contextmanager
+    def serving(self, srv: Any, what: str, timeout_s: float | None = None,
+                headers: dict[str, str] | None = None) -> Iterator[float | None]:
+        """``srv`` (a ``loadtest.harness.Daemon``) ready for the body, stopped after; the body
+        gets its start-up seconds, or None when it did not start. A failed start, or a daemon
+        that dies or times out during the body, is named in ``skipped`` and the run goes on."""
+        try:
+            try:
+                ready_s: float | None = srv.wait_ready(timeout_s, headers)
+                print(f"\n{srv.name} ready in {ready_s:.1f} s", flush=True)
+            except (RuntimeError, TimeoutError) as exc:
+                self.skipped.append(f"{what}: {str(exc).splitlines()[0]}")
+                print(f"FAILED {what}:\n{exc}", flush=True)
+                ready_s = None
+            try:
+                yield ready_s
+            except (RuntimeError, TimeoutError) as exc:
+                self.failed(what, exc)
+        finally:
+            srv.stop()
 
     def failed(self, what: str, exc: BaseException) -> None:
         """A step that raised: named in ``skipped`` (first line), its traceback's tail printed."""

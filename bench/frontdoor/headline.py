@@ -28,11 +28,9 @@ _latency_cdf.png).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,20 +75,6 @@ class Run(Budget):
         self.levels = [c for c in args.clients]
         self.baseline_info: dict | None = None
 
-    @contextlib.contextmanager
-    def serving(self, srv: Daemon, name: str, what: str) -> Iterator[None]:
-        """Start ``srv`` (start-up time kept as ``starts[name]``) for the body, then stop it; a
-        failed start or run is recorded as ``what`` skipped, and the run goes on."""
-        try:
-            self.starts[name] = srv.wait_ready(self.args.start_timeout_s)
-            print(f"\n{name} ready in {self.starts[name]:.1f} s", flush=True)
-            yield
-        except (RuntimeError, TimeoutError) as exc:
-            self.skipped.append(f"{what}: {str(exc).splitlines()[0]}")
-            print(f"FAILED {what}:\n{exc}", flush=True)
-        finally:
-            srv.stop()
-
     def start_cost_s(self) -> float:
         """Expected server start: the last quiver-serve start (the first one also builds the C++
         sampler), else --start-cost-s."""
@@ -132,7 +116,10 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
     url = f"http://127.0.0.1:{port}"
     srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
                  name=f"quiver-serve ({route})", grace_s=SERVER_GRACE_S)
-    with run.serving(srv, f"quiver-serve {route}", f"route {route}"):
+    with run.serving(srv, f"route {route}", run.args.start_timeout_s) as ready_s:
+        if ready_s is None:
+            return
+        run.starts[srv.name] = ready_s
         for protocol in run.args.paths:
             if protocol == "queue":
                 continue
@@ -158,7 +145,10 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
                  name=f"quiver-serve {route}", grace_s=SERVER_GRACE_S)
-    with run.serving(srv, f"quiver-serve {route}", f"single-id {route}"):
+    with run.serving(srv, f"single-id {route}", run.args.start_timeout_s) as ready_s:
+        if ready_s is None:
+            return
+        run.starts[srv.name] = ready_s
         for protocol in SINGLE_PATHS:
             run.single_id(f"{route}/{protocol}", target_of(protocol, url, None, cfg.model.name,
                                                            run.args))
@@ -189,7 +179,10 @@ def baseline(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     srv = baseline_daemon(route_config(cfg, npz, "auto", folder, None), folder,
                           grace_s=SERVER_GRACE_S)
     url = srv.url
-    with run.serving(srv, "baseline", "baseline"):
+    with run.serving(srv, "baseline", run.args.start_timeout_s) as ready_s:
+        if ready_s is None:
+            return
+        run.starts["baseline"] = ready_s
         run.baseline_info = srv.get_json("/v1/baseline")
         print(f"baseline: {run.baseline_info}", flush=True)
         for protocol in ("http-json", "http-npy"):

@@ -39,14 +39,12 @@ $OUT (else bench/results/), or --out FILE.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,26 +186,6 @@ def daemon_config(run: Run, cfg: Any, npz: Path, grpc_port: int) -> Path:
     return serve_config(cfg, npz, run.folder, fields={"server.grpc_port": grpc_port})
 
 
-@contextlib.contextmanager
-def daemon(run: Run, conf: Path) -> Iterator[Daemon | None]:
-    """``server.py`` ready (None when it did not start: named in the skipped list), stopped
-    after."""
-    srv = Daemon(conf, free_port(), run.folder / "server.log", args=["--log-level", "warning"],
-                 name="quiver-serve", grace_s=SERVER_GRACE_S)
-    try:
-        try:
-            run.starts_s["daemon"] = srv.wait_ready(run.args.start_timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            run.skipped.append(f"daemon: {str(exc).splitlines()[0]}")
-            print(f"FAILED daemon start:\n{exc}", flush=True)
-            yield None
-            return
-        print(f"daemon ready in {run.starts_s['daemon']:.1f} s", flush=True)
-        yield srv
-    finally:
-        srv.stop()
-
-
 def idle_cpu(cpu: TreeCpu, standby: bool, window_s: float = 1.0,
              settle_s: float = SETTLE_S) -> dict[str, Any]:
     """The daemon's own CPU with no load (cores per process), once it has settled: its warm
@@ -236,9 +214,12 @@ def daemon_phase(run: Run, cfg: Any, npz: Path, work: Workloads) -> None:
     grpc_port = free_port()
     if not run.afford("daemon", a.start_cost_s + 3 * a.seconds):
         return
-    with daemon(run, daemon_config(run, cfg, npz, grpc_port)) as srv:
-        if srv is None:
+    srv = Daemon(daemon_config(run, cfg, npz, grpc_port), log_path=run.folder / "server.log",
+                 args=["--log-level", "warning"], grace_s=SERVER_GRACE_S)
+    with run.serving(srv, "daemon", a.start_timeout_s) as ready_s:
+        if ready_s is None:
             return
+        run.starts_s["daemon"] = ready_s
         workers = srv.get_json("/v1/workers")["workers"]
         cpu = TreeCpu(srv.pid, workers)
         run.idle = {"workers": [{k: w.get(k) for k in ("role", "index")} for w in workers],

@@ -2,7 +2,7 @@
 
 Each builder takes the parsed options (``a``: the suite's flags, ``a.extra``: options for the
 suite's main bench, ``a.out_dir``, ``a.machine``) and returns its steps. Results are named
-``<bench>_<machine>_<date>[_<variant>].json`` in the output folder (``bench/cli.py``).
+``<bench>_<machine>_<date>[_<variant>].json`` in the output folder (``loadtest/results.py``).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def headline(a: argparse.Namespace) -> list[Step]:
     return [
         Step("server packages", ["{python}", "-c", HEADLINE_IMPORTS], 120.0, "imports.log",
              required=True, on_fail="missing Python packages: carry them as wheels in .whl/ "
-                                    "(see the device README)"),
+                                    "(bench/README.md, the GPU runner)"),
         Step("uvloop, httptools", ["{python}", "-c", "import uvloop, httptools"], 60.0,
              "imports_fast.log", counts=False,
              on_fail="WARNING: uvloop or httptools missing: uvicorn runs on asyncio/h11, every "
@@ -272,8 +272,8 @@ def frontdoor(a: argparse.Namespace) -> list[Step]:
     return [
         Step("server packages", ["{python}", "-c", HEADLINE_IMPORTS], 120.0, "imports.log",
              required=True, on_fail="missing Python packages: carry them as wheels in .whl/ "
-                                    "(see the device README)"),
-        Step("wrk, h2load", ["{python}", "-c", LOAD_CLIENTS], 60.0, "load_clients.log",
+                                    "(bench/README.md, the GPU runner)"),
+        Step("wrk, h2load", ["{python}", "-c", LOAD_CLIENTS], 60.0, "wrk_h2load.log",
              counts=False, on_fail="WARNING: a load client is missing or does not run: its "
                                    "paths are skipped (carry .tools/: bench/README.md)"),
         info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no nvidia-smi: CPU only"),

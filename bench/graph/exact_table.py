@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +49,7 @@ from bench.graph.exact_refresh import add_refresh_options, refresh_step
 from bench.graph.exact_report import build_line, print_report, targets
 from loadtest import promdiff, watch
 from loadtest.gen import Generator
-from loadtest.harness import Daemon, config_yaml, saved_graph_facts
+from loadtest.harness import Daemon, Session, config_yaml, saved_graph_facts
 from loadtest.results import (
     Budget,
     add_run_options,
@@ -385,36 +384,23 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    import shutil
-
     args = parse_args(argv)
     exit_on_sigterm()
     if args.smoke:
         os.environ["QUIVER_SERVE_DISABLE_CPP"] = "1"  # the daemons and the in-process Pipeline
     cfg = load_config(args.config, args.sets)
     out = result_path("exact_table", args, "smoke" if args.smoke else None)
-    folder = Path(tempfile.mkdtemp(prefix="qs-exact-"))
-    t0 = time.perf_counter()
-    gen = run = None
-    info: dict[str, Any] = {}
-    skipped: list[str] = []
-    code = 0
+    run, info, s = None, {}, Session("qs-exact-")
     try:
-        npz, facts = saved_graph_facts(cfg, folder)
-        info = meta(args, cfg, facts)
-        gen = Generator(args.procs, args.warmup, args.seconds)
-        run = Run(args, cfg, npz, folder, facts, gen, t0)
-        phases(run)
-    except (RuntimeError, TimeoutError, SystemExit) as exc:  # keep what was measured
-        skipped.append(f"cut short: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-        print(f"FAILED: {exc}", flush=True)
-        code = 1
+        with s:
+            npz, facts = saved_graph_facts(cfg, s.folder)
+            info = meta(args, cfg, facts)
+            gen = s.own(Generator(args.procs, args.warmup, args.seconds))
+            run = Run(args, cfg, npz, s.folder, facts, gen, s.t0)
+            phases(run)
     finally:
-        if gen is not None:
-            gen.close()
-        finish(run, info, out, skipped, t0)
-        shutil.rmtree(folder, ignore_errors=True)
-    return code
+        finish(run, info, out, s.skipped, s.t0)
+    return s.code
 
 
 if __name__ == "__main__":

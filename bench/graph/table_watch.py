@@ -20,7 +20,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import watch
@@ -169,8 +168,3 @@ def fivexx(statuses: Mapping[str, int]) -> int:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else float(a) / float(b)
-
-
-def pct_ms(values_s: list[float] | np.ndarray, q: float) -> float | None:
-    a = np.asarray(values_s, np.float64)
-    return float(np.percentile(a, q) * 1e3) if a.size else None

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any
 
 from loadtest import watch
 from loadtest.gen import Generator
-from loadtest.harness import Daemon, saved_graph_facts, serve_config
+from loadtest.harness import Daemon, Session, saved_graph_facts, serve_config
 from loadtest.results import (
     Budget,
     add_run_options,
@@ -360,45 +359,28 @@ def compaction_line(c: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import shutil
-
     args = parse_args(argv)
     exit_on_sigterm()
     cfg = load_config(args.config, args.sets)
     out = result_path("updates", args, "smoke" if args.smoke else None)
-    folder = Path(tempfile.mkdtemp(prefix="qs-updates-"))
-    t0 = time.perf_counter()
-    gen = updaters = daemon = run = None
-    info: dict[str, Any] = {}
-    skipped: list[str] = []
-    code = 0
+    run, info, s = None, {}, Session("qs-updates-")
     try:
-        conf, facts = prepare(cfg, folder, args)
-        info = meta(args, cfg, facts)
-        env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
-        daemon = Daemon(conf, log_path=folder / "server.log", args=["--log-level", "warning"],
-                        env=env, grace_s=SERVER_GRACE_S, ready_timeout_s=args.start_timeout_s)
-        gen = Generator(args.procs, args.warmup, args.seconds)
-        updaters = UpdaterPool(args.update_procs)
-        print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load and "
-              f"{args.update_procs} updater process(es)", flush=True)
-        run = Run(args, daemon.url, gen, updaters, facts, t0)
-        phases(run)
-    except (RuntimeError, TimeoutError, SystemExit) as exc:  # keep what was measured
-        skipped.append(f"cut short: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-        print(f"FAILED: {exc}", flush=True)
-        code = 1
+        with s:
+            conf, facts = prepare(cfg, s.folder, args)
+            info = meta(args, cfg, facts)
+            env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
+            daemon = s.own(Daemon(conf, log_path=s.folder / "server.log", env=env,
+                                  args=["--log-level", "warning"], grace_s=SERVER_GRACE_S,
+                                  ready_timeout_s=args.start_timeout_s))
+            gen = s.own(Generator(args.procs, args.warmup, args.seconds))
+            updaters = s.own(UpdaterPool(args.update_procs))
+            print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load and "
+                  f"{args.update_procs} updater process(es)", flush=True)
+            run = Run(args, daemon.url, gen, updaters, facts, s.t0)
+            phases(run)
     finally:
-        for part in (gen, updaters):
-            if part is not None:
-                part.close()
-        if daemon is not None:
-            daemon.stop()
-            if code:
-                print(f"daemon log (tail):\n{daemon.log(3000)}", flush=True)
-        finish(run, info, out, skipped, t0)
-        shutil.rmtree(folder, ignore_errors=True)
-    return code
+        finish(run, info, out, s.skipped, s.t0)
+    return s.code
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from bench.models.reload_report import (
 )
 from loadtest import watch
 from loadtest.gen import Generator
-from loadtest.harness import Daemon, save_graph, serve_config
+from loadtest.harness import Daemon, Session, save_graph, serve_config
 from loadtest.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
 from loadtest.results import (
     Budget,
@@ -304,47 +303,29 @@ def finish(a: argparse.Namespace, run: Run | None, info: dict, out: Path, skippe
 
 
 def main(argv: list[str] | None = None) -> int:
-    import shutil
-
     args = parse_args(argv)
     exit_on_sigterm()
     cfg = load_config(args.config, args.sets)
     out = result_path("reload", args, "smoke" if args.smoke else None)
-    folder = Path(tempfile.mkdtemp(prefix="qs-reload-"))
-    t0 = time.perf_counter()
-    gen = rec = daemon = run = None
-    info: dict[str, Any] = {}
-    skipped: list[str] = []
-    code = 0
+    run, info, s = None, {}, Session("qs-reload-")
     try:
-        conf, facts = prepare(cfg, folder, args)
-        info = meta(args, cfg, facts)
-        env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
-        daemon = Daemon(conf, log_path=folder / "server.log", env=env, grace_s=SERVER_GRACE_S,
-                        ready_timeout_s=args.start_timeout_s)
-        gen = Generator(args.procs, args.warmup, args.capacity_seconds)
-        rec = RecorderPool(args.procs)
-        print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load process(es)",
-              flush=True)
-        run = Run(args, daemon, gen, rec, facts, t0)
-        phases(run)
-        if run.reload and run.reload["load_call"]["status"] != 200:
-            code = 1  # the bench did not do what it measures: the result names why
-    except (RuntimeError, TimeoutError, SystemExit) as exc:  # keep what was measured
-        skipped.append(f"cut short: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-        print(f"FAILED: {exc}", flush=True)
-        code = 1
+        with s:
+            conf, facts = prepare(cfg, s.folder, args)
+            info = meta(args, cfg, facts)
+            env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
+            daemon = s.own(Daemon(conf, log_path=s.folder / "server.log", env=env,
+                                  grace_s=SERVER_GRACE_S, ready_timeout_s=args.start_timeout_s))
+            gen = s.own(Generator(args.procs, args.warmup, args.capacity_seconds))
+            rec = s.own(RecorderPool(args.procs))
+            print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load process(es)",
+                  flush=True)
+            run = Run(args, daemon, gen, rec, facts, s.t0)
+            phases(run)
+            if run.reload and run.reload["load_call"]["status"] != 200:
+                s.code = 1  # the bench did not do what it measures: the result names why
     finally:
-        for part in (gen, rec):
-            if part is not None:
-                part.close()
-        if daemon is not None:
-            daemon.stop()
-            if code:
-                print(f"daemon log (tail):\n{daemon.log(3000)}", flush=True)
-        finish(args, run, info, out, skipped, t0)
-        shutil.rmtree(folder, ignore_errors=True)
-    return code
+        finish(args, run, info, out, s.skipped, s.t0)
+    return s.code
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Graphs:
     python -m bench.sampling.gpu_sampler --quick        # fewer repeats, reddit only
 
 JSON with ``--json FILE``, or by default when ``$OUT`` is set:
-``$OUT/gpu_sampler_<machine>_<date>[_<variant>].json`` (``bench/cli.py``).
+``$OUT/gpu_sampler_<machine>_<date>[_<variant>].json`` (``loadtest/results.py``).
 """
 
 from __future__ import annotations

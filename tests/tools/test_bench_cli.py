@@ -1,5 +1,5 @@
 """Bench plumbing: ``--set section.key=value`` config overrides and result names
-(``bench/cli.py``), the routing mixes of ``loadtest/workloads.py``, the tail trace, the daemon
+(``loadtest/results.py``), the routing mixes of ``loadtest/workloads.py``, the tail trace, the daemon
 benches' point merge (``loadtest/engine_probe.py``), and the GPU runner (``python -m bench.gpu``)."""
 
 from __future__ import annotations
