@@ -455,7 +455,7 @@ class FakeContext:
 ])
 def test_grpc_admin_guard_mirrors_http(admin_token: str | None, peer: str,
                                        authorization: str | None, refused: str | None) -> None:
-    from quiver_serve.frontend.grpc_server import KServeGrpc
+    from quiver_serve.frontend.grpc.service import KServeGrpc
 
     servicer = KServeGrpc(None, DATA_TOKEN, admin_token)  # type: ignore[arg-type]
     ctx = FakeContext(peer, authorization)
@@ -469,7 +469,7 @@ def test_grpc_admin_guard_mirrors_http(admin_token: str | None, peer: str,
 
 
 def test_grpc_peer_addresses() -> None:
-    from quiver_serve.frontend.grpc_server import peer_address
+    from quiver_serve.frontend.grpc.service import peer_address
     from quiver_serve.frontend.guards import is_loopback
 
     assert peer_address("ipv4:127.0.0.1:5000") == ("127.0.0.1", 5000)
