@@ -26,10 +26,23 @@ def test_valid_body_becomes_int64_array() -> None:
     assert (body.exact, body.seed, body.timeout_ms) == (True, 7, 20.0)
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"new_nodes": [{"features": [0.5, 1], "in_neighbors": [3]}]}',
+    b'{"node_ids": [], "new_nodes": [{"features": [0.5, 1], "in_neighbors": [3]}]}',
+])
+def test_new_nodes_alone_need_no_node_ids(raw: bytes) -> None:
+    body = parse_embed(raw, 10)
+    assert body.node_ids.dtype == np.int64 and body.node_ids.size == 0
+    assert body.new_features == [[0.5, 1]] and body.new_neighbors == [[3]]
+
+
 @pytest.mark.parametrize(("raw", "status", "needle"), [
     (b'{"node_ids": [1, true]}', 422, "node_ids.1"),       # a bool is not an id (numpy would take it)
     (b'{"node_ids": [1.5]}', 422, "node_ids.0"),
-    (b'{"node_ids": []}', 422, "node_ids"),
+    (b'{"node_ids": []}', 422, "node_ids: Field required"),
+    (b'{}', 422, "node_ids: Field required"),
+    (b'{"new_nodes": []}', 422, "node_ids: Field required"),
+    (b'{"node_ids": [], "new_nodes": null}', 422, "node_ids: Field required"),
     (b'{"nodes": [1]}', 422, "nodes"),
     (b'{"node_ids": [1], "seed": -1}', 422, "seed"),
     (b'{"node_ids": [1], "seed": 18446744073709551615}', 422, "seed"),
