@@ -2,12 +2,12 @@
 
 uvicorn's httptools protocol, extended (docs/decisions/0029-front-door-hot-path.md,
 0037-one-answering-path.md). Every ``POST /v1/embed`` or
-``POST /v2/models/{name}[/versions/{v}]/infer`` is handled by parser callbacks on the event loop
-with the functions of ``fastpath.py``: :func:`~quiver_serve.guards.authorize` and the body limit
-when the headers are complete, the body collected, then parsed and submitted to the loop's
-engine client once complete, and a done-callback on the request's future writes the whole answer
-with one ``writelines`` (a ``.npy`` or KServe binary answer's rows as a view of the reply
-buffer). A request costs a few callbacks and no coroutine.
+``POST /v2/models/{name}[/versions/{v}]/infer`` is handled by parser callbacks on the event loop:
+``guards.authorize`` and the body limit when the headers are complete; the body collected, then
+parsed and submitted to the loop's engine client with ``fastpath.py``'s functions once complete;
+and a done-callback on the request's future writes the whole answer with one ``writelines`` (a
+``.npy`` or KServe binary answer's rows as a view of the reply buffer). A request costs a few
+callbacks and no coroutine.
 
 This path answers every such request itself:
 
