@@ -65,7 +65,8 @@ def _normal_clients_answer(server: ServerProcess) -> None:
     embeddings: the same rows both ways)."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{server.grpc_port}")  # type: ignore[attr-defined]
+    port = server.grpc_port  # type: ignore[attr-defined]
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
     try:
         node_ids = grpcclient.InferInput("node_ids", [3], "INT64")
         node_ids.set_data_from_numpy(np.array([4, 5, 2707], dtype=np.int64))
@@ -85,7 +86,8 @@ def _normal_clients_answer(server: ServerProcess) -> None:
 def test_each_attack_is_cut_off_counted_and_others_are_served(server: ServerProcess, kind: str,
                                                               count: int) -> None:
     before = _metric(server, "quiver_serve_grpc_connections_closed_total", reason=kind)
-    result = asyncio.run(attack("127.0.0.1", server.grpc_port, kind, count, within_s=10.0))  # type: ignore[attr-defined]
+    port = server.grpc_port  # type: ignore[attr-defined]
+    result = asyncio.run(attack("127.0.0.1", port, kind, count, within_s=10.0))
     assert result.goaway_code == ENHANCE_YOUR_CALM, result
     assert result.closed_s is not None and result.closed_s < CUT_OFF_BOUND_S, result
     assert _metric(server, "quiver_serve_grpc_connections_closed_total", reason=kind) \
@@ -106,7 +108,8 @@ def test_rapid_reset_calls_do_no_engine_work(server: ServerProcess) -> None:
             server, "quiver_serve_requests_rejected_total", reason="client_disconnected")
 
     before = engine_side()
-    result = asyncio.run(attack("127.0.0.1", server.grpc_port, "rapid_reset", 20_000))  # type: ignore[attr-defined]
+    port = server.grpc_port  # type: ignore[attr-defined]
+    result = asyncio.run(attack("127.0.0.1", port, "rapid_reset", 20_000))
     assert result.goaway_code == ENHANCE_YOUR_CALM and 0 < result.calls_taken <= 101
     time.sleep(0.5)  # a call that did leave is answered within this
     reached = engine_side() - before

@@ -125,12 +125,13 @@ class GrpcFront:
         content_type = stream.header(b"content-type") or b""
         if stream.header(b":method") != b"POST" or not content_type.startswith(
                 b"application/grpc"):
-            stream.finish(GrpcStatus.INVALID_ARGUMENT, "a gRPC call is a POST with content-type application/grpc")
+            stream.finish(GrpcStatus.INVALID_ARGUMENT,
+                          "a gRPC call is a POST with content-type application/grpc")
             return None
         encoding = stream.header(b"grpc-encoding")
         if encoding not in (None, b"identity"):
-            stream.finish(GrpcStatus.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not "
-                                          "supported (identity only)")
+            stream.finish(GrpcStatus.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r}"
+                                                    " is not supported (identity only)")
             return None
         method = path[len(_PREFIX):] if path.startswith(_PREFIX) else ""
         if method == "ModelInfer":
@@ -182,8 +183,8 @@ class InferCall(_UnaryRequest):
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:
-            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400, "ModelInfer takes exactly one request message, "
-                                               f"got {self.count}")
+            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400,
+                         f"ModelInfer takes exactly one request message, got {self.count}")
             return
         if not self.front.authorised(stream):
             self._refuse(stream, GrpcStatus.UNAUTHENTICATED, 401, "missing or wrong bearer token")
@@ -199,7 +200,8 @@ class InferCall(_UnaryRequest):
             self.sub = submit_ids(self.front.state, a.ids, a.exact, a.seed, timeout_ms,
                                   a.min_version, None, a.model, a.version)
         except DecodeError as exc:
-            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400, f"not a ModelInferRequest message: {exc}")
+            self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400,
+                         f"not a ModelInferRequest message: {exc}")
             return
         except errors.ServeError as exc:
             self._refuse(stream, status_of(exc), exc.info.status, exc.info.message)
@@ -258,8 +260,8 @@ class UnaryCall(_UnaryRequest):
 
     def end(self, stream: H2Stream) -> None:
         if self.count != 1:
-            stream.finish(GrpcStatus.INVALID_ARGUMENT, f"{self.method} takes exactly one request message, got "
-                                    f"{self.count}")
+            stream.finish(GrpcStatus.INVALID_ARGUMENT,
+                          f"{self.method} takes exactly one request message, got {self.count}")
             return
         self.task = self.front.spawn(self._run(stream))
 
@@ -326,7 +328,8 @@ class StreamCall:
             try:
                 req = req_type.FromString(payload)
             except DecodeError as exc:
-                raise Aborted(GrpcStatus.INVALID_ARGUMENT, f"not a ModelInferRequest message: {exc}") from None
+                raise Aborted(GrpcStatus.INVALID_ARGUMENT,
+                              f"not a ModelInferRequest message: {exc}") from None
             yield req
 
     async def _run(self, stream: H2Stream) -> None:

@@ -1,4 +1,5 @@
-"""Per-connection abuse limits of the gRPC port's HTTP/2 (docs/decisions/0036-http2-abuse-limits.md).
+"""Per-connection abuse limits of the gRPC port's HTTP/2
+(docs/decisions/0036-http2-abuse-limits.md).
 
 A client can make a server work without asking it anything useful: open a call and reset it at
 once, thousands of times (rapid reset, CVE-2023-44487), or send frames that each cost an answer
@@ -42,8 +43,8 @@ class FrameCounters:
     """One connection's counts in the current window (module docstring); ``limits`` is a
     ``config.GrpcLimitsConfig``."""
 
-    __slots__ = ("limits", "window_start_s", "opened", "resets", "early_resets", "settings", "pings",
-                 "window_updates", "data_frames_sent", "priority_frames", "empty_frames",
+    __slots__ = ("limits", "window_start_s", "opened", "resets", "early_resets", "settings",
+                 "pings", "window_updates", "data_frames_sent", "priority_frames", "empty_frames",
                  "queued_acks", "total_opened", "total_early_resets")
 
     def __init__(self, limits: Any, now_s: float) -> None:

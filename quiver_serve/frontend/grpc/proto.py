@@ -4,8 +4,8 @@ The published ``grpc_predict_v2.proto`` (KServe; Triton's ``grpc_service.proto``
 package, names and field numbers for these messages), plus the model-repository messages of
 Triton's ``grpc_service.proto``, written as data and turned into a
 ``FileDescriptorProto``: no protoc step and no generated module pinned to one protobuf version.
-tests/frontend/test_kserve_clients.py checks every field number and type against tritonclient's compiled
-descriptors, so the wire format is the published one.
+tests/frontend/test_kserve_clients.py checks every field number and type against tritonclient's
+compiled descriptors, so the wire format is the published one.
 
 The answers of ``ModelInfer`` and ``ModelStreamInfer`` are written by hand (``infer_response``,
 ``stream_response``): the fixed fields of a model version are encoded once, and the rows go
@@ -153,7 +153,8 @@ FILE = _POOL.Add(_file())
 
 
 def message(name: str) -> type:
-    """The message class of ``name`` (``"ModelInferRequest"``, ``"ModelInferRequest.InferInputTensor"``)."""
+    """The message class of ``name`` (``"ModelInferRequest"``,
+    ``"ModelInferRequest.InferInputTensor"``)."""
     return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))
 
 
