@@ -1,5 +1,6 @@
-"""The daemon's answers, written once for every front-end (FastAPI routes, the raw-ASGI hot
-routes, the Ray Serve ingress): the error body of each protocol and the ``/v1/embed`` answer."""
+"""The daemon's answers, written once for every front-end (FastAPI routes, the hot routes'
+functions in ``fastpath.py``, the Ray Serve ingress): the error body of each protocol and the
+``/v1/embed`` answer."""
 
 from __future__ import annotations
 
