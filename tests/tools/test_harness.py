@@ -110,3 +110,17 @@ def test_every_result_names_machine_commit_command_and_date(tmp_path: Path,
     assert meta["sets"] == ["server.http_workers=2"]
     assert back["p99_ms"] == 2.5 and back["levels"] == [1, 4]
     assert back["log"] == "<run folder>/server.log" and "latencies_ms" not in back
+
+
+def test_each_daemon_config_serves_the_saved_graph_with_its_own_fields(tmp_path: Path) -> None:
+    from loadtest.harness import serve_config
+    from quiver_serve.config import ServeConfig
+
+    cfg = ServeConfig.default()
+    npz = tmp_path / "graph.npz"
+    path = serve_config(cfg, npz, tmp_path, "serve_gpu", {"sampling.route": "gpu",
+                                                          "server.grpc_port": 8123})
+    back = ServeConfig.from_yaml(path)
+    assert (back.graph.format, Path(back.graph.path)) == ("npz", npz)
+    assert (back.sampling.route, back.server.grpc_port) == ("gpu", 8123)
+    assert cfg.sampling.route == "auto" and cfg.graph.format != "npz"  # the original unchanged
