@@ -15,7 +15,8 @@ import logging
 import sys
 from typing import Any
 
-from quiver_serve.config import DEFAULT_CONFIG_PATH, ConfigError, ServeConfig, shown_path
+from quiver_serve.config import ConfigError, ServeConfig
+from quiver_serve.paths import DEFAULT_CONFIG_PATH, shown_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

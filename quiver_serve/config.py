@@ -1,12 +1,12 @@
 """Configuration: one pydantic model per section, composed into :class:`ServeConfig`.
 
 Every field has a one-line description (it is also the config reference in docs/config.md).
-Paths (docs/config.md, "Paths"; docs/decisions/0038-package-data.md): a relative path in a YAML
-file is taken from that file's folder, one in a ``QUIVER_SERVE__`` variable, a ``--set`` or a config
-built in Python from the working directory; each is made absolute as the config is loaded, so a
-config dumped to another folder means the same files. The built-in defaults name the embedded
-default, shipped inside the package (:data:`DEFAULTS_DIR`), so an installed package serves it
-from any working directory.
+Paths (``paths.py``; docs/config.md, "Paths"; docs/decisions/0038-package-data.md): a relative
+path in a YAML file is taken from that file's folder, one in a ``QUIVER_SERVE__`` variable, a
+``--set`` or a config built in Python from the working directory; each is made absolute as the
+config is loaded, so a config dumped to another folder means the same files. The built-in
+defaults name the embedded default, shipped inside the package (``paths.DEFAULTS_DIR``), so an
+installed package serves it from any working directory.
 """
 
 from __future__ import annotations
@@ -21,16 +21,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quiver_serve import envs
-
-#: the folder of the ``quiver_serve`` package (a checkout's, or an installed one in site-packages)
-PACKAGE_DIR = Path(__file__).resolve().parent
-#: the embedded default, package data: its config, Cora (with its licence) and the GraphSAGE
-#: trained on it (models/README.md)
-DEFAULTS_DIR = PACKAGE_DIR / "defaults"
-DEFAULT_CONFIG_PATH = DEFAULTS_DIR / "default.yaml"
-#: the fields that name a file or folder, as (section, key): relative ones are anchored on load
-PATH_FIELDS = (("graph", "path"), ("graph", "update_log_dir"), ("model", "weights"),
-               ("models", "repository"))
+from quiver_serve.paths import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
+from quiver_serve.paths import DEFAULTS_DIR as DEFAULTS_DIR
+from quiver_serve.paths import PACKAGE_DIR as PACKAGE_DIR
+from quiver_serve.paths import PATH_FIELDS, anchor_paths, shown_path
+from quiver_serve.paths import resolve_path as resolve_path
 
 
 class _Section(BaseModel):
@@ -369,7 +364,7 @@ class ServeConfig(_Section):
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
-        _anchor_paths(raw, path.absolute().parent)  # a mounted file's folder, links not followed
+        anchor_paths(raw, path.absolute().parent)  # a mounted file's folder, links not followed
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
@@ -403,7 +398,7 @@ class ServeConfig(_Section):
                 raw[parts[0]][parts[1]] = yaml.safe_load(text)
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{name}: not a YAML value: {exc}") from None
-        _anchor_paths(raw, Path.cwd())
+        anchor_paths(raw, Path.cwd())
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
@@ -425,7 +420,7 @@ class ServeConfig(_Section):
                 raw[parts[0]][parts[1]] = yaml.safe_load(text)
             except yaml.YAMLError as exc:
                 raise ConfigError(f"--set {item!r}: not a YAML value: {exc}") from None
-        _anchor_paths(raw, Path.cwd())
+        anchor_paths(raw, Path.cwd())
         try:
             return type(self).model_validate(raw)
         except ValidationError as exc:
@@ -436,7 +431,7 @@ class ServeConfig(_Section):
     @classmethod
     def default(cls) -> ServeConfig:
         """The embedded default: Cora and the GraphSAGE trained on it, package data in
-        :data:`DEFAULTS_DIR` (found through the package, wherever it is installed)."""
+        ``paths.DEFAULTS_DIR`` (found through the package, wherever it is installed)."""
         return cls.from_yaml(DEFAULT_CONFIG_PATH)
 
 
@@ -447,35 +442,6 @@ OVERRIDE_PREFIX = envs.OVERRIDE_PREFIX
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and field."""
-
-
-def resolve_path(path: str | os.PathLike[str]) -> Path:
-    """Absolute paths stay; relative ones are taken from the working directory. A config loaded
-    from a file holds only absolute paths (:func:`_anchor_paths`): this reaches configs built
-    in Python and command-line arguments."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else Path.cwd() / p
-
-
-def _anchor_paths(raw: dict[str, Any], base: Path) -> None:
-    """Every relative :data:`PATH_FIELDS` value in ``raw`` (a config as YAML data) made absolute
-    from ``base``, in place; other values are left for validation to judge."""
-    for section, key in PATH_FIELDS:
-        part = raw.get(section)
-        value = part.get(key) if isinstance(part, dict) else None
-        if isinstance(value, str) and value:
-            path = Path(value).expanduser()
-            part[key] = str(path) if path.is_absolute() else os.path.normpath(base / path)
-
-
-def shown_path(path: str | os.PathLike[str]) -> str:
-    """A path as the daemon shows it to clients and in docs: one inside the package from the
-    folder that holds the package (``quiver_serve/defaults/...``, the same in a checkout and in
-    site-packages), any other as given."""
-    try:
-        return Path(path).resolve().relative_to(PACKAGE_DIR.parent).as_posix()
-    except ValueError:
-        return str(path)
 
 
 def reference_markdown() -> str:

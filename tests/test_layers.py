@@ -28,6 +28,7 @@ RANKS = {
     "quiver_serve.ops": 1,
     "quiver_serve.metrics": 1,
     "quiver_serve.config": 0,
+    "quiver_serve.paths": 0,
     "quiver_serve.envs": 0,
     "quiver_serve.errors": 0,
     "quiver_serve.messages": 0,

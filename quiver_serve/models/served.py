@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quiver_serve.config import PACKAGE_DIR, ModelConfig, shown_path
+from quiver_serve.config import ModelConfig
 from quiver_serve.models.classes import BASIC_GNN_CLASSES, resolve_model_class
 from quiver_serve.models.exact_gcn import ExactGcnNorm
 from quiver_serve.models.fast import FastGNN
 from quiver_serve.models.spec import ModelSpec
+from quiver_serve.paths import PACKAGE_DIR, shown_path
 
 log = logging.getLogger(__name__)
 
