@@ -268,19 +268,19 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join([prog, *rest])
 
 
-def run_meta(args: argparse.Namespace | None = None, cfg: Any = None, **extra: Any) -> dict:
+def run_meta(parsed: argparse.Namespace | None = None, cfg: Any = None, **extra: Any) -> dict:
     """The ``meta`` of every result file: date (UTC), commit, machine, command, software and
-    device; with ``cfg`` the model and fanouts, with ``args`` its config and ``--set``s; then
-    ``extra``."""
+    device; with ``cfg`` the model and fanouts, with ``parsed`` (the bench's arguments) its
+    config and ``--set``s; then ``extra``."""
     torch = sys.modules.get("torch")
     cuda = torch is not None and torch.cuda.is_available()
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": git_head(),
-        "machine": getattr(args, "machine", None) or machine_name(), "command": command_line(),
+        "machine": getattr(parsed, "machine", None) or machine_name(), "command": command_line(),
         "python": platform.python_version(), "torch": getattr(torch, "__version__", None),
         "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
-    if args is not None and getattr(args, "config", None):
-        out.update(config=portable(args.config), sets=getattr(args, "sets", []))
+    if parsed is not None and getattr(parsed, "config", None):
+        out.update(config=portable(parsed.config), sets=getattr(parsed, "sets", []))
     if cfg is not None:
         out.update(model=f"{cfg.model.pyg_class} {cfg.model.kwargs}",
                    fanouts=cfg.sampling.fanouts)

@@ -97,13 +97,14 @@ def test_every_result_names_machine_commit_command_and_date(tmp_path: Path,
     args = argparse.Namespace(machine="h200", config="configs/bench_reddit.yaml",
                               sets=["server.http_workers=2"])
     folder = tmp_path / "run"
-    result = {"meta": run_meta(args, protocol="http-npy"),
+    result = {"meta": run_meta(args, protocol="http-npy", args=vars(args)),
               "p99_ms": np.float32(2.5), "levels": (np.int64(1), 4),
               "log": f"{folder}/server.log", "latencies_ms": np.zeros(3)}
     path = write_result(tmp_path / "out" / "u.json", result, folder)
     back = json.loads(path.read_text())
     meta = back["meta"]
     assert meta["machine"] == "h200" and meta["protocol"] == "http-npy"
+    assert meta["args"]["sets"] == ["server.http_workers=2"]  # the arguments, whole
     assert meta["command"] == "python -m bench.graph.updates --smoke --out u.json"
     assert meta["git_head"] and meta["date"].endswith("Z")
     assert meta["config"] == "configs/bench_reddit.yaml"
