@@ -30,6 +30,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -318,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grpc-port", type=int, help="attack: the gRPC port to flood")
     ap.add_argument("--config", default=None, help="measure: the daemon's config (default: "
                                                     "the embedded one)")
-    ap.add_argument("--folder", default="/tmp/quiver-h2-flood",
+    ap.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "quiver-h2-flood"),
                     help="measure: where the daemon's config and log go")
     return ap.parse_args(argv)
 
