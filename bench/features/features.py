@@ -234,7 +234,7 @@ def main() -> None:
         gc.collect()
     sync(dev)
     save()
-    print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
+    print(f"wall {result['wall_s']:.0f} s")
     table(result)
 
 

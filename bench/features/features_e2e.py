@@ -289,7 +289,7 @@ def main() -> None:
             finally:
                 save()
     save()
-    print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
+    print(f"wall {result['wall_s']:.0f} s")
     if "adjacency" in result:
         print_table(result["adjacency"])
     if "e2e" in result:
