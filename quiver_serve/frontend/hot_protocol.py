@@ -136,7 +136,7 @@ class HotHttpProtocol(HttpToolsProtocol):
         previous, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if previous is None or previous.response_complete:
             self._take_turn(cycle)
-        else:  # pipelined: uvicorn's queue starts it (``_start_asgi_task``) in its turn
+        else:  # pipelined: it takes its turn from uvicorn's queue (``on_response_complete``)
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
 
@@ -165,12 +165,17 @@ class HotHttpProtocol(HttpToolsProtocol):
         if cycle.turn and not cycle.response_complete and cycle.refused is None:
             self._dispatch(cycle)
 
-    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        """uvicorn's queue of pipelined requests reached ``cycle``: its turn."""
-        if isinstance(cycle, HotCycle):
+    def on_response_complete(self) -> None:
+        """uvicorn's, but a hot request next in the connection's queue of pipelined requests
+        takes its turn here (uvicorn would start an ASGI task for it)."""
+        queue = self.pipeline
+        if queue and isinstance(queue[-1][0], HotCycle) and not self.transport.is_closing():
+            self.server_state.total_requests += 1
+            self.flow.resume_reading()
+            cycle, _ = queue.pop()
             self._take_turn(cycle)
-        else:
-            super()._start_asgi_task(cycle, app)
+            return
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.hot
