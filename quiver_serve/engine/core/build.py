@@ -35,6 +35,7 @@ from quiver_serve.models.spec import ModelSpec
 from quiver_serve.models.startup import StartPlan, start_plan
 from quiver_serve.routing.router import EngineRouter
 from quiver_serve.sampling import make_cpu_sampler
+from quiver_serve.sampling.base import BaseSampler
 from quiver_serve.wire import NO_SEED
 
 if TYPE_CHECKING:
@@ -61,13 +62,14 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     device, model, features = place_model_and_features(cfg, graph, index, caps, spec)
     fanouts = spec.fanouts_or(cfg.sampling.fanouts)
     local = make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
+    gpu = gpu_sampler_or_none(cfg, graph, device)
     calib = Calibration(cfg, graph, calibration, progress)
-    parts = core_parts(cfg, graph, index, pool, live, spec.name, device, features, rows)
-    parts.gpu_sampler = gpu_sampler_or_none(cfg, graph, device)
     psgs = calib.psgs_table(fanouts, device, local, caps.node_capacity if caps else None)
-    parts.former = BatchFormer(cfg.batching.max_batch_nodes, psgs,
-                               RequestLog(cfg.features.request_log_size),
-                               expected_fill_for(cfg.batching.expected_fill, device))
+    former = BatchFormer(cfg.batching.max_batch_nodes, psgs,
+                         RequestLog(cfg.features.request_log_size),
+                         expected_fill_for(cfg.batching.expected_fill, device))
+    parts = core_parts(cfg, graph, index, former, gpu, pool, live, spec.name,
+                       (device, features), rows)
     core = EngineCore(model, features, device, local, fanouts, graph.num_nodes, parts,
                       index=index, spec=spec)
     if parts.graph_sync is not None and live is not None:
@@ -83,21 +85,22 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     return core
 
 
-def core_parts(cfg: ServeConfig, graph: GraphData, index: int, pool: SamplerPool | None,
-               live: LiveGraphArgs | None, table_model: str, device: torch.device,
-               features: FeatureStore, rows: int) -> CoreParts:
-    """The core's parts that need no sampler: router, exact tables (built once the core is
-    warm), pool overlap, the living graph's follower, re-placement and load settings; the batch
-    former and the GPU sampler are placeholders ``build_core`` fills."""
+def core_parts(cfg: ServeConfig, graph: GraphData, index: int, former: BatchFormer,
+               gpu_sampler: BaseSampler | None, pool: SamplerPool | None,
+               live: LiveGraphArgs | None, table_model: str,
+               placed: tuple[torch.device, FeatureStore], rows: int) -> CoreParts:
+    """The core's parts around ``former`` and ``gpu_sampler``: router, exact tables of
+    ``table_model`` (built once the core is warm), pool overlap, the living graph's follower,
+    re-placement and load settings; ``placed``: the core's device and its feature store."""
     from quiver_serve.features.replace import Replacer
 
+    device, features = placed
     tables = ExactTables(TableArgs(cfg.exact, (graph.indptr, graph.indices), rows),
                          table_model, device)  # a new version of it gets a table of its own
-    parts = CoreParts(former=BatchFormer(cfg.batching.max_batch_nodes, None, RequestLog(0)),
-                      router=EngineRouter(cfg.sampling.route,
-                                          quiver_threshold=cfg.sampling.quiver_threshold),
-                      tables=tables, pool=pool, replacer=Replacer(cfg, graph, features),
-                      max_waiting=cfg.batching.queue_capacity)
+    parts = CoreParts(former=former, router=EngineRouter(
+        cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold), tables=tables,
+        pool=pool, gpu_sampler=gpu_sampler, replacer=Replacer(cfg, graph, features),
+        max_waiting=cfg.batching.queue_capacity)
     if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
         from quiver_serve.engine.core.overlap import PoolOverlap
 

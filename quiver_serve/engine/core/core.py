@@ -30,7 +30,6 @@ from torch import Tensor
 from quiver_serve.engine.core import exact_answers, versions
 from quiver_serve.engine.core.batch import Batch, batch_stats, is_cuda_fatal
 from quiver_serve.engine.core.exact_table import ExactTable
-from quiver_serve.engine.core.fill import ExpectedFill
 from quiver_serve.engine.core.forming import MAX_IN_FLIGHT
 from quiver_serve.engine.core.micro_batch import (
     MicroBatch,
@@ -42,7 +41,6 @@ from quiver_serve.engine.core.micro_batch import (
 from quiver_serve.engine.core.model_load import ModelLoads
 from quiver_serve.engine.core.model_slots import ModelSlot, ModelTable, Refusal
 from quiver_serve.engine.core.parts import CoreParts
-from quiver_serve.features.fap import RequestLog
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.messages import BatchStats
 from quiver_serve.models.graphed import GraphedForward
@@ -116,19 +114,9 @@ class EngineCore:
         return self.former.waiting
 
     @property
-    def fill(self) -> ExpectedFill:
-        """The batch former's expected fill (``fill.py``)."""
-        return self.former.fill
-
-    @property
     def psgs(self) -> PsgsTable | None:
         """The PSGS table (``engine/core/calibrate.py``); None: route and size by seed count."""
         return self.former.psgs
-
-    @property
-    def request_log(self) -> RequestLog:
-        """Requested ids, the seed distribution of a feature re-placement (``replace.py``)."""
-        return self.former.request_log
 
     @property
     def exact_table(self) -> ExactTable | None:
@@ -139,10 +127,6 @@ class EngineCore:
     def graphed(self) -> GraphedForward | None:
         """The primary model's CUDA graphs for small sampled batches; None: always eager."""
         return self.primary.graphed
-
-    @graphed.setter
-    def graphed(self, value: GraphedForward | None) -> None:
-        self.primary.graphed = value
 
     def degree_weighted(self) -> bool:
         """Whether any loaded model normalises by full-graph degrees (GCN in exact mode)."""
@@ -246,7 +230,8 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Reply]:
         if self.replacer is not None:  # a finished re-placement switches here, between batches
-            self.replacer.poll(self.request_log, self._compute_stream, self.table_paused)
+            self.replacer.poll(self.former.request_log, self._compute_stream,
+                              self.table_paused)
         replies = self._answer_finished()
         if self.loads is not None and self.loads.pending:
             replies += self.loads.poll()  # a built version joins, a drained one leaves
@@ -468,7 +453,7 @@ class EngineCore:
         """The replies of a computed batch (``rows``: its seeds' rows, in part order), one per
         micro-batch; its stats are recorded and the expected fill learns from it."""
         stats = self._stats(batch, compute_s)
-        self.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
+        self.former.fill.on_answered(sum(p.mb.num_ids for p in batch.parts), self.ids_in_hand(),
                               self.former.clients_outstanding(time.time()))
         dim = int(rows.shape[1])
         replies = []

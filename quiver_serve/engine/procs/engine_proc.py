@@ -250,7 +250,7 @@ class EngineLoop:
                 self.table_sync()
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
             # and for ``spin_s`` after the last answer (the next request is likely near)
-            if core.in_flight or core.sampled or (core.waiting and not core.fill.holding) \
+            if core.in_flight or core.sampled or (core.waiting and not core.former.fill.holding) \
                     or now_s - self.last_answer_s < self.spin_s:
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers

@@ -86,23 +86,23 @@ def test_a_small_batch_waits_briefly_for_the_rest_of_its_usual_size(cora: GraphD
     assert core.former.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
-    assert core.fill.recent_ids == pytest.approx(100)
-    assert core.fill.target_ids(4096) == pytest.approx(98)
-    core.fill.max_wait_s = 60.0
-    core.fill.quiet_s = 0.2  # generous: a slow CI box must not see a pause between add and step
+    assert core.former.fill.recent_ids == pytest.approx(100)
+    assert core.former.fill.target_ids(4096) == pytest.approx(98)
+    core.former.fill.max_wait_s = 60.0
+    core.former.fill.quiet_s = 0.2  # generous: a slow CI box must not see a pause between add and step
     core.latency.fixed_s = 1.0  # the fixed cost a merge saves is no tighter bound here
     core.add(mb(10, [list(range(10))]))
     assert core.step() == [] and len(core.waiting) == 1  # 10 ids of a usual 100: held
     core.add(mb(11, [list(range(10, 90))]))
     assert core.step() == []  # 90 of 98 and still arriving: held
-    time.sleep(1.5 * core.fill.quiet_s)
+    time.sleep(1.5 * core.former.fill.quiet_s)
     replies = {r.done.seq: r for r in core.step()}  # arrivals paused with >= 75%: formed
     assert sorted(replies) == [10, 11]
     stats = [r.done.stats for r in replies.values() if r.done.stats]
     assert len(stats) == 1 and stats[0].num_seeds == 90  # both in one batch
     core.add(mb(13, [list(range(100))]))
     assert 13 in {r.done.seq for r in core.step()}  # the usual size: formed at once
-    core.fill.max_wait_s = 0.02
+    core.former.fill.max_wait_s = 0.02
     core.latency.fixed_s = 1.0
     t0 = time.monotonic()
     assert run(core, mb(12, [[1]]))[12].rows is not None  # alone: formed after the short hold
@@ -127,12 +127,12 @@ def test_without_expected_fill_a_small_batch_forms_from_what_waits(cora: GraphDa
     assert not core.former.expected_fill
     for i in range(5):
         run(core, mb(i, [list(range(100))]))
-    assert core.fill.target_ids(4096) == pytest.approx(98)  # what a hold would wait for
-    core.fill.max_wait_s = 60.0
+    assert core.former.fill.target_ids(4096) == pytest.approx(98)  # what a hold would wait for
+    core.former.fill.max_wait_s = 60.0
     core.latency.fixed_s = 30.0  # a hold would last until the deadline's slack is gone
     t0 = time.monotonic()
     assert run(core, mb(10, [list(range(10))]), timeout_s=20.0)[10].rows is not None
-    assert time.monotonic() - t0 < 5.0 and not core.fill.holding
+    assert time.monotonic() - t0 < 5.0 and not core.former.fill.holding
 
 
 def test_expected_fill_merges_alternating_groups_and_backs_off_when_holds_miss() -> None:
@@ -175,8 +175,8 @@ def test_clients_report_what_they_have_outstanding(cora: GraphData) -> None:
     a, b = mb(0, [[1, 2]]), mb(1, [[3]])
     a.outstanding_ids, b.outstanding_ids = 500, 700  # clients c0 and c1
     run(core, a, b)
-    assert core.fill.system_ids == pytest.approx(1200)  # not the 3 ids the engine saw
-    assert core.fill.target_ids(4096) == pytest.approx(core.fill.fraction * 1200)
+    assert core.former.fill.system_ids == pytest.approx(1200)  # not the 3 ids the engine saw
+    assert core.former.fill.target_ids(4096) == pytest.approx(core.former.fill.fraction * 1200)
     assert core.former.clients_outstanding(time.time() + 5.0) == 0  # silent clients are forgotten
     old_header = msgspec.msgpack.encode([7, False, -1])  # a client that does not report
     assert Decoders.micro_batch.decode(old_header).outstanding_ids == 0
