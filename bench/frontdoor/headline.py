@@ -63,6 +63,13 @@ def route_config(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int |
                         {"sampling.route": route, "server.grpc_port": grpc_port})
 
 
+def route_daemon(cfg: Any, npz: Path, route: str, folder: Path, grpc_port: int | None) -> Daemon:
+    """``server.py`` on one sampling route (not started yet: ``Run.serving`` waits for it)."""
+    return Daemon(route_config(cfg, npz, route, folder, grpc_port),
+                  log_path=folder / f"server_{route}.log", args=["--log-level", "warning"],
+                  name=f"quiver-serve ({route})", grace_s=SERVER_GRACE_S)
+
+
 class Run(Budget):
     """The run's state: budget, load processes, workload specs, results by series."""
 
@@ -111,11 +118,9 @@ def quiver_route(run: Run, cfg: Any, npz: Path, route: str, folder: Path, first:
     """server.py with one sampling route: every HTTP/gRPC path; single-id on the first route."""
     if not run.afford(f"route {route}", run.start_cost_s() + run.sweep_cost_s()):
         return
-    port, grpc_port = free_port(), free_port()
-    conf = route_config(cfg, npz, route, folder, grpc_port)
-    url = f"http://127.0.0.1:{port}"
-    srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
-                 name=f"quiver-serve ({route})", grace_s=SERVER_GRACE_S)
+    grpc_port = free_port()
+    srv = route_daemon(cfg, npz, route, folder, grpc_port)
+    url = srv.url
     with run.serving(srv, f"route {route}", run.args.start_timeout_s) as ready_s:
         if ready_s is None:
             return
@@ -140,11 +145,8 @@ def single_only(run: Run, cfg: Any, npz: Path, folder: Path) -> None:
     route = run.args.routes[0]
     if not run.afford("single-id", run.start_cost_s() + 10):
         return
-    port = free_port()
-    conf = route_config(cfg, npz, route, folder, None)
-    url = f"http://127.0.0.1:{port}"
-    srv = Daemon(conf, port, folder / f"server_{route}.log", args=["--log-level", "warning"],
-                 name=f"quiver-serve {route}", grace_s=SERVER_GRACE_S)
+    srv = route_daemon(cfg, npz, route, folder, None)
+    url = srv.url
     with run.serving(srv, f"single-id {route}", run.args.start_timeout_s) as ready_s:
         if ready_s is None:
             return
