@@ -21,28 +21,20 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from quiver_serve import errors
-from quiver_serve.frontend.model_view import parse_version
+from quiver_serve.frontend.model_view import parse_version, unready
 from quiver_serve.frontend.responses import error_response
 from quiver_serve.frontend.schemas import ErrorBody
 
 _MODELS = "/v2/models"
 
 
-def server_not_ready(state: Any) -> JSONResponse | None:
-    """The 503 answering a readiness probe while the server is not ready (starting, draining,
-    no engine core ready, or no model version ready to serve), else None."""
-    if state.pipeline.ready and state.pipeline.engines_ready:
-        view = state.views.current()
-        if any(view.ready_versions(name) for name in view.names):
-            return None
-        return error_response(503, "no_model_ready", "no model version is ready to serve (every "
-                              "model is unloaded or loading; load one through "
-                              "/v2/repository/models/{name}/load)",
-                              {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
-    refusal = state.pipeline.refusal() if not state.pipeline.ready else errors.unavailable(
-        "engines_not_ready", "no engine core is ready (restarting after a failure)")
-    message = "start-up failed" if state.start_error else refusal.info.message
-    return error_response(503, refusal.info.code, message,
+def server_not_ready(state: Any, models: bool = True) -> JSONResponse | None:
+    """The 503 answering a readiness probe while the server is not ready (``unready``), else
+    None; ``models``: also while no model version is ready to serve."""
+    refusal = unready(state, models)
+    if refusal is None:
+        return None
+    return error_response(503, refusal.info.code, refusal.info.message,
                           {"Retry-After": str(state.cfg.server.retry_after_s)}, "/v2/health")
 
 
@@ -50,7 +42,7 @@ def readiness(state: Any, name: str, version: int | None) -> Response:
     """200 when ``name`` (``version``, or any version) is ready; 400 naming its state when not."""
     view = state.views.current()
     view.model(name)  # 404 for an unknown model, before the server's own readiness
-    refused = server_not_ready(state)
+    refused = server_not_ready(state, models=False)  # this model's own state is said below
     if refused is not None:
         return refused
     if not view.is_ready(name, version):

@@ -175,6 +175,26 @@ class ModelView:
         return "", 0
 
 
+def unready(state: Any, models: bool = True) -> errors.ServeError | None:
+    """Why the server is not ready, the same for HTTP and gRPC readiness: starting up (or its
+    start failed), draining, no engine core ready, or (``models``) no model version ready to
+    serve, since every model is unloaded or loading; None when it is ready."""
+    pipeline = state.pipeline
+    if not pipeline.ready or not pipeline.engines_ready:
+        refusal = pipeline.refusal() if not pipeline.ready else errors.unavailable(
+            "engines_not_ready", "no engine core is ready (restarting after a failure)")
+        if state.start_error:
+            return errors.unavailable(refusal.info.code, "start-up failed")
+        return refusal
+    if models:
+        view = state.views.current()
+        if not any(view.ready_versions(name) for name in view.names):
+            return errors.unavailable("no_model_ready", "no model version is ready to serve "
+                                      "(every model is unloaded or loading; load one through "
+                                      "/v2/repository/models/{name}/load)")
+    return None
+
+
 class Views:
     """The current :class:`ModelView` of one front-end: its pipeline's published state, else
     (kept until the pipeline's sizes change) its config's ``model:`` section."""

@@ -569,24 +569,30 @@ def test_daemon_index_unload_and_load(daemon: ServerProcess, protocol: str) -> N
     client.unload_model("sage", headers=ADMIN)
     assert not ready_soon(client, "1", want=False)
     assert server_ready_soon(daemon, want=False), "ready while no model serves"
+    assert ready_within(lambda: client.is_server_ready(headers=DATA), want=False)
     r = httpx.get(daemon.url + "/v2/health/ready", headers=DATA, timeout=10)
     assert r.status_code == 503 and "no model version is ready" in r.json()["error"], r.text
     assert r.headers["retry-after"]
     client.load_model("sage", headers=ADMIN)
     assert ready_soon(client, "1") and ready_soon(client, "2")
-    assert server_ready_soon(daemon)
+    assert server_ready_soon(daemon) and ready_within(lambda: client.is_server_ready(headers=DATA))
     client.close()
 
 
-def server_ready_soon(srv: ServerProcess, want: bool = True) -> bool:
-    """``/v2/health/ready``'s answer once it is ``want`` (up to 1 s: see :func:`ready_soon`)."""
+def ready_within(probe: Any, want: bool = True) -> bool:
+    """True once ``probe()`` answers ``want`` (up to 1 s: see :func:`ready_soon`), else False."""
     end = time.monotonic() + 1.0
-    while (httpx.get(srv.url + "/v2/health/ready", headers=DATA, timeout=10).status_code
-           == 200) != want:
+    while bool(probe()) != want:
         if time.monotonic() > end:
-            return not want
+            return False
         time.sleep(0.02)
-    return want
+    return True
+
+
+def server_ready_soon(srv: ServerProcess, want: bool = True) -> bool:
+    """True once ``/v2/health/ready`` answers 200 (``want``) or not (up to 1 s)."""
+    return ready_within(lambda: httpx.get(srv.url + "/v2/health/ready", headers=DATA,
+                                          timeout=10).status_code == 200, want)
 
 
 @pytest.mark.e2e

@@ -37,7 +37,7 @@ from quiver_serve.frontend.grpc.status import CODES, status_for
 from quiver_serve.frontend.grpc.stream_infer import StreamSession
 from quiver_serve.frontend.guards import Plane, Tokens, authorize
 from quiver_serve.frontend.kserve import SERVER_METADATA
-from quiver_serve.frontend.model_view import parse_version
+from quiver_serve.frontend.model_view import parse_version, unready
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class KServeGrpc:
 
     async def ServerReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         await self._auth(ctx)
-        return _READY(ready=self._ready())
+        return _READY(ready=unready(self.state) is None)  # as GET /v2/health/ready
 
     async def ModelReady(self, req: Any, ctx: Any) -> Any:  # noqa: N802
         """As Triton answers it: ready false (not an error) for a model not loaded."""
