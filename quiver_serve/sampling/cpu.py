@@ -81,7 +81,10 @@ def extension_build_dir() -> Path:
     rebuild the other's library every time, each waiting on the other's build lock.
     """
     root = envs.QUIVER_SERVE_CACHE
-    where = f"{Path(torch.__file__).resolve().parent}|{SOURCE_PATH.resolve()}"
+    # torch's own spelling of its folder (abspath, links kept): a venv reached through a
+    # symbolic link writes other paths into build.ninja than the same venv reached directly
+    torch_path = os.path.dirname(os.path.abspath(torch.__file__))
+    where = f"{torch_path}|{SOURCE_PATH}"
     torch_dir = hashlib.sha1(where.encode()).hexdigest()[:8]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{torch_dir}"
     return root / "ext" / tag
