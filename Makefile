@@ -28,9 +28,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-# the package's console script (quiver_serve/cli.py), as `pip install .` installs it
+# the package's CLI (quiver_serve/cli.py: the quiver-serve console script), through the venv's
+# interpreter: a console script's first line names the interpreter of the folder it was installed from
 serve: install
-	$(VENV)/bin/quiver-serve $(ARGS)
+	$(PY) -m quiver_serve $(ARGS)
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
