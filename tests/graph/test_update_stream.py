@@ -20,8 +20,9 @@ from quiver_serve.graph.stream import (
     request_of,
     sorted_columns,
 )
+from quiver_serve.paths import DEFAULTS_DIR
 
-CORA_RAW = Path(__file__).resolve().parents[2] / "data" / "planetoid" / "cora" / "raw"
+CORA_RAW = DEFAULTS_DIR / "planetoid" / "cora" / "raw"
 #: every kind of op often, on a small graph
 BUSY = StreamMix(edges_per_call=16, remove_ratio=0.5, nodes_every=2, nodes_per_call=3,
                  new_node_edge_share=0.25, features_every=3, features_per_call=5, missing_every=4)
