@@ -4,7 +4,7 @@ graph: at start-up (``build.py``) and over a compacted base (``rebase.py``)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -12,7 +12,24 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.sampling import BaseSampler, make_cpu_sampler
 
+if TYPE_CHECKING:
+    from quiver_serve.features.store import FeatureStore
+
 log = logging.getLogger(__name__)
+
+
+class SamplingCore(Protocol):
+    """What every helper that samples and gathers for the engine core reads of it: its two
+    samplers, its compute device and its feature store (``core.EngineCore``)."""
+
+    local_sampler: BaseSampler
+    gpu_sampler: BaseSampler | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def features(self) -> FeatureStore: ...
 
 
 def local_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> BaseSampler:

@@ -11,28 +11,20 @@ import torch
 from torch import Tensor
 
 from quiver_serve.engine.core.model_slots import ModelSlot
-from quiver_serve.features.store import FeatureStore
+from quiver_serve.engine.core.samplers import SamplingCore
 from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 
 log = logging.getLogger(__name__)
 
 
-class SlotCore(Protocol):
+class SlotCore(SamplingCore, Protocol):
     """The engine core as a model version's checks see it (``core.EngineCore``)."""
 
     index: int
     num_nodes: int
     on_gpu: bool
     primary: ModelSlot
-    local_sampler: BaseSampler
-    gpu_sampler: BaseSampler | None
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def features(self) -> FeatureStore: ...
 
     @property
     def compute_stream(self) -> torch.cuda.Stream | None: ...

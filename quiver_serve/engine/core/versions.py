@@ -20,29 +20,21 @@ import torch
 
 from quiver_serve import errors
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
-from quiver_serve.features.store import FeatureStore
-from quiver_serve.sampling.base import BaseSampler, new_batch_seed
+from quiver_serve.engine.core.samplers import SamplingCore
+from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
 
 if TYPE_CHECKING:
     from quiver_serve.engine.core.graph_sync import GraphSync
 
 
-class VersionedCore(Protocol):
+class VersionedCore(SamplingCore, Protocol):
     """The engine core as version waits and inductive requests see it (``core.EngineCore``)."""
 
     num_nodes: int
     max_waiting: int
     parked: deque[MicroBatch]
     graph_sync: GraphSync | None
-    local_sampler: BaseSampler
-    gpu_sampler: BaseSampler | None
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def features(self) -> FeatureStore: ...
 
     @property
     def sample_stream(self) -> torch.cuda.Stream | None: ...
