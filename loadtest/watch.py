@@ -29,6 +29,12 @@ EDGES_ENDPOINT = "/v1/graph/edges"
 STALENESS = "quiver_serve_graph_staleness_seconds"
 UPDATE_DURATION = "quiver_serve_graph_update_duration_seconds"
 REQUEST_DURATION = "quiver_serve_request_duration_seconds"
+APPLY = "quiver_serve_graph_apply_seconds"
+#: stages of an engine step's update application (``GraphApplyMetrics``)
+APPLY_STAGES = ("read", "drain", "overlay", "device", "degrees", "features", "mark", "total")
+#: the engine's per-batch stage histograms
+ENGINE_STAGES = ("quiver_serve_sample_duration_seconds", "quiver_serve_gather_duration_seconds",
+                 "quiver_serve_compute_duration_seconds", "quiver_serve_queue_duration_seconds")
 COUNTERS = ("quiver_serve_graph_updates_total", "quiver_serve_graph_compactions_total")
 
 
@@ -116,6 +122,9 @@ def metrics_window(before: str | None, after: str | None) -> dict[str, Any]:
         "edges_server": hist_window(before, after, REQUEST_DURATION,
                                     {"endpoint": EDGES_ENDPOINT, "status": "200"}),
         "embed_statuses": embed_statuses(before, after),
+        "apply": {st: hist_window(before, after, APPLY, {"stage": st}) for st in APPLY_STAGES},
+        "engine": {n.removeprefix("quiver_serve_"): hist_window(before, after, n)
+                   for n in ENGINE_STAGES},
         "counters": {k: v for k, v in changed.items() if k.split("{")[0].endswith("_total")},
         "gauges": gauges,
     }

@@ -218,6 +218,11 @@ _STALENESS_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
                         5.0, 10.0)
 
 
+#: buckets of one step's update application (the per-step budget is a few ms)
+APPLY_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+                   1.0)
+
+
 class GraphApplyMetrics:
     """The living graph in an engine core: staleness of each applied update (acknowledged ->
     visible here) and the version it serves."""
@@ -231,9 +236,23 @@ class GraphApplyMetrics:
         self.visible = Gauge(PREFIX + "graph_visible_version", "graph version an engine core "
                              "serves", ["engine"], multiprocess_mode="max", registry=None).labels(label)
 
+        self.apply_s = Histogram(
+            PREFIX + "graph_apply_seconds", "engine-loop time of one step's update application, "
+            "by stage (read: the log; drain: batches in flight finished; overlay, device, "
+            "degrees, features, mark: what the updates touch; total)", ["engine", "stage"],
+            buckets=APPLY_BUCKETS_S, registry=None)
+        self._label = label
+        self.applied = Counter(PREFIX + "graph_applied_records_total", "update records an "
+                               "engine core applied", ["engine"], registry=None).labels(label)
+
     def on_applied(self, kind: str, staleness_s: float, version: int) -> None:
         self.staleness.observe(staleness_s)
         self.visible.set(version)
+
+    def on_poll(self, seconds: dict[str, float], records: int) -> None:
+        for stage, s in seconds.items():
+            self.apply_s.labels(self._label, stage).observe(s)
+        self.applied.inc(records)
 
 
 class TableMetrics:

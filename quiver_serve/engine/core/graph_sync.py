@@ -52,6 +52,20 @@ MAX_RECORDS_PER_POLL = 256
 REBASE_RETRY_S = 10.0
 
 
+class StageTimer:
+    """Seconds spent per named stage of one poll (laps add up; ``total`` is their sum)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = self._first = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self.seconds["total"] = now - self._first
+        self._last = now
+
+
 class SyncedCore(Protocol):
     """The engine core as the update log's follower sees it (``core.EngineCore``)."""
 
@@ -108,6 +122,8 @@ class GraphSync:
         self._changed: list[np.ndarray] = []
         #: called with (kind, staleness_s) per applied record (metrics)
         self.on_applied: Callable[[str, float], None] | None = None
+        #: called after each poll that applied records: (seconds per stage, records applied)
+        self.on_poll: Callable[[dict[str, float], int], None] | None = None
 
     # ---- polling -----------------------------------------------------------------------------------
     def behind(self) -> bool:
@@ -120,17 +136,23 @@ class GraphSync:
             self._follow_base(core)
         if self.state is not None and self.state.acked <= self.version:
             return []
+        timer = StageTimer()
         records = self.follower.poll(max_records)
+        timer.lap("read")
         if not records:
             return []
         replies: list[Reply] = []
         if core.in_flight and any(not isinstance(r, EdgeRecord) for r in records):
             replies += core.finish_all()  # feature rows change: no batch may be reading them
+        timer.lap("drain")
         for record in records:
-            self.apply(core, record)
+            self.apply(core, record, timer)
         self._publish(records[-1])
         if core.exact_table is not None:
             self._mark_table(core, records)
+        timer.lap("mark")
+        if self.on_poll is not None:
+            self.on_poll(timer.seconds, len(records))
         return replies
 
     def _mark_table(self, core: SyncedCore, records: list[Record]) -> None:
@@ -214,14 +236,16 @@ class GraphSync:
             self.state.publish_engine(self.index, self.version, staleness_s)
 
     # ---- applying one record ---------------------------------------------------------------------
-    def apply(self, core: SyncedCore, record: Record) -> None:
+    def apply(self, core: SyncedCore, record: Record, timer: StageTimer | None = None) -> None:
         if record.version != self.version + 1:
             raise RuntimeError(f"update log gap: engine {self.index} at version {self.version} "
                                f"read version {record.version}")
         if isinstance(record, EdgeRecord):
             kind = "edges"
             _, patch = self.overlay.apply_edges(record.add, record.remove)
-            self._edges_changed(core, patch)
+            if timer is not None:
+                timer.lap("overlay")
+            self._edges_changed(core, patch, timer)
             changed = patch.nodes
         elif isinstance(record, NodeRecord):
             kind = "nodes"
@@ -232,6 +256,8 @@ class GraphSync:
             changed = np.asarray(record.node_ids, dtype=np.int64)
             core.features.write_rows(torch.from_numpy(np.ascontiguousarray(record.node_ids)),
                                      torch.from_numpy(np.ascontiguousarray(record.features)))
+            if timer is not None:
+                timer.lap("features")
         else:
             raise RuntimeError(f"unknown update record {type(record).__name__}")
         self.version = record.version
@@ -240,7 +266,8 @@ class GraphSync:
         if self.on_applied is not None:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
-    def _edges_changed(self, core: SyncedCore, patch: Patch) -> None:
+    def _edges_changed(self, core: SyncedCore, patch: Patch, timer: StageTimer | None = None
+                       ) -> None:
         self.attach_views(core)
         if self.device_overlay is not None:
             stream = core.sample_stream
@@ -249,9 +276,13 @@ class GraphSync:
                     self.device_overlay.apply(patch)
             else:
                 self.device_overlay.apply(patch)
+        if timer is not None:
+            timer.lap("device")
         nodes = patch.nodes
         if nodes.size:
             self._degrees_changed(core, nodes)
+        if timer is not None:
+            timer.lap("degrees")
 
     def _degrees_changed(self, core: SyncedCore, nodes: np.ndarray) -> None:
         degree = torch.from_numpy(self.overlay.degree(nodes))

@@ -160,6 +160,7 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
             graph_metrics = GraphApplyMetrics(index)
             sync = core.graph_sync
             sync.on_applied = lambda kind, s: graph_metrics.on_applied(kind, s, sync.version)
+            sync.on_poll = graph_metrics.on_poll
         table_sync = _table_metrics(core, index)
         core.defer_stats = True  # the loop records metrics after the replies are sent
         front = ctx.socket(zmq.ROUTER)
