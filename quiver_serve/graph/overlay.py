@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+from quiver_serve.graph.records import EdgeRecord, PlannedEdgeRecord
 
 #: smallest tail block, in entries
 MIN_BLOCK = 8
@@ -39,7 +40,11 @@ class EdgeResult:
 
 @dataclass
 class Patch:
-    """One application's writes: per-node (start, length) and arena entries."""
+    """One application's writes: per-node (start, length) and arena entries. A planned patch
+    (``planned``) also carries what a host overlay in the same state needs to apply it without
+    planning: block capacities and the counters; the writer logs it beside its update, so the
+    processes that sample apply the writer's plan instead of planning again
+    (docs/architecture.md, "The living graph")."""
 
     nodes: np.ndarray  # int64 nodes whose (start, length) changed
     start: np.ndarray  # int64, their new starts
@@ -47,11 +52,36 @@ class Patch:
     tail_pos: np.ndarray  # int64 arena positions written
     tail_val: np.ndarray  # int64 values written there
     num_nodes: int  # node count after the application
+    block: np.ndarray | None = None  # int64, the nodes' block capacities (planned patches)
+    #: (base version, arena top before, entries allocated, live-entry change, edge change) of
+    #: a planned patch: it applies only to an overlay on that base with that top
+    head: tuple[int, int, int, int, int] | None = None
 
     @classmethod
     def empty(cls, num_nodes: int) -> Patch:
         z = np.empty(0, np.int64)
         return cls(z, z, z, z, z, num_nodes)
+
+    @property
+    def planned(self) -> bool:
+        return self.block is not None and self.head is not None
+
+
+def planned_patch(record: EdgeRecord, num_nodes: int) -> Patch | None:
+    """The writer's plan logged with ``record`` as a patch (None for a record without one)."""
+    if not isinstance(record, PlannedEdgeRecord):
+        return None
+    h = record.head.tolist()
+    return Patch(record.nodes, record.start, record.length, record.tail_pos, record.tail_val,
+                 num_nodes, block=record.block, head=(h[0], h[1], h[2], h[3], h[4]))
+
+
+def plan_record(record: EdgeRecord, patch: Patch) -> PlannedEdgeRecord:
+    """``record`` with ``patch`` (a planned patch) logged beside it."""
+    assert patch.block is not None and patch.head is not None
+    return PlannedEdgeRecord(record.version, record.accepted_s, record.add, record.remove,
+                             np.asarray(patch.head, np.int64), patch.nodes, patch.start,
+                             patch.length, patch.block, patch.tail_pos, patch.tail_val)
 
 
 def range_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -73,15 +103,20 @@ class Overlay:
     """Host overlay over one base CSC; see the module docstring. Not thread-safe: one owner."""
 
     def __init__(self, indptr: Tensor, indices: Tensor, node_capacity: int,
-                 edge_capacity: int) -> None:
+                 edge_capacity: int, base_version: int = -1) -> None:
         self.indptr = indptr.numpy() if isinstance(indptr, Tensor) else np.asarray(indptr)
         self.indices = indices.numpy() if isinstance(indices, Tensor) else np.asarray(indices)
         self.n_base = int(self.indptr.size - 1)
         if node_capacity < self.n_base:
             raise ValueError(f"node capacity {node_capacity} is below the base's {self.n_base} nodes")
         self.node_capacity, self.edge_capacity = int(node_capacity), int(edge_capacity)
+        #: the version of the base under this overlay (a planned patch names the base it was
+        #: planned on; -1: unknown, so no planned patch applies)
+        self.base_version = int(base_version)
         self.num_nodes = self.n_base
         self.num_edges = int(self.indices.size)
+        #: logged edge records applied with the writer's plan, and planned here (``apply_record``)
+        self.records_applied = {"writer": 0, "here": 0}
         self.top = 0  # arena entries handed out (live or abandoned)
         self.live_entries = 0  # entries in current tails
         self._start: np.ndarray | None = None  # allocated at the first edge update
@@ -175,12 +210,12 @@ class Overlay:
         return ids
 
     def apply_edges(self, add: np.ndarray, remove: np.ndarray,
-                    before_commit: Callable[[EdgeResult], None] | None = None,
+                    before_commit: Callable[[EdgeResult, Patch], None] | None = None,
                     ) -> tuple[EdgeResult, Patch]:
         """Remove every copy of each ``remove`` pair, then append each ``add`` pair (rows are
         (src, dst)); ids must be valid (the caller checked). All or nothing: ``before_commit``
-        (the writer's log append) runs once the call is known to fit; if it raises, nothing
-        changes."""
+        (the writer's log append, which logs the planned patch too) runs once the call is known
+        to fit; if it raises, nothing changes. Returns the counts and the planned patch."""
         self._ensure_arrays()
         plan = _Plan(self)
         missing, removed = plan.remove(remove.reshape(-1, 2)) if remove.size else (0, 0)
@@ -189,12 +224,47 @@ class Overlay:
         if self.top + plan.alloc > self.edge_capacity:
             raise OverlayFull(f"overlay full: {self.top + plan.alloc:,} of {self.edge_capacity:,} "
                               f"entries needed; compaction frees them")
-        added = int(add.size // 2)
+        result = EdgeResult(int(add.size // 2), removed, missing)
+        patch = plan.patch(result.added - removed)
         if before_commit is not None:
-            before_commit(EdgeResult(added, removed, missing))
-        patch = plan.commit()
-        self.num_edges += added - removed
-        return EdgeResult(added, removed, missing), patch
+            before_commit(result, patch)
+        self.apply_patch(patch)
+        return result, patch
+
+    def fits(self, patch: Patch) -> bool:
+        """Whether ``patch`` was planned on an overlay in this one's state (same base, same
+        arena top, same node count): then applying it equals planning its update here."""
+        return (patch.planned and patch.head is not None and self.base_version >= 0
+                and patch.head[0] == self.base_version and patch.head[1] == self.top
+                and patch.num_nodes == self.num_nodes)
+
+    def apply_patch(self, patch: Patch) -> None:
+        """Make a planned patch's writes (``fits`` checked by the caller, or the plan is this
+        overlay's own): the arena entries first (beyond what readers see), then each node's
+        (start, length), so a reader between two records sees either version's list."""
+        assert patch.block is not None and patch.head is not None
+        self._ensure_arrays()
+        assert self._start is not None and self._length is not None
+        assert self._block is not None and self._tail is not None
+        self._tail[patch.tail_pos] = patch.tail_val
+        self._start[patch.nodes] = patch.start
+        self._length[patch.nodes] = patch.length
+        self._block[patch.nodes] = patch.block
+        _, _, alloc, live_delta, edges_delta = patch.head
+        self.top += alloc
+        self.live_entries += live_delta
+        self.num_edges += edges_delta
+
+    def apply_record(self, record: EdgeRecord) -> Patch:
+        """A logged edge update's writes here: the writer's plan when it fits this overlay (no
+        planning), else planned here. Returns the patch applied."""
+        planned = planned_patch(record, self.num_nodes)
+        if planned is not None and self.fits(planned):
+            self.apply_patch(planned)
+            self.records_applied["writer"] += 1
+            return planned
+        self.records_applied["here"] += 1
+        return self.apply_edges(record.add, record.remove)[1]
 
     def base_sorted(self) -> bool:
         """Whether every base list is sorted by id (the loaders and compaction sort them;
@@ -438,27 +508,22 @@ class _Plan:
         return np.array([pending[p] if p in pending else ov._tail[p] for p in pos.tolist()],
                         np.int64)
 
-    def commit(self) -> Patch:
+    def patch(self, edges_delta: int) -> Patch:
+        """The plan's writes as a planned patch; nothing is written (``Overlay.apply_patch``)."""
         ov = self.ov
-        assert ov._start is not None and ov._length is not None and ov._block is not None
-        assert ov._tail is not None
+        assert ov._length is not None
         pos = np.concatenate(self.writes_pos) if self.writes_pos else np.empty(0, np.int64)
         val = np.concatenate(self.writes_val) if self.writes_val else np.empty(0, np.int64)
-        ov._tail[pos] = val
         cols = {k: (np.concatenate(v) if v else np.empty(0, np.int64))
                 for k, v in self.new_blocks.items()}
         # Later entries win: a node rewritten by a removal then grown by an add.
-        rev_uniq, rev_first = np.unique(cols["node"][::-1], return_index=True)
+        uniq, rev_first = np.unique(cols["node"][::-1], return_index=True)
         last = cols["node"].size - 1 - rev_first
-        uniq = rev_uniq
-        before = int((ov._length[uniq] & LENGTH_MASK).sum())
-        ov._start[uniq] = cols["start"][last]
-        ov._length[uniq] = cols["length"][last]
-        ov._block[uniq] = cols["block"][last]
-        ov.live_entries += int((ov._length[uniq] & LENGTH_MASK).sum()) - before
-        ov.top += self.alloc
-        return Patch(uniq, ov._start[uniq].copy(), ov._length[uniq].copy(), pos, val,
-                     ov.num_nodes)
+        length = cols["length"][last]
+        live_delta = int((length & LENGTH_MASK).sum()) - int((ov._length[uniq] & LENGTH_MASK).sum())
+        return Patch(uniq, cols["start"][last], length, pos, val, ov.num_nodes,
+                     block=cols["block"][last],
+                     head=(ov.base_version, ov.top, self.alloc, live_delta, edges_delta))
 
 
 def _interleave(old: np.ndarray, old_counts: np.ndarray, new: np.ndarray,

@@ -3,7 +3,9 @@ graph").
 
 A record is one acknowledged update: ``EdgeRecord`` (directed edges added and removed),
 ``NodeRecord`` (new nodes' feature rows; their ids follow the current node count in order) or
-``FeatureRecord`` (feature rows overwritten). ``SegmentSeal`` is the log's own marker closing a
+``FeatureRecord`` (feature rows overwritten). ``PlannedEdgeRecord`` is an ``EdgeRecord`` with
+the writer's plan of it (the overlay's writes, ``graph/overlay.py`` ``Patch``): a follower whose
+overlay is in the writer's state applies the plan instead of planning again. ``SegmentSeal`` is the log's own marker closing a
 segment file; readers of the log never see it.
 
 Binary form, every integer little-endian, no pickle (a reader that trusts only its own code can
@@ -12,7 +14,7 @@ decode it)::
     offset  size  field
          0     4  magic b"QSUL"
          4     2  format version (FORMAT_VERSION)
-         6     1  kind (0 seal, 1 edges, 2 nodes, 3 features)
+         6     1  kind (0 seal, 1 edges, 2 nodes, 3 features, 4 edges with their plan)
          7     1  reserved, 0
          8     8  record version, u64
         16     8  accepted_s, f64 (wall clock when the update was accepted)
@@ -111,6 +113,37 @@ class EdgeRecord(BaseRecord):
         self.remove = _array(self.remove, _DTYPES[1], 2, "remove", width=2)
 
 
+#: fields of a plan (``PlannedEdgeRecord``), each int64 [n] (``head``: 5 counters)
+PLAN_FIELDS = ("head", "nodes", "start", "length", "block", "tail_pos", "tail_val")
+
+
+@dataclass(eq=False)
+class PlannedEdgeRecord(EdgeRecord):
+    """An ``EdgeRecord`` with the writer's plan of its overlay writes: ``head`` (base version,
+    arena top before, entries allocated, live-entry change, edge change), then per changed node
+    its (start, length, block) and the arena entries written (positions, values)."""
+
+    head: np.ndarray = None  # type: ignore[assignment]
+    nodes: np.ndarray = None  # type: ignore[assignment]
+    start: np.ndarray = None  # type: ignore[assignment]
+    length: np.ndarray = None  # type: ignore[assignment]
+    block: np.ndarray = None  # type: ignore[assignment]
+    tail_pos: np.ndarray = None  # type: ignore[assignment]
+    tail_val: np.ndarray = None  # type: ignore[assignment]
+    KIND: ClassVar[int] = 4
+    FIELDS: ClassVar[tuple[str, ...]] = ("add", "remove", *PLAN_FIELDS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in PLAN_FIELDS:
+            setattr(self, name, _array(getattr(self, name), _DTYPES[1], 1, name))
+        n = self.nodes.size
+        if self.head.size != 5 or self.start.size != n or self.length.size != n \
+                or self.block.size != n or self.tail_pos.size != self.tail_val.size:
+            raise ValueError("a plan's arrays do not match: head of 5, (start, length, block) "
+                             "per node, one value per arena position")
+
+
 @dataclass(eq=False)
 class NodeRecord(BaseRecord):
     """New nodes, one feature row each; their ids are the node count before, +1, ... in order."""
@@ -160,7 +193,7 @@ class SegmentSeal(BaseRecord):
 
 Record = EdgeRecord | NodeRecord | FeatureRecord
 _KINDS: dict[int, type[BaseRecord]] = {c.KIND: c for c in (SegmentSeal, EdgeRecord, NodeRecord,
-                                                         FeatureRecord)}
+                                                         FeatureRecord, PlannedEdgeRecord)}
 
 
 def _pad(n_bytes: int) -> int:

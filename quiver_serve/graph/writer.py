@@ -23,7 +23,7 @@ from quiver_serve.config import GraphConfig
 from quiver_serve.graph import living
 from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.overlay import Overlay, OverlayFull, range_positions
+from quiver_serve.graph.overlay import Overlay, OverlayFull, plan_record, range_positions
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
 from quiver_serve.graph.state import GraphState
 from quiver_serve.graph.update_log import UpdateLog, load_base
@@ -42,7 +42,7 @@ class GraphWriter:
         self.cfg, self.base, self.log = cfg, base, update_log
         self.caps = living.capacities(cfg, base.num_nodes, base.num_edges)
         self.overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
-                               self.caps.edge_capacity)
+                               self.caps.edge_capacity, base_version)
         self.num_features = base.num_features
         self.base_version = self.version = base_version
         self.state = state or GraphState()
@@ -78,7 +78,7 @@ class GraphWriter:
 
     def _apply(self, record: Any) -> Any:
         if isinstance(record, EdgeRecord):
-            return self.overlay.apply_edges(record.add, record.remove)[0]
+            return self.overlay.apply_record(record)
         if isinstance(record, NodeRecord):
             self.appended_rows.append(record.features)
             return self.overlay.add_nodes(int(record.features.shape[0]))
@@ -101,8 +101,9 @@ class GraphWriter:
             version = self.version + 1
             record = EdgeRecord(version, time.time(), add_arr, rm_arr)
             try:
-                result, _ = self.overlay.apply_edges(add_arr, rm_arr,
-                                                     before_commit=lambda _r: self.log.write(record))
+                result, _ = self.overlay.apply_edges(
+                    add_arr, rm_arr,
+                    before_commit=lambda _r, patch: self.log.write(plan_record(record, patch)))
             except OverlayFull as exc:
                 self.request_compaction()
                 raise living.overlay_full(str(exc), self.retry_after_s) from None
@@ -252,7 +253,7 @@ class GraphWriter:
         with self.lock:
             self.log.wait_durable(self.version)  # every record up to self.version is readable
             overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
-                              self.caps.edge_capacity)
+                              self.caps.edge_capacity, version)
             old = (self.overlay, self.base, self.appended_rows, self.written_rows)
             self.overlay, self.base, self.appended_rows, self.written_rows = overlay, base, [], {}
             try:

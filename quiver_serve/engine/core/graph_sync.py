@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -57,13 +57,31 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._last = self._first = time.perf_counter()
+        self.started = self._last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
         now = time.perf_counter()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
-        self.seconds["total"] = now - self._first
+        self.seconds["total"] = now - self.started
         self._last = now
+
+
+class Changes:
+    """Nodes the records applied in one step changed: ``struct`` (their in-lists) and
+    ``feature`` (their feature rows, or appended)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, list[np.ndarray]] = {"struct": [], "feature": []}
+
+    def add(self, kind: str, nodes: np.ndarray) -> None:
+        if nodes.size:
+            self.nodes[kind].append(nodes)
+
+    def unique(self, kind: str) -> np.ndarray:
+        parts = self.nodes[kind]
+        if not parts:
+            return np.empty(0, np.int64)
+        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
 
 class SyncedCore(Protocol):
@@ -73,6 +91,7 @@ class SyncedCore(Protocol):
     local_sampler: BaseSampler
     gpu_sampler: BaseSampler | None
     in_flight: deque[Batch]
+    waiting: Sized
 
     @property
     def device(self) -> torch.device: ...
@@ -105,8 +124,14 @@ class GraphSync:
 
     def __init__(self, base: GraphData, base_version: int, caps: Capacities, log_dir: Path,
                  state: GraphState | None, index: int, cfg: ServeConfig | None = None) -> None:
-        self.overlay = Overlay(base.indptr, base.indices, caps.node_capacity, caps.edge_capacity)
+        self.overlay = Overlay(base.indptr, base.indices, caps.node_capacity, caps.edge_capacity,
+                               base_version)
         self.follower = LogFollower(log_dir, base_version)
+        #: records read from the log and not applied yet, and the last version read
+        self.pending: deque[Record] = deque()
+        self.read_version = base_version
+        #: loop time per step for applying updates while requests wait (``graph.apply_budget_ms``)
+        self.budget_s = (cfg.graph.apply_budget_ms if cfg is not None else 2.0) / 1e3
         self.version = self.base_version = base_version
         self.log_dir, self.caps = log_dir, caps
         #: the next base being built (``rebase.py``), and the config it needs
@@ -118,8 +143,6 @@ class GraphSync:
         self.views: list[tuple[BaseSampler, OverlayView]] = []  # (sampler, its view)
         if state is not None:
             state.set_reader_base("engine", index, base_version)
-        #: per applied record since the last poll, the nodes it changed (for the exact table)
-        self._changed: list[np.ndarray] = []
         #: called with (kind, staleness_s) per applied record (metrics)
         self.on_applied: Callable[[str, float], None] | None = None
         #: called after each poll that applied records: (seconds per stage, records applied)
@@ -129,46 +152,51 @@ class GraphSync:
     def behind(self) -> bool:
         return self.state is not None and self.state.acked > self.version
 
-    def poll(self, core: SyncedCore, max_records: int = MAX_RECORDS_PER_POLL) -> list[Reply]:
-        """Apply what was acknowledged since the last poll; replies of batches finished first.
-        Also moves the core onto a newer compacted base once it is built beside."""
+    def poll(self, core: SyncedCore, max_records: int = MAX_RECORDS_PER_POLL,
+             budget_s: float | None = None) -> list[Reply]:
+        """Apply what was acknowledged since the last poll, within ``budget_s`` of loop time
+        while requests wait (default ``graph.apply_budget_ms``; None when idle: every record
+        read). Records read but not applied stay for the next step. Replies of batches finished
+        first. Also moves the core onto a newer compacted base once it is built beside."""
         if self.state is not None and self.cfg is not None:
             self._follow_base(core)
-        if self.state is not None and self.state.acked <= self.version:
-            return []
         timer = StageTimer()
-        records = self.follower.poll(max_records)
+        if len(self.pending) < max_records and (self.state is None
+                                                or self.state.acked > self.read_version):
+            records = self.follower.poll(max_records - len(self.pending))
+            if records:
+                self.pending.extend(records)
+                self.read_version = records[-1].version
         timer.lap("read")
-        if not records:
+        if not self.pending:
             return []
+        if budget_s is None and (core.waiting or core.in_flight):
+            budget_s = self.budget_s
         replies: list[Reply] = []
-        if core.in_flight and any(not isinstance(r, EdgeRecord) for r in records):
-            replies += core.finish_all()  # feature rows change: no batch may be reading them
-        timer.lap("drain")
-        for record in records:
-            self.apply(core, record, timer)
-        self._publish(records[-1])
+        applied: list[Record] = []
+        changed = Changes()
+        while self.pending and (not applied or budget_s is None
+                                or time.perf_counter() - timer.started < budget_s):
+            record = self.pending[0]
+            if core.in_flight and not isinstance(record, EdgeRecord):
+                replies += core.finish_all()  # feature rows change: no batch may be reading them
+                timer.lap("drain")
+            self.apply(core, self.pending.popleft(), changed, timer)
+            applied.append(record)
+        self._changes_applied(core, changed, timer)
+        self._publish(applied[-1])
         if core.exact_table is not None:
-            self._mark_table(core, records)
-        timer.lap("mark")
+            self._mark_table(core, applied, changed)
+            timer.lap("mark")
         if self.on_poll is not None:
-            self.on_poll(timer.seconds, len(records))
+            self.on_poll(timer.seconds, len(applied))
         return replies
 
-    def _mark_table(self, core: SyncedCore, records: list[Record]) -> None:
+    def _mark_table(self, core: SyncedCore, records: list[Record], changed: Changes) -> None:
         """Tell the exact table what these applied records changed (``exact_table.py``)."""
-        struct, feats, added = [], [], []
-        for record, changed in zip(records, self._changed[-len(records):], strict=True):
-            if isinstance(record, EdgeRecord):
-                struct.append(changed)
-                added.append(record.add.reshape(-1, 2))
-            else:
-                feats.append(changed)
-        self._changed.clear()
-        empty = np.empty(0, np.int64)
+        added = [r.add.reshape(-1, 2) for r in records if isinstance(r, EdgeRecord)]
         assert core.exact_table is not None
-        core.exact_table.mark(np.unique(np.concatenate(struct)) if struct else empty,
-                              np.unique(np.concatenate(feats)) if feats else empty,
+        core.exact_table.mark(changed.unique("struct"), changed.unique("feature"),
                               np.concatenate(added) if added else None, self.version,
                               float(records[0].accepted_s), core.sample_stream)
 
@@ -235,25 +263,33 @@ class GraphSync:
         if self.state is not None:
             self.state.publish_engine(self.index, self.version, staleness_s)
 
-    # ---- applying one record ---------------------------------------------------------------------
-    def apply(self, core: SyncedCore, record: Record, timer: StageTimer | None = None) -> None:
+    # ---- applying records ------------------------------------------------------------------------
+    def apply(self, core: SyncedCore, record: Record, changed: Changes | None = None,
+              timer: StageTimer | None = None) -> None:
+        """Apply one record's writes (what depends on the nodes it changed, such as degrees
+        and PSGS entries, follows once per step: ``_changes_applied``)."""
         if record.version != self.version + 1:
             raise RuntimeError(f"update log gap: engine {self.index} at version {self.version} "
                                f"read version {record.version}")
+        own = changed is None
+        changed = changed if changed is not None else Changes()
         if isinstance(record, EdgeRecord):
             kind = "edges"
-            _, patch = self.overlay.apply_edges(record.add, record.remove)
+            patch = self.overlay.apply_record(record)  # the writer's plan when it fits
+            changed.add("struct", patch.nodes)
             if timer is not None:
                 timer.lap("overlay")
-            self._edges_changed(core, patch, timer)
-            changed = patch.nodes
+            self._write_device(core, patch)
+            if timer is not None:
+                timer.lap("device")
         elif isinstance(record, NodeRecord):
             kind = "nodes"
-            changed = self.overlay.add_nodes(int(record.features.shape[0]))
-            self._nodes_added(core, changed, record.features)
+            ids = self.overlay.add_nodes(int(record.features.shape[0]))
+            self._nodes_added(core, ids, record.features)
+            changed.add("feature", ids)
         elif isinstance(record, FeatureRecord):
             kind = "features"
-            changed = np.asarray(record.node_ids, dtype=np.int64)
+            changed.add("feature", np.asarray(record.node_ids, dtype=np.int64))
             core.features.write_rows(torch.from_numpy(np.ascontiguousarray(record.node_ids)),
                                      torch.from_numpy(np.ascontiguousarray(record.features)))
             if timer is not None:
@@ -261,36 +297,35 @@ class GraphSync:
         else:
             raise RuntimeError(f"unknown update record {type(record).__name__}")
         self.version = record.version
-        if core.exact_table is not None:
-            self._changed.append(np.asarray(changed, dtype=np.int64))
+        if own:
+            self._changes_applied(core, changed)
         if self.on_applied is not None:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
-    def _edges_changed(self, core: SyncedCore, patch: Patch, timer: StageTimer | None = None
-                       ) -> None:
+    def _write_device(self, core: SyncedCore, patch: Patch) -> None:
+        """The patch into the device copy (on the sampling stream: after earlier batches)."""
         self.attach_views(core)
-        if self.device_overlay is not None:
-            stream = core.sample_stream
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    self.device_overlay.apply(patch)
-            else:
-                self.device_overlay.apply(patch)
-        if timer is not None:
-            timer.lap("device")
-        nodes = patch.nodes
-        if nodes.size:
-            self._degrees_changed(core, nodes)
-        if timer is not None:
-            timer.lap("degrees")
+        if self.device_overlay is None:
+            return
+        stream = core.sample_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.device_overlay.apply(patch)
 
-    def _degrees_changed(self, core: SyncedCore, nodes: np.ndarray) -> None:
+    def _changes_applied(self, core: SyncedCore, changed: Changes,
+                         timer: StageTimer | None = None) -> None:
+        """Degrees and PSGS entries of the nodes whose in-lists the applied records changed,
+        once for all of them."""
+        nodes = changed.unique("struct")
+        if not nodes.size:
+            return
         degree = torch.from_numpy(self.overlay.degree(nodes))
         t_nodes = torch.from_numpy(nodes)
         if core.degree_weighted():
             core.update_degrees(t_nodes, degree, torch.from_numpy(self.overlay.self_loops(nodes)))
         if core.psgs is not None:
             core.psgs.update_nodes(t_nodes, degree)
+        if timer is not None:
+            timer.lap("degrees")
 
     def _nodes_added(self, core: SyncedCore, ids: np.ndarray, features: np.ndarray) -> None:
         self.attach_views(core)  # the samplers must know the new ids even before any edge

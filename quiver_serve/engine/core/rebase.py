@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def apply_structure(overlay: Overlay, record: Record) -> None:
     """The part of a record that changes the graph's structure (edges, node count)."""
     if isinstance(record, EdgeRecord):
-        overlay.apply_edges(record.add, record.remove)
+        overlay.apply_record(record)
     elif isinstance(record, NodeRecord):
         overlay.add_nodes(int(record.features.shape[0]))
 
@@ -79,7 +79,7 @@ class Rebase:
         graph = living.graph_from_arrays(arrays, meta, with_x=False, copy=self.gpu)
         self.graph, self.base_version = graph, version
         self.overlay = Overlay(graph.indptr, graph.indices, self.caps.node_capacity,
-                               self.caps.edge_capacity)
+                               self.caps.edge_capacity, version)
         self.version = version
         self.follower = LogFollower(self.log_dir, version)
         self.catch_up(self.target)

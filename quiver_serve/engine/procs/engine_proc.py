@@ -256,7 +256,7 @@ class EngineLoop:
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers
                 timeout_ms = 1 if core.sampling or core.waiting or core.exact_waiting \
-                    else IDLE_POLL_MS
+                    or (core.graph_sync is not None and core.graph_sync.pending) else IDLE_POLL_MS
             events = dict(self.poller.poll(timeout_ms))
             replies = self._take_input() if events.get(self.front) else []
             if self.admin is not None and events.get(self.admin.sock):

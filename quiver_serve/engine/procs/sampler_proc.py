@@ -40,7 +40,8 @@ class SamplerSync:
                  live: LiveGraphArgs, index: int, implementation: str) -> None:
         self.sampler, self.live, self.index = sampler, live, index
         self.implementation = implementation
-        self.overlay = Overlay(indptr, indices, live.caps.node_capacity, live.caps.edge_capacity)
+        self.overlay = Overlay(indptr, indices, live.caps.node_capacity, live.caps.edge_capacity,
+                               live.base_version)
         self.follower = LogFollower(Path(live.log_dir), live.base_version)
         self.state = GraphState(live.state)
         self.version = self.base_version = live.base_version
@@ -59,7 +60,7 @@ class SamplerSync:
         if live.base_version <= self.base_version:
             return
         overlay = Overlay(graph.indptr, graph.indices, live.caps.node_capacity,
-                          live.caps.edge_capacity)
+                          live.caps.edge_capacity, live.base_version)
         follower = LogFollower(Path(live.log_dir), live.base_version)
         version = live.base_version
         while version < self.version:

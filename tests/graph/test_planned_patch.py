@@ -1,0 +1,89 @@
+"""The writer's plan of an edge update, logged beside it and applied by followers without
+planning (docs/architecture.md, "The living graph"): a follower that applies the plans reaches
+the same overlay, bit for bit, as one that plans each record itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quiver_serve.graph.overlay import Overlay, plan_record, planned_patch
+from quiver_serve.graph.records import EdgeRecord, PlannedEdgeRecord, decode, encode
+from tests.graph.test_overlay import overlay_lists, random_graph
+
+
+def _state(ov: Overlay) -> tuple:
+    view = ov.view()
+    assert view is not None
+    top = ov.top
+    return (ov.top, ov.live_entries, ov.num_edges, ov.num_nodes, view.start.numpy().tobytes(),
+            view.length.numpy().tobytes(), view.tail.numpy()[:top].tobytes())
+
+
+def _updates(rng: np.random.Generator, ov: Overlay, steps: int) -> list[tuple]:
+    """Random edge calls: additions, removals of base and of added edges, misses."""
+    out = []
+    for _ in range(steps):
+        n = ov.num_nodes
+        add = rng.integers(0, n, (int(rng.integers(0, 40)), 2))
+        lists = overlay_lists(ov)
+        present = [(u, d) for d, lst in enumerate(lists) for u in lst]
+        take = rng.integers(0, len(present), int(rng.integers(0, 8))) if present else []
+        remove = np.array([present[i] for i in take] + [[int(rng.integers(0, n)), 1]],
+                          np.int64).reshape(-1, 2)
+        out.append((add, remove))
+        ov.apply_edges(add, remove)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_followers_applying_the_writers_plans_equal_followers_that_plan(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    g = random_graph(rng, 50, 300)
+    writer = Overlay(g.indptr, g.indices, 60, 50_000, base_version=7)
+    planner = Overlay(g.indptr, g.indices, 60, 50_000, base_version=7)
+    applier = Overlay(g.indptr, g.indices, 60, 50_000, base_version=7)
+    scratch = Overlay(g.indptr, g.indices, 60, 50_000, base_version=7)
+    for version, (add, remove) in enumerate(_updates(rng, scratch, 30), start=1):
+        logged: list[PlannedEdgeRecord] = []
+        record = EdgeRecord(version, 0.0, add, remove)
+        writer.apply_edges(add, remove,
+                           before_commit=lambda _r, p: logged.append(plan_record(record, p)))
+        read, _ = decode(encode(logged[0]))  # what a follower reads back from the log
+        assert isinstance(read, PlannedEdgeRecord) and read == logged[0]
+        planner.apply_edges(read.add, read.remove)
+        patch = planned_patch(read, applier.num_nodes)
+        assert patch is not None and applier.fits(patch)
+        assert applier.apply_record(read) is not None
+        assert _state(applier) == _state(planner) == _state(writer)
+    assert overlay_lists(applier) == overlay_lists(planner)
+
+
+def test_a_plan_applies_only_to_an_overlay_in_the_writers_state() -> None:
+    rng = np.random.default_rng(0)
+    g = random_graph(rng, 30, 100)
+    writer = Overlay(g.indptr, g.indices, 40, 10_000, base_version=3)
+    logged: list[PlannedEdgeRecord] = []
+    record = EdgeRecord(1, 0.0, np.array([[1, 2], [3, 2]]), np.empty((0, 2), np.int64))
+    writer.apply_edges(record.add, record.remove,
+                       before_commit=lambda _r, p: logged.append(plan_record(record, p)))
+    patch = planned_patch(logged[0], 30)
+    assert patch is not None
+    other_base = Overlay(g.indptr, g.indices, 40, 10_000, base_version=4)
+    unknown = Overlay(g.indptr, g.indices, 40, 10_000)
+    moved = Overlay(g.indptr, g.indices, 40, 10_000, base_version=3)
+    moved.apply_edges(np.array([[5, 6]]), np.empty((0, 2), np.int64))  # its arena top moved
+    for ov in (other_base, unknown, moved):
+        assert not ov.fits(patch)
+        before = overlay_lists(ov)
+        ov.apply_record(logged[0])  # planned here instead: the same edges either way
+        assert sorted(overlay_lists(ov)[2]) == sorted(before[2] + [1, 3])
+    assert planned_patch(record, 30) is None  # a record without a plan
+
+
+def test_a_plan_with_arrays_that_do_not_match_is_refused() -> None:
+    z = np.empty(0, np.int64)
+    with pytest.raises(ValueError, match="plan's arrays"):
+        PlannedEdgeRecord(1, 0.0, np.empty((0, 2), np.int64), np.empty((0, 2), np.int64),
+                          np.zeros(4, np.int64), np.array([1]), np.array([0]), np.array([1]),
+                          np.array([8]), z, z)
