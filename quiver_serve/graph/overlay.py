@@ -13,6 +13,7 @@ fit raises :class:`OverlayFull` with nothing changed.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,6 +125,9 @@ class Overlay:
         self._block: np.ndarray | None = None  # block capacity of each node's tail
         self._tail: np.ndarray | None = None
         self._base_sorted: bool | None = None
+        #: frozen copies being read (``freeze``): while any is, no plan rewrites an arena
+        #: entry in place (a removal's survivors go to a new block), so their lists stay intact
+        self.frozen = 0
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
@@ -185,6 +189,30 @@ class Overlay:
         owner = np.repeat(nodes, counts)
         return np.bincount(np.repeat(np.arange(nodes.size), counts)[values == owner],
                            minlength=nodes.size).astype(np.int64)
+
+    def freeze(self) -> Overlay:
+        """A read-only copy of this overlay's lists at this version that stays valid while
+        updates go on (compaction folds it outside the writer's lock): per-node arrays
+        copied, the arena shared (later plans write only beyond what the copy reads, until
+        ``thaw``). Not for writing."""
+        frozen = copy.copy(self)
+        if self._start is not None:
+            assert self._length is not None
+            frozen._start = self._start[:self.num_nodes].copy()
+            frozen._length = self._length[:self.num_nodes].copy()
+            frozen._block = None
+        self.frozen += 1
+        return frozen
+
+    def thaw(self) -> None:
+        """A frozen copy is no longer read (``freeze``)."""
+        self.frozen = max(0, self.frozen - 1)
+
+    def changed_nodes(self) -> np.ndarray:
+        """Nodes whose lists the overlay changed (their merged lists are not sorted by id)."""
+        if self._start is None:
+            return np.empty(0, np.int64)
+        return np.flatnonzero(self._start[:self.num_nodes] >= 0)
 
     def to_csc(self) -> tuple[Tensor, Tensor]:
         """The current graph as a plain CSC (lists in overlay order), e.g. for compaction."""
@@ -429,10 +457,12 @@ class _Plan:
         keep_counts = np.bincount(owner[~drop], minlength=nodes.size)
         keep = ~drop & hit[owner]
         kept, kept_owner = values[keep], owner[keep]
-        if whole_list:
+        if whole_list or ov.frozen:  # a frozen copy reads the old block: never in place
             lengths = keep_counts[hit]
-            self._new_block(nodes[hit], lengths, np.full(lengths.size, REPLACED, np.int64),
-                            kept, lengths, np.zeros(lengths.size, np.int64))
+            flags = np.full(lengths.size, REPLACED, np.int64) if whole_list \
+                else ov._length[nodes[hit]] & REPLACED
+            self._new_block(nodes[hit], lengths, flags, kept, lengths,
+                            np.zeros(lengths.size, np.int64))
             return nodes[hit]
         start, length, block = ov._start[nodes], ov._length[nodes], ov._block[nodes]
         # the kept entries shift to the block's front (readers see the new length)

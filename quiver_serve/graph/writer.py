@@ -32,15 +32,21 @@ log = logging.getLogger(__name__)
 
 #: longest wait of a compaction for the sampling processes to apply its version
 READERS_WAIT_S = 30.0
+#: a writer moving to a new base replays the log beside updates in up to this many rounds, until
+#: at most this many records are left for the round under the lock
+REBASE_ROUNDS = 8
+REBASE_LAG_RECORDS = 4
 
 
 class GraphWriter:
     """Validates, logs and acknowledges updates; see the module docstring."""
 
     def __init__(self, cfg: GraphConfig, base: GraphData, base_version: int, update_log: UpdateLog,
-                 state: GraphState | None = None, retry_after_s: int = 1) -> None:
+                 state: GraphState | None = None, retry_after_s: int = 1,
+                 caps: living.Capacities | None = None) -> None:
         self.cfg, self.base, self.log = cfg, base, update_log
-        self.caps = living.capacities(cfg, base.num_nodes, base.num_edges)
+        #: the overlay's capacities (every process that samples sizes its overlay the same)
+        self.caps = caps or living.capacities(cfg, base.num_nodes, base.num_edges)
         self.overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
                                self.caps.edge_capacity, base_version)
         self.num_features = base.num_features
@@ -75,6 +81,17 @@ class GraphWriter:
             count += 1
         self.publish()
         return count
+
+    def replay_until(self, version: int) -> None:
+        """Apply the log's records after this writer's version up to ``version`` (durable),
+        without logging them (a writer built over a newer base catching up)."""
+        if version <= self.version:
+            return
+        for record in self.log.records_after(self.version):
+            if record.version > version:
+                break
+            self._apply(record)
+            self.version = self.acked = record.version
 
     def _apply(self, record: Any) -> Any:
         if isinstance(record, EdgeRecord):
@@ -168,21 +185,27 @@ class GraphWriter:
     # ---- compaction --------------------------------------------------------------------------------
     def compact(self) -> dict[str, Any]:
         """Fold every acknowledged update into a new base on disk and drop the log it covers
-        (``UpdateLog.write_base``: crash-safe at every step). Updates wait only while the graph
-        is copied; serving does not wait at all. The processes that sample keep their overlays
+        (``UpdateLog.write_base``: crash-safe at every step). Updates wait only while the
+        overlay's per-node arrays are copied (``Overlay.freeze``); the fold and the write run
+        beside them, and serving does not wait at all. The processes that sample keep their overlays
         until they start again, on the new base."""
         with self._compact_lock:
             t0 = time.perf_counter()
-            with self.lock:
+            with self.lock:  # held only to copy what the fold reads
                 version = self.version
                 if version == self.base_version or version == self.state.get(slots.COMPACT_VERSION):
                     self.state.set(slots.COMPACT_WANTED, 0)
                     return {"version": version, "compacted": False, "reason": "nothing new"}
                 self.log.wait_durable(version)
-                indptr, indices = self.overlay.to_csc()
-                touched = _tail_nodes(self.overlay)
+                frozen = self.overlay.freeze()
                 appended = list(self.appended_rows)
                 written = dict(self.written_rows)
+            try:  # the fold, while updates go on
+                indptr, indices = frozen.to_csc()
+                touched = frozen.changed_nodes()
+            finally:
+                with self.lock:
+                    self.overlay.thaw()
             if not self._readers_reach(version):
                 return {"version": version, "compacted": False,
                         "reason": "a sampling process has not applied the updates up to this "
@@ -250,20 +273,17 @@ class GraphWriter:
             return False
         version, arrays, meta = found
         base = living.graph_from_arrays(arrays, meta, self.base.name)
-        with self.lock:
+        nxt = GraphWriter(self.cfg, base, version, self.log, self.state, self.retry_after_s,
+                          self.caps)
+        for _ in range(REBASE_ROUNDS):  # most of the log since the base: beside the updates
+            nxt.replay_until(self.acked)
+            if self.version - nxt.version <= REBASE_LAG_RECORDS:
+                break
+        with self.lock:  # the last few records, then the swap
             self.log.wait_durable(self.version)  # every record up to self.version is readable
-            overlay = Overlay(base.indptr, base.indices, self.caps.node_capacity,
-                              self.caps.edge_capacity, version)
-            old = (self.overlay, self.base, self.appended_rows, self.written_rows)
-            self.overlay, self.base, self.appended_rows, self.written_rows = overlay, base, [], {}
-            try:
-                for record in self.log.records_after(version):
-                    if record.version > self.version:
-                        break
-                    self._apply(record)
-            except BaseException:
-                self.overlay, self.base, self.appended_rows, self.written_rows = old
-                raise
+            nxt.replay_until(self.version)
+            self.overlay, self.base = nxt.overlay, nxt.base
+            self.appended_rows, self.written_rows = nxt.appended_rows, nxt.written_rows
             self.base_version = version
         log.info("graph writer on the base of version %d (overlay %d of %d entries)", version,
                  self.overlay.top, self.overlay.edge_capacity)
@@ -306,10 +326,3 @@ class GraphWriter:
         }
 
 
-
-def _tail_nodes(overlay: Overlay) -> np.ndarray:
-    """Nodes whose lists the overlay changed (their merged lists need sorting)."""
-    view = overlay.view()
-    if view is None:
-        return np.empty(0, np.int64)
-    return np.flatnonzero(view.start.numpy()[:overlay.num_nodes] >= 0)

@@ -87,3 +87,53 @@ def test_a_plan_with_arrays_that_do_not_match_is_refused() -> None:
         PlannedEdgeRecord(1, 0.0, np.empty((0, 2), np.int64), np.empty((0, 2), np.int64),
                           np.zeros(4, np.int64), np.array([1]), np.array([0]), np.array([1]),
                           np.array([8]), z, z)
+
+
+def test_a_frozen_copy_keeps_its_versions_lists_while_updates_go_on() -> None:
+    rng = np.random.default_rng(3)
+    g = random_graph(rng, 40, 200)
+    ov = Overlay(g.indptr, g.indices, 50, 50_000, base_version=0)
+    _updates(rng, ov, 10)  # tails exist: later removals would rewrite them in place
+    expected = overlay_lists(ov)
+    frozen = ov.freeze()
+    _updates(rng, ov, 20)  # removals of added edges among them
+    assert overlay_lists(frozen) == expected
+    ov.thaw()
+    assert ov.frozen == 0
+
+
+def test_compaction_folds_outside_the_writers_lock(tmp_path, monkeypatch) -> None:
+    """An update call completes while a compaction is folding the graph."""
+    import threading
+
+    import torch
+
+    from quiver_serve.config import GraphConfig
+    from quiver_serve.graph.csc import GraphData
+    from quiver_serve.graph.update_log import UpdateLog
+    from quiver_serve.graph.writer import GraphWriter
+
+    base = GraphData.from_edge_index(torch.randint(0, 50, (2, 300)), torch.zeros(50, 2), "g")
+    log = UpdateLog(tmp_path)
+    log.open()
+    writer = GraphWriter(GraphConfig(), base, 0, log)
+    writer.reader_versions = lambda: [writer.version]
+    writer.add_edges([[1, 2], [3, 2]], [])
+    folding, release = threading.Event(), threading.Event()
+    real = Overlay.to_csc
+
+    def slow_fold(self: Overlay):  # the fold of a large graph, made long on purpose
+        folding.set()
+        assert release.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(Overlay, "to_csc", slow_fold)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(writer.compact()))
+    t.start()
+    assert folding.wait(10)
+    got = writer.add_edges([[4, 2]], [[1, 2]])  # would wait for the fold if the lock were held
+    assert got["version"] == 2 and got["removed"] == 1
+    release.set()
+    t.join(10)
+    assert result["compacted"] and result["version"] == 1  # the base holds version 1 exactly

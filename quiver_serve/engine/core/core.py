@@ -238,8 +238,8 @@ class EngineCore:
         if self.exact_waiting:  # first: rows a finished refresh round made clean
             replies += exact_answers.answer(self, time.time())
         if self.graph_sync is not None and not self.updates_held and not (  # updates apply
-                self.exact_table is not None and self.exact_table.holds_updates()):  # between
-            # batches, and not while requests wait for a refresh round
+                self.exact_waiting and self.exact_table is not None  # between batches, and not
+                and self.exact_table.holds_updates()):  # while requests wait for a round
             replies += self.graph_sync.poll(self)
             if self.parked:
                 replies += versions.unpark(self, time.time())

@@ -274,9 +274,10 @@ class ExactTable:
         return policy == "wait" or (policy == "auto" and self.saturated)
 
     def holds_updates(self) -> bool:
-        """While requests wait for a round, the engine core applies no update during it, so
-        the round ends with no stale row and they are answered before the next updates mark
-        rows again."""
+        """Whether a round runs that requests may wait for: while requests wait for it
+        (``EngineCore.step`` checks that they do), the engine core applies no update, so the
+        round ends with no stale row and they are answered before the next updates mark rows
+        again. With no exact request waiting, updates apply during rounds."""
         return self.refresher is not None and self.refresher.busy and self.waits()
 
     def set_stale(self, stale: np.ndarray) -> None:

@@ -208,8 +208,8 @@ class GraphSync:
         if self.rebase is None:
             if self.state.get(NEWEST_BASE) > self.base_version \
                     and time.monotonic() >= self._rebase_after_s:
-                self.rebase = Rebase(self.cfg, self.log_dir, self.caps, self.version, core.device,
-                                     core.gpu_sampler is not None)
+                self.rebase = Rebase(self.cfg, self.log_dir, self.caps, lambda: self.version,
+                                     core.device, core.gpu_sampler is not None)
             return
         if not self.rebase.done.is_set():
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ from quiver_serve.sampling.base import BaseSampler
 
 log = logging.getLogger(__name__)
 
+#: records left for the switch to apply in the engine loop (the rest are applied beside it)
+SWITCH_LAG_RECORDS = 2
+#: longest time the new overlay chases the serving version before the switch takes the rest
+KEEP_UP_S = 30.0
+
 
 def apply_structure(overlay: Overlay, record: Record) -> None:
     """The part of a record that changes the graph's structure (edges, node count)."""
@@ -43,10 +49,12 @@ def apply_structure(overlay: Overlay, record: Record) -> None:
 class Rebase:
     """One engine core's next base, built in a thread; see the module docstring."""
 
-    def __init__(self, cfg: ServeConfig, log_dir: Path, caps: Capacities, target_version: int,
-                 device: torch.device, gpu: bool) -> None:
+    def __init__(self, cfg: ServeConfig, log_dir: Path, caps: Capacities,
+                 serving_version: Callable[[], int], device: torch.device, gpu: bool) -> None:
         self.cfg, self.log_dir, self.caps = cfg, log_dir, caps
-        self.target, self.device, self.gpu = target_version, device, gpu
+        #: the version the core serves now (the new overlay catches up to it beside the loop)
+        self.serving_version = serving_version
+        self.device, self.gpu = device, gpu
         self.version = 0  # the base's, then the overlay's
         self.base_version = 0
         self.graph: GraphData | None = None
@@ -64,6 +72,7 @@ class Rebase:
         t0 = time.perf_counter()
         try:
             self._build()
+            self._keep_up()
         except BaseException as exc:  # noqa: BLE001 - reported at the switch; serving goes on
             self.error = exc
         self.seconds = time.perf_counter() - t0
@@ -82,7 +91,6 @@ class Rebase:
                                self.caps.edge_capacity, version)
         self.version = version
         self.follower = LogFollower(self.log_dir, version)
-        self.catch_up(self.target)
         self.local = make_cpu_sampler(graph.indptr, graph.indices, self.cfg.sampling.implementation)
         if self.gpu:
             from quiver_serve.engine.core.samplers import gpu_sampler_or_none
@@ -93,6 +101,16 @@ class Rebase:
             side.synchronize()
             if self.gpu_sampler is None:  # the old one reads the old base: do not switch
                 raise RuntimeError("the GPU sampler could not be built over the new base")
+
+    def _keep_up(self) -> None:
+        """Catch the new overlay up to the serving version, beside the loop, until at most
+        ``SWITCH_LAG_RECORDS`` are left for the switch (which applies them in the loop)."""
+        deadline = time.monotonic() + KEEP_UP_S
+        while time.monotonic() < deadline:
+            target = self.serving_version()
+            if target - self.version <= SWITCH_LAG_RECORDS:
+                return
+            self.catch_up(target)
 
     def catch_up(self, version: int) -> None:
         """Apply the log's records to the new overlay up to ``version`` (the serving version)."""
