@@ -235,6 +235,10 @@ class ExactConfig(_Section):
         8 << 30, ge=0, description="most bytes of table in host memory per engine core when it is not in GPU memory (auto: off above it)")
     chunk_edges: int = Field(
         1 << 23, ge=1024, description="in-edges per materialisation or refresh chunk (bounds the chunk's memory and its time on the device)")
+    refresh_chunk_edges: int = Field(
+        1 << 20, ge=1024, description="in-edges per refresh chunk: a serving batch waits behind at most one chunk on the device (chunk_edges bounds the start-up build's)")
+    refresh_duty: float = Field(
+        0.5, gt=0, le=1.0, description="most share of time a refresh round computes: after each chunk it leaves the device and the interpreter to serving for the chunk's time x (1 - duty) / duty (1: no pause)")
     refresh_interval_ms: float = Field(
         5.0, ge=0, description="a refresh round starts at most this often, so changes arriving together are refreshed together")
     stale_rows: Literal["auto", "on_the_fly", "wait"] = Field(

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,6 +86,24 @@ class RefreshThread(Protocol):
     def stop(self, timeout_s: float = 10.0) -> None: ...
 
 
+@dataclass
+class MarkSeeds:
+    """What one step's applied records changed, noted for ``ExactTable.settle_marks``."""
+
+    struct_nodes: np.ndarray
+    feature_nodes: np.ndarray
+    added: np.ndarray | None
+    version: int
+    sample_stream: torch.cuda.Stream | None
+
+
+def _union(parts: list[np.ndarray]) -> np.ndarray:
+    parts = [p for p in parts if p.size]
+    if not parts:
+        return np.empty(0, np.int64)
+    return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+
+
 class ExactTable:
     """Every layer's output for every node, on one engine core; see the module docstring."""
 
@@ -114,6 +133,9 @@ class ExactTable:
         self.pending = [torch.zeros(self.capacity, dtype=torch.bool, device=device)
                         for _ in self.layers]
         self.pending_since_s: float | None = None  # accepted time of the oldest pending change
+        #: marks noted by the engine loop and not propagated yet (``mark``, ``settle_marks``)
+        self._seeds: deque[MarkSeeds] = deque()
+        self._since_lock = threading.Lock()
         self.version = 0  # graph version every non-stale row is exact for (at least)
         self.marked_version = 0
         self.counters = TableCounters()
@@ -167,17 +189,19 @@ class ExactTable:
             return store.index_select(0, n_id)
         return store.index_select(0, n_id.cpu()).to(self.device, non_blocking=True)
 
-    def chunks(self, targets: Tensor, graph: CurrentGraph) -> list[Tensor]:
-        """``targets`` split so that each chunk has at most ``exact.chunk_edges`` in-edges (a
-        node with more is a chunk of its own)."""
+    def chunks(self, targets: Tensor, graph: CurrentGraph,
+               max_edges: int | None = None) -> list[Tensor]:
+        """``targets`` split so that each chunk has at most ``max_edges`` (default
+        ``exact.chunk_edges``) in-edges (a node with more is a chunk of its own)."""
         if targets.numel() == 0:
             return []
+        max_edges = max_edges or self.cfg.chunk_edges
         degree = graph.in_degree(targets)
         cum = torch.cumsum(degree, 0).cpu().numpy()
         n, cuts, prev = len(cum), [], 0
         while prev < n:
             reached = int(cum[prev - 1]) if prev else 0
-            nxt = int(np.searchsorted(cum, reached + self.cfg.chunk_edges, side="right"))
+            nxt = int(np.searchsorted(cum, reached + max_edges, side="right"))
             prev = min(max(nxt, prev + 1), prev + MAX_CHUNK_ROWS, n)
             cuts.append(prev)
         return list(torch.tensor_split(targets, cuts[:-1]))
@@ -229,24 +253,60 @@ class ExactTable:
              sample_stream: torch.cuda.Stream | None = None) -> None:
         """Mark what records up to ``version`` changed: ``struct_nodes`` (their in-lists),
         ``feature_nodes`` (their feature rows; nodes appended too), ``added`` (int64 [n, 2]
-        edges added). The graph the engine serves already holds them."""
+        edges added). The graph the engine serves already holds them. On a GPU the rows they
+        reach are found later, beside the loop (``settle_marks``: at a round's start on the
+        refresh thread, or before an exact request reads ``stale``); the loop only notes them."""
         if self.out_index is None:
             return
-        with self.lock, self.on_stream(self.mark_stream):
-            if self.mark_stream is not None and sample_stream is not None:
-                self.mark_stream.wait_stream(sample_stream)  # the device overlay's patches first
-            if added is not None and added.size:
-                pairs = torch.from_numpy(np.ascontiguousarray(added)).to(self.device)
-                self.out_index.add_edges(pairs[:, 0], pairs[:, 1], self.graph_of())
-            changed = self._propagate(struct_nodes, feature_nodes)
-            ids = torch.nonzero(changed).flatten().cpu().numpy()
-            self.stale[ids] = True
-            self.set_stale(self.stale)
-            self.marked_version = version
-            if ids.size and self.pending_since_s is None:
-                self.pending_since_s = accepted_s
+        self._seeds.append(MarkSeeds(struct_nodes, feature_nodes, added, version, sample_stream))
+        if struct_nodes.size or feature_nodes.size:
+            with self._since_lock:
+                if self.pending_since_s is None:
+                    self.pending_since_s = accepted_s
+        if self.mark_stream is None:  # on the host the marks are found at once
+            self.settle_marks()
         if self.refresher is not None:
             self.refresher.wake()
+
+    def take_pending_since(self) -> float | None:
+        """The accepted time of the oldest change not taken by a round yet, cleared."""
+        with self._since_lock:
+            since_s, self.pending_since_s = self.pending_since_s, None
+            return since_s
+
+    def settle_marks(self, held: bool = False) -> None:
+        """Find the rows every mark so far reaches: ``pending`` per layer, ``stale`` and
+        ``marked_version`` (``held``: the caller holds ``lock``)."""
+        if not self._seeds:
+            return
+        if held:
+            self._settle()
+            return
+        with self.lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        seeds: list[MarkSeeds] = []
+        while self._seeds:
+            seeds.append(self._seeds.popleft())
+        if not seeds or self.out_index is None:
+            return
+        struct = _union([m.struct_nodes for m in seeds])
+        feature = _union([m.feature_nodes for m in seeds])
+        added = [m.added for m in seeds if m.added is not None and m.added.size]
+        with self.on_stream(self.mark_stream):
+            stream = seeds[-1].sample_stream
+            if self.mark_stream is not None and stream is not None:
+                self.mark_stream.wait_stream(stream)  # the device overlay's patches first
+            if added:
+                pairs = torch.from_numpy(np.ascontiguousarray(np.concatenate(added)))
+                pairs = pairs.to(self.device)
+                self.out_index.add_edges(pairs[:, 0], pairs[:, 1], self.graph_of())
+            changed = self._propagate(struct, feature)  # reach of a union: union of reaches
+            ids = torch.nonzero(changed).flatten().cpu().numpy()
+        self.stale[ids] = True
+        self.set_stale(self.stale)
+        self.marked_version = seeds[-1].version
 
     def _propagate(self, struct_nodes: np.ndarray, feature_nodes: np.ndarray) -> Tensor:
         """OR each layer's changed rows into ``pending``; the last layer's, as a mask."""
@@ -271,6 +331,8 @@ class ExactTable:
         ``exact.full_recompute_fraction`` of the rows are stale (a full recompute is due, and
         on-the-fly answers would each cost about as much)."""
         policy = self.cfg.stale_rows
+        if policy == "auto":
+            self.settle_marks()
         return policy == "wait" or (policy == "auto" and self.saturated)
 
     def holds_updates(self) -> bool:
@@ -287,6 +349,7 @@ class ExactTable:
         self.saturated = int(stale[:n].sum()) > self.cfg.full_recompute_fraction * n
 
     def servable(self, ids: np.ndarray) -> bool:
+        self.settle_marks()
         return self.ready and not bool(self.stale[ids].any())
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:

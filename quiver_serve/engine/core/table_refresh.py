@@ -1,8 +1,9 @@
 """The exact table's refresh thread: recomputes marked rows in the background of serving.
 
 A round takes every row marked so far (``ExactTable.pending``, per layer), clears the marks, and
-recomputes those rows layer by layer, in chunks of at most ``exact.chunk_edges`` in-edges, on its
-own CUDA stream. A layer whose marked rows exceed ``exact.full_recompute_fraction`` of the nodes is
+recomputes those rows layer by layer, in chunks of at most ``exact.refresh_chunk_edges`` in-edges,
+on its own CUDA stream, pausing after each chunk so that it computes at most
+``exact.refresh_duty`` of the time (a serving batch waits behind at most one chunk). A layer whose marked rows exceed ``exact.full_recompute_fraction`` of the nodes is
 recomputed whole from there on (contiguous chunks: a full recompute). Rows marked while the round
 runs stay marked for the next one. When the round's last chunk has finished on the device, the
 last layer's stale rows become exactly those marked since the round began, and the table's version
@@ -119,14 +120,16 @@ class Refresher:
         t = self.table
         self._last_round_s = time.monotonic()
         with t.lock, t.on_stream(t.mark_stream):
-            if t.pending_since_s is None:
+            self.busy = True  # before the marks are taken: never idle with a round due
+            since_s = t.take_pending_since()
+            if since_s is None:
+                self.busy = False
                 return
-            self.busy = True
+            t.settle_marks(held=True)  # every mark made so far: the version the round reaches
             sets = [torch.nonzero(p).flatten() for p in t.pending]
             for p in t.pending:
                 p.zero_()
-            version, since_s = t.marked_version, t.pending_since_s
-            t.pending_since_s = None
+            version = t.marked_version
             if t.mark_stream is not None:
                 t.mark_stream.synchronize()
         rows = self._recompute(sets)
@@ -143,6 +146,13 @@ class Refresher:
         if self.on_round is not None:
             self.on_round(rows, staleness_s, version)
 
+    def _yield(self, chunk_s: float) -> None:
+        """Leave the device and the interpreter to serving after a chunk, so that a round
+        computes at most ``exact.refresh_duty`` of the time (``exact.refresh_duty``)."""
+        duty = self.table.cfg.refresh_duty
+        if duty < 1.0:
+            self._stop.wait(chunk_s * (1.0 - duty) / duty)
+
     def _recompute(self, sets: list[torch.Tensor]) -> int:
         t = self.table
         num_nodes = t.graph_of().num_nodes
@@ -156,12 +166,14 @@ class Refresher:
                 full = True
                 targets = torch.arange(num_nodes, device=t.device)
             with t.on_stream(t.stream):
-                pieces = t.chunks(targets, t.graph_of())
+                pieces = t.chunks(targets, t.graph_of(), t.cfg.refresh_chunk_edges)
             for chunk in pieces:
+                started_s = time.perf_counter()
                 with t.work_lock, t.on_stream(t.stream):
                     t.compute_rows(layer, chunk, t.graph_of())
                     if t.stream is not None:
                         t.stream.synchronize()
+                self._yield(time.perf_counter() - started_s)
                 rows += int(chunk.numel())
                 remaining -= int(chunk.numel())
                 self.backlog_rows = max(remaining, 0)
