@@ -30,6 +30,7 @@ STALENESS = "quiver_serve_graph_staleness_seconds"
 UPDATE_DURATION = "quiver_serve_graph_update_duration_seconds"
 REQUEST_DURATION = "quiver_serve_request_duration_seconds"
 APPLY = "quiver_serve_graph_apply_seconds"
+UPDATE_STAGE = "quiver_serve_graph_update_stage_seconds"
 #: stages of an engine step's update application (``GraphApplyMetrics``)
 APPLY_STAGES = ("read", "drain", "overlay", "device", "degrees", "features", "mark", "total")
 #: the engine's per-batch stage histograms
@@ -123,6 +124,8 @@ def metrics_window(before: str | None, after: str | None) -> dict[str, Any]:
                                     {"endpoint": EDGES_ENDPOINT, "status": "200"}),
         "embed_statuses": embed_statuses(before, after),
         "apply": {st: hist_window(before, after, APPLY, {"stage": st}) for st in APPLY_STAGES},
+        "update_stages": {st: hist_window(before, after, UPDATE_STAGE, {"stage": st})
+                          for st in ("lock", "plan", "log", "durable")},
         "engine": {n.removeprefix("quiver_serve_"): hist_window(before, after, n)
                    for n in ENGINE_STAGES},
         "counters": {k: v for k, v in changed.items() if k.split("{")[0].endswith("_total")},

@@ -64,6 +64,9 @@ class GraphWriter:
         self.last_update_s = 0.0
         #: called after each acknowledged update: (kind, seconds, record version)
         self.on_update: Any = None
+        #: called after each acknowledged edge update with its seconds per stage (waiting for
+        #: the lock, planning, writing the log, waiting until durable and applied here)
+        self.on_stages: Callable[[dict[str, float]], None] | None = None
         #: called after each compaction with its duration in seconds
         self.on_compaction: Any = None
         #: base versions and applied versions of the processes that sample (the supervisor
@@ -111,21 +114,31 @@ class GraphWriter:
         add_arr, rm_arr = living.as_pairs(add, "add"), living.as_pairs(remove, "remove")
         living.check_count(len(add_arr) + len(rm_arr), self.cfg.max_update_edges, "edges")
         t0 = time.perf_counter()
+        marks = [t0]  # lock taken, planned, logged (the stages of an update call)
+
+        def log_planned(_result: Any, patch: Any) -> None:
+            marks.append(time.perf_counter())
+            self.log.write(plan_record(record, patch))
+            marks.append(time.perf_counter())
+
         with self.lock:
+            marks.append(time.perf_counter())
             n = self.overlay.num_nodes
             living.check_ids(add_arr, n, "add")
             living.check_ids(rm_arr, n, "remove")
             version = self.version + 1
             record = EdgeRecord(version, time.time(), add_arr, rm_arr)
             try:
-                result, _ = self.overlay.apply_edges(
-                    add_arr, rm_arr,
-                    before_commit=lambda _r, patch: self.log.write(plan_record(record, patch)))
+                result, _ = self.overlay.apply_edges(add_arr, rm_arr, before_commit=log_planned)
             except OverlayFull as exc:
                 self.request_compaction()
                 raise living.overlay_full(str(exc), self.retry_after_s) from None
             self.version = version
         self._durable(version, "edges", t0)
+        if self.on_stages is not None and len(marks) == 4:
+            done = time.perf_counter()
+            self.on_stages({"lock": marks[1] - marks[0], "plan": marks[2] - marks[1],
+                            "log": marks[3] - marks[2], "durable": done - marks[3]})
         return {"version": version, "added": result.added, "removed": result.removed,
                 "missing": result.missing}
 

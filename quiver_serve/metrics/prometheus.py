@@ -332,6 +332,10 @@ class GraphWriterMetrics:
         self.duration = Histogram(PREFIX + "graph_update_duration_seconds", "validate + log + "
                                   "sync + apply of one update call at the writer",
                                   buckets=LATENCY_BUCKETS_S, registry=None)
+        self.stage_s = Histogram(PREFIX + "graph_update_stage_seconds", "one edge update call "
+                                 "at the writer, by stage: lock (waiting for it), plan, log "
+                                 "(the write), durable (the sync, shared by a group)",
+                                 ["stage"], buckets=LATENCY_BUCKETS_S, registry=None)
         self.overlay_entries = Gauge(PREFIX + "graph_overlay_entries", "overlay entries in use "
                                      "(8 bytes each per sampling process)",
                                      multiprocess_mode="max", registry=None)
@@ -348,6 +352,10 @@ class GraphWriterMetrics:
                                       "compaction: fold, write, sync, switch",
                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
                                       registry=None)
+
+    def on_stages(self, seconds: dict[str, float]) -> None:
+        for stage, s in seconds.items():
+            self.stage_s.labels(stage).observe(s)
 
     def on_update(self, kind: str, seconds: float, version: int) -> None:
         self.updates[kind].inc()

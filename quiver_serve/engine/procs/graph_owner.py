@@ -77,6 +77,7 @@ class GraphOwner:
             metrics.on_state(ov.num_nodes, ov.num_edges, ov.top, ov.edge_capacity)
 
         writer.on_update = on_update
+        writer.on_stages = metrics.on_stages
         writer.on_compaction = metrics.on_compaction
         replayed = writer.replay()
         if replayed:
