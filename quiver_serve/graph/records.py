@@ -30,6 +30,7 @@ Every block starts 8-byte aligned. ``decode`` returns None for anything it canno
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ def _decode_arrays(payload: memoryview, count: int) -> list[np.ndarray] | None:
         shape = tuple(_DIM.unpack_from(payload, pos + 8 * i)[0] for i in range(ndim))
         pos += 8 * ndim
         dtype = _DTYPES[code]
-        n_bytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        n_bytes = math.prod(shape) * dtype.itemsize
         if n_bytes + _pad(n_bytes) > len(payload) - pos:
             return None
         flat = np.frombuffer(payload, dtype, n_bytes // dtype.itemsize, pos)
