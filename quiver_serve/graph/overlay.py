@@ -283,6 +283,15 @@ class Overlay:
         self.live_entries += live_delta
         self.num_edges += edges_delta
 
+    def current_patch(self, nodes: np.ndarray, positions: np.ndarray) -> Patch:
+        """The entries of ``nodes`` and arena ``positions`` as they are now: one patch that
+        brings a copy that had all of them before up to this overlay (several applications'
+        patches merged; the last write of each entry wins)."""
+        self._ensure_arrays()
+        assert self._start is not None and self._length is not None and self._tail is not None
+        return Patch(nodes, self._start[nodes], self._length[nodes], positions,
+                     self._tail[positions], self.num_nodes)
+
     def apply_record(self, record: EdgeRecord) -> Patch:
         """A logged edge update's writes here: the writer's plan when it fits this overlay (no
         planning), else planned here. Returns the patch applied."""

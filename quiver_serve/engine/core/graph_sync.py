@@ -68,10 +68,11 @@ class StageTimer:
 
 class Changes:
     """Nodes the records applied in one step changed: ``struct`` (their in-lists) and
-    ``feature`` (their feature rows, or appended)."""
+    ``feature`` (their feature rows, or appended), and the overlay arena positions written."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, list[np.ndarray]] = {"struct": [], "feature": []}
+        #: ``arena``: overlay arena positions written (for the device copy)
+        self.nodes: dict[str, list[np.ndarray]] = {"struct": [], "feature": [], "arena": []}
 
     def add(self, kind: str, nodes: np.ndarray) -> None:
         if nodes.size:
@@ -277,11 +278,10 @@ class GraphSync:
             kind = "edges"
             patch = self.overlay.apply_record(record)  # the writer's plan when it fits
             changed.add("struct", patch.nodes)
+            changed.add("arena", patch.tail_pos)  # the device copy follows once per step
+            self.attach_views(core)
             if timer is not None:
                 timer.lap("overlay")
-            self._write_device(core, patch)
-            if timer is not None:
-                timer.lap("device")
         elif isinstance(record, NodeRecord):
             kind = "nodes"
             ids = self.overlay.add_nodes(int(record.features.shape[0]))
@@ -302,22 +302,21 @@ class GraphSync:
         if self.on_applied is not None:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
-    def _write_device(self, core: SyncedCore, patch: Patch) -> None:
-        """The patch into the device copy (on the sampling stream: after earlier batches)."""
-        self.attach_views(core)
-        if self.device_overlay is None:
-            return
-        stream = core.sample_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.device_overlay.apply(patch)
-
     def _changes_applied(self, core: SyncedCore, changed: Changes,
                          timer: StageTimer | None = None) -> None:
-        """Degrees and PSGS entries of the nodes whose in-lists the applied records changed,
-        once for all of them."""
+        """What follows the nodes whose in-lists the applied records changed, once for all of
+        them: the device copy (one patch: the host overlay's entries now), degrees and PSGS
+        entries."""
         nodes = changed.unique("struct")
         if not nodes.size:
             return
+        if self.device_overlay is not None:
+            patch = self.overlay.current_patch(nodes, changed.unique("arena"))
+            stream = core.sample_stream  # after the batches sampled before
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.device_overlay.apply(patch)
+            if timer is not None:
+                timer.lap("device")
         degree = torch.from_numpy(self.overlay.degree(nodes))
         t_nodes = torch.from_numpy(nodes)
         if core.degree_weighted():

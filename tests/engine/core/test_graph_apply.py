@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from quiver_serve.config import ServeConfig
@@ -18,7 +19,7 @@ from quiver_serve.graph.update_log import UpdateLog
 from quiver_serve.graph.writer import GraphWriter
 
 
-def _setup(tmp: Path, log_name: str = "log") -> tuple:
+def _setup(tmp: Path, log_name: str = "log", device: str = "cpu") -> tuple:
     g = torch.Generator().manual_seed(0)
     base = GraphData.from_edge_index(torch.randint(0, 200, (2, 1500), generator=g),
                                      torch.randn(200, 8, generator=g), "g")
@@ -28,7 +29,7 @@ def _setup(tmp: Path, log_name: str = "log") -> tuple:
     cfg.model.kwargs = {"hidden_channels": 8, "num_layers": 2, "out_channels": 4}
     cfg.sampling.fanouts = [3, 3]
     cfg.sampling.calibration = "off"
-    cfg.inference.device = "cpu"
+    cfg.inference.device = device  # type: ignore[assignment]
     cfg.exact.materialize = "off"
     directory = tmp / log_name
     directory.mkdir(parents=True)
@@ -61,7 +62,7 @@ def test_a_busy_core_applies_one_record_per_step_within_a_zero_budget(tmp_path: 
         versions.append(sync.version)
     assert versions == list(range(1, 13))  # one per step, none skipped, in order
     assert [n for _, n in seen] == [1] * 12
-    assert {"read", "overlay", "device", "degrees", "total"} <= set(seen[0][0])
+    assert {"read", "overlay", "degrees", "total"} <= set(seen[0][0])  # "device" on a GPU
     # every record came with the writer's plan and was applied without planning here
     assert sync.overlay.records_applied == {"writer": 12, "here": 0}
 
@@ -85,3 +86,25 @@ def test_grouped_application_equals_one_record_at_a_time(tmp_path: Path) -> None
     a = one.local_sampler.sample(ids, [3, 3], seed=11)
     b = grouped.local_sampler.sample(ids, [3, 3], seed=11)
     assert torch.equal(a.n_id, b.n_id) and torch.equal(a.edge_index, b.edge_index)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_device_copy_after_a_grouped_step_equals_the_host_overlay(tmp_path: Path) -> None:
+    """Several records' arena writes (some rewriting the same entries: removals of edges added
+    just before) reach the device copy as one patch of the host's entries."""
+    writer, core = _setup(tmp_path, device="cuda")
+    _write(writer, 16, seed=9)
+    sync = core.graph_sync
+    assert sync is not None and core.gpu_sampler is not None
+    sync.poll(core)  # idle: every record in one step
+    assert sync.version == 16 and sync.device_overlay is not None
+    host, dev = sync.overlay.view(), sync.device_overlay.view()
+    assert host is not None
+    top = sync.overlay.top
+    assert torch.equal(host.start, dev.start.cpu()) and torch.equal(host.length, dev.length.cpu())
+    assert torch.equal(host.tail[:top], dev.tail[:top].cpu())
+    ids = torch.arange(0, 200, 3)
+    a = core.local_sampler.sample(ids, [3, 3], seed=2)
+    b = core.gpu_sampler.sample(ids, [3, 3], seed=2)
+    assert torch.equal(a.n_id, b.n_id.cpu()) and torch.equal(a.edge_index, b.edge_index.cpu())
