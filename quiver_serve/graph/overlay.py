@@ -2,10 +2,13 @@
 
 Layout (``overlay_view.py``): per node a tail block in one preallocated arena; a node that gains
 edges appends to its tail (a block grows by half again when full, so appends cost O(1) amortised);
-a node that loses an edge has its whole surviving list rewritten into a fresh tail and its base
-list marked replaced. Every process that samples keeps its own overlay and applies the same records
-in the same order, so all agree at each version; :class:`Patch` carries one application's writes
-to a device copy (:class:`DeviceOverlay`) without recomputing them there.
+a node that loses an edge of its base list has its surviving list copied into a fresh tail once
+(its base list is then marked replaced); a node that loses tail entries has each removed entry's
+place filled from the end of its tail, in place, costing what is removed (so a list's order is
+its history of appends and removals, the same in every process). Every process that samples keeps
+its own overlay and applies the same records in the same order, so all agree at each version;
+:class:`Patch` carries one application's writes to a device copy (:class:`DeviceOverlay`) or to
+a follower in the writer's state without recomputing them there.
 
 Applying is all-or-nothing: the space a call needs is computed first, and a call that would not
 fit raises :class:`OverlayFull` with nothing changed.
@@ -350,7 +353,12 @@ def _matches(pairs: np.ndarray, dsts: np.ndarray, values: np.ndarray, counts: np
     if not values.size:
         return drop, np.empty(0, np.int64)
     keys = np.unique(pairs[:, 1] * cap + pairs[:, 0])
-    candidate = np.flatnonzero(np.isin(values, np.unique(pairs[:, 0]), kind="table"))
+    sources = np.unique(pairs[:, 0])
+    # a table over the sources' id range is linear in the list but costs the range itself:
+    # only worth it for lists longer than that range
+    span = int(sources[-1] - sources[0]) + 1
+    candidate = np.flatnonzero(np.isin(values, sources,
+                                       kind="table" if values.size > span else "sort"))
     ck = np.repeat(dsts, counts)[candidate] * cap + values[candidate]
     pos = np.minimum(np.searchsorted(keys, ck), keys.size - 1)
     match = keys[pos] == ck
@@ -458,14 +466,15 @@ class _Plan:
     def _rewrite(self, nodes: np.ndarray, values: np.ndarray, counts: np.ndarray,
                  drop: np.ndarray, whole_list: bool) -> np.ndarray:
         """Write the surviving entries of the ``nodes`` that lost some: a whole list into a new
-        block (replacing the base list), or a tail in place. Returns the nodes written."""
+        block (replacing the base list), or a tail in place (the removed entries' places
+        filled from its end). Returns the nodes written."""
         ov = self.ov
         assert ov._start is not None and ov._length is not None and ov._block is not None
         owner = np.repeat(np.arange(nodes.size), counts)
         hit = np.bincount(owner[drop], minlength=nodes.size) > 0
         keep_counts = np.bincount(owner[~drop], minlength=nodes.size)
         keep = ~drop & hit[owner]
-        kept, kept_owner = values[keep], owner[keep]
+        kept = values[keep]
         if whole_list or ov.frozen:  # a frozen copy reads the old block: never in place
             lengths = keep_counts[hit]
             flags = np.full(lengths.size, REPLACED, np.int64) if whole_list \
@@ -474,9 +483,14 @@ class _Plan:
                             np.zeros(lengths.size, np.int64))
             return nodes[hit]
         start, length, block = ov._start[nodes], ov._length[nodes], ov._block[nodes]
-        # the kept entries shift to the block's front (readers see the new length)
-        self.writes_pos.append(range_positions(start[hit], keep_counts[hit]))
-        self.writes_val.append(kept[hit[kept_owner]])
+        # In place, costing what is removed: each removed entry before the new length takes
+        # one surviving entry from past it (the list's order is not kept; readers see the new
+        # length once it is written, after the entries)
+        rank = _rank_within(owner)
+        beyond = rank >= keep_counts[owner]
+        holes, movers = np.flatnonzero(drop & ~beyond), np.flatnonzero(~drop & beyond)
+        self.writes_pos.append(start[owner[holes]] + rank[holes])  # per node as many of each,
+        self.writes_val.append(values[movers])  # both in node order: paired one to one
         self._set(nodes[hit], start[hit], keep_counts[hit] | (length[hit] & REPLACED), block[hit])
         return nodes[hit]
 

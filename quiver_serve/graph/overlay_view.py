@@ -11,7 +11,8 @@ base live in an overlay, and the current neighbour list of node ``v`` is
 ``length[v] & REPLACED`` set means the node's base list no longer counts (an edge into it was
 removed, so its whole surviving list was rewritten into the tail). Nodes ``n_base <= v <
 num_nodes`` (added since the base) have no base list. Neighbour order is the base order, then the
-tail's order (appended edges in the order they were acknowledged); every sampler reads the same
+tail's order (appended edges in the order they were acknowledged, a removed entry's place taken
+by the tail's last entry); every sampler reads the same
 list, so seeded sampling agrees across samplers at one version.
 
 ``start``, ``length`` and ``tail`` are preallocated for the overlay's capacity and written only by
