@@ -66,6 +66,8 @@ class GraphConfig(_Section):
         None, ge=1024, description="overlay entries (8 bytes each, per process that samples) before updates wait for compaction (null: max(2^20, edges / 4))")
     compact_at_fill: float = Field(
         0.5, gt=0, le=1.0, description="compact in the background once the overlay is this full")
+    snapshot: bool = Field(
+        True, description="write the loaded or generated graph as the base of version 0 in the update-log folder on a first start, so later starts map it instead of loading or generating it again (with its content hashes; a changed dataset file is refused)")
     apply_budget_ms: float = Field(
         2.0, gt=0, description="engine-loop time per step for applying updates while requests wait (the writer plans each update; an engine core applies the planned writes of as many records as fit, at least one per step; idle, it applies every record read); see quiver_serve_graph_apply_seconds")
     compact_interval_s: float = Field(

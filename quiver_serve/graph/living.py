@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from quiver_serve.graph.csc import GraphData
 MIN_NEW_NODES = 1024
 #: the least overlay, in entries
 MIN_OVERLAY_ENTRIES = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,16 +136,28 @@ class LiveGraphArgs:
 
 
 def load_serving_graph(cfg: GraphConfig) -> tuple[GraphData, int]:
-    """The graph to serve and its version: the newest compacted base in the update-log folder,
-    else the dataset (version 0)."""
+    """The graph to serve and its version: the newest base in the update-log folder (a
+    compacted one, or the snapshot of the dataset a first start wrote: ``snapshot.py``), else
+    the dataset loaded or generated (version 0), then snapshotted when ``graph.snapshot``."""
     from quiver_serve.graph.datasets import load_graph
+    from quiver_serve.graph.snapshot import source_stamp, write_first_snapshot
     from quiver_serve.graph.update_log import load_base
 
     directory = log_dir(cfg)
     found = load_base(directory) if directory.exists() else None
+    stamp = source_stamp(cfg)
     if found is None:
-        return load_graph(cfg), 0
+        graph = load_graph(cfg)
+        if cfg.snapshot:
+            write_first_snapshot(directory, graph, stamp)
+        return graph, 0
     version, arrays, meta = found
+    if version == 0 and meta.get("source") not in (None, stamp):
+        raise errors.ServeError(
+            "dataset_changed", f"the dataset of graph.path changed since the update log in "
+            f"{directory} was started from it (its records name the old graph's ids): move "
+            "that folder away to start over, or point graph.update_log_dir elsewhere", 500)
+    log.info("graph mapped from the base of version %d in %s", version, directory)
     return graph_from_arrays(arrays, meta, cfg.name, copy=True), version
 
 

@@ -25,7 +25,9 @@ it does nothing unless a test sets ``_crash_hook`` (the hook raises to simulate 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -34,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -118,8 +120,46 @@ def _base_name(version: int) -> str:
     return f"base-{version:020d}"
 
 
+#: bytes written (and hashed) at a time
+WRITE_CHUNK_BYTES = 64 << 20
+
+
+def _write_array(f: Any, arr: np.ndarray, bar: Any) -> str:
+    """``arr`` as an .npy file (no pickle) in chunks; returns the blake2b digest of its data
+    (the array's content key: what derived tables and other snapshots name it by)."""
+    if arr.dtype.hasobject:
+        raise ValueError("object arrays cannot be saved when allow_pickle=False (a base holds "
+                         "numbers only)")
+    arr = np.ascontiguousarray(arr)
+    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
+    digest = hashlib.blake2b(digest_size=16)
+    flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+    for at in range(0, flat.size, WRITE_CHUNK_BYTES):
+        chunk = flat[at:at + WRITE_CHUNK_BYTES]
+        digest.update(chunk)
+        f.write(chunk.data)
+        bar.update(chunk.size)
+    return digest.hexdigest()
+
+
+def _progress(total_bytes: int, desc: str) -> Any:
+    """A tqdm bar over bytes (silent below 256 MiB, and where tqdm is not installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return contextlib.nullcontext(_NoBar())
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc,
+                disable=total_bytes < (256 << 20))
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
 def _write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """Every file of ``path`` written and synced, then the folder and its parent."""
+    """Every file of ``path`` written and synced (each array's content hash in meta.json),
+    then the folder and its parent."""
     listing = {}
     for name, arr in arrays.items():
         if not _ARRAY_NAME_RE.fullmatch(name):
@@ -133,12 +173,16 @@ def _write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], met
         shutil.rmtree(path)
     path.mkdir()
     _crash_point("base.mkdir")
-    for name, arr in arrays.items():
-        with open(path / f"{name}.npy", "wb") as f:
-            np.save(f, np.asarray(arr), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        _crash_point("base.array")
+    total = sum(np.asarray(a).nbytes for a in arrays.values())
+    with _progress(total, f"writing the graph at version {version}") as bar:
+        for name, arr in arrays.items():
+            with open(path / f"{name}.npy", "wb") as f:
+                listing[name]["blake2b"] = _write_array(f, np.asarray(arr), bar)
+                f.flush()
+                os.fsync(f.fileno())
+            _crash_point("base.array")
+    meta_bytes = json.dumps({"format": BASE_FORMAT, "version": version, "arrays": listing,
+                             "meta": meta}).encode()
     _write_synced(path / META_NAME, meta_bytes)
     _crash_point("base.meta")
     _fsync_dir(path)

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""A start and a restart after kill -9 (docs/architecture.md, "The living graph": a start is a
+map): the daemon's first start on a graph (generated or loaded, then snapshotted), one
+acknowledged edge update, kill -9 of the whole daemon, and a start again on the same folders:
+seconds to ready each time, the ratio, the snapshot's bytes on disk, and whether the update is
+there after the restart (``GET /v1/graph`` version and edge count).
+
+    python -m bench.graph.restart                      # papers100M-shaped, 0.01 (1.1 M nodes)
+    python -m bench.graph.restart --scale 0.2          # papers100M x 0.2 (the GPU figure)
+    python -m bench.gpu restart                        # the GPU runner's suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest.harness import Daemon
+from loadtest.results import add_run_options, doc_parser, result_path, run_meta, write_result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = doc_parser("python -m bench.graph.restart", __doc__)
+    add_run_options(ap, budget_s=900.0, start_timeout_s=900.0)
+    ap.add_argument("--preset", default="papers100m")
+    ap.add_argument("--scale", type=float, default=0.01)
+    ap.add_argument("--device", default="auto", help="inference.device")
+    ap.add_argument("--keep", help="state folder to use and keep (default: a temporary one)")
+    return ap.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace, state: Path) -> dict[str, object]:
+    return {"graph.format": "synthetic", "graph.path": None, "graph.name": f"{args.preset}-syn",
+            "graph.synthetic_preset": args.preset, "graph.synthetic_scale": args.scale,
+            "graph.update_log_dir": str(state / "graph"), "graph.fsync": "always",
+            "model.weights": None, "inference.device": args.device,
+            "server.start_timeout_s": args.start_timeout_s}
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def start(args: argparse.Namespace, state: Path, env: dict[str, str]) -> tuple[Daemon, float]:
+    t0 = time.monotonic()
+    d = Daemon(None, overrides=overrides(args, state), env=env,
+               ready_timeout_s=args.start_timeout_s, log_path=state / f"daemon-{t0:.0f}.log")
+    d.wait_ready()
+    return d, time.monotonic() - t0
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
+    env = {"QUIVER_SERVE_GRAPH_STATE": str(state / "graphs"), "XDG_CACHE_HOME": str(state)}
+    try:
+        d, first_s = start(args, state, env)
+        print(f"first start: ready in {first_s:.1f} s", flush=True)
+        ack = post(d.url, "/v1/graph/edges", {"add": [[1, 2], [3, 2]]})
+        before = d.get_json("/v1/graph")
+        d.proc.send_signal(signal.SIGKILL)  # the whole daemon's group: no clean shutdown
+        d.stop(grace_s=0)
+        d2, restart_s = start(args, state, env)
+        after = d2.get_json("/v1/graph")
+        d2.stop()
+        kept = after["version"] >= ack["version"] and after["num_edges"] == before["num_edges"]
+        row: dict[str, Any] = {
+            "first_start_s": round(first_s, 2), "restart_s": round(restart_s, 2),
+            "ratio": round(restart_s / first_s, 3), "acked_version": ack["version"],
+            "version_after": after["version"], "update_kept": kept,
+            "state_bytes": folder_bytes(state / "graph"), "num_nodes": after["num_nodes"],
+            "num_edges": after["num_edges"]}
+    finally:
+        if not args.keep:
+            shutil.rmtree(state, ignore_errors=True)
+    print(f"restart: ready in {restart_s:.1f} s ({row['ratio']:.3f} of the first start); "
+          f"update kept: {kept}; state on disk {row['state_bytes'] / 1e9:.2f} GB", flush=True)
+    write_result(result_path("restart", args),
+                 {"meta": run_meta(args, scale=args.scale, preset=args.preset), "result": row},
+                 folder=None if args.keep else state)
+    return 0 if kept else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
