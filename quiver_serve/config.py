@@ -237,6 +237,8 @@ class ExactConfig(_Section):
         8 << 30, ge=0, description="most bytes of table in host memory per engine core when it is not in GPU memory (auto: off above it)")
     chunk_edges: int = Field(
         1 << 23, ge=1024, description="in-edges per materialisation or refresh chunk (bounds the chunk's memory and its time on the device)")
+    snapshot: bool = Field(
+        True, description="save the start-up table beside the graph's update log and map it at the next start with the same model weights and base graph (rows the log changed since are refreshed), instead of computing it")
     refresh_chunk_edges: int = Field(
         1 << 20, ge=1024, description="in-edges per refresh chunk: a serving batch waits behind at most one chunk on the device (chunk_edges bounds the start-up build's)")
     refresh_duty: float = Field(

@@ -124,7 +124,7 @@ def _base_name(version: int) -> str:
 WRITE_CHUNK_BYTES = 64 << 20
 
 
-def _write_array(f: Any, arr: np.ndarray, bar: Any) -> str:
+def write_array(f: Any, arr: np.ndarray, bar: Any) -> str:
     """``arr`` as an .npy file (no pickle) in chunks; returns the blake2b digest of its data
     (the array's content key: what derived tables and other snapshots name it by)."""
     if arr.dtype.hasobject:
@@ -142,7 +142,7 @@ def _write_array(f: Any, arr: np.ndarray, bar: Any) -> str:
     return digest.hexdigest()
 
 
-def _progress(total_bytes: int, desc: str) -> Any:
+def byte_progress(total_bytes: int, desc: str) -> Any:
     """A tqdm bar over bytes (silent below 256 MiB, and where tqdm is not installed)."""
     try:
         from tqdm import tqdm
@@ -174,10 +174,10 @@ def _write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], met
     path.mkdir()
     _crash_point("base.mkdir")
     total = sum(np.asarray(a).nbytes for a in arrays.values())
-    with _progress(total, f"writing the graph at version {version}") as bar:
+    with byte_progress(total, f"writing the graph at version {version}") as bar:
         for name, arr in arrays.items():
             with open(path / f"{name}.npy", "wb") as f:
-                listing[name]["blake2b"] = _write_array(f, np.asarray(arr), bar)
+                listing[name]["blake2b"] = write_array(f, np.asarray(arr), bar)
                 f.flush()
                 os.fsync(f.fileno())
             _crash_point("base.array")

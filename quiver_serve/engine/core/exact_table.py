@@ -235,17 +235,39 @@ class ExactTable:
                             self.stream.synchronize()
                         time.sleep((time.perf_counter() - t_chunk) * yield_fraction)
             bar.close()
-            self.out_index = OutIndex(graph, self.capacity,
-                                      max(1 << 16, int(graph.indices.numel()) // 4))
-            if self.stream is not None:
-                self.stream.synchronize()
+            self._finish(graph, t0, "built")
+
+    def restore(self, layers: list[np.ndarray]) -> None:
+        """Every layer's rows from a snapshot of this table (``table_snapshot.py``) instead of
+        computing them; the caller marks what changed since it was taken."""
+        t0 = time.perf_counter()
+        with self.work_lock, self.on_stream(self.stream):
+            graph = self.graph_of()
+            for mine, saved in zip(self.layers, layers, strict=True):
+                rows = min(int(saved.shape[0]), self.capacity)
+                mine[:rows].copy_(torch.from_numpy(np.ascontiguousarray(saved[:rows])),
+                                  non_blocking=False)
+            self._finish(graph, t0, "mapped from a snapshot")
+
+    def finish_build(self, graph: CurrentGraph, started_s: float) -> None:
+        """After every layer's rows of ``graph`` are computed beside serving (a new model
+        version's table, ``table_build.py``): as ``build`` ends."""
+        with self.work_lock, self.on_stream(self.stream):
+            self._finish(graph, started_s, "built beside serving")
+
+    def _finish(self, graph: CurrentGraph, t0: float, how: str) -> None:
+        """The transposed index, a clean stale mask, ready (work lock held)."""
+        self.out_index = OutIndex(graph, self.capacity,
+                                  max(1 << 16, int(graph.indices.numel()) // 4))
+        if self.stream is not None:
+            self.stream.synchronize()
         self.stale = np.zeros(self.capacity, dtype=bool)
         self.stale[graph.num_nodes:] = True
         self.counters.build_s = time.perf_counter() - t0
         self.ready = True
-        log.info("exact table: %d nodes x %s in %s memory (%.1f MiB), built in %.2f s",
+        log.info("exact table: %d nodes x %s in %s memory (%.1f MiB), %s in %.2f s",
                  graph.num_nodes, [int(t.shape[1]) for t in self.layers], self.where,
-                 self.nbytes / 2**20, self.counters.build_s)
+                 self.nbytes / 2**20, how, self.counters.build_s)
 
     # ---- marking (engine thread, after a step's records are applied) ---------------------------
     def mark(self, struct_nodes: np.ndarray, feature_nodes: np.ndarray, added: np.ndarray | None,
@@ -417,9 +439,13 @@ class TableGraph:
 
 def new_exact_table(cfg: ExactConfig, served: ServedModel, features: FeatureStore,
                     device: torch.device, capacity: int, graph_of: Callable[[], CurrentGraph],
-                    progress: bool = True, yield_fraction: float = 0.0) -> ExactTable | None:
-    """An exact table of ``served`` over the graph ``graph_of()`` returns, built (no refresh
-    thread yet); None when the config or the model says no (logged). The graph must not change
+                    progress: bool = True, yield_fraction: float = 0.0,
+                    restore: list[np.ndarray] | None = None,
+                    build: bool = True) -> ExactTable | None:
+    """An exact table of ``served`` over the graph ``graph_of()`` returns, built (or its rows
+    taken from ``restore``, a snapshot's layers; with ``build`` False, neither: the caller
+    computes its rows, ``table_build.py``; no refresh thread yet); None when the config
+    or the model says no (logged). The graph must not change
     while it builds (start-up, or updates held: ``model_load.py``)."""
     if cfg.materialize == "off":
         return None
@@ -437,5 +463,8 @@ def new_exact_table(cfg: ExactConfig, served: ServedModel, features: FeatureStor
                  num_bytes / 2**20)
         return None
     table = ExactTable(cfg, model, features, device, capacity, where, graph_of)
-    table.build(progress, yield_fraction)
+    if restore is not None:
+        table.restore(restore)
+    elif build:
+        table.build(progress, yield_fraction)
     return table

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -116,10 +117,42 @@ class ExactTables:
 
     def build(self, core: TablesCore, served: ServedModel, progress: bool = True) -> None:
         """The start-up table of ``served`` (the model ``model_name``), with its refresh
-        thread."""
-        self.table = self.new_table(core, served, progress)
+        thread: mapped from a snapshot of it when one matches (``exact.snapshot``; the rows
+        the log changed since are marked for the refresh), else computed and snapshotted."""
+        sync = core.graph_sync
+        if self.args is None or sync is None or not self.args.cfg.snapshot:
+            self.table = self.new_table(core, served, progress)
+        else:
+            self.table = self._mapped_or_built(core, served, sync.log_dir, sync.version,
+                                               progress)
         if self.table is not None:
             self.start_refresh(core, self.table)
+
+    def _mapped_or_built(self, core: TablesCore, served: ServedModel, log_dir: Path,
+                         version: int, progress: bool) -> ExactTable | None:
+        from quiver_serve.engine.core import table_snapshot
+
+        assert self.args is not None
+        key = table_snapshot.table_key(served, log_dir)
+        found = table_snapshot.find(log_dir, key, version) if key is not None else None
+        if found is not None:
+            table = new_exact_table(self.args.cfg, served, core.features, core.device,
+                                    self.args.capacity, self.graph_of(core), progress,
+                                    restore=found[1])
+            if table is not None:
+                marked = table_snapshot.mark_since(table, log_dir, found[0], version,
+                                                   core.num_nodes)
+                log.info("exact table from its snapshot at version %d; %d update(s) since "
+                         "marked for the refresh", found[0], marked)
+                return table
+        table = self.new_table(core, served, progress)
+        if table is not None and key is not None:
+            try:
+                table_snapshot.save(table, log_dir, key, version, core.num_nodes)
+            except OSError as exc:
+                log.warning("exact table snapshot not written (%s): computed again at the "
+                            "next start", exc)
+        return table
 
     def start_refresh(self, core: TablesCore, table: ExactTable) -> None:
         """``table`` serves the version ``core`` serves now, and its refresh thread runs."""
