@@ -66,7 +66,8 @@ def folder_bytes(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
-    env = {"QUIVER_SERVE_GRAPH_STATE": str(state / "graphs"), "XDG_CACHE_HOME": str(state)}
+    state.mkdir(parents=True, exist_ok=True)
+    env = {"QUIVER_SERVE_GRAPH_STATE": str(state / "graphs"), "QUIVER_SERVE_CACHE": str(state / "cache")}
     try:
         d, first_s = start(args, state, env)
         print(f"first start: ready in {first_s:.1f} s", flush=True)
