@@ -265,6 +265,23 @@ def reload(a: argparse.Namespace) -> list[Step]:
                        kill_after_s=30.0)]
 
 
+#: the change bench's settings of the issue: group commit, a large overlay, 2,000 pairs a call
+CHANGE_ARGS = ["--set", "graph.fsync=group", "--set", "graph.overlay_capacity_edges=268435456",
+               "--edges-per-call", "2000", "--budget-s", "400"]
+
+
+def change(a: argparse.Namespace) -> list[Step]:
+    """Serving through change: capacity for (b), 80% of it steady, then edge updates at 10 k /
+    50 k / 100 k per s, a model load, a forced compaction, kill -9 of an engine core (about 8
+    minutes; a later --budget-s in the bench's options replaces 400)."""
+    res = result(a, "change", "smoke" if "--smoke" in a.extra else None)
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+            bench_step("serving through change", "bench.graph.change",
+                       ["--out", str(res), "--machine", a.machine, *CHANGE_ARGS, *a.extra],
+                       a.bench_timeout_s or 480.0, "change.log", res, QUIET_PIPELINE,
+                       kill_after_s=30.0)]
+
+
 def frontdoor(a: argparse.Namespace) -> list[Step]:
     """The front door with compiled load clients (wrk for HTTP, h2load for gRPC) beside the
     project's generator and the queue API, CPU per request by process role (~7 minutes)."""
@@ -292,12 +309,12 @@ MAIN_BENCH = {
     "headline": "bench.frontdoor.headline", "trace": "bench.engine.trace_latency",
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
     "exact": "bench.graph.exact_table", "reload": "bench.models.reload",
-    "frontdoor": "bench.frontdoor.wrk_bench",
+    "frontdoor": "bench.frontdoor.wrk_bench", "change": "bench.graph.change",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
     "front_door": front_door, "updates": updates, "exact": exact, "reload": reload,
-    "frontdoor": frontdoor,
+    "frontdoor": frontdoor, "change": change,
 }

@@ -228,6 +228,21 @@ def random_state(cfg: Any, in_channels: int, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def make_repository(cfg: Any, folder: Path, in_channels: int) -> tuple[Path, dict[str, Any]]:
+    """``folder/repository`` holding model ``sage`` (--config's class and kwargs,
+    ``version_policy: {latest: 1}``) with version 1 only; its path and its config.yaml."""
+    import yaml
+
+    repo = folder / "repository"
+    kwargs = {k: v for k, v in cfg.model.kwargs.items() if k != "in_channels"}
+    model_cfg = {"class": cfg.model.pyg_class, "kwargs": kwargs,
+                 "version_policy": {"latest": 1}}
+    (repo / MODEL).mkdir(parents=True)
+    (repo / MODEL / "config.yaml").write_text(yaml.safe_dump(model_cfg))
+    write_version(repo, OLD, random_state(cfg, in_channels, OLD))
+    return repo, model_cfg
+
+
 def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """The graph saved as an .npz; the repository with version 1 only (version 2's weights kept
     for the load); the daemon's config serving the repository."""
@@ -236,13 +251,7 @@ def prepare(cfg: Any, folder: Path, args: argparse.Namespace) -> tuple[Path, dic
     from loadtest.workloads import hot_set
 
     graph, npz = save_graph(cfg, folder)
-    repo = folder / "repository"
-    kwargs = {k: v for k, v in cfg.model.kwargs.items() if k != "in_channels"}
-    model_cfg = {"class": cfg.model.pyg_class, "kwargs": kwargs,
-                 "version_policy": {"latest": 1}}
-    (repo / MODEL).mkdir(parents=True)
-    (repo / MODEL / "config.yaml").write_text(yaml.safe_dump(model_cfg))
-    write_version(repo, OLD, random_state(cfg, graph.num_features, OLD))
+    repo, model_cfg = make_repository(cfg, folder, graph.num_features)
     fields = {"graph.update_log_dir": str(folder / "graph-state"),
               "models.repository": str(repo), "models.default": MODEL}
     if args.admin_token:
