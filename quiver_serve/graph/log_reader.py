@@ -123,6 +123,18 @@ def read_current(directory: Path) -> str | None:
     return name
 
 
+def _map_piece(path: Path) -> np.ndarray:
+    """One array of a base, memory-mapped read-only; a file cut short or not an .npy array is
+    refused with its name (a missing one raises FileNotFoundError: a base being replaced)."""
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise UpdateLogError(f"{path} cannot be mapped: {exc} (a damaged base: move the "
+                             "update-log folder away to start from the dataset)") from exc
+
+
 def load_base(directory: Path) -> tuple[int, dict[str, np.ndarray], dict] | None:
     """``(version, arrays memory-mapped read-only, meta)`` of the base in force, or None when no
     base was written. Safe beside the writer: a base replaced between reading ``CURRENT`` and its
@@ -134,8 +146,7 @@ def load_base(directory: Path) -> tuple[int, dict[str, np.ndarray], dict] | None
             return None
         try:
             info = json.loads((directory / name / META_NAME).read_text())
-            arrays = {a: np.load(directory / name / f"{a}.npy", mmap_mode="r", allow_pickle=False)
-                      for a in info["arrays"]}
+            arrays = {a: _map_piece(directory / name / f"{a}.npy") for a in info["arrays"]}
         except FileNotFoundError:
             continue
         for a, spec in info["arrays"].items():

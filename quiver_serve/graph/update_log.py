@@ -25,10 +25,7 @@ it does nothing unless a test sets ``_crash_hook`` (the hook raises to simulate 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -36,11 +33,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from quiver_serve import envs
+from quiver_serve.graph.base_files import fsync_dir, write_base_dir, write_synced
 from quiver_serve.graph.log_reader import (
     BASE_RE,
     META_NAME,
@@ -74,9 +72,6 @@ _crash_hook: Callable[[str], None] | None = None
 
 LOCK_NAME = "LOCK"
 CURRENT_NAME = "CURRENT"
-#: bump when the base's layout changes
-BASE_FORMAT = 1
-_ARRAY_NAME_RE = re.compile(r"[A-Za-z0-9_]+")
 _KEY_RE = re.compile(r"[A-Za-z0-9_.-]+")
 FsyncPolicy = Literal["always", "group", "none"]
 
@@ -94,25 +89,10 @@ def default_log_dir(cache_dir: Path | None, graph_key: str) -> Path:
     return root / "updates" / graph_key
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:  # a regular file may take a large write in parts
         view = view[os.write(fd, view):]
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ---- base snapshots ---------------------------------------------------------------------------
@@ -120,84 +100,14 @@ def _base_name(version: int) -> str:
     return f"base-{version:020d}"
 
 
-#: bytes written (and hashed) at a time
-WRITE_CHUNK_BYTES = 64 << 20
-
-
-def write_array(f: Any, arr: np.ndarray, bar: Any) -> str:
-    """``arr`` as an .npy file (no pickle) in chunks; returns the blake2b digest of its data
-    (the array's content key: what derived tables and other snapshots name it by)."""
-    if arr.dtype.hasobject:
-        raise ValueError("object arrays cannot be saved when allow_pickle=False (a base holds "
-                         "numbers only)")
-    arr = np.ascontiguousarray(arr)
-    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
-    digest = hashlib.blake2b(digest_size=16)
-    flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-    for at in range(0, flat.size, WRITE_CHUNK_BYTES):
-        chunk = flat[at:at + WRITE_CHUNK_BYTES]
-        digest.update(chunk)
-        f.write(chunk.data)
-        bar.update(chunk.size)
-    return digest.hexdigest()
-
-
-def byte_progress(total_bytes: int, desc: str) -> Any:
-    """A tqdm bar over bytes (silent below 256 MiB, and where tqdm is not installed)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return contextlib.nullcontext(_NoBar())
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc,
-                disable=total_bytes < (256 << 20))
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-
-def _write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """Every file of ``path`` written and synced (each array's content hash in meta.json),
-    then the folder and its parent."""
-    listing = {}
-    for name, arr in arrays.items():
-        if not _ARRAY_NAME_RE.fullmatch(name):
-            raise ValueError(f"array name {name!r} must match [A-Za-z0-9_]+ (it names a file)")
-        arr = np.asarray(arr)
-        listing[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape)}
-    # Serialised before anything is written: meta that is not JSON fails with nothing on disk.
-    meta_bytes = json.dumps({"format": BASE_FORMAT, "version": version, "arrays": listing,
-                             "meta": meta}).encode()
-    if path.exists():  # an earlier failed attempt at this version (never CURRENT: it is newer)
-        shutil.rmtree(path)
-    path.mkdir()
-    _crash_point("base.mkdir")
-    total = sum(np.asarray(a).nbytes for a in arrays.values())
-    with byte_progress(total, f"writing the graph at version {version}") as bar:
-        for name, arr in arrays.items():
-            with open(path / f"{name}.npy", "wb") as f:
-                listing[name]["blake2b"] = write_array(f, np.asarray(arr), bar)
-                f.flush()
-                os.fsync(f.fileno())
-            _crash_point("base.array")
-    meta_bytes = json.dumps({"format": BASE_FORMAT, "version": version, "arrays": listing,
-                             "meta": meta}).encode()
-    _write_synced(path / META_NAME, meta_bytes)
-    _crash_point("base.meta")
-    _fsync_dir(path)
-    _fsync_dir(path.parent)
-    _crash_point("base.synced")
-
-
 def _point_current(directory: Path, name: str) -> None:
     """``CURRENT`` names ``name``, atomically: a reader sees the old name or the new one."""
     tmp = directory / (CURRENT_NAME + ".tmp")
-    _write_synced(tmp, (name + "\n").encode())
+    write_synced(tmp, (name + "\n").encode())
     _crash_point("current.tmp")
     os.replace(tmp, directory / CURRENT_NAME)
     _crash_point("current.renamed")
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _crash_point("current.synced")
 
 
@@ -232,7 +142,7 @@ def _remove_leftovers(directory: Path) -> int | None:
             continue
         removed = True
     if removed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return None if current is None else int(BASE_RE.fullmatch(current).group(1))  # type: ignore[union-attr]
 
 
@@ -272,7 +182,7 @@ class UpdateLog:
             raise UpdateLogError(f"update log {self.directory} is already open")
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True)
-            _fsync_dir(self.directory.parent)  # else a machine crash could lose the whole log
+            fsync_dir(self.directory.parent)  # else a machine crash could lose the whole log
         self._lock_fd = _take_lock(self.directory)
         self._failed, self._leader = None, False
         try:
@@ -315,13 +225,13 @@ class UpdateLog:
             self._fd = os.open(segments[-1][1], os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         else:
             self._start_segment(base + 1)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _start_segment(self, first: int) -> None:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self._fd = os.open(segment_path(self.directory, first), flags, 0o644)
         self._segment_first = first
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def close(self) -> None:
         """Release the files and the lock. Writes nothing: closing is as safe as a crash."""
@@ -479,7 +389,7 @@ class UpdateLog:
                 raise ValueError(f"base version {version} is not acknowledged (the log's last "
                                  f"durable version is {self._durable})")
             name = _base_name(version)
-            _write_base_dir(self.directory / name, version, arrays, meta)
+            write_base_dir(self.directory / name, version, arrays, meta, _crash_point)
             _point_current(self.directory, name)
             self._base_version = version
             self._rotate()
@@ -517,4 +427,4 @@ class UpdateLog:
             if BASE_RE.fullmatch(entry) and entry != keep:
                 shutil.rmtree(self.directory / entry)
                 _crash_point("drop.base")
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)

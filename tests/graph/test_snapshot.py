@@ -64,3 +64,60 @@ def test_no_snapshot_when_switched_off(tmp_path: Path) -> None:
     _npz(tmp_path / "g.npz", 0)
     living.load_serving_graph(_cfg(tmp_path, snapshot=False))
     assert not list((tmp_path).glob("log/base-*"))
+
+
+def _edge_record(version: int):
+    from quiver_serve.graph.records import EdgeRecord
+
+    return EdgeRecord(version, 1000.0 + version, np.array([[1, 2]]), np.zeros((0, 2), np.int64))
+
+
+def test_a_later_base_links_unchanged_pieces_and_writes_changed_ones(tmp_path: Path) -> None:
+    from quiver_serve.graph.update_log import UpdateLog, load_base
+
+    x = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    with UpdateLog(tmp_path / "log") as ulog:
+        ulog.write_base(0, {"indptr": np.arange(51, dtype=np.int64), "x": x}, {"name": "g"})
+        ulog.append(_edge_record(1))
+        ulog.write_base(1, {"indptr": np.arange(1, 52, dtype=np.int64), "x": x.copy()},
+                        {"name": "g"})
+        version, arrays, _ = load_base(tmp_path / "log")
+    assert version == 1 and not (tmp_path / "log" / "base-00000000000000000000").exists()
+    folder = tmp_path / "log" / "base-00000000000000000001"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["arrays"]["x"].get("linked") is True  # same bytes: linked, not written again
+    assert "linked" not in meta["arrays"]["indptr"]  # changed: written
+    assert (folder / "x.npy").stat().st_nlink == 1  # the old base's name went with it (GC)
+    assert np.array_equal(arrays["x"], x) and np.array_equal(arrays["indptr"], np.arange(1, 52))
+
+
+def test_a_damaged_or_mismatched_piece_is_refused_by_name(tmp_path: Path) -> None:
+    from quiver_serve.graph.update_log import UpdateLogError, load_base
+
+    _npz(tmp_path / "g.npz", 0)
+    living.load_serving_graph(_cfg(tmp_path))
+    folder = tmp_path / "log" / "base-00000000000000000000"
+    piece = folder / "x.npy"
+    data = piece.read_bytes()
+    piece.write_bytes(data[:len(data) // 2])  # cut short (a disk that lost its tail)
+    with pytest.raises(UpdateLogError, match=r"x\.npy cannot be mapped"):
+        load_base(tmp_path / "log")
+    piece.write_bytes(data)
+    np.save(folder / "indices.npy", np.zeros(7, np.int32))  # another array under its name
+    with pytest.raises(UpdateLogError, match=r"indices\.npy is int32\[7\], meta\.json says"):
+        load_base(tmp_path / "log")
+
+
+def test_a_synthetic_graph_is_generated_once(tmp_path: Path, monkeypatch) -> None:
+    from quiver_serve.graph import synthetic
+
+    calls = []
+    real = synthetic.generate_synthetic
+    monkeypatch.setattr(synthetic, "generate_synthetic",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = GraphConfig(format="synthetic", name="syn", synthetic_preset="papers100m",
+                      synthetic_scale=1e-4, update_log_dir=str(tmp_path / "log"))
+    first, _ = living.load_serving_graph(cfg)
+    again, _ = living.load_serving_graph(cfg)
+    assert calls == [1]
+    assert torch.equal(first.indices, again.indices) and torch.equal(first.x, again.x)

@@ -294,8 +294,10 @@ def test_compaction_while_appending(tmp_path: Path) -> None:
 
 # ---- crashes ----------------------------------------------------------------------------------
 def base_arrays(version: int) -> dict[str, np.ndarray]:
-    """A base 'graph at version v': the versions applied, and a second array to write."""
-    return {"applied": np.arange(1, version + 1, dtype=np.int64), "rows": np.ones((version, 2))}
+    """A base 'graph at version v': the versions applied, a second array to write, and one
+    every version shares (a later base links it instead of writing it)."""
+    return {"applied": np.arange(1, version + 1, dtype=np.int64), "rows": np.ones((version, 2)),
+            "same": np.arange(6, dtype=np.int32)}
 
 
 def compaction_scenario(directory: Path, crash_at: tuple[str, int] | None, install) -> list:
@@ -330,6 +332,7 @@ def check_recovered(directory: Path, last: int) -> int:
     version, arrays, meta = log.load_base()
     assert meta == {"version": version} and version in (3, 9)
     assert np.array_equal(arrays["applied"], np.arange(1, version + 1))
+    assert np.array_equal(arrays["same"], np.arange(6))
     replayed = list(log.records_after(version))
     assert replayed == [make_record(v) for v in range(version + 1, last + 1)]
     leftovers = [p.name for p in directory.iterdir()

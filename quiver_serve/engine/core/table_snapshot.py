@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from quiver_serve.engine.core.exact_table import ExactTable
+from quiver_serve.graph.base_files import byte_progress, write_array
 from quiver_serve.graph.log_reader import META_NAME, read_current
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
-from quiver_serve.graph.update_log import LogFollower, byte_progress, write_array
+from quiver_serve.graph.update_log import LogFollower
 from quiver_serve.models.served import ServedModel
 
 log = logging.getLogger(__name__)
