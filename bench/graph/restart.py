@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first start: ready in {first_s:.1f} s", flush=True)
         ack = post(d.url, "/v1/graph/edges", {"add": [[1, 2], [3, 2]]})
         before = d.get_json("/v1/graph")
-        d.proc.send_signal(signal.SIGKILL)  # the whole daemon's group: no clean shutdown
+        os.killpg(d.proc.pid, signal.SIGKILL)  # every process of the daemon, no shutdown
+        d.proc.wait(timeout=30)
         d.stop(grace_s=0)
         d2, restart_s = start(args, state, env)
         after = d2.get_json("/v1/graph")
