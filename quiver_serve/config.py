@@ -110,6 +110,8 @@ class ModelsConfig(_Section):
         300.0, gt=0, description="longest a load may take in every engine core (build, CUDA graphs, warm-up) before it is abandoned and the old versions keep serving")
     unload_drain_s: float = Field(
         30.0, ge=0, description="longest an unloaded version's queued and in-flight requests are waited for before it is released (what is left is answered 503)")
+    table_build_step_ms: float = Field(
+        2.0, gt=0, le=1000, description="most milliseconds of a new version's exact-table build per engine step (the version serves at once, its exact requests on the fly until the table is built beside serving; docs/decisions/0040-model-load-duty.md)")
 
 
 class SamplingConfig(_Section):

@@ -114,7 +114,7 @@ def core_parts(cfg: ServeConfig, graph: GraphData, index: int, former: BatchForm
     parts.current_degrees = degree_source(parts.graph_sync, graph, rows)
     inf = cfg.inference
     parts.loads = LoadSettings(inf.precision, inf.fast_model, inf.cuda_graph_max_seeds,
-                               cfg.models.unload_drain_s)
+                               cfg.models.unload_drain_s, cfg.models.table_build_step_ms / 1e3)
     return parts
 
 

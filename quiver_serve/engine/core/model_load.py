@@ -11,6 +11,12 @@ the graph the core serves now and the slot joins the table, serving pinned reque
 unpinned ones once the main process sets its traffic weight. A failed build leaves nothing
 behind: its tensors and graphs are dropped and the CUDA cache is emptied.
 
+The swap does not wait for the version's exact table: a version of the table's model joins with
+none, its exact requests answered on the fly, and its table is built by the loop thread between
+steps, at most ``models.table_build_step_ms`` of work per step (``table_build.py``), then swapped
+in (``model_tables.follow_table``) once built and the version takes the model's traffic
+(docs/decisions/0040-model-load-duty.md).
+
 An unload marks the slot draining (no new requests resolve to it); what it holds finishes on it,
 then it is released. Requests still waiting after ``unload_drain_s`` are answered 503.
 """
@@ -39,6 +45,7 @@ from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
 from quiver_serve.engine.core.model_slots import DRAINING, Hold, ModelSlot
 from quiver_serve.engine.core.model_tables import TablesCore
 from quiver_serve.engine.core.slot_checks import SlotCore, capture_graphs, check_fast_model
+from quiver_serve.engine.core.table_build import StepwiseBuild
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling import make_cpu_sampler
@@ -65,6 +72,8 @@ class LoadSettings:
     fast: bool
     cuda_graph_max_seeds: int
     unload_drain_s: float
+    #: most seconds of exact-table build per engine step (``models.table_build_step_ms``)
+    table_build_step_s: float = 0.002
 
 
 class LoadingCore(TablesCore, SlotCore, Protocol):
@@ -87,6 +96,9 @@ class ModelLoads:
         self.core, self.precision, self.fast = core, settings.precision, settings.fast
         self.cuda_graph_max_seeds = settings.cuda_graph_max_seeds
         self.unload_drain_s = settings.unload_drain_s
+        self.table_build_step_s = settings.table_build_step_s
+        #: exact tables of installed versions being built by the loop thread, by ``id(slot)``
+        self._builds: dict[int, tuple[ModelSlot, StepwiseBuild]] = {}
         self._built: deque[tuple[tuple[str, int], ModelSlot | None, str | None, Done]] = deque()
         self._draining: dict[int, tuple[ModelSlot, Done]] = {}
         #: loads for the loader thread (None: end it); one more slot than loads, for that
@@ -103,7 +115,16 @@ class ModelLoads:
     @property
     def pending(self) -> bool:
         return bool(self._built or self._draining or self._asked or self._dead
-                    or self.core.updates_held)
+                    or self.core.updates_held or self._builds)
+
+    @property
+    def building(self) -> bool:
+        """An exact table is being built: the loop steps without sleeping until it is done."""
+        return bool(self._builds)
+
+    def table_builds(self) -> list[StepwiseBuild]:
+        """The exact-table builds in progress (their progress and chunk times, for metrics)."""
+        return [build for _, build in self._builds.values()]
 
     def _ask(self, hold: model_tables.Hold) -> None:
         with self._lock:
@@ -172,6 +193,7 @@ class ModelLoads:
             return
         slot.state, slot.weight = DRAINING, 0.0
         slot.drain_since_s = time.monotonic()
+        self._builds.pop(id(slot), None)
         model_tables.discard_pending(self.core, slot)
         self._draining[id(slot)] = (slot, done)
 
@@ -187,6 +209,9 @@ class ModelLoads:
             model_tables.give_back(self.core, hold)
         if self.core.updates_held:
             model_tables.expire_holds(self.core)
+            for key, (slot, _) in list(self._builds.items()):
+                if slot.hold is None:  # expired: the table would be served stale
+                    del self._builds[key]
         while self._built:
             with self._lock:
                 key, slot, error, done = self._built.popleft()
@@ -201,6 +226,8 @@ class ModelLoads:
             if slot is not None:
                 error = self._install(slot)
             done(slot.describe() if slot is not None and error is None else None, error)
+        if self._builds:
+            self._build_tables()
         for key, (slot, done) in list(self._draining.items()):
             replies += self._drain(slot)
             if not in_use(self.core, slot):
@@ -216,11 +243,42 @@ class ModelLoads:
             release(slot)
             return f"model {slot.name!r} version {slot.version} is loaded already"
         core.models.add(slot)
-        if slot.pending_table is None:  # degrees read under the hold are current: give it back
+        build = model_tables.start_pending_build(core, slot, self.table_build_step_s) \
+            if core.tables.wants(slot.name) else None
+        if build is None:  # degrees read under the hold are current: give it back
             model_tables.release_hold(core, slot)
+        else:  # the graph stays held until the table is built and swapped in
+            self._builds[id(slot)] = (slot, build)
         log.info("engine %d: %s version %d serving (load %s)", core.index, slot.name,
                  slot.version, {k: round(v, 3) for k, v in slot.load_s.items()})
         return None
+
+    def _build_tables(self) -> None:
+        """One step's budget of exact-table work (the oldest build first); a built table waits
+        in ``slot.pending_table`` and is swapped in at once if its version is the model's main
+        one (else when the traffic split makes it so: ``follow_table``)."""
+        key = next(iter(self._builds))
+        slot, build = self._builds[key]
+        try:
+            done = build.step()
+        except Exception as exc:  # noqa: BLE001 - the version serves; exact answers on the fly
+            log.warning("engine %d: exact table of %s version %d failed: %s", self.core.index,
+                        slot.name, slot.version, exc)
+            del self._builds[key]
+            model_tables.discard_pending(self.core, slot)
+            return
+        if not done:
+            return
+        del self._builds[key]
+        slot.pending_table = build.table
+        slot.load_s["exact_table_s"] = build.clock() - build.started_s
+        slot.load_s["exact_table_compute_s"] = build.compute_s
+        log.info("engine %d: exact table of %s version %d built beside serving: %d chunks in "
+                 "%d steps, %.3f s computing, %.3f s in all", self.core.index, slot.name,
+                 slot.version, build.chunks_done, build.steps, build.compute_s,
+                 slot.load_s["exact_table_s"])
+        if slot.weight > 0:
+            self.follow_table(slot.name)
 
     def _drain(self, slot: ModelSlot) -> list[Reply]:
         """Past the drain limit: answer the slot's waiting requests 503 (batches already
@@ -241,12 +299,16 @@ class ModelLoads:
         return [_refuse(mb, slot) for mb in gone]
 
     def follow_table(self, name: str) -> None:
-        """``name``'s traffic split changed: the exact table follows its main version."""
-        model_tables.follow_table(self.core, name)
+        """``name``'s traffic split changed: the exact table follows its main version (a
+        version whose table is still building keeps building if it is the main one)."""
+        building = {id(slot) for slot, _ in self._builds.values()}
+        for slot in model_tables.follow_table(self.core, name, building):
+            self._builds.pop(id(slot), None)
 
     def _release_slot(self, slot: ModelSlot) -> None:
         core = self.core
         core.models.remove(slot)
+        self._builds.pop(id(slot), None)
         model_tables.discard_pending(core, slot)
         if core.tables.serves(slot.served):
             model_tables.drop_exact_table(core, f"{slot.name} version {slot.version} was "
@@ -362,8 +424,6 @@ def build_slot(core: LoadingCore, spec: ModelSpec, precision: str, fast: bool,
         capture_graphs(core, cuda_graph_max_seeds, slot, sampler, stream=stream)
         times["cuda_graphs_s"] = time.perf_counter() - t2
     slot.load_s = times
-    if table:
-        model_tables.build_pending_table(core, slot)
     return slot
 
 

@@ -1,23 +1,24 @@
 """The exact table across a model change (docs/architecture.md, "The exact table"): a new version of
-the table's model gets its own table, built beside the old one while the load builds the version,
-and the two swap when the new version takes the model's traffic.
+the table's model gets its own table, built beside the old one once the version serves (by the
+loop thread, a budget per step: ``table_build.py``), and the two swap when the new version takes
+the model's traffic and its table is built; its exact requests are answered on the fly until then.
 
 The table must be exact for the version the core serves, so while the new table builds (and
 until the swap or until the version is dropped) the core applies no update: the load asks the
 loop thread for a :class:`Hold` and builds once it is given, so the graph it reads does not move.
 The swap (:func:`follow_table`) happens in the loop thread when the main process sets the new
-traffic split: the version with the largest weight keeps a table; the new table's refresh thread
-starts at the version the core serves, the old table's stops, and exact requests waiting for the
-old table go to the on-the-fly path. A hold is given back at the swap, when its version is
-dropped or failed, and at the latest after ``HOLD_LIMIT_S`` (the pending table is then
-discarded: a table may never be served stale).
+traffic split, or when the table of the version that has it is built: the version with the
+largest weight keeps a table; the new table's refresh thread starts at the version the core
+serves, the old table's stops, and exact requests waiting for the old table go to the on-the-fly
+path. A hold is given back at the swap, when its version is dropped or failed, and at the latest
+after ``HOLD_LIMIT_S`` (the pending table is then discarded: a table may never be served stale).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -29,6 +30,7 @@ from quiver_serve.config import ExactConfig
 from quiver_serve.engine.core.exact_table import ExactTable, TableGraph, new_exact_table
 from quiver_serve.engine.core.micro_batch import MicroBatch
 from quiver_serve.engine.core.model_slots import Hold, ModelSlot, ModelTable
+from quiver_serve.engine.core.table_build import StepwiseBuild
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.neighbourhood import CurrentGraph
 from quiver_serve.models.served import ServedModel
@@ -39,10 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: the longest updates are held for a pending table (its version never took the traffic)
+#: the longest updates are held for a pending table (built, or not yet, or its version never
+#: took the traffic)
 HOLD_LIMIT_S = 60.0
-#: a pending table's build leaves the device to serving for this multiple of each chunk's time
-BUILD_YIELD = 1.0
 
 
 @dataclass(frozen=True)
@@ -185,21 +186,27 @@ def take_hold(ask: Callable[[Hold], None]) -> Hold | None:
     return hold
 
 
-def build_pending_table(core: TablesCore, slot: ModelSlot) -> None:
-    """In the loader thread, with ``slot.hold`` given: build ``slot``'s table. A failure leaves
-    the slot without one (its exact requests are computed on the fly)."""
+def start_pending_build(core: TablesCore, slot: ModelSlot,
+                        budget_s: float) -> StepwiseBuild | None:
+    """In the loop thread, as ``slot`` joins with ``slot.hold`` given: its table, allocated, to
+    be computed a step's ``budget_s`` at a time. None (the slot's exact requests are computed
+    on the fly) without a hold, table args, or a model the table supports, or on an error."""
+    args = core.tables.args
+    if args is None:
+        return None
     if slot.hold is None:
         log.warning("engine %d: %s version %d gets no exact table: updates could not be held",
                     core.index, slot.name, slot.version)
-        return
-    t0 = time.perf_counter()
+        return None
     try:
-        slot.pending_table = core.tables.new_table(core, slot.served, progress=False,
-                                                   yield_fraction=BUILD_YIELD)
+        table = new_exact_table(args.cfg, slot.served, core.features, core.device,
+                                args.capacity, core.tables.graph_of(core), progress=False,
+                                build=False)
+        return StepwiseBuild(table, budget_s) if table is not None else None
     except Exception as exc:  # noqa: BLE001 - the version serves; its exact answers on the fly
         log.warning("engine %d: exact table of %s version %d failed: %s", core.index, slot.name,
                     slot.version, exc)
-    slot.load_s["exact_table_s"] = time.perf_counter() - t0
+        return None
 
 
 def give_holds(core: TablesCore, asked: list[Hold]) -> None:
@@ -254,19 +261,23 @@ def drop_exact_table(core: TablesCore, why: str) -> None:
         core.enqueue(mb)
 
 
-def follow_table(core: TablesCore, name: str) -> None:
+def follow_table(core: TablesCore, name: str,
+                 building: Collection[int] = ()) -> list[ModelSlot]:
     """In the loop thread, after ``name``'s traffic split changed: the version with the largest
-    weight takes the table (swapped in if it has a pending one); other pending tables go."""
+    weight takes the table (swapped in if it has a pending one); other pending tables go.
+    ``building``: ``id()`` of the slots whose table is being built; returns the slots among
+    them whose build must stop (not the main version: it keeps building, and holding)."""
     slots = core.models.of(name)
     active = [s for s in slots if s.weight > 0]
     main = max(active, key=lambda s: (s.weight, s.version)) if active else None
+    stopped = [s for s in slots if id(s) in building and s is not main]
     for slot in slots:
-        if slot.pending_table is not None and slot is not main:
+        if (slot.pending_table is not None or slot in stopped) and slot is not main:
             discard_pending(core, slot)
     if main is None or main.pending_table is None:
-        if main is not None:
+        if main is not None and id(main) not in building:
             release_hold(core, main)
-        return
+        return stopped
     new, main.pending_table = main.pending_table, None
     core.tables.start_refresh(core, new)
     old, core.tables.table = core.tables.table, new
@@ -281,3 +292,4 @@ def follow_table(core: TablesCore, name: str) -> None:
     release_hold(core, main)
     log.info("engine %d: exact table now serves %s version %d", core.index, main.name,
              main.version)
+    return stopped

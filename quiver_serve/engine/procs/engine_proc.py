@@ -252,7 +252,8 @@ class EngineLoop:
             # spin while the GPU holds batches (their completion is polled), else sleep in poll
             # and for ``spin_s`` after the last answer (the next request is likely near)
             if core.in_flight or core.sampled or (core.waiting and not core.former.fill.holding) \
-                    or now_s - self.last_answer_s < self.spin_s:
+                    or now_s - self.last_answer_s < self.spin_s \
+                    or (core.loads is not None and core.loads.building):  # a budget per step
                 timeout_ms = 0
             else:  # idle, at the pool, or holding a batch for the rest of its callers
                 timeout_ms = 1 if core.sampling or core.waiting or core.exact_waiting \
