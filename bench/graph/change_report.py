@@ -84,7 +84,7 @@ def targets(rows: list[dict[str, Any]], ratio_max: float = 1.5, embed_p99_max_ms
             first_answer_max_s: float = 1.0) -> dict[str, Any]:
     """The issue's targets per window (None: not measured there): the highest update rate's
     p99 ratio, absolute p99, staleness p99 and update call p99; the compaction's ratio and
-    update waits; the model load's ratio, failures and first new-version answer."""
+    update waits (p99 and the longest); the model load's ratio, failures and first new-version answer."""
     out: dict[str, Any] = {}
     updates = [r for r in rows if r["window"].startswith("updates")]
     if updates:
@@ -97,7 +97,8 @@ def targets(rows: list[dict[str, Any]], ratio_max: float = 1.5, embed_p99_max_ms
     for r in rows:
         if r["window"] == "compaction":
             out["compaction"] = {"p99_ratio_met": le(r["p99_over_steady"], ratio_max),
-                                 "update_p99_met": le(r["update_p99_ms"], update_p99_max_ms)}
+                                 "update_p99_met": le(r["update_p99_ms"], update_p99_max_ms),
+                                 "update_max_met": le(r["update_max_ms"], update_p99_max_ms)}
         if r["window"] == "model load":
             load = r.get("model_load") or {}
             out["model load"] = {
