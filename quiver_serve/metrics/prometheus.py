@@ -291,7 +291,26 @@ class TableMetrics:
                              registry=None).labels(label)
         self.bytes = Gauge(PREFIX + "exact_table_bytes", "bytes of the table (every layer)",
                            ["engine"], multiprocess_mode="max", registry=None).labels(label)
+        self.build_chunk_s = Histogram(
+            PREFIX + "exact_table_build_chunk_seconds", "a new model version's table, built by "
+            "the engine loop between steps: seconds of each chunk (models.table_build_step_ms "
+            "bounds a step's chunks)", ["engine"], buckets=APPLY_BUCKETS_S,
+            registry=None).labels(label)
+        self.build_progress = Gauge(
+            PREFIX + "exact_table_build_progress", "share of a new model version's table built "
+            "(1: none building)", ["engine"], multiprocess_mode="max", registry=None).labels(label)
+        self.build_progress.set(1.0)
         self._seen = (0, 0, 0, 0)
+
+    def follow(self, build_s: float, num_bytes: int, version: int) -> None:
+        """A new table serves (a model load swapped it in): its counters start from 0."""
+        self._seen = (0, 0, 0, 0)
+        self.started(build_s, num_bytes, version)
+
+    def on_build_step(self, chunk_s: list[float], progress: float) -> None:
+        for s in chunk_s:
+            self.build_chunk_s.observe(s)
+        self.build_progress.set(progress)
 
     def started(self, build_s: float, num_bytes: int, version: int) -> None:
         self.build_s.set(build_s)

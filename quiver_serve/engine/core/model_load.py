@@ -99,6 +99,8 @@ class ModelLoads:
         self.table_build_step_s = settings.table_build_step_s
         #: exact tables of installed versions being built by the loop thread, by ``id(slot)``
         self._builds: dict[int, tuple[ModelSlot, StepwiseBuild]] = {}
+        #: after each step of a table build: its chunks' seconds and the build's progress (0..1)
+        self.on_build_step: Callable[[list[float], float], None] | None = None
         self._built: deque[tuple[tuple[str, int], ModelSlot | None, str | None, Done]] = deque()
         self._draining: dict[int, tuple[ModelSlot, Done]] = {}
         #: loads for the loader thread (None: end it); one more slot than loads, for that
@@ -266,8 +268,10 @@ class ModelLoads:
                         slot.name, slot.version, exc)
             del self._builds[key]
             model_tables.discard_pending(self.core, slot)
-            return
-        if not done:
+            done = True
+        if self.on_build_step is not None:
+            self.on_build_step(build.take_chunk_s(), 1.0 if done else build.progress())
+        if key not in self._builds or not done:
             return
         del self._builds[key]
         slot.pending_table = build.table

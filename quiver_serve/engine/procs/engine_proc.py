@@ -161,7 +161,9 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
             sync = core.graph_sync
             sync.on_applied = lambda kind, s: graph_metrics.on_applied(kind, s, sync.version)
             sync.on_poll = graph_metrics.on_poll
-        table_sync = _table_metrics(core, index)
+        from quiver_serve.engine.procs.table_metrics import table_metrics
+
+        table_sync = table_metrics(core, index)
         core.defer_stats = True  # the loop records metrics after the replies are sent
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
@@ -186,40 +188,6 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
                       gc_watch.flush, table_sync)
     loop.admin = ModelCalls(core, admin)
     loop.run()
-
-
-def _table_metrics(core: EngineCore, index: int) -> Callable[[], None] | None:
-    """The exact table's metrics; returns what the loop calls after its replies."""
-    table = core.exact_table
-    if table is None:
-        return None
-    from quiver_serve.metrics.prometheus import TableMetrics
-
-    metrics = TableMetrics(index)
-    metrics.started(table.counters.build_s, table.nbytes, table.version)
-    refresher = table.refresher
-    if refresher is None:
-        return lambda: metrics.sync(table.counters, 0)
-    failures = [0]
-
-    def on_round(rows: int, staleness_s: float, version: int) -> None:
-        metrics.on_round(rows, staleness_s, version)
-
-    state = core.graph_sync.state
-
-    def sync() -> None:
-        metrics.sync(table.counters, refresher.backlog_rows)
-        if state is not None:
-            state.publish_table(index, table.version,
-                                int(table.stale[:core.num_nodes].sum()),
-                                table.counters.last_staleness_s)
-        if table.counters.failures > failures[0]:
-            failures[0] = table.counters.failures
-            metrics.failed()
-
-    refresher.on_round = on_round
-    sync()
-    return sync
 
 
 class EngineLoop:

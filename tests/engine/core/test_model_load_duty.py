@@ -14,6 +14,7 @@ import torch
 
 from quiver_serve.engine.core.exact_table import new_exact_table
 from quiver_serve.engine.core.table_build import PROBE_UNITS, StepwiseBuild
+from quiver_serve.engine.procs.table_metrics import TableWatch
 from quiver_serve.graph.csc import GraphData
 from tests.engine.core.test_engine_core import make_core, run
 from tests.engine.core.test_model_slots import SAGE_KW, pinned, save_weights, spec
@@ -33,6 +34,8 @@ def test_a_new_version_answers_exact_on_the_fly_while_its_table_builds_then_from
     old_table = core.exact_table
     path, model = save_weights(tmp_path, "GraphSAGE", SAGE_KW, cora.num_features, 21)
     done: list[tuple[object, object]] = []
+    seen: list[tuple[int, float]] = []  # what the metrics get: chunks of a step, progress
+    core.loads.on_build_step = lambda chunk_s, progress: seen.append((len(chunk_s), progress))
     core.loads.load(spec(name, 2, "GraphSAGE", SAGE_KW, path), lambda r, e: done.append((r, e)))
     end = time.monotonic() + 60
     while not done and time.monotonic() < end:
@@ -53,6 +56,9 @@ def test_a_new_version_answers_exact_on_the_fly_while_its_table_builds_then_from
     while core.loads.building and time.monotonic() < end:
         core.step()
     assert not core.loads.building and build.steps > 1
+    assert len(seen) == build.steps and all(n >= 1 for n, _ in seen)
+    progress = [p for _, p in seen]
+    assert progress == sorted(progress) and progress[-1] == 1.0 and progress[0] < 1.0
     assert core.exact_table is not old_table and core.updates_held == 0
     assert core.exact_table.model.served is core.models.get(name, 2).served
     assert "exact_table_s" in core.models.get(name, 2).load_s
@@ -60,6 +66,9 @@ def test_a_new_version_answers_exact_on_the_fly_while_its_table_builds_then_from
     after = run(core, pinned(1, IDS, exact=True))[1]
     assert after.done.version == 2 and after.done.stats.route == "table"
     assert core.exact_table.counters.from_table == before + 1
+    watch = TableWatch(core, 0)
+    watch()
+    assert watch.table is core.exact_table  # the metrics read the swapped-in table
     np.testing.assert_allclose(after.rows, want, atol=1e-4, rtol=1e-4)
 
 
