@@ -158,7 +158,9 @@ def load_serving_graph(cfg: GraphConfig) -> tuple[GraphData, int]:
             f"{directory} was started from it (its records name the old graph's ids): move "
             "that folder away to start over, or point graph.update_log_dir elsewhere", 500)
     log.info("graph mapped from the base of version %d in %s", version, directory)
-    return graph_from_arrays(arrays, meta, cfg.name, copy=True), version
+    # mapped, not copied: the supervisor moves it to shared memory (one copy) before any
+    # process writes to it
+    return graph_from_arrays(arrays, meta, cfg.name), version
 
 
 def graph_from_arrays(arrays: dict[str, np.ndarray], meta: dict, name: str = "graph",

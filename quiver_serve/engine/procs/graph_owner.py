@@ -151,7 +151,8 @@ def _newest_on_disk(directory: str, graph: GraphData, base_version: int,
         return graph, base_version
     version, arrays, meta = found
     log.info("serving the compacted base of version %d from %s", version, directory)
-    return living.graph_from_arrays(arrays, meta, graph.name, copy=True), version
+    # mapped, not copied: the supervisor moves it to shared memory before any process writes
+    return living.graph_from_arrays(arrays, meta, graph.name), version
 
 
 def living_graph_args(cfg: ServeConfig, graph: GraphData, base_version: int,
