@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the swap window ends this long after the first new-version answer")
     ap.add_argument("--load-config", help="JSON of the load call's parameters.config")
     ap.add_argument("--load-timeout-s", type=float, default=120.0)
-    ap.add_argument("--kill-seconds", type=float, default=20.0)
+    ap.add_argument("--kill-seconds", type=float, default=30.0,
+                    help="measured window of the kill (the restart and answers after it)")
     ap.add_argument("--restart-timeout-s", type=float, default=120.0)
     ap.add_argument("--admin-token", help="server.admin_token, sent as the bearer token")
     ap.add_argument("--poll-interval-s", type=float, default=0.1)
