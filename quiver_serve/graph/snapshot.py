@@ -1,4 +1,4 @@
-"""A start is a map (docs/architecture.md, "The living graph"; decision 0041): the graph a
+"""A start is a map (docs/architecture.md, "The living graph"; decision 0039): the graph a
 daemon loaded or generated is written once as the base of version 0 in its update-log folder
 (CSC, feature rows, labels: one .npy per array, each with its content hash in meta.json), so a
 later start maps it and replays only the log after it, instead of loading or generating it again.
