@@ -76,12 +76,19 @@ class GraphWriter:
 
     # ---- start-up --------------------------------------------------------------------------------
     def replay(self) -> int:
-        """Apply the log's records after the base (start-up); returns how many."""
+        """Apply the log's records after the base (start-up; a progress bar from 10,000
+        records); returns how many."""
+        from tqdm import tqdm
+
+        total = max(self.log.durable_version - self.version, 0)
         count = 0
-        for record in self.log.records_after(self.version):
-            self._apply(record)
-            self.version = self.acked = record.version
-            count += 1
+        with tqdm(total=total, desc="replaying the update log", unit="update",
+                  disable=total < 10_000, leave=False) as bar:
+            for record in self.log.records_after(self.version):
+                self._apply(record)
+                self.version = self.acked = record.version
+                count += 1
+                bar.update()
         self.publish()
         return count
 
