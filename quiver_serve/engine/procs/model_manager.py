@@ -15,8 +15,12 @@ which versions of which models every engine core serves, and the state the front
 One call per model at a time (another gets 503); calls of different models run together. The
 engine cores are reached on their admin sockets (``wire.ModelCall``); a core that restarts comes
 up with the start-up plan and is brought to the current versions and splits when it reports
-ready (:meth:`ModelManager.engine_ready`). Every call that changes something is logged with what
-it changed.
+ready (:meth:`ModelManager.engine_ready`): each model's versions under that model's lock (so a
+load in progress ends first and its new version is not missed), again until the plan held still
+through a whole pass. Until then the core is not up (:meth:`ModelManager.settled`: calls skip it,
+readiness does not count it); a call waiting on a core that dies answers for it at once (the core
+is brought to the plan when it is back). Every call that changes something is logged with what it
+changed.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVA
 PLAN_FILE = "models-plan.json"
 #: a call that only reads or sets weights waits this long for an engine core
 QUICK_CALL_S = 10.0
+#: passes of a restarted core's reconcile before it is given up (logged; the core stays not up)
+RECONCILE_PASSES = 5
+#: a call's wait for replies checks this often whether a core it waits on died
+GONE_CHECK_S = 0.1
 
 
 @dataclass
@@ -64,12 +72,19 @@ class ModelState:
 
 
 class ModelManager:
-    """See the module docstring. ``alive(i)``: engine core ``i`` is up and ready."""
+    """See the module docstring. ``alive(i)``: engine core ``i`` is up and ready (and
+:meth:`settled`); ``pid_of(i)``: the pid of its live process, None while it is dead."""
 
     def __init__(self, cfg: ServeConfig, addrs: RunAddresses, num_engines: int, plan: StartPlan,
-                 num_features: int, alive: Callable[[int], bool]) -> None:
+                 num_features: int, alive: Callable[[int], bool],
+                 pid_of: Callable[[int], int | None] | None = None) -> None:
         self.cfg, self.addrs, self.num_engines = cfg, addrs, num_engines
         self.num_features, self.alive = num_features, alive
+        self.pid_of: Callable[[int], int | None] = pid_of or (lambda i: None)
+        #: engine core -> the pid of its process that was brought to the plan
+        self._settled: dict[int, int | None] = {}
+        #: bumped whenever the plan changes: a restarted core's reconcile repeats until it holds
+        self.plan_generation = 0
         self.default = plan.default
         self.repo: Any = None
         if cfg.models.repository is not None:
@@ -210,8 +225,17 @@ class ModelManager:
             "its model (the config's model: section) is fixed at start-up and is neither "
             "loaded nor unloaded at run time", 400)
 
+    def settle(self, i: int, pid: int | None) -> None:
+        """Engine core ``i``'s process ``pid`` serves the plan (it started with it)."""
+        self._settled[i] = pid
+
+    def settled(self, i: int, pid: int | None) -> bool:
+        """Whether engine core ``i``'s process ``pid`` was brought to the plan."""
+        return i in self._settled and self._settled[i] == pid
+
     def save_plan(self) -> None:
         """The versions and splits serving now, for engine cores that restart."""
+        self.plan_generation += 1
         models = []
         for name, state in self.models.items():
             specs = [vs.spec for _, vs in sorted(state.versions.items()) if vs.state == READY]
@@ -285,13 +309,14 @@ class ModelManager:
                fields: dict[str, Any]) -> dict[int, ModelReply]:
         """Sockets of this call's own (calls of different models run in different threads)."""
         socks = {i: self._connect(i) for i in engines}
+        pids = {i: self.pid_of(i) for i in engines}
         try:
             ids = {}
             for i, sock in socks.items():
                 call_id = next(self._ids)
                 ids[call_id] = i
                 sock.send(encode(ModelCall(call_id, op, timeout_s=timeout_s, **fields)))
-            return _gather(socks, ids, timeout_s, op)
+            return _gather(socks, ids, timeout_s, op, lambda i: self.pid_of(i) != pids[i])
         finally:
             for sock in socks.values():
                 sock.close(linger=0)
@@ -304,33 +329,73 @@ class ModelManager:
 
     # ---- a restarted engine core ------------------------------------------------------------------
     def engine_ready(self, i: int) -> None:
-        """Bring a (re)started engine core to the versions and splits served now (it started
-        with the start-up plan); in a thread, so supervision goes on."""
-        threading.Thread(target=self._reconcile, args=(i,), daemon=True,
+        """Bring a (re)started engine core to the versions and splits of the plan (it started
+        with the plan file, which lacks a load in progress); in a thread, so supervision goes
+        on. The core is up (:meth:`settled`) only once that is done."""
+        pid = self.pid_of(i)
+        threading.Thread(target=self._reconcile, args=(i, pid), daemon=True,
                          name=f"quiver-models-engine-{i}").start()
 
-    def _reconcile(self, i: int) -> None:
+    def _reconcile(self, i: int, pid: int | None) -> None:
         try:
-            have = self._one(i, "list", QUICK_CALL_S).result.get("slots", [])
-            loaded = {(s["name"], int(s["version"])) for s in have}
-            self.note_dims(have)
-            for name, state in list(self.models.items()):
-                for v, vs in state.versions.items():
-                    if vs.state == READY and (name, v) not in loaded:
-                        r = self._one(i, "load", self.cfg.models.load_timeout_s,
-                                      spec=vs.spec.to_dict())
-                        if not r.ok:
-                            log.error("engine %d: reloading %s version %d after its restart "
-                                      "failed: %s", i, name, v, r.error)
-                self._one(i, "activate", QUICK_CALL_S, name=name, default=self.default,
-                          traffic={str(v): w for v, w in state.traffic.items()})
-            wanted = {(n, v) for n, st in self.models.items() for v, vs in st.versions.items()
-                      if vs.state == READY}
-            for name, v in loaded - wanted:
+            for _ in range(RECONCILE_PASSES):
+                generation = self.plan_generation
+                if not self._reconcile_pass(i) or self.pid_of(i) != pid:
+                    continue
+                if generation == self.plan_generation:
+                    self._settled[i] = pid
+                    log.info("engine %d (pid %s) serves the plan: %s", i, pid,
+                             {n: sorted(v for v, vs in st.versions.items() if vs.state == READY)
+                              for n, st in self.models.items()})
+                    return
+            log.error("engine %d (pid %s): not brought to the plan in %d passes; it is not "
+                      "counted ready", i, pid, RECONCILE_PASSES)
+        except Exception:  # noqa: BLE001 - logged; the core stays not up
+            log.exception("engine %d: bringing its models up to date failed", i)
+
+    def _reconcile_pass(self, i: int) -> bool:
+        """One pass over every model, each under its lock; False when a call failed."""
+        ok = True
+        for name, state in list(self.models.items()):
+            if not state.lock.acquire(timeout=self.cfg.models.load_timeout_s + QUICK_CALL_S):
+                log.warning("engine %d: model %s stayed busy; retried", i, name)
+                return False
+            try:
+                ok = self._reconcile_model(i, name, state) and ok
+            finally:
+                state.lock.release()
+        have = self._one(i, "list", QUICK_CALL_S)
+        wanted = {(n, v) for n, st in self.models.items() for v, vs in st.versions.items()
+                  if vs.state == READY}
+        for s in have.result.get("slots", []):
+            if s["name"] not in self.models and (s["name"], int(s["version"])) not in wanted:
+                self._one(i, "unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
+                          name=s["name"], version=int(s["version"]))
+        return ok and have.ok
+
+    def _reconcile_model(self, i: int, name: str, state: ModelState) -> bool:
+        """Engine core ``i`` holds exactly ``name``'s ready versions, at their traffic split."""
+        have = self._one(i, "list", QUICK_CALL_S)
+        slots = [s for s in have.result.get("slots", []) if s["name"] == name]
+        self.note_dims(slots)
+        loaded = {int(s["version"]) for s in slots}
+        ok = have.ok
+        for v, vs in state.versions.items():
+            if vs.state == READY and v not in loaded:
+                r = self._one(i, "load", self.cfg.models.load_timeout_s, spec=vs.spec.to_dict())
+                if not r.ok:
+                    ok = False
+                    log.error("engine %d: reloading %s version %d after its restart failed: %s",
+                              i, name, v, r.error)
+        r = self._one(i, "activate", QUICK_CALL_S, name=name, default=self.default,
+                      traffic={str(v): w for v, w in state.traffic.items()})
+        ok = ok and r.ok
+        for v in loaded:
+            vs = state.versions.get(v)
+            if vs is None or vs.state != READY:
                 self._one(i, "unload", self.cfg.models.unload_drain_s + QUICK_CALL_S,
                           name=name, version=v)
-        except Exception:  # noqa: BLE001 - logged; the core serves its start-up plan meanwhile
-            log.exception("engine %d: bringing its models up to date failed", i)
+        return ok
 
     # ---- what the front-ends publish ---------------------------------------------------------------
     def _describe(self, name: str) -> dict[str, Any]:
@@ -366,17 +431,25 @@ class ModelManager:
 
 
 def _gather(socks: dict[int, zmq.Socket], ids: dict[int, int], timeout_s: float,
-            op: str) -> dict[int, ModelReply]:
+            op: str, gone: Callable[[int], bool] = lambda i: False) -> dict[int, ModelReply]:
+    """Each core's reply, or a failed one naming the timeout; a core that died (``gone``) is
+    answered for at once, ``restarted`` and ok: it is brought to the plan when it is back."""
     replies: dict[int, ModelReply] = {}
     end = time.monotonic() + timeout_s
     poller = zmq.Poller()
     for sock in socks.values():
         poller.register(sock, zmq.POLLIN)
     while len(replies) < len(ids) and time.monotonic() < end:
-        for sock, _ in poller.poll(max(int((end - time.monotonic()) * 1000), 1)):
+        wait_s = min(end - time.monotonic(), GONE_CHECK_S)
+        for sock, _ in poller.poll(max(int(wait_s * 1000), 1)):
             reply = Decoders.model_reply.decode(sock.recv())
             if reply.call_id in ids:
                 replies[ids[reply.call_id]] = reply
+        for call_id, i in ids.items():
+            if i not in replies and gone(i):
+                log.warning("engine %d died during the %s; it is brought to the plan when it "
+                            "is back", i, op)
+                replies[i] = ModelReply(call_id, True, {"restarted": True})
     for call_id, i in ids.items():
         if i not in replies:
             replies[i] = ModelReply(call_id, False, {}, f"engine {i} did not answer the "

@@ -326,7 +326,7 @@ class Supervisor:
         #: the model repository's calls (docs/architecture.md, "Models and versions"); the plan is
         #: checked before any child starts
         self.models = ModelManager(cfg, self.addrs, len(self.engines), start_plan(cfg),
-                                   graph.num_features, self._engine_up)
+                                   graph.num_features, self._engine_up, self._engine_pid)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -353,6 +353,8 @@ class Supervisor:
             for child in group:
                 child.start()
             self._wait_ready(group, what)
+        for child in self.engines:  # they started with the plan, and nothing changed it yet
+            self.models.settle(child.index, self._engine_pid(child.index))
         self.models.refresh_dims()
         self.kids.on_ready = self._child_ready
         self._started = True
@@ -388,8 +390,13 @@ class Supervisor:
         return self.owner.read_only_reason
 
     def _engine_up(self, i: int) -> bool:
+        """Engine core ``i`` reported ready and serves the model manager's plan."""
         child = self.engines[i]
-        return child.ready and child.alive()
+        return child.ready and child.alive() and self.models.settled(i, child.pid)
+
+    def _engine_pid(self, i: int) -> int | None:
+        child = self.engines[i]
+        return child.pid if child.alive() else None
 
     def _child_ready(self, child: Child) -> None:
         if child.role == "engine":
@@ -403,8 +410,9 @@ class Supervisor:
         return [c.row() for c in self.children]
 
     def engines_ready(self) -> bool:
-        """At least one engine core is alive and has reported ready since its last (re)start."""
-        return any(c.ready and c.alive() for c in self.engines)
+        """At least one engine core is alive, has reported ready since its last (re)start and
+        was brought to the model manager's plan since (``ModelManager.settled``)."""
+        return any(self._engine_up(c.index) for c in self.engines)
 
     def replace_features(self) -> int:
         """Ask every engine core to re-place its feature rows from its request log (SIGUSR1;
