@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -64,6 +65,23 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+#: what the daemon logs after writing a snapshot: the graph's base, the exact table's
+WRITTEN = {"graph": re.compile(r"graph snapshot written to \S+: ([\d.]+) GB in ([\d.]+) s"),
+           "exact_table": re.compile(r"exact table snapshot at version \d+: ([\d.]+) MiB in "
+                                     r"([\d.]+) s")}
+
+
+def snapshot_writes(log_text: str) -> dict[str, dict[str, float]]:
+    """Bytes and seconds of each snapshot the first start wrote, from its log."""
+    found = {}
+    for what, pattern in WRITTEN.items():
+        m = pattern.search(log_text)
+        if m:
+            size_bytes = float(m.group(1)) * (1e9 if what == "graph" else 2**20)
+            found[what] = {"bytes": int(size_bytes), "write_s": float(m.group(2))}
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
@@ -72,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d, first_s = start(args, state, env)
         print(f"first start: ready in {first_s:.1f} s", flush=True)
+        writes = snapshot_writes(Path(d.log_path).read_text(errors="replace"))
         ack = post(d.url, "/v1/graph/edges", {"add": [[1, 2], [3, 2]]})
         before = d.get_json("/v1/graph")
         os.killpg(d.proc.pid, signal.SIGKILL)  # every process of the daemon, no shutdown
@@ -85,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             "first_start_s": round(first_s, 2), "restart_s": round(restart_s, 2),
             "ratio": round(restart_s / first_s, 3), "acked_version": ack["version"],
             "version_after": after["version"], "update_kept": kept,
-            "state_bytes": folder_bytes(state / "graph"), "num_nodes": after["num_nodes"],
-            "num_edges": after["num_edges"]}
+            "state_bytes": folder_bytes(state / "graph"), "snapshot_writes": writes,
+            "num_nodes": after["num_nodes"], "num_edges": after["num_edges"]}
     finally:
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)
