@@ -120,6 +120,19 @@ class Generator:
         return {"points": points, "summary": summary(points, bounds_ms)}
 
 
+def add_capacity_options(ap: argparse.ArgumentParser, callers: list[int]) -> None:
+    """The options of a bench that measures capacity (closed-loop ``callers`` doubling) and then
+    loads the daemon open loop at a fraction of it: ``--ids-per-request``, ``--capacity-*``,
+    ``--stop-p99-ms``, ``--load-fraction``."""
+    ap.add_argument("--ids-per-request", type=int, default=48)
+    ap.add_argument("--capacity-callers", type=int, nargs="+", default=callers)
+    ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
+                    help="capacity = most req/s at p99 <= this (0: most req/s of any point)")
+    ap.add_argument("--capacity-seconds", type=float, default=2.0)
+    ap.add_argument("--stop-p99-ms", type=float, default=30.0)
+    ap.add_argument("--load-fraction", type=float, default=0.8)
+
+
 def levels_of(args: argparse.Namespace) -> list[float]:
     """The load levels: given, else geometric (sweep) up to the maximum."""
     if args.mode == "open":

@@ -285,6 +285,15 @@ class Session:
         self.parts.append(part)
         return part
 
+    def serve(self, config_path: Path, *, smoke: bool, ready_timeout_s: float,
+              grace_s: float = 8.0, args: tuple[str, ...] = ()) -> Daemon:
+        """The bench's daemon on ``config_path``, its log in the session's folder, owned by the
+        session; ``smoke``: the pure-torch sampler (no C++ build in a smoke's time)."""
+        env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if smoke else None
+        return self.own(Daemon(config_path, log_path=self.folder / "server.log", env=env,
+                               args=list(args), grace_s=grace_s,
+                               ready_timeout_s=ready_timeout_s))
+
     def __enter__(self) -> Session:
         return self
 

@@ -247,6 +247,15 @@ class Budget:
         print(f"FAILED {what}:\n" + "".join(traceback.format_exception(exc))[-3000:], flush=True)
 
 
+def print_head(result: dict, info: dict, workload: str) -> None:
+    """The first lines of a bench's closing summary: wall time, what was skipped, the graph,
+    the device and ``workload``."""
+    print(f"wall {result['wall_s']:.0f} s")
+    if result["skipped"]:
+        print("skipped: " + "; ".join(result["skipped"]))
+    print(f"\n{info.get('graph')}, {info.get('device')}, workload {workload}")
+
+
 def exit_on_sigterm() -> None:
     """SIGTERM (a runner's time limit) unwinds like ``sys.exit(143)``: ``finally`` blocks stop
     the servers and load processes and write what was measured."""

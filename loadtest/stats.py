@@ -84,6 +84,12 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def capacity_text(capacity: dict) -> str:
+    """``capacity R req/s (S seeds/s, p99 P ms)`` of a measured capacity point."""
+    return (f"capacity {capacity['req_per_s']:,.0f} req/s "
+            f"({capacity['seed_nodes_per_s']:,.0f} seeds/s, p99 {fmt(capacity['p99_ms'])} ms)")
+
+
 def point_row(p: dict) -> str:
     errs = ", ".join(f"{k}:{v}" for k, v in sorted(p["errors"].items())) or "0"
     return (f"| {p['protocol']} | {p['mode']} {fmt(p['level'], 'g')} | {p['seed_nodes_per_s']:,.0f} | "

@@ -14,6 +14,7 @@ actual send to the answer (``lag`` says how late sends were).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -28,6 +29,18 @@ from loadtest.stats import pooled
 EDGES_PATH = "/v1/graph/edges"
 START_TIMEOUT_S = 120.0
 DRAIN_S = 30.0  # longest a step waits for its last calls after the window
+
+
+def add_updater_options(ap: argparse.ArgumentParser) -> None:
+    """The options of a bench's updater processes: pairs per call, removals, degree bias,
+    processes, calls in flight."""
+    ap.add_argument("--edges-per-call", type=int, default=2000)
+    ap.add_argument("--remove-fraction", type=float, default=0.1,
+                    help="share of each call's pairs removing edges added earlier")
+    ap.add_argument("--degree-bias", type=float, default=0.5,
+                    help="share of added edges whose dst is drawn by in-degree (else uniform)")
+    ap.add_argument("--update-procs", type=int, default=2)
+    ap.add_argument("--update-inflight", type=int, default=4, help="calls in flight per process")
 
 
 def draw_adds(rng: np.random.Generator, count: int, num_nodes: int, indptr: np.ndarray,

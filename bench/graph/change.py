@@ -45,50 +45,28 @@ from bench.graph import change_report as report
 from bench.graph import updates
 from bench.models import reload
 from bench.models.reload_report import reload_figures, serving_lines
-from loadtest import faults, watch
-from loadtest.gen import Generator
+from loadtest import faults, results, watch
+from loadtest.gen import Generator, add_capacity_options
 from loadtest.harness import Daemon, Session, saved_graph_facts, serve_config
 from loadtest.recorder import OK, RecorderPool
-from loadtest.results import (
-    add_run_options,
-    doc_parser,
-    exit_on_sigterm,
-    load_config,
-    result_path,
-    run_meta,
-    smoke_settings,
-    write_result,
-)
-from loadtest.stats import fmt
+from loadtest.stats import capacity_text
+from loadtest.updater import add_updater_options
 
 SERVER_GRACE_S = 8.0
 EVENTS = ("updates", "model", "compaction", "kill")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = doc_parser("python -m bench.graph.change", __doc__)
-    add_run_options(ap, budget_s=440.0, start_timeout_s=600.0)
-    ap.add_argument("--ids-per-request", type=int, default=48)
-    ap.add_argument("--capacity-callers", type=int, nargs="+",
-                    default=[16, 32, 64, 128, 256, 512])
-    ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
-                    help="capacity = most req/s at p99 <= this (0: most req/s of any point)")
-    ap.add_argument("--capacity-seconds", type=float, default=2.0)
-    ap.add_argument("--stop-p99-ms", type=float, default=30.0)
-    ap.add_argument("--load-fraction", type=float, default=0.8)
+    ap = results.doc_parser("python -m bench.graph.change", __doc__)
+    results.add_run_options(ap, budget_s=440.0, start_timeout_s=600.0)
+    add_capacity_options(ap, [16, 32, 64, 128, 256, 512])
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window of each step")
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
                     help="the windows after the steady one, in this order")
     ap.add_argument("--update-rates", type=float, nargs="+", default=[10_000, 50_000, 100_000],
                     help="edge updates/s, one window each")
-    ap.add_argument("--edges-per-call", type=int, default=2000)
-    ap.add_argument("--remove-fraction", type=float, default=0.1,
-                    help="share of each call's pairs removing edges added earlier")
-    ap.add_argument("--degree-bias", type=float, default=0.5,
-                    help="share of added edges whose dst is drawn by in-degree (else uniform)")
-    ap.add_argument("--update-procs", type=int, default=2)
-    ap.add_argument("--update-inflight", type=int, default=4, help="calls in flight per process")
+    add_updater_options(ap)
     ap.add_argument("--compaction-rate", type=float, default=10_000,
                     help="edge updates/s during the compaction window")
     ap.add_argument("--compaction-seconds", type=float, default=20.0)
@@ -114,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def smoke(args: argparse.Namespace) -> None:
     """Cora, small rates and short windows; the pure-torch sampler (no C++ build in the time)."""
-    smoke_settings(args, budget_s=240.0)
+    results.smoke_settings(args, budget_s=240.0)
     args.capacity_callers, args.capacity_seconds = [1, 2, 4], 0.8
     args.seconds, args.warmup, args.compaction_seconds = 3.0, 0.5, 4.0
     args.update_rates, args.compaction_rate = [500.0, 1000.0, 2000.0], 500.0
@@ -285,7 +263,7 @@ def load_width(npz: Path) -> int:
 
 
 def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
-    return run_meta(
+    return results.run_meta(
         args, cfg, graph=facts["graph"], protocol="http-npy",
         workload=f"b ({args.ids_per_request} ids uniform over every node)",
         load_fraction=args.load_fraction, seconds=args.seconds, warmup_s=args.warmup,
@@ -307,15 +285,11 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
               "rows": rows, "targets": report.targets(rows),
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
-    write_result(out, result)
-    print(f"wall {result['wall_s']:.0f} s")
-    if result["skipped"]:
-        print("skipped: " + "; ".join(result["skipped"]))
-    print(f"\n{info.get('graph')}, {info.get('device')}, workload (b) http-npy")
+    results.write_result(out, result)
+    results.print_head(result, info, "(b) http-npy")
     if run is not None and capacity:
-        print(f"capacity {capacity['req_per_s']:,.0f} req/s ({capacity['seed_nodes_per_s']:,.0f} "
-              f"seeds/s, p99 {fmt(capacity['p99_ms'])} ms); windows at {run.args.load_fraction:g} "
-              f"of it ({run.rate():,.0f} req/s)")
+        print(f"{capacity_text(capacity)}; windows at {run.args.load_fraction:g} of it "
+              f"({run.rate():,.0f} req/s)")
     print(report.targets_line(result["targets"]))
     print(report.TABLE_HEADER)
     for r in rows:
@@ -326,18 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.updater import UpdaterPool
 
     args = parse_args(argv)
-    exit_on_sigterm()
-    cfg = load_config(args.config, args.sets)
-    out = result_path("change", args, "smoke" if args.smoke else None)
+    results.exit_on_sigterm()
+    cfg = results.load_config(args.config, args.sets)
+    out = results.result_path("change", args, "smoke" if args.smoke else None)
     run, info, s = None, {}, Session("qs-change-")
     try:
         with s:
             conf, facts = prepare(cfg, s.folder, args)
             info = meta(args, cfg, facts)
-            env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
-            daemon = s.own(Daemon(conf, log_path=s.folder / "server.log", env=env,
-                                  args=["--log-level", "warning"], grace_s=SERVER_GRACE_S,
-                                  ready_timeout_s=args.start_timeout_s))
+            daemon = s.serve(conf, smoke=args.smoke, ready_timeout_s=args.start_timeout_s,
+                             grace_s=SERVER_GRACE_S, args=("--log-level", "warning"))
             gen = s.own(Generator(args.procs, args.warmup, args.seconds))
             rec = s.own(RecorderPool(args.procs))
             upd = s.own(UpdaterPool(args.update_procs))

@@ -37,21 +37,22 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import watch
-from loadtest.gen import Generator
-from loadtest.harness import Daemon, Session, saved_graph_facts, serve_config
+from loadtest.gen import Generator, add_capacity_options
+from loadtest.harness import Session, saved_graph_facts, serve_config
 from loadtest.results import (
     Budget,
     add_run_options,
     doc_parser,
     exit_on_sigterm,
     load_config,
+    print_head,
     result_path,
     run_meta,
     smoke_settings,
     write_result,
 )
-from loadtest.stats import best_under, fmt
-from loadtest.updater import UpdaterPool
+from loadtest.stats import best_under, capacity_text, fmt
+from loadtest.updater import UpdaterPool, add_updater_options
 
 SERVER_GRACE_S = 8.0
 COMPACTION_LEAD_S = 0.5  # into the window before the compaction is asked for
@@ -62,25 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_options(ap, budget_s=500.0, start_timeout_s=600.0)
     ap.add_argument("--protocol", default="http-npy", choices=["http-npy", "http-json",
                                                                 "kserve-binary"])
-    ap.add_argument("--ids-per-request", type=int, default=48)
-    ap.add_argument("--capacity-callers", type=int, nargs="+",
-                    default=[16, 32, 64, 128, 256, 512])
-    ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
-                    help="capacity = most req/s at p99 <= this (0: most req/s of any point)")
-    ap.add_argument("--capacity-seconds", type=float, default=2.0)
-    ap.add_argument("--stop-p99-ms", type=float, default=30.0)
-    ap.add_argument("--load-fraction", type=float, default=0.8)
+    add_capacity_options(ap, [16, 32, 64, 128, 256, 512])
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window of each step")
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--update-rates", type=float, nargs="+",
                     default=[25_000, 50_000, 100_000, 200_000], help="edge updates/s per step")
-    ap.add_argument("--edges-per-call", type=int, default=2000)
-    ap.add_argument("--remove-fraction", type=float, default=0.1,
-                    help="share of each call's pairs removing edges added earlier")
-    ap.add_argument("--degree-bias", type=float, default=0.5,
-                    help="share of added edges whose dst is drawn by in-degree (else uniform)")
-    ap.add_argument("--update-procs", type=int, default=2)
-    ap.add_argument("--update-inflight", type=int, default=4, help="calls in flight per process")
+    add_updater_options(ap)
     ap.add_argument("--no-compaction", action="store_true")
     ap.add_argument("--compaction-seconds", type=float, default=20.0)
     ap.add_argument("--compaction-timeout-s", type=float, default=180.0,
@@ -331,14 +319,9 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
     write_result(out, result)
-    print(f"wall {result['wall_s']:.0f} s")
-    if result["skipped"]:
-        print("skipped: " + "; ".join(result["skipped"]))
-    print(f"\n{info.get('graph')}, {info.get('device')}, workload (b) {info.get('protocol')}")
+    print_head(result, info, f"(b) {info.get('protocol')}")
     if run is not None and capacity:
-        print(f"capacity {capacity['req_per_s']:,.0f} req/s ({capacity['seed_nodes_per_s']:,.0f} "
-              f"seeds/s, p99 {fmt(capacity['p99_ms'])} ms); steps at {run.args.load_fraction:g} "
-              "of it")
+        print(f"{capacity_text(capacity)}; steps at {run.args.load_fraction:g} of it")
     print(TABLE_HEADER)
     for r in rows:
         print(row_line(r))
@@ -368,10 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         with s:
             conf, facts = prepare(cfg, s.folder, args)
             info = meta(args, cfg, facts)
-            env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
-            daemon = s.own(Daemon(conf, log_path=s.folder / "server.log", env=env,
-                                  args=["--log-level", "warning"], grace_s=SERVER_GRACE_S,
-                                  ready_timeout_s=args.start_timeout_s))
+            daemon = s.serve(conf, smoke=args.smoke, ready_timeout_s=args.start_timeout_s,
+                             grace_s=SERVER_GRACE_S, args=("--log-level", "warning"))
             gen = s.own(Generator(args.procs, args.warmup, args.seconds))
             updaters = s.own(UpdaterPool(args.update_procs))
             print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load and "

@@ -53,7 +53,7 @@ from bench.models.reload_report import (
     targets,
 )
 from loadtest import watch
-from loadtest.gen import Generator
+from loadtest.gen import Generator, add_capacity_options
 from loadtest.harness import Daemon, Session, save_graph, serve_config
 from loadtest.recorder import NO_VERSION, VERSION_HEADER, RecorderPool
 from loadtest.results import (
@@ -62,12 +62,13 @@ from loadtest.results import (
     doc_parser,
     exit_on_sigterm,
     load_config,
+    print_head,
     result_path,
     run_meta,
     smoke_settings,
     write_result,
 )
-from loadtest.stats import fmt
+from loadtest.stats import capacity_text
 
 MODEL = "sage"
 LOAD_PATH = f"/v2/repository/models/{MODEL}/load"
@@ -78,13 +79,7 @@ SERVER_GRACE_S = 8.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = doc_parser("python -m bench.models.reload", __doc__)
     add_run_options(ap, budget_s=500.0, start_timeout_s=600.0)
-    ap.add_argument("--ids-per-request", type=int, default=48)
-    ap.add_argument("--capacity-callers", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    ap.add_argument("--capacity-bound-ms", type=float, default=10.0,
-                    help="capacity = most req/s at p99 <= this (0: most req/s of any point)")
-    ap.add_argument("--capacity-seconds", type=float, default=2.0)
-    ap.add_argument("--stop-p99-ms", type=float, default=30.0)
-    ap.add_argument("--load-fraction", type=float, default=0.8)
+    add_capacity_options(ap, [16, 32, 64, 128, 256])
     ap.add_argument("--steady-s", type=float, default=20.0, help="measured window of the steady run")
     ap.add_argument("--before-s", type=float, default=5.0,
                     help="reload run: measured seconds before the load call")
@@ -300,14 +295,10 @@ def finish(a: argparse.Namespace, run: Run | None, info: dict, out: Path, skippe
               "skipped": skipped + (run.skipped if run else []),
               "wall_s": time.perf_counter() - t0}
     write_result(out, result)
-    print(f"wall {result['wall_s']:.0f} s")
-    if result["skipped"]:
-        print("skipped: " + "; ".join(result["skipped"]))
-    print(f"\n{info.get('graph')}, {info.get('device')}, workload (a) http-npy")
+    print_head(result, info, "(a) http-npy")
     if run is not None and capacity:
-        print(f"capacity {capacity['req_per_s']:,.0f} req/s ({capacity['seed_nodes_per_s']:,.0f} "
-              f"seeds/s, p99 {fmt(capacity['p99_ms'])} ms); open loop at {a.load_fraction:g} "
-              f"of it ({run.rate():,.0f} req/s)")
+        print(f"{capacity_text(capacity)}; open loop at {a.load_fraction:g} of it "
+              f"({run.rate():,.0f} req/s)")
     print_summary(result)
 
 
@@ -321,9 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         with s:
             conf, facts = prepare(cfg, s.folder, args)
             info = meta(args, cfg, facts)
-            env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else None
-            daemon = s.own(Daemon(conf, log_path=s.folder / "server.log", env=env,
-                                  grace_s=SERVER_GRACE_S, ready_timeout_s=args.start_timeout_s))
+            daemon = s.serve(conf, smoke=args.smoke, ready_timeout_s=args.start_timeout_s,
+                             grace_s=SERVER_GRACE_S)
             gen = s.own(Generator(args.procs, args.warmup, args.capacity_seconds))
             rec = s.own(RecorderPool(args.procs))
             print(f"daemon ready in {daemon.wait_ready():.1f} s; {args.procs} load process(es)",
