@@ -55,7 +55,7 @@ def post(url: str, path: str, body: dict) -> dict:
 
 def start(args: argparse.Namespace, state: Path, env: dict[str, str]) -> tuple[Daemon, float]:
     t0 = time.monotonic()
-    d = Daemon(None, overrides=overrides(args, state), env=env,
+    d = Daemon(args.config, overrides=overrides(args, state), env=env,
                ready_timeout_s=args.start_timeout_s, log_path=state / f"daemon-{t0:.0f}.log")
     d.wait_ready()
     return d, time.monotonic() - t0
