@@ -9,12 +9,15 @@ row."""
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve import envs
 from quiver_serve.config import ServeConfig
 from quiver_serve.features.fap import (
     degree_scores,
@@ -25,8 +28,12 @@ from quiver_serve.features.fap import (
 from quiver_serve.features.placement import Placement, numa_nodes, plan_placement, rows_within
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.snapshot import csc_key
 
 log = logging.getLogger(__name__)
+
+#: bump when the cached scores' meaning changes: old files are then recomputed
+FAP_CACHE_VERSION = 1
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,13 +46,52 @@ def placement_scores(cfg: ServeConfig, graph: GraphData, log_ids: np.ndarray | N
     if rank_by == "degree":
         return pad_scores(degree_scores(graph.indptr), num_rows)
     batch = cfg.features.fap_batch_size
-    seed_prob = (logged_seed_probability(log_ids, graph.num_nodes, batch) if log_ids is not None
-                 else uniform_seed_probability(graph.num_nodes, batch))
+    if log_ids is None:
+        return pad_scores(uniform_fap(graph, cfg.sampling.fanouts, batch), num_rows)
+    seed_prob = logged_seed_probability(log_ids, graph.num_nodes, batch)
+    return pad_scores(timed_fap(graph, cfg.sampling.fanouts, seed_prob), num_rows)
+
+
+def timed_fap(graph: GraphData, fanouts: list[int], seed_prob: Tensor) -> Tensor:
     t0 = time.perf_counter()
-    fap = feature_access_probability(graph.indptr, graph.indices, cfg.sampling.fanouts, seed_prob)
+    fap = feature_access_probability(graph.indptr, graph.indices, fanouts, seed_prob)
     log.info("feature access probability of %d nodes in %.2f s", graph.num_nodes,
              time.perf_counter() - t0)
-    return pad_scores(fap, num_rows)
+    return fap
+
+
+def fap_cache_path(graph: GraphData, fanouts: list[int], batch: int) -> Path:
+    """``$QUIVER_SERVE_CACHE/fap/``, one .npy per graph content key, fanouts and batch size."""
+    tag = "_".join(str(k) for k in fanouts)
+    return (envs.QUIVER_SERVE_CACHE / "fap"
+            / f"fap-v{FAP_CACHE_VERSION}-{csc_key(graph.indptr, graph.indices)}-f{tag}-b{batch}.npy")
+
+
+def uniform_fap(graph: GraphData, fanouts: list[int], batch: int) -> Tensor:
+    """FAP under uniform seeds: from the cache when one was saved for the same graph content,
+    fanouts and batch size (a restart maps it, decision 0039), else computed and saved."""
+    path = fap_cache_path(graph, fanouts, batch)
+    try:
+        saved = np.load(path, allow_pickle=False)
+        if saved.dtype == np.float32 and saved.shape == (graph.num_nodes,):
+            log.info("feature access probability loaded from %s", path)
+            return torch.from_numpy(saved)
+        log.warning("FAP cache %s holds %s%s, not float32[%d]; recomputing", path, saved.dtype,
+                    list(saved.shape), graph.num_nodes)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        log.warning("FAP cache %s unreadable (%s); recomputing", path, exc)
+    fap = timed_fap(graph, fanouts, uniform_seed_probability(graph.num_nodes, batch))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, fap.detach().cpu().to(torch.float32).numpy(), allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("FAP cache not written (%s): recomputed at the next start", exc)
+    return fap
 
 
 def pad_scores(scores: Tensor, num_rows: int | None) -> Tensor:

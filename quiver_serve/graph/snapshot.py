@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph.csc import GraphData
@@ -26,6 +27,23 @@ log = logging.getLogger(__name__)
 STAMP_BYTES = 1 << 20
 #: files of a dataset folder stamped at most
 STAMP_FILES = 64
+#: entries of ``indptr`` and of ``indices`` read by ``csc_key`` (strided over the whole array)
+KEY_SAMPLE = 1 << 20
+
+
+def csc_key(indptr: torch.Tensor, indices: torch.Tensor) -> str:
+    """A cheap content key of a CSC, what derived tables (PSGS, feature placement scores) are
+    cached by: its sizes, ``KEY_SAMPLE`` strided entries of each array and their last entries
+    (hashing all of Reddit's 0.9 GB would take ~1 s on every start; a graph edited without
+    changing its size at none of the sampled positions would not be told apart)."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(f"{indptr.numel()}:{indices.numel()}".encode())
+    for t in (indptr, indices):
+        if t.numel():
+            step = max(1, t.numel() // KEY_SAMPLE)
+            h.update(t[::step].contiguous().cpu().numpy().tobytes())
+            h.update(t[-1:].cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def source_stamp(cfg: GraphConfig) -> str:

@@ -39,7 +39,6 @@ compaction.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -52,6 +51,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve import envs
+from quiver_serve.graph.snapshot import csc_key
 from quiver_serve.sampling.base import seed_base
 from quiver_serve.sampling.reference import sample_hop
 
@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 PSGS_VERSION = 1
 #: candidate (owner, node) pairs held at once while sampling every node alone (~40 bytes each)
 PAIRS_PER_CHUNK = 1 << 24
-#: entries of ``indptr`` and of ``indices`` read by ``graph_key`` (strided over the whole array)
-KEY_SAMPLE = 1 << 20
 #: occupancy grid: seeds per batch (powers of two) and draws per seed (log-spaced)
 GRID_MAX_SEEDS_LOG2 = 16
 GRID_DRAW_POINTS = 48
@@ -71,17 +69,8 @@ Q_BINS = 4096
 
 
 def graph_key(indptr: Tensor, indices: Tensor) -> str:
-    """A cheap content hash of a CSC: its sizes, ``KEY_SAMPLE`` strided entries of each array and
-    their last entries (hashing all of Reddit's 0.9 GB would take ~1 s on every start; a graph
-    edited without changing its size at none of the sampled positions would not be told apart)."""
-    h = hashlib.blake2b(digest_size=10)
-    h.update(f"{indptr.numel()}:{indices.numel()}".encode())
-    for t in (indptr, indices):
-        if t.numel():
-            step = max(1, t.numel() // KEY_SAMPLE)
-            h.update(t[::step].contiguous().cpu().numpy().tobytes())
-            h.update(t[-1:].cpu().numpy().tobytes())
-    return h.hexdigest()
+    """The CSC's content key (``graph/snapshot.py``, ``csc_key``): what the table is cached by."""
+    return csc_key(indptr, indices)
 
 
 def cache_dir() -> Path:
