@@ -108,6 +108,16 @@ def pieces_in_force(directory: Path) -> dict[tuple[str, str, tuple[int, ...]], P
             for a, spec in info["arrays"].items() if "blake2b" in spec}
 
 
+def _link(existing: Path, target: Path) -> bool:
+    """``target`` as a second name of ``existing``; False where the file system has no hard
+    links (the array is then written again)."""
+    try:
+        os.link(existing, target)
+    except OSError:
+        return False
+    return True
+
+
 def write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], meta: dict,
                    crash_point: Callable[[str], None]) -> None:
     """Every file of ``path`` written and synced (each array's content hash in meta.json),
@@ -136,8 +146,7 @@ def write_base_dir(path: Path, version: int, arrays: dict[str, np.ndarray], meta
             if shared:
                 spec["blake2b"] = array_digest(np.asarray(arr), bar)
                 same = shared.get((spec["blake2b"], spec["dtype"], tuple(spec["shape"])))
-                if same is not None:
-                    os.link(same, target)
+                if same is not None and _link(same, target):
                     bar.update(np.asarray(arr).nbytes)
                     spec["linked"] = True
                     crash_point("base.array")

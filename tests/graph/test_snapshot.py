@@ -121,3 +121,23 @@ def test_a_synthetic_graph_is_generated_once(tmp_path: Path, monkeypatch) -> Non
     again, _ = living.load_serving_graph(cfg)
     assert calls == [1]
     assert torch.equal(first.indices, again.indices) and torch.equal(first.x, again.x)
+
+
+def test_without_hard_links_an_unchanged_piece_is_written_again(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    from quiver_serve.graph import base_files
+    from quiver_serve.graph.update_log import UpdateLog, load_base
+
+    def no_links(_src: object, _dst: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(base_files.os, "link", no_links)
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    with UpdateLog(tmp_path / "log") as ulog:
+        ulog.write_base(0, {"x": x}, {"name": "g"})
+        ulog.append(_edge_record(1))
+        ulog.write_base(1, {"x": x}, {"name": "g"})
+        version, arrays, _ = load_base(tmp_path / "log")
+    meta = json.loads((tmp_path / "log" / "base-00000000000000000001" / "meta.json").read_text())
+    assert version == 1 and "linked" not in meta["arrays"]["x"]
+    assert np.array_equal(arrays["x"], x)
