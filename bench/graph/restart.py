@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default="papers100m")
     ap.add_argument("--scale", type=float, default=0.01)
     ap.add_argument("--device", default="auto", help="inference.device")
-    ap.add_argument("--keep", help="state folder to use and keep (default: a temporary one)")
+    ap.add_argument("--keep", help="state folder to use and keep (default: a temporary one); "
+                    "what an earlier run left there is removed first, so the first start is one")
     return ap.parse_args(argv)
 
 
@@ -59,6 +60,10 @@ def start(args: argparse.Namespace, state: Path, env: dict[str, str]) -> tuple[D
                ready_timeout_s=args.start_timeout_s, log_path=state / f"daemon-{t0:.0f}.log")
     d.wait_ready()
     return d, time.monotonic() - t0
+
+
+#: what a run writes in its state folder: the update log and snapshots, the caches
+STATE_PARTS = ("graph", "graphs", "cache")
 
 
 def folder_bytes(path: Path) -> int:
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
     state.mkdir(parents=True, exist_ok=True)
+    for left in STATE_PARTS:  # an earlier run's snapshot would make the first start a restart
+        shutil.rmtree(state / left, ignore_errors=True)
     env = {"QUIVER_SERVE_GRAPH_STATE": str(state / "graphs"), "QUIVER_SERVE_CACHE": str(state / "cache")}
     try:
         d, first_s = start(args, state, env)

@@ -48,10 +48,13 @@ def csc_key(indptr: torch.Tensor, indices: torch.Tensor) -> str:
 
 def source_stamp(cfg: GraphConfig) -> str:
     """What a base of version 0 came from: the graph section's source settings and, for a
-    dataset on disk, each file's size and first and last MiB (a cheap content key)."""
+    dataset on disk, each file's size and first and last MiB (a cheap content key). Settings
+    that do not shape the graph (its display name, the synthetic ones of another format) are
+    not part of it."""
     h = hashlib.blake2b(digest_size=12)
+    synthetic = cfg.format == "synthetic"
     keyed = {k: v for k, v in cfg.model_dump().items()
-             if k.startswith("synthetic") or k in ("format", "name")}
+             if (synthetic and k.startswith("synthetic")) or k == "format"}
     h.update(repr(sorted(keyed.items())).encode())
     if cfg.path is not None:
         root = Path(cfg.path).expanduser()

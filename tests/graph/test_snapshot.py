@@ -141,3 +141,14 @@ def test_without_hard_links_an_unchanged_piece_is_written_again(tmp_path: Path,
     meta = json.loads((tmp_path / "log" / "base-00000000000000000001" / "meta.json").read_text())
     assert version == 1 and "linked" not in meta["arrays"]["x"]
     assert np.array_equal(arrays["x"], x)
+
+
+def test_settings_that_do_not_shape_the_graph_keep_its_snapshot(tmp_path: Path) -> None:
+    from quiver_serve.graph.snapshot import source_stamp
+
+    _npz(tmp_path / "g.npz", 0)
+    stamp = source_stamp(_cfg(tmp_path))
+    assert source_stamp(_cfg(tmp_path).model_copy(update={"name": "renamed"})) == stamp
+    assert source_stamp(_cfg(tmp_path).model_copy(update={"synthetic_scale": 0.5})) == stamp
+    syn = GraphConfig(format="synthetic", synthetic_preset="papers100m", synthetic_scale=1e-4)
+    assert source_stamp(syn) != source_stamp(syn.model_copy(update={"synthetic_seed": 1}))
