@@ -282,6 +282,18 @@ def change(a: argparse.Namespace) -> list[Step]:
                        kill_after_s=30.0)]
 
 
+def restart(a: argparse.Namespace) -> list[Step]:
+    """A first start (the synthetic graph generated and snapshotted, every cache computed) and
+    a start again after kill -9 of the whole daemon, at papers100M x 0.2 (decision 0039; a
+    later --scale in the bench's options replaces it)."""
+    res = result(a, "restart", None)
+    return [info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: CPU run"),
+            bench_step("first start and restart after kill -9", "bench.graph.restart",
+                       ["--out", str(res), "--machine", a.machine, "--scale", "0.2", *a.extra],
+                       a.bench_timeout_s or 580.0, "restart.log", res, QUIET_PIPELINE,
+                       kill_after_s=30.0)]
+
+
 def frontdoor(a: argparse.Namespace) -> list[Step]:
     """The front door with compiled load clients (wrk for HTTP, h2load for gRPC) beside the
     project's generator and the queue API, CPU per request by process role (~7 minutes)."""
@@ -310,11 +322,12 @@ MAIN_BENCH = {
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
     "exact": "bench.graph.exact_table", "reload": "bench.models.reload",
     "frontdoor": "bench.frontdoor.wrk_bench", "change": "bench.graph.change",
+    "restart": "bench.graph.restart",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
     "front_door": front_door, "updates": updates, "exact": exact, "reload": reload,
-    "frontdoor": frontdoor, "change": change,
+    "frontdoor": frontdoor, "change": change, "restart": restart,
 }
