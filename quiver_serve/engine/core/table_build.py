@@ -4,12 +4,13 @@ budget (docs/architecture.md, "Models and versions"; docs/decisions/0040-model-l
 The version serves as soon as its model is ready; its exact requests go to the on-the-fly path
 until its table is built. :meth:`StepwiseBuild.step` runs between two engine steps and computes
 chunks of target nodes (contiguous, layer by layer, as ``ExactTable.build`` does) until the
-step's budget (``models.table_build_step_ms``) is spent. Each chunk is sized so that its predicted
-cost fits what is left of the budget: the cost of a chunk is taken as proportional to its work
-units (in-edges plus rows), at the seconds per unit measured on the chunks before it (the first
-chunk of a build is a small probe). So a serving step waits behind at most about one budget of
-table work, and the build takes what the serving load leaves: every step when the loop is busy,
-back to back when it is idle.
+step's budget (``models.table_build_step_ms``) is spent. Chunks are sized in work units (in-edges
+plus rows) by what the one before took: the next has the units that would take ``CHUNK_TARGET``
+of the budget at that chunk's rate (at most twice, at least half, the units before; the first
+chunk of a build is a small probe), so a chunk's fixed cost does not shrink chunks to nothing.
+Another chunk runs in the same step only while its predicted seconds fit what is left. So a
+serving step waits behind at most about one budget of table work, and the build takes what the
+serving load leaves: every step when the loop is busy, back to back when it is idle.
 
 A chunk is measured to its end on the device (the table's stream is synchronised), so the
 seconds recorded (``chunk_s``, the metrics' histogram) are what the loop waited.
@@ -29,6 +30,8 @@ from quiver_serve.engine.core.exact_table import MAX_CHUNK_ROWS, ExactTable
 PROBE_UNITS = 1024
 #: weight of the newest chunk in the measured seconds per unit
 COST_EWMA = 0.3
+#: share of the step's budget a chunk is sized for (the rest absorbs chunk-to-chunk variance)
+CHUNK_TARGET = 0.8
 #: chunk seconds kept for the metrics between two reads (older ones are dropped)
 MAX_RECORDED = 4096
 
@@ -49,6 +52,7 @@ class StepwiseBuild:
         self.cum_units = np.concatenate([[0], np.cumsum(units)])
         self.layer, self.pos = 0, 0
         self.s_per_unit: float | None = None
+        self.chunk_units = PROBE_UNITS
         self.chunks_done, self.steps = 0, 0
         self.started_s = clock()
         self.compute_s = 0.0
@@ -70,13 +74,11 @@ class StepwiseBuild:
         done_units = int(self.cum_units[-1]) * self.layer + int(self.cum_units[self.pos])
         return done_units / total
 
-    def _chunk_end(self, budget_left_s: float) -> int:
-        """The end of the next chunk from ``pos``: its predicted seconds fit ``budget_left_s``
-        (one node at least, ``MAX_CHUNK_ROWS`` at most)."""
+    def _chunk_end(self) -> int:
+        """The end of the next chunk from ``pos``: about ``chunk_units`` of work (one node at
+        least, ``MAX_CHUNK_ROWS`` at most)."""
         start = int(self.cum_units[self.pos])
-        want = PROBE_UNITS if self.s_per_unit is None else max(
-            int(budget_left_s / self.s_per_unit), 1)
-        end = int(np.searchsorted(self.cum_units, start + want, side="right")) - 1
+        end = int(np.searchsorted(self.cum_units, start + self.chunk_units, side="right")) - 1
         return min(max(end, self.pos + 1), self.pos + MAX_CHUNK_ROWS, self.num_nodes)
 
     def predicted_s(self, end: int) -> float:
@@ -93,7 +95,7 @@ class StepwiseBuild:
         ran = 0
         while True:
             left_s = self.budget_s - (self.clock() - step_start)
-            end = self._chunk_end(left_s)
+            end = self._chunk_end()
             if ran and (left_s <= 0 or self.predicted_s(end) > left_s):
                 break
             units = int(self.cum_units[end] - self.cum_units[self.pos])
@@ -122,6 +124,8 @@ class StepwiseBuild:
         per_unit = spent_s / max(units, 1)
         self.s_per_unit = per_unit if self.s_per_unit is None else (
             COST_EWMA * per_unit + (1 - COST_EWMA) * self.s_per_unit)
+        scale = min(max(CHUNK_TARGET * self.budget_s / max(spent_s, 1e-9), 0.5), 2.0)
+        self.chunk_units = max(int(units * scale), 1)
         self.chunks_done += 1
         self.compute_s += spent_s
         if len(self.chunk_s) < MAX_RECORDED:
