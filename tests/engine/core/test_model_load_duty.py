@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from quiver_serve.engine.core.exact_table import new_exact_table
@@ -27,9 +28,10 @@ def _pyg(model: torch.nn.Module, cora: GraphData) -> np.ndarray:
         return model(cora.x, cora.edge_index())[IDS].numpy()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_new_version_answers_exact_on_the_fly_while_its_table_builds_then_from_it(
-        cora: GraphData, tmp_path: Path) -> None:
-    core = make_core(cora, exact__materialize="on", models__table_build_step_ms=0.05)
+        cora: GraphData, tmp_path: Path, device: str) -> None:
+    core = make_core(cora, device, exact__materialize="on", models__table_build_step_ms=0.05)
     name = core.primary.name
     old_table = core.exact_table
     path, model = save_weights(tmp_path, "GraphSAGE", SAGE_KW, cora.num_features, 21)
