@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from quiver_serve import errors
 from quiver_serve.frontend.model_view import parse_version, unready
 from quiver_serve.frontend.responses import error_response
 from quiver_serve.frontend.schemas import ErrorBody

@@ -47,8 +47,8 @@ def test_followers_applying_the_writers_plans_equal_followers_that_plan(seed: in
     for version, (add, remove) in enumerate(_updates(rng, scratch, 30), start=1):
         logged: list[PlannedEdgeRecord] = []
         record = EdgeRecord(version, 0.0, add, remove)
-        writer.apply_edges(add, remove,
-                           before_commit=lambda _r, p: logged.append(plan_record(record, p)))
+        writer.apply_edges(add, remove, before_commit=lambda _r, p, logged=logged, record=record:
+                           logged.append(plan_record(record, p)))
         read, _ = decode(encode(logged[0]))  # what a follower reads back from the log
         assert isinstance(read, PlannedEdgeRecord) and read == logged[0]
         planner.apply_edges(read.add, read.remove)
