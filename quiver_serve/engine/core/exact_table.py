@@ -97,7 +97,8 @@ class MarkSeeds:
     sample_stream: torch.cuda.Stream | None
 
 
-def _union(parts: list[np.ndarray]) -> np.ndarray:
+def union_of(parts: list[np.ndarray]) -> np.ndarray:
+    """The sorted distinct ids of ``parts`` (int64; one part is returned as it is)."""
     parts = [p for p in parts if p.size]
     if not parts:
         return np.empty(0, np.int64)
@@ -313,8 +314,8 @@ class ExactTable:
             seeds.append(self._seeds.popleft())
         if not seeds or self.out_index is None:
             return
-        struct = _union([m.struct_nodes for m in seeds])
-        feature = _union([m.feature_nodes for m in seeds])
+        struct = union_of([m.struct_nodes for m in seeds])
+        feature = union_of([m.feature_nodes for m in seeds])
         added = [m.added for m in seeds if m.added is not None and m.added.size]
         with self.on_stream(self.mark_stream):
             stream = seeds[-1].sample_stream

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.batch import Batch
-from quiver_serve.engine.core.exact_table import ExactTable
+from quiver_serve.engine.core.exact_table import ExactTable, union_of
 from quiver_serve.engine.core.micro_batch import Reply
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
@@ -79,10 +79,7 @@ class Changes:
             self.nodes[kind].append(nodes)
 
     def unique(self, kind: str) -> np.ndarray:
-        parts = self.nodes[kind]
-        if not parts:
-            return np.empty(0, np.int64)
-        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+        return union_of(self.nodes[kind])
 
 
 class SyncedCore(Protocol):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quiver_serve.engine.core.exact_table import ExactTable
+from quiver_serve.engine.core.exact_table import ExactTable, union_of
 from quiver_serve.graph.base_files import byte_progress, write_array
 from quiver_serve.graph.log_reader import META_NAME, read_current
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
@@ -128,10 +128,7 @@ def mark_since(table: ExactTable, log_dir: Path, since: int, until: int,
         elif isinstance(r, FeatureRecord):
             feature.append(r.node_ids)
     if records:
-        def union(parts: list[np.ndarray]) -> np.ndarray:
-            return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
-
-        table.mark(union(struct), union(feature), np.concatenate(added) if added else None,
+        table.mark(union_of(struct), union_of(feature), np.concatenate(added) if added else None,
                    until, float(records[0].accepted_s))
         table.settle_marks()
     return len(records)

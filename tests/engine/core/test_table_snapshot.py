@@ -18,6 +18,7 @@ from quiver_serve.graph.stream import StreamMix, apply_reference, hold_out
 from quiver_serve.graph.update_log import UpdateLog
 from quiver_serve.graph.writer import GraphWriter
 from tests.engine.core.test_exact_table import awkward_graph, pyg_rows, table_cfg
+from tests.graph.test_writer import apply
 
 
 def _core(cfg: ServeConfig, base, writer: GraphWriter, directory: Path):
@@ -45,14 +46,10 @@ def test_a_restart_maps_the_table_and_refreshes_what_changed(tmp_path: Path, cls
     first.exact_table.stop()
     assert list((directory / "tables").rglob("layer0.npy"))
     edge_index, x = base.edge_index(), base.x.clone()
-    for op in list(stream)[:6]:  # updates after the snapshot
+    ops = list(stream)[:6]  # updates after the snapshot
+    for op in ops:
         edge_index, x, _ = apply_reference(edge_index, x, op)
-        if op["op"] == "edges":
-            writer.add_edges(op.get("add", []), op.get("remove", []))
-        elif op["op"] == "nodes":
-            writer.add_nodes(op["features"])
-        else:
-            writer.put_features(op["node_ids"], op["features"])
+    apply(writer, ops)
 
     def computed(self: ExactTable, *args: object, **kw: object) -> None:
         raise AssertionError("the table was computed again instead of mapped")
