@@ -51,12 +51,15 @@ def floyd_select(degree: Tensor, k: int, node_h: Tensor) -> Tensor:
 
 def sample_hop(
     indptr: Tensor, indices: Tensor, frontier: Tensor, k: int, hop: int, base: int,
-    overlay: OverlayView | None = None,
+    overlay: OverlayView | None = None, hash_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one hop: (global neighbour ids, frontier position of each), in frontier order.
 
-    Runs on the device of its tensors (the PSGS tables sample every node at once on a GPU)."""
-    edge_pos, count = hop_edge_positions(indptr, frontier, k, hop, base, overlay)
+    Runs on the device of its tensors (the PSGS tables sample every node at once on a GPU).
+    ``hash_ids``: the ids the draws hash, when ``frontier`` holds rows of a partition's CSC
+    rather than global ids (a partition server samples the rows it owns by their global ids,
+    so its draws are the whole graph's; docs/architecture.md, "Partitioned serving")."""
+    edge_pos, count = hop_edge_positions(indptr, frontier, k, hop, base, overlay, hash_ids)
     owner = torch.repeat_interleave(torch.arange(frontier.numel(), device=frontier.device), count)
     return read_positions(indices, edge_pos, overlay), owner
 
@@ -101,16 +104,18 @@ def node_lists(
 
 def hop_edge_positions(
     indptr: Tensor, frontier: Tensor, k: int, hop: int, base: int,
-    overlay: OverlayView | None = None,
+    overlay: OverlayView | None = None, hash_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The CSC positions (into ``indices``) one hop reads, in frontier order, and how many per
     frontier node: exactly the neighbour reads of every sampler (the adjacency cache's read
     model counts them, ``sampling/graph_cache/reads.py``). With an overlay, entry ``p`` of
-    its tail is position ``len(indices) + p`` (``len(indices) == indptr[-1]``)."""
+    its tail is position ``len(indices) + p`` (``len(indices) == indptr[-1]``). ``hash_ids``
+    (default ``frontier``): the node ids the draws hash, one per frontier entry."""
     start, base_count, tail_start, tail_count = node_lists(indptr, frontier, overlay)
     degree = base_count if tail_count is None else base_count + tail_count
     count = degree if k < 0 else torch.clamp(degree, max=k)
-    node, local = _drawn_offsets(frontier, degree, count, k, hop, base)
+    node, local = _drawn_offsets(frontier if hash_ids is None else hash_ids, degree, count, k,
+                                 hop, base)
     edge_pos = start[node] + local
     if tail_start is not None:
         split = base_count[node]
@@ -152,6 +157,52 @@ def _drawn_offsets(
     return node, local
 
 
+class SubgraphBuilder:
+    """The sampled subgraph of one batch as its hops arrive (the ``n_id`` order, local ids and
+    per-hop counts of ``base``'s semantics), whoever draws the hops: the reference sampler here,
+    or the partition servers of a partitioned deployment (``scaleout/partitioned/sampling.py``)."""
+
+    def __init__(self, seeds: Tensor) -> None:
+        self.n_id, self.seed_index = unique_first(seeds.to(torch.int64))
+        self._known_sorted, self._known_local = torch.sort(self.n_id)
+        self._frontier_local = torch.arange(self.n_id.numel())
+        self._rows: list[Tensor] = []
+        self._cols: list[Tensor] = []
+        self.num_nodes = [int(self.n_id.numel())]
+        self.num_edges: list[int] = []
+
+    @property
+    def frontier(self) -> Tensor:
+        """Global ids of the nodes the next hop expands (those the last hop added)."""
+        return self.n_id[self._frontier_local]
+
+    def add_hop(self, nbr: Tensor, owner: Tensor) -> None:
+        """A hop's drawn neighbours (global ids, in frontier order) and each one's frontier
+        position: new nodes appended in order of first occurrence."""
+        known_sorted, known_local = self._known_sorted, self._known_local
+        local = torch.empty_like(nbr)
+        pos = torch.searchsorted(known_sorted, nbr).clamp_(max=max(known_sorted.numel() - 1, 0))
+        found = known_sorted[pos] == nbr if known_sorted.numel() else torch.zeros_like(nbr, dtype=torch.bool)
+        local[found] = known_local[pos[found]]
+        new_nodes, new_rank = unique_first(nbr[~found])
+        first_new = self.n_id.numel()
+        local[~found] = first_new + new_rank
+        self._rows.append(local)
+        self._cols.append(self._frontier_local[owner])
+        self.n_id = torch.cat([self.n_id, new_nodes])
+        self._frontier_local = torch.arange(first_new, self.n_id.numel())
+        self._known_sorted, order = torch.sort(torch.cat([known_sorted, new_nodes]))
+        self._known_local = torch.cat([known_local, self._frontier_local])[order]
+        self.num_nodes.append(int(new_nodes.numel()))
+        self.num_edges.append(int(nbr.numel()))
+
+    def output(self) -> SamplerOutput:
+        edge_index = torch.stack([torch.cat(self._rows), torch.cat(self._cols)]) if self._rows \
+            else torch.empty((2, 0), dtype=torch.int64)
+        return SamplerOutput(self.n_id, edge_index, self.seed_index, self.num_nodes,
+                             self.num_edges)
+
+
 class ReferenceSampler(BaseSampler):
     """Neighbour sampling (docs/architecture.md, "Sampling") in plain vectorised torch."""
 
@@ -159,35 +210,10 @@ class ReferenceSampler(BaseSampler):
 
     def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
         base = seed_base(seed)
-        overlay = self.overlay
         seeds = seeds.to(torch.int64)
         check_seed_range(seeds, self.num_nodes)
-        n_id, seed_index = unique_first(seeds)
-        known_sorted, known_local = torch.sort(n_id)
-        frontier_local = torch.arange(n_id.numel())
-        rows: list[Tensor] = []
-        cols: list[Tensor] = []
-        num_nodes = [n_id.numel()]
-        num_edges: list[int] = []
+        sub = SubgraphBuilder(seeds)
         for hop, k in enumerate(fanouts, start=1):
-            nbr, owner = sample_hop(self.indptr, self.indices, n_id[frontier_local], k, hop, base,
-                                    overlay)
-            local = torch.empty_like(nbr)
-            pos = torch.searchsorted(known_sorted, nbr).clamp_(max=max(known_sorted.numel() - 1, 0))
-            found = known_sorted[pos] == nbr if known_sorted.numel() else torch.zeros_like(nbr, dtype=torch.bool)
-            local[found] = known_local[pos[found]]
-            new_nodes, new_rank = unique_first(nbr[~found])
-            first_new = n_id.numel()
-            local[~found] = first_new + new_rank
-            rows.append(local)
-            cols.append(frontier_local[owner])
-            n_id = torch.cat([n_id, new_nodes])
-            frontier_local = torch.arange(first_new, n_id.numel())
-            known_sorted, order = torch.sort(torch.cat([known_sorted, new_nodes]))
-            known_local = torch.cat([known_local, frontier_local])[order]
-            num_nodes.append(new_nodes.numel())
-            num_edges.append(nbr.numel())
-        edge_index = torch.stack([torch.cat(rows), torch.cat(cols)]) if rows else torch.empty(
-            (2, 0), dtype=torch.int64
-        )
-        return SamplerOutput(n_id, edge_index, seed_index, num_nodes, num_edges)
+            sub.add_hop(*sample_hop(self.indptr, self.indices, sub.frontier, k, hop, base,
+                                    self.overlay))
+        return sub.output()

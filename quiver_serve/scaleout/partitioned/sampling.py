@@ -1,0 +1,132 @@
+"""Neighbour sampling across partitions, with the single machine's semantics.
+
+A partition server holds the in-edge lists of the nodes it owns (rows in local order, sources as
+GLOBAL ids). Hop ``l`` of a batch expands its frontier: the nodes this server owns are drawn here
+by the reference sampler's hop (``sampling.reference.hop_edge_positions``) over the local rows,
+hashing their global ids; the nodes owned elsewhere are drawn by their owners, one batched call
+per partition per hop, all partitions at once and beside the local draws. Random numbers are a
+pure function of (seed, hop, global id, draw) (``sampling/base.py``), so every node's draws are
+the ones a whole-graph sampler makes, and the assembled hop, the ``n_id`` order, ``edge_index``
+and the per-hop counts equal ``ReferenceSampler`` on the whole graph (docs/architecture.md,
+"Partitioned serving"; decision 0044).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.sampling.base import SamplerOutput, check_seed_range, seed_base
+from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions
+
+#: (partition, global ids it owns, fanout, hop, seed base) -> (neighbours, count per id)
+RemoteHop = Callable[[int, np.ndarray, int, int, int], Awaitable[tuple[np.ndarray, np.ndarray]]]
+
+
+@dataclass
+class LocalGraph:
+    """The in-edge lists one partition owns, as tensors (read-only views are fine)."""
+
+    part: int
+    owner: Tensor  # int32/int64 [num_nodes]: partition of each global id
+    local: Tensor  # int64 [num_nodes]: row of each global id within its owner
+    indptr: Tensor  # int64 [owned + 1]
+    indices: Tensor  # int64 [edges]: source GLOBAL ids
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.owner.numel())
+
+
+def local_hop(graph: LocalGraph, ids: Tensor, k: int, hop: int, base: int) -> tuple[Tensor, Tensor]:
+    """Hop ``hop`` (fanout ``k``, -1: every neighbour) of global ``ids`` this partition owns:
+    (their drawn neighbours' global ids in id order, how many per id). ValueError naming the
+    first id it does not own."""
+    ids = ids.to(torch.int64)
+    if ids.numel() == 0:
+        return ids.new_empty(0), ids.new_empty(0)
+    if int(ids.min()) < 0 or int(ids.max()) >= graph.num_nodes:
+        raise ValueError(f"node ids must be in [0, {graph.num_nodes})")
+    mine = graph.owner[ids] == graph.part
+    if not bool(mine.all()):
+        bad = int(ids[~mine][0])
+        raise ValueError(f"node {bad} is owned by partition {int(graph.owner[bad])}, not "
+                         f"{graph.part}")
+    rows = graph.local[ids]
+    edge_pos, count = hop_edge_positions(graph.indptr, rows, k, hop, base, None, ids)
+    return graph.indices[edge_pos], count
+
+
+def _place(frontier_size: int, parts: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """One hop's neighbours in frontier order from per-partition answers ``(positions into the
+    frontier, neighbours in position order, count per position)``; and each one's frontier
+    position."""
+    count = torch.zeros(frontier_size, dtype=torch.int64)
+    for pos, _, cnt in parts:
+        count[pos] = cnt
+    start = torch.cumsum(count, 0) - count
+    total = int(count.sum())
+    nbr = torch.empty(total, dtype=torch.int64)
+    for pos, got, cnt in parts:
+        if got.numel() == 0:
+            continue
+        within = torch.arange(got.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt,
+                                                                     cnt)
+        nbr[torch.repeat_interleave(start[pos], cnt) + within] = got
+    owner = torch.repeat_interleave(torch.arange(frontier_size), count)
+    return nbr, owner
+
+
+class PartitionSampler:
+    """``ReferenceSampler.sample`` over a partitioned graph (see the module docstring);
+    ``remote`` draws a hop of the ids another partition owns (a Ray call in a deployment, the
+    owner's :func:`local_hop` in process for tests)."""
+
+    name = "partitioned"
+
+    def __init__(self, graph: LocalGraph, num_parts: int, remote: RemoteHop) -> None:
+        self.graph, self.num_parts, self.remote = graph, num_parts, remote
+
+    async def hop(self, frontier: Tensor, k: int, hop: int, base: int) -> tuple[Tensor, Tensor]:
+        """One hop of ``frontier`` (global ids): remote calls sent first, then the local draws,
+        then the remote answers awaited (one call per other partition holding frontier nodes)."""
+        owners = self.graph.owner[frontier].to(torch.int64)
+        calls: list[tuple[Tensor, Awaitable[tuple[np.ndarray, np.ndarray]]]] = []
+        for q in range(self.num_parts):
+            if q == self.graph.part:
+                continue
+            pos = (owners == q).nonzero().flatten()
+            if pos.numel():
+                ids = frontier[pos].numpy()
+                calls.append((pos, asyncio.ensure_future(self.remote(q, ids, k, hop, base))))
+        answers: list[tuple[Tensor, Tensor, Tensor]] = []
+        mine = (owners == self.graph.part).nonzero().flatten()
+        if mine.numel():
+            got, cnt = local_hop(self.graph, frontier[mine], k, hop, base)
+            answers.append((mine, got, cnt))
+        try:
+            remote = await asyncio.gather(*(fut for _, fut in calls))
+        except BaseException:
+            for _, fut in calls:
+                fut.cancel()
+            raise
+        for (pos, _), (got, cnt) in zip(calls, remote, strict=True):
+            answers.append((pos, torch.from_numpy(np.asarray(got, np.int64)),
+                            torch.from_numpy(np.asarray(cnt, np.int64))))
+        return _place(int(frontier.numel()), answers)
+
+    async def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
+        """The ``len(fanouts)``-hop subgraph of global ``seeds`` with batch seed ``seed``; the
+        same tensors ``ReferenceSampler.sample`` gives on the whole graph."""
+        base = seed_base(seed)
+        seeds = seeds.to(torch.int64)
+        check_seed_range(seeds, self.graph.num_nodes)
+        sub = SubgraphBuilder(seeds)
+        for hop, k in enumerate(fanouts, start=1):
+            sub.add_hop(*await self.hop(sub.frontier, k, hop, base))
+        return sub.output()
