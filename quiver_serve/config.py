@@ -337,6 +337,20 @@ def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
     return max(1, min(8, cpus // 2))
 
 
+class PartitionedConfig(_Section):
+    """A graph partitioned across partition servers on a Ray cluster (docs/architecture.md,
+    "Partitioned serving"; ``python -m quiver_serve.scaleout.ray_serve --partitions P``)."""
+
+    remote_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="longest wait for one call between partition servers (a sampling hop or a feature batch); past it the partition counts as unavailable and the request is answered 503 with Retry-After")
+    transport_delay_ms: float = Field(
+        0.0, ge=0, le=1000, description="delay added before every call between partition servers (tests and benches: a slower network)")
+    down_s: float = Field(
+        1.0, ge=0, le=60, description="after a call to a partition failed, requests needing it are answered 503 at once for this long (then the next request tries it again)")
+    max_ongoing_requests: int = Field(
+        256, ge=1, le=65536, description="requests one partition server works on at once; past it 503 overloaded")
+
+
 class ServeConfig(_Section):
     """Everything the daemon needs; sections map to YAML top-level keys."""
 
@@ -349,6 +363,7 @@ class ServeConfig(_Section):
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)
     exact: ExactConfig = Field(default_factory=ExactConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    partitioned: PartitionedConfig = Field(default_factory=PartitionedConfig)
 
     @model_validator(mode="after")
     def _check_layers(self) -> ServeConfig:
