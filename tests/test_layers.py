@@ -21,6 +21,7 @@ RANKS = {
     "quiver_serve.engine.procs": 6,
     "quiver_serve.engine.core": 5,
     "quiver_serve.routing": 4,
+    "quiver_serve.partition": 4,
     "quiver_serve.features": 3,
     "quiver_serve.models": 3,
     "quiver_serve.sampling": 2,
