@@ -11,9 +11,14 @@
   node) is retried once on another replica, so a lost replica loses no request.
 
 Run: ``python -m quiver_serve.scaleout.ray_serve --replicas 2`` (the embedded default; ``--config X.yaml``: another)
-(``--address auto`` joins a running cluster). Not handled: graphs larger than one node's memory
-(each node holds the whole graph; partitioning it across nodes is not implemented), the KServe
-routes and ``/metrics`` of the daemon (Ray Serve exports its own request metrics).
+(``--address auto`` joins a running cluster). In this replica mode every node holds the whole
+graph, and the KServe routes and ``/metrics`` of the daemon are not served (Ray Serve exports its
+own request metrics).
+
+``--partitions P`` (P > 1) serves a graph partitioned across hosts instead: one partition server
+per partition and replica, an ingress with the daemon's HTTP contract
+(``scaleout/partitioned/``; docs/architecture.md, "Partitioned serving"). ``--partitions 1`` is
+the replica mode above.
 """
 
 
@@ -226,6 +231,14 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                     help="engine replicas (one GPU each where the cluster has GPUs, else a "
                          "share of its CPUs)")
     ap.add_argument("--autoscale", action="store_true", help="1..--replicas on ongoing requests")
+    ap.add_argument("--partitions", type=int, default=1,
+                    help="partitions of the graph, one partition server each per replica "
+                         "(1: every replica holds the whole graph)")
+    ap.add_argument("--partition-dir", default=None,
+                    help="the partitions' folder (python -m quiver_serve.partition --out); "
+                         "default: partition the config's graph now")
+    ap.add_argument("--partition-method", default="metis",
+                    help="how to partition when no --partition-dir is given")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     ap.add_argument("--host", default=None, help="HTTP bind address (default: server.host)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port (default: server.port)")
@@ -249,18 +262,40 @@ def start(args: argparse.Namespace, cfg: ServeConfig) -> str:
         raise StartError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
     end = time.monotonic() + args.start_timeout_s
     ray.init(address=args.address, include_dashboard=False)
-    reservations = size_replicas(ray.cluster_resources(), args.replicas)
-    log.info("each engine replica reserves %g CPU and %g GPU; the ingress %g CPU",
-             reservations.engine_cpus, reservations.engine_gpus, reservations.ingress_cpus)
-    serve.start(http_options={"host": host, "port": port})
-    app = build_app(cfg, load_graph(cfg.graph), args.replicas, autoscale=args.autoscale,
-                    reservations=reservations)
+    if args.partitions > 1:
+        app = partitioned_app(args, cfg, max(1.0, end - time.monotonic()))
+        serve.start(http_options={"host": host, "port": port})
+    else:
+        reservations = size_replicas(ray.cluster_resources(), args.replicas)
+        log.info("each engine replica reserves %g CPU and %g GPU; the ingress %g CPU",
+                 reservations.engine_cpus, reservations.engine_gpus, reservations.ingress_cpus)
+        serve.start(http_options={"host": host, "port": port})
+        app = build_app(cfg, load_graph(cfg.graph), args.replicas, autoscale=args.autoscale,
+                        reservations=reservations)
     serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
     wait_running(lambda: serve.status().applications.get(APP_NAME),
                  max(1.0, end - time.monotonic()))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     first_answer(url, max(1.0, end - time.monotonic()))
     return url
+
+
+def partitioned_app(args: argparse.Namespace, cfg: ServeConfig, timeout_s: float) -> Any:
+    """The partition servers, started and answering, and the ingress application over them."""
+    import ray
+
+    from quiver_serve.scaleout.partitioned import deploy
+
+    if args.partitions < 1:
+        raise StartError(f"--partitions must be at least 1, got {args.partitions}")
+    data_dir = deploy.prepare_partitions(cfg, args.partitions, args.partition_dir,
+                                         args.partition_method)
+    reservations = size_replicas(ray.cluster_resources(), args.partitions * args.replicas)
+    log.info("%d partition servers of %g CPU and %g GPU each; the ingress %g CPU",
+             args.partitions * args.replicas, reservations.engine_cpus,
+             reservations.engine_gpus, reservations.ingress_cpus)
+    deployment = deploy.start_servers(cfg, data_dir, args.replicas, reservations, timeout_s)
+    return deploy.ingress_app(cfg, deployment, reservations.ingress_cpus)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,234 @@
+"""The ingress of a partitioned deployment: the daemon's HTTP contract on Ray Serve's proxy.
+
+``POST /v1/embed`` and KServe v2 ``POST /v2/models/{name}/infer`` take the daemon's bodies and
+answer its bodies and errors (``frontend/responses.py``, ``frontend/kserve.py``). Ids go to the
+partition that owns them, one call per partition, all at once, and the rows are merged in request
+order. A seeded request goes whole to one partition server (the owner of its first id), which
+draws its subgraph across partitions: a seeded answer is a function of the whole request's
+subgraph, as on one machine. ``GET /v1/graph`` lists the partitions, ``GET /v2/health/ready``
+asks every one, ``GET /metrics`` gathers their counts (``metrics/partitioned.py``).
+
+A partition that fails a call (gone, restarting, past its timeout) is refused for
+``partitioned.down_s``: requests needing it are answered 503 with Retry-After at once, never with
+a partial answer; the others go on (docs/architecture.md, "Partitioned serving").
+"""
+
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig
+from quiver_serve.frontend import kserve
+from quiver_serve.frontend.bodies import validation_message
+from quiver_serve.frontend.responses import embed_answer, error_response, serve_error_response
+from quiver_serve.frontend.schemas import EmbedBody
+from quiver_serve.metrics.partitioned import IngressCounts, exposition
+from quiver_serve.partition.book import PartitionBook
+from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S
+
+#: how long a readiness or status probe waits for a partition server
+PROBE_S = 2.0
+#: beyond the request's own deadline, how long the ingress waits for a partition server
+MARGIN_S = 1.0
+
+APP = FastAPI(title="quiver-serve, partitioned, on Ray Serve",
+              description="the daemon's /v1/embed and KServe v2 infer over partition servers")
+
+
+@APP.exception_handler(RequestValidationError)
+async def _malformed(request: Any, exc: RequestValidationError) -> JSONResponse:
+    """A body the schema refuses: 422 ``invalid_request``, worded as the daemon words it."""
+    return error_response(422, "invalid_request", validation_message(list(exc.errors())),
+                          path=request.url.path)
+
+
+def book_arrays(book: PartitionBook) -> dict[str, Any]:
+    """The book as plain data (what goes into the object store for the ingress)."""
+    return {"owner": book.owner, "local": book.local, "num_parts": book.num_parts,
+            "method": book.method}
+
+
+class Unavailable(errors.ServeError):
+    """A partition the request needs is refused or lost: 503 with the server's Retry-After."""
+
+    def __init__(self, part: int, reason: str) -> None:
+        super().__init__("partition_unavailable",
+                         f"partition {part} is unavailable ({reason}); retry later", 503)
+        self.part = part
+
+
+@serve.ingress(APP)
+class PartitionedIngress:
+    """See the module docstring. ``servers[p][r]``: partition ``p``'s replica ``r`` (Ray actor
+    handles, valid across restarts)."""
+
+    def __init__(self, servers: list[list[Any]], book: dict[str, Any], cfg_dict: dict[str, Any],
+                 dim: int) -> None:
+        import ray
+
+        self.servers = servers
+        arrays = ray.get(book["ref"])
+        self.book = PartitionBook(arrays["owner"], arrays["local"], arrays["num_parts"],
+                                  arrays["method"])
+        self.cfg = ServeConfig.model_validate(cfg_dict)
+        self.dim = dim
+        self.down_until = [0.0] * len(servers)
+        self.counts = IngressCounts()
+        self._next = itertools.count()
+
+    # ---- routes --------------------------------------------------------------------------------
+    @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
+    async def embed(self, body: EmbedBody, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            ids = self._check(np.asarray(body.node_ids, dtype=np.int64), body.min_version,
+                              bool(body.new_nodes), body.seed)
+            timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
+            rows = await self.rows(ids, body.exact, body.seed, timeout_s)
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0)
+        content, media_type = embed_answer(self.cfg.model.name, rows,
+                                           request.headers.get("accept"))
+        self.counts.observe(200, time.perf_counter() - t0)
+        return Response(content, media_type=media_type)
+
+    @APP.post("/v2/models/{name}/infer", summary="KServe v2 inference: node_ids -> embeddings")
+    async def infer(self, name: str, request: Request) -> Response:
+        t0 = time.perf_counter()
+        path = request.url.path
+        try:
+            if name != self.cfg.model.name:
+                raise errors.ServeError("model_not_found", f"unknown model {name!r}; this "
+                                        f"deployment serves {self.cfg.model.name!r}", 404)
+            req = kserve.parse_infer(await request.body(),
+                                     request.headers.get(kserve.HEADER_LENGTH))
+            ids = self._check(req.node_ids, req.min_version, False, req.seed)
+            timeout_s = None if req.timeout_ms is None else req.timeout_ms / 1000.0
+            rows = await self.rows(ids, req.exact, req.seed, timeout_s)
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0, path)
+        content, headers = kserve.infer_response(name, 1, req, rows)
+        self.counts.observe(200, time.perf_counter() - t0)
+        return Response(content, headers=headers)
+
+    @APP.get("/v2/health/live", summary="Liveness")
+    async def live(self) -> dict[str, bool]:
+        return {"live": True}
+
+    @APP.get("/v2/health/ready", summary="Readiness: every partition has a server answering")
+    async def ready(self) -> Response:
+        infos = await self._infos()
+        missing = sorted({s["partition"] for s in infos if s.get("down")} -
+                         {s["partition"] for s in infos if not s.get("down")})
+        if missing:
+            return serve_error_response(errors.unavailable(
+                "not_ready", f"partitions {missing} have no server answering"),
+                self.cfg.server.retry_after_s, "/v2/health/ready")
+        return JSONResponse({"ready": True})
+
+    @APP.get("/v1/graph", summary="The partitioned graph: partitions, their servers, sizes")
+    async def graph(self) -> JSONResponse:
+        infos = await self._infos()
+        parts = [{"partition": p, "servers": [
+            {"down": bool(s.get("down")), **{k: s.get(k) for k in ("replica", "pid", "nodes", "edges", "device",
+                                   "requests", "hot_hit_rate")}} for s in infos
+            if s["partition"] == p]} for p in range(self.book.num_parts)]
+        return JSONResponse({"num_nodes": self.book.num_nodes, "num_parts": self.book.num_parts,
+                             "method": self.book.method, "dim": self.dim,
+                             "partitions": parts})
+
+    @APP.get("/metrics", summary="Prometheus metrics of the ingress and every partition server")
+    async def metrics(self) -> Response:
+        text = exposition(await self._infos(), self.counts, CALL_BUCKETS_S)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- the work ------------------------------------------------------------------------------
+    def _check(self, ids: np.ndarray, min_version: int, new_nodes: bool,
+               seed: int | None) -> np.ndarray:
+        """The daemon's checks of one request (``errors.check_node_ids``, the seed's range);
+        the living graph's fields are refused: this deployment serves its snapshot."""
+        if min_version or new_nodes:
+            raise errors.ServeError("unsupported_on_ray", "min_version and new_nodes need the "
+                                    "daemon's living graph; the partitioned deployment serves "
+                                    "its partitions' snapshot", 400)
+        errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
+        errors.check_seed(seed)
+        return ids
+
+    async def rows(self, ids: np.ndarray, exact: bool, seed: int | None,
+                   timeout_s: float | None) -> np.ndarray:
+        """float32 [len(ids), dim] in request order; :class:`errors.ServeError` otherwise."""
+        if seed is not None and not exact:  # one server draws the whole request's subgraph
+            owner = int(self.book.owners(ids[:1])[0])
+            return await self._call(owner, ids, exact, seed, timeout_s)
+        out = np.empty((ids.size, self.dim), dtype=np.float32)
+        split = [(p, pos) for p, pos in enumerate(self.book.split(ids)) if pos.size]
+        for p, _ in split:
+            self._check_up(p)
+        got = await asyncio.gather(*(self._call(p, ids[pos], exact, seed, timeout_s)
+                                     for p, pos in split), return_exceptions=True)
+        for (_, pos), rows in zip(split, got, strict=True):
+            if isinstance(rows, BaseException):
+                raise rows
+            out[pos] = rows
+        return out
+
+    def _check_up(self, part: int) -> None:
+        if time.monotonic() < self.down_until[part]:
+            raise Unavailable(part, "it failed moments ago")
+
+    async def _call(self, part: int, ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_s: float | None) -> np.ndarray:
+        """Partition ``part``'s answer for ``ids``: the next replica, then (if that one is
+        lost) another; a refusal naming a partition marks that partition down."""
+        from ray.exceptions import RayError
+
+        self._check_up(part)
+        replicas = self.servers[part]
+        wait_s = (timeout_s or self.cfg.server.request_timeout_s) + MARGIN_S
+        first, reason = next(self._next), "no replica"
+        for attempt in range(min(2, len(replicas))):
+            server = replicas[(first + attempt) % len(replicas)]
+            try:
+                out = await asyncio.wait_for(server.embed.remote(ids, exact, seed, timeout_s),
+                                             wait_s)
+            except (RayError, asyncio.TimeoutError) as exc:
+                reason = type(exc).__name__
+                continue
+            if isinstance(out, dict):
+                self._refused(out)
+            return np.asarray(out, dtype=np.float32)
+        self.down_until[part] = time.monotonic() + self.cfg.partitioned.down_s
+        raise Unavailable(part, reason)
+
+    def _refused(self, out: dict[str, Any]) -> None:
+        if "partition" in out:
+            self.down_until[int(out["partition"])] = \
+                time.monotonic() + self.cfg.partitioned.down_s
+        raise errors.ServeError(out["code"], out["message"], int(out["status"]))
+
+    def _refuse(self, exc: errors.ServeError, t0: float, path: str = "") -> JSONResponse:
+        self.counts.observe(exc.info.status, time.perf_counter() - t0)
+        return serve_error_response(exc, self.cfg.server.retry_after_s, path)
+
+    async def _infos(self) -> list[dict[str, Any]]:
+        """Every server's ``info()`` (``{"partition", "replica", "down": True}`` for one that
+        does not answer within ``PROBE_S``)."""
+        async def one(p: int, r: int, server: Any) -> dict[str, Any]:
+            try:
+                info: dict[str, Any] = await asyncio.wait_for(server.info.remote(), PROBE_S)
+                return info
+            except Exception:  # noqa: BLE001 - any failure: shown as down
+                return {"partition": p, "replica": r, "down": True}
+
+        return list(await asyncio.gather(*(one(p, r, s) for p, reps in enumerate(self.servers)
+                                           for r, s in enumerate(reps))))

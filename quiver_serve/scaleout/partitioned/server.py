@@ -1,0 +1,188 @@
+"""A partition server: one Ray actor per partition and replica, holding what the partition's
+snapshot folder holds (``quiver_serve/partition/``: its nodes' in-edge lists, their features, the
+hot rows of other partitions) mapped from disk, and the served model on its GPU or the CPU.
+
+``embed`` runs a request's ids through the pipeline of docs/architecture.md ("Partitioned
+serving"): the partition-aware sampler (``sampling.py``: its own hops here, the other partitions'
+by one call per partition per hop), the partition-aware feature source (``features.py``) and the
+model (``models/served.py``, the engine core's). ``sample_hop`` and ``rows`` answer the other
+partition servers. Why this is not the engine core with two seams, and what that costs, is
+decision 0044. Every answer that is not rows is a plain dict ``{code, message, status}``
+(exceptions would lose their status on the way through Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve import errors
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.devices import worker_device
+from quiver_serve.features.build import DTYPES
+from quiver_serve.models.served import ServedModel, build_model
+from quiver_serve.models.startup import start_plan
+from quiver_serve.sampling.base import new_batch_seed
+from quiver_serve.scaleout.partitioned.features import PartitionFeatures
+from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers, PeerSettings
+from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, local_hop
+
+log = logging.getLogger(__name__)
+
+
+def as_tensor(a: np.ndarray) -> Tensor:
+    """A tensor over ``a`` without a copy, read-only arrays (memory maps, Ray's object store)
+    included: nothing here writes to them."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():  # torch warns that writing would be undefined
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def refusal(exc: errors.ServeError) -> dict[str, Any]:
+    return {"code": exc.info.code, "message": exc.info.message, "status": exc.info.status}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Which partition and replica a server is, and where its snapshot folder is."""
+
+    app: str
+    data_dir: str
+    part: int
+    replica: int
+    replicas: int
+
+
+class PartitionServer:
+    """See the module docstring; Ray makes it an actor (``deploy.py``)."""
+
+    def __init__(self, cfg_dict: dict[str, Any], args: ServerArgs,
+                 degrees: dict[str, Any] | None = None) -> None:
+        from quiver_serve.partition.data import load_partition
+
+        self.cfg = cfg = ServeConfig.model_validate(cfg_dict)
+        self.args = args
+        torch.set_num_threads(cfg.inference.torch_threads)
+        data = load_partition(Path(args.data_dir), args.part, mmap=True)
+        book = data.book
+        self.num_nodes, self.num_parts = int(book.num_nodes), int(book.num_parts)
+        self.owned, self.edges = int(data.global_ids.size), int(data.indices.size)
+        owner, local = as_tensor(book.owner), as_tensor(book.local)
+        pc = cfg.partitioned
+        self.peers = Peers(args.part, PeerSettings(args.app, self.num_parts, args.replicas,
+                                                   pc.remote_timeout_s,
+                                                   pc.transport_delay_ms / 1e3, pc.down_s))
+        self.graph = LocalGraph(args.part, owner, local, as_tensor(data.indptr),
+                                as_tensor(data.indices))
+        self.sampler = PartitionSampler(self.graph, self.num_parts, self.peers.sample_hop)
+        self.features = PartitionFeatures(
+            args.part, owner, local, as_tensor(data.features), as_tensor(data.hot_ids),
+            as_tensor(data.hot_features), self.num_parts, self.peers.rows)
+        self.device = worker_device(cfg, 0)
+        self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
+        self.storage_dtype = DTYPES[cfg.features.storage_dtype]
+        self.ongoing, self.requests, self.refused = 0, 0, 0
+        log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s",
+                 args.part, args.replica, self.owned, self.edges, data.hot_ids.size, self.device)
+
+    def _model(self, in_channels: int, degrees: dict[str, Any] | None,
+               ) -> tuple[ServedModel, list[int]]:
+        """The primary model as the engine core builds it (weights-only), on this device; a
+        GCN gets the whole graph's in-degrees (``degrees``) for exact mode."""
+        import ray
+
+        spec = start_plan(self.cfg).primary()
+        in_degree = self_loops = None
+        if degrees is not None:
+            arrays = ray.get(degrees["ref"]) if "ref" in degrees else degrees
+            in_degree = as_tensor(arrays["in_degree"])
+            self_loops = as_tensor(arrays["self_loops"]) if spec.pyg_class == "GCN" else None
+        inf = self.cfg.inference
+        model = ServedModel(build_model(spec, in_channels), in_degree, self_loops,
+                            precision=inf.precision, fast=inf.fast_model).to(self.device)
+        return model, spec.fanouts_or(self.cfg.sampling.fanouts)
+
+    # ---- answering the ingress ---------------------------------------------------------------
+    async def embed(self, node_ids: np.ndarray, exact: bool, seed: int | None,
+                    timeout_s: float | None) -> np.ndarray | dict[str, Any]:
+        """float32 rows of global ``node_ids`` (the subgraph drawn with ``seed``, or a fresh
+        batch seed; every neighbour per hop when ``exact``), or a refusal: 503 with the
+        partition that did not answer, 503 overloaded, 504 past ``timeout_s``."""
+        if self.ongoing >= self.cfg.partitioned.max_ongoing_requests:
+            self.refused += 1
+            return refusal(errors.overloaded("the partition server is at its ongoing-request "
+                                             "limit; retry later"))
+        timeout_s = self.cfg.server.request_timeout_s if timeout_s is None else timeout_s
+        self.ongoing += 1
+        self.requests += 1
+        try:
+            return await asyncio.wait_for(self._embed(node_ids, exact, seed), timeout_s)
+        except PartitionUnavailable as exc:
+            return {**refusal(errors.unavailable("partition_unavailable", str(exc))),
+                    "partition": exc.part}
+        except asyncio.TimeoutError:
+            return refusal(errors.deadline())
+        except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
+            return refusal(errors.internal_error(exc, f"partition {self.args.part} embed", log))
+        finally:
+            self.ongoing -= 1
+
+    async def _embed(self, node_ids: np.ndarray, exact: bool, seed: int | None) -> np.ndarray:
+        ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
+        fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
+        sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
+                                            else seed)
+        x = (await self.features.gather(sampled.n_id)).to(self.storage_dtype)
+        return await asyncio.to_thread(self._forward, x, sampled, exact)
+
+    def _forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
+        dev = self.device
+        out = self.model(x.to(dev), sampled.n_id.to(dev), sampled.edge_index.to(dev),
+                         sampled.num_sampled_nodes, sampled.num_sampled_edges, exact)
+        rows = out.index_select(0, sampled.seed_index.to(dev)).float()
+        return np.ascontiguousarray(rows.cpu().numpy())
+
+    # ---- answering the other partition servers -------------------------------------------------
+    def sample_hop(self, ids: np.ndarray, k: int, hop: int,
+                   base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
+        """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id)."""
+        try:
+            nbr, count = local_hop(self.graph, torch.from_numpy(np.asarray(ids, np.int64)), k,
+                                   hop, base)
+        except ValueError as exc:
+            return {"code": "not_owned", "message": str(exc), "status": 400}
+        return nbr.numpy(), count.numpy()
+
+    def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
+        """Feature rows of the global ``ids`` this partition owns."""
+        try:
+            return self.features.own_rows(ids)
+        except ValueError as exc:
+            return {"code": "not_owned", "message": str(exc), "status": 400}
+
+    # ---- status -------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """What ``GET /v1/graph`` and ``/metrics`` show of this server."""
+        counts = self.features.counts
+        return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
+                "nodes": self.owned, "edges": self.edges, "device": str(self.device),
+                "dim": self.model.out_dim,
+                "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
+                "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
+                "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
+                "time_s": time.time()}
+
+    def pid(self) -> int:
+        return os.getpid()
