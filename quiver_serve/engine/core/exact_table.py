@@ -299,9 +299,9 @@ class ExactTable:
 
     def settle_marks(self, held: bool = False) -> None:
         """Find the rows every mark so far reaches: ``pending`` per layer, ``stale`` and
-        ``marked_version`` (``held``: the caller holds ``lock``)."""
-        if not self._seeds:
-            return
+        ``marked_version`` (``held``: the caller holds ``lock``). Always under ``lock``: a
+        settle running on another thread has taken the seeds before it sets ``stale``, so an
+        empty ``_seeds`` alone does not mean every mark is in ``stale`` yet."""
         if held:
             self._settle()
             return

@@ -219,6 +219,41 @@ def test_gcn_marks_the_out_neighbours_of_a_node_whose_degree_changed(tmp_path: P
         h.close()
 
 
+def test_a_row_is_not_servable_while_another_thread_settles_its_mark(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A settle on the refresh thread takes the marks before it writes ``stale``: a request
+    checking the rows meanwhile waits for it, and does not read the old rows as clean."""
+    cfg = table_cfg(tmp_path, "GraphSAGE", {})
+    h = Harness(tmp_path, cfg, awkward_graph(3))
+    try:
+        h.table.refresher.stop()  # no round: this test settles by hand
+        entered, release = threading.Event(), threading.Event()
+        reach = h.table.out_index.reach
+
+        def slow_reach(mask: torch.Tensor) -> torch.Tensor:
+            entered.set()
+            release.wait(10)
+            return reach(mask)
+
+        monkeypatch.setattr(h.table.out_index, "reach", slow_reach)
+        marking = threading.Thread(target=h.table.mark, args=(
+            np.empty(0, np.int64), np.array([7]), None, 1, time.time()))
+        marking.start()
+        assert entered.wait(10)
+        answer: list[bool] = []
+        checking = threading.Thread(target=lambda: answer.append(h.table.servable(np.array([7]))))
+        checking.start()
+        checking.join(0.3)
+        assert checking.is_alive() and not answer, "read the stale mask before the settle ended"
+        release.set()
+        marking.join(10)
+        checking.join(10)
+        assert answer == [False]
+    finally:
+        release.set()
+        h.close()
+
+
 def test_a_failed_round_is_retried_as_a_full_recompute(tmp_path: Path, monkeypatch) -> None:
     from quiver_serve.engine.core import table_refresh
 
