@@ -337,6 +337,21 @@ def resolve_http_workers(configured: int, cpus: int | None = None) -> int:
     return max(1, min(8, cpus // 2))
 
 
+class PartitionConfig(_Section):
+    """Partitioning a graph offline (docs/architecture.md, "Partitioning";
+    ``python -m quiver_serve.partition --parts P --out DIR``)."""
+
+    method: Literal["auto", "metis", "hash", "range"] = Field(
+        "auto", description="who owns each node: METIS k-way (balanced on nodes and in-edges, the smallest edge cut), hash of the id, contiguous id ranges balanced on nodes and in-edges, or auto (metis up to metis_max_edges, fallback above)")
+    metis_max_edges: int = Field(
+        200_000_000, ge=1, description="method auto: the most in-edges partitioned by METIS (its symmetrised copy takes about 40 bytes per edge; docs/decisions/0042-partitioning.md)")
+    fallback: Literal["hash", "range"] = Field(
+        "range", description="method auto: the method above metis_max_edges")
+    hot_budget_mb: float = Field(
+        256.0, ge=0, description="per partition: MB of other partitions' float32 feature rows replicated there, the likeliest read by its requests (FAP under sampling.fanouts)")
+    seed: int = Field(0, description="seed of METIS and of hash")
+
+
 class PartitionedConfig(_Section):
     """A graph partitioned across partition servers on a Ray cluster (docs/architecture.md,
     "Partitioned serving"; ``python -m quiver_serve.scaleout.ray_serve --partitions P``)."""
@@ -363,6 +378,7 @@ class ServeConfig(_Section):
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)
     exact: ExactConfig = Field(default_factory=ExactConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
     partitioned: PartitionedConfig = Field(default_factory=PartitionedConfig)
 
     @model_validator(mode="after")
