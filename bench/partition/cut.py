@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fanouts", type=int, nargs="+", default=[25, 10])
     ap.add_argument("--singles", type=int, default=2000, help="single-id requests sampled")
     ap.add_argument("--batches", type=int, default=8, help="batches per partition count")
+    ap.add_argument("--traffic-parts", type=int, default=4,
+                    help="partitions whose requests are measured (their hot rows computed)")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--hot-fraction", type=float, default=0.02,
                     help="rows replicated on each partition, as a share of the graph's rows")
@@ -60,10 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def resident_gb() -> float:
+    """This process's resident memory now (GB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
 def timed_assign(indptr: np.ndarray, indices: np.ndarray, parts: int,
                  method: str) -> tuple[np.ndarray, float, float]:
-    """``(owner, seconds, peak resident GB)`` of the assignment, run in a forked child so its
-    peak memory is its own (the child holds the graph it reads, as a partitioner would)."""
+    """``(owner, seconds, GB)`` of the assignment: run in a forked child, whose peak resident
+    memory less what it inherited resident is what the assignment itself took."""
+    inherited_gb = resident_gb()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "owner.npy"
         pid = os.fork()
@@ -81,7 +90,8 @@ def timed_assign(indptr: np.ndarray, indices: np.ndarray, parts: int,
         if status != 0:
             raise RuntimeError(f"{method} into {parts} parts failed in the child ({status})")
         seconds = float((Path(tmp) / "seconds").read_text())
-        return np.load(out), seconds, usage.ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+        # ru_maxrss is in KiB on Linux
+        return np.load(out), seconds, max(0.0, usage.ru_maxrss * 1024 / 1e9 - inherited_gb)
 
 
 def request_traffic(sampler: ReferenceSampler, owner: np.ndarray, part: int, seeds: np.ndarray,
@@ -112,16 +122,19 @@ def request_traffic(sampler: ReferenceSampler, owner: np.ndarray, part: int, see
             "feature_calls": int(np.unique(owner[n_id[fetch]]).size)}
 
 
-def traffic(sampler: ReferenceSampler, owner: np.ndarray, parts: int, args: argparse.Namespace,
-            hot: list[np.ndarray] | None, num_features: int) -> dict[str, Any]:
-    """Mean traffic per single-id request and per batch (and per seed of a batch)."""
+def traffic(sampler: ReferenceSampler, owner: np.ndarray, measured: np.ndarray,
+            args: argparse.Namespace, hot: dict[int, np.ndarray] | None,
+            num_features: int) -> dict[str, Any]:
+    """Mean traffic per single-id request and per batch (and per seed of a batch), of requests
+    for the nodes of the ``measured`` partitions (partitions are alike: a few stand for all)."""
     rng = np.random.default_rng(7)
+    pool = np.flatnonzero(np.isin(owner, measured))
     singles = [request_traffic(sampler, owner, int(owner[v]), np.array([v]), args.fanouts,
                                None if hot is None else hot[int(owner[v])], num_features, i)
-               for i, v in enumerate(rng.integers(0, owner.size, args.singles))]
+               for i, v in enumerate(rng.choice(pool, args.singles))]
     batches = []
     for i in range(args.batches):
-        part = int(rng.integers(0, parts))
+        part = int(measured[i % measured.size])
         mine = np.flatnonzero(owner == part)
         seeds = rng.choice(mine, min(args.batch_size, mine.size), replace=False)
         batches.append(request_traffic(sampler, owner, part, seeds, args.fanouts,
@@ -151,25 +164,31 @@ def main(argv: list[str] | None = None) -> None:
             owner, seconds, peak_gb = timed_assign(indptr, indices, parts, method)
             cut = edge_cut(indptr, indices, owner)
             weights = np.bincount(owner, weights=balance_weights(indptr), minlength=parts)
-            run = {"method": method, "parts": parts, "assign_s": seconds, "peak_rss_gb": peak_gb,
+            run = {"method": method, "parts": parts, "assign_s": seconds, "assign_gb": peak_gb,
                    "edge_cut": cut, "edge_cut_fraction": cut / graph.num_edges,
                    "node_balance": balance(np.bincount(owner, minlength=parts)),
                    "edge_balance": balance(np.bincount(owner, weights=degree, minlength=parts)),
                    "weight_balance": balance(weights)}
-            print(f"{method} P={parts}: {seconds:.1f} s, peak {peak_gb:.2f} GB, cut "
+            print(f"{method} P={parts}: {seconds:.1f} s, {peak_gb:.2f} GB above the graph, cut "
                   f"{run['edge_cut_fraction']:.3f}, balance nodes {run['node_balance']:.3f} "
                   f"edges {run['edge_balance']:.3f}", flush=True)
-            run["traffic_no_hot"] = traffic(sampler, owner, parts, args, None, graph.num_features)
+            measured = np.random.default_rng(parts).choice(
+                parts, min(parts, args.traffic_parts), replace=False)
+            run["traffic_parts"] = measured.tolist()
+            run["traffic_no_hot"] = traffic(sampler, owner, measured, args, None,
+                                            graph.num_features)
             t0 = time.perf_counter()
             max_rows = int(args.hot_fraction * graph.num_nodes)
-            hot = [hot_rows(graph.indptr, graph.indices, owner, p, args.fanouts,
-                            1024, max_rows)[0] for p in range(parts)]
-            run["hot_s"] = time.perf_counter() - t0
-            run["traffic_hot"] = traffic(sampler, owner, parts, args, hot, graph.num_features)
+            hot = {int(p): hot_rows(graph.indptr, graph.indices, owner, int(p), args.fanouts,
+                                    1024, max_rows)[0] for p in measured}
+            run["hot_s_per_part"] = (time.perf_counter() - t0) / measured.size
+            run["traffic_hot"] = traffic(sampler, owner, measured, args, hot, graph.num_features)
             print(f"  per single id: {run['traffic_no_hot']['single']}\n  with hot rows: "
                   f"{run['traffic_hot']['single']}", flush=True)
             runs.append(run)
     result = {"meta": run_meta(args, graph=graph.describe(), scale=args.scale,
+                               batch_size=args.batch_size, singles=args.singles,
+                               batches=args.batches, traffic_parts=args.traffic_parts,
                                preset=args.preset, fanouts=args.fanouts,
                                max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6),
               "graph": {"nodes": graph.num_nodes, "edges": graph.num_edges,
