@@ -10,9 +10,16 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quiver_serve.config import ConfigError, ServeConfig
 from quiver_serve.partition.methods import AUTO, METHODS, resolve_method
+
+if TYPE_CHECKING:
+    from quiver_serve.graph.csc import GraphData
+    from quiver_serve.partition.book import PartitionBook
+    from quiver_serve.partition.data import PartitionData
+    from quiver_serve.partition.stats import PartitionStats
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _partition(graph, num_parts: int, method: str, budget_mb: float, cfg: ServeConfig):
+def _partition(graph: GraphData, num_parts: int, method: str, budget_mb: float,
+               cfg: ServeConfig) -> tuple[PartitionBook, list[PartitionData], PartitionStats]:
     from quiver_serve.partition.data import partition_graph
 
     return partition_graph(graph, num_parts, method, hot_budget_bytes=int(budget_mb * 1e6),
@@ -79,7 +87,7 @@ def _partition(graph, num_parts: int, method: str, budget_mb: float, cfg: ServeC
                            fap_batch_size=cfg.features.fap_batch_size)
 
 
-def _rewrite_stats(out: Path, stats) -> None:
+def _rewrite_stats(out: Path, stats: PartitionStats) -> None:
     import json
 
     from quiver_serve.graph.base_files import write_synced
