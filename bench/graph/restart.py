@@ -87,6 +87,25 @@ def snapshot_writes(log_text: str) -> dict[str, dict[str, float]]:
     return found
 
 
+#: a timestamped line of the daemon's log
+STAMPED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:INFO|WARNING) (\S+) (.*)$")
+
+
+def start_timeline(log_text: str, started_wall_s: float, max_chars: int = 160) -> list[list]:
+    """Where a start's seconds went: each timestamped INFO/WARNING line of its log, as
+    [seconds after the daemon was launched, process, message]."""
+    import datetime as dt
+
+    rows = []
+    for line in log_text.splitlines():
+        for piece in line.split("\r"):  # progress bars share lines with log records
+            m = STAMPED.search(piece)
+            if m:
+                at = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                rows.append([round(at - started_wall_s, 2), m.group(2), m.group(3)[:max_chars]])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
@@ -103,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         os.killpg(d.proc.pid, signal.SIGKILL)  # every process of the daemon, no shutdown
         d.proc.wait(timeout=30)
         d.stop(grace_s=0)
+        restart_wall_s = time.time()
         d2, restart_s = start(args, state, env)
+        timeline = start_timeline(Path(d2.log_path).read_text(errors="replace"), restart_wall_s)
         after = d2.get_json("/v1/graph")
         d2.stop()
         kept = after["version"] >= ack["version"] and after["num_edges"] == before["num_edges"]
@@ -112,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": round(restart_s / first_s, 3), "acked_version": ack["version"],
             "version_after": after["version"], "update_kept": kept,
             "state_bytes": folder_bytes(state / "graph"), "snapshot_writes": writes,
-            "num_nodes": after["num_nodes"], "num_edges": after["num_edges"]}
+            "num_nodes": after["num_nodes"], "num_edges": after["num_edges"],
+            "restart_timeline": timeline}
     finally:
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)

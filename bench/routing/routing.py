@@ -63,7 +63,7 @@ def start_pool(cfg: ServeConfig, graph, num: int):
     control.bind(addrs.control)
     spawn = mp.get_context("spawn")
     graph.share_memory_()
-    procs = [spawn.Process(target=sampler_main, args=(j, cfg, graph.indptr, graph.indices, addrs),
+    procs = [spawn.Process(target=sampler_main, args=(j, cfg, graph, addrs),
                            daemon=True) for j in range(num)]
     for p in procs:
         p.start()

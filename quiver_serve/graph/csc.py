@@ -1,8 +1,9 @@
-"""The served graph: CSC adjacency (in-neighbours) and node features, in shared memory."""
+"""The served graph: CSC adjacency (in-neighbours) and node features, in shared memory or
+mapped from a snapshot's files."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -21,6 +22,9 @@ class GraphData:
     indices: Tensor  # int64 [num_edges], source node ids
     x: Tensor  # float32 [num_nodes, num_features]
     y: Tensor | None = None  # labels, when the dataset has them
+    #: the update-log folder whose base in force these tensors map read-only (None: in memory);
+    #: processes are handed the folder, not the tensors (``graph/living.py``: ``MappedGraph``)
+    mapped_from: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.indptr.dtype != torch.int64 or self.indices.dtype != torch.int64:
@@ -95,7 +99,10 @@ class GraphData:
         return torch.stack([self.indices, dst])
 
     def share_memory_(self) -> GraphData:
-        """Move every tensor to shared memory so spawned workers map it instead of copying."""
+        """Move every tensor to shared memory so spawned workers map it instead of copying
+        (a mapped graph is shared through the page cache already: left as it is)."""
+        if self.mapped_from is not None:
+            return self
         for t in (self.indptr, self.indices, self.x, self.y):
             if t is not None:
                 t.share_memory_()

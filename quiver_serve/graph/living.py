@@ -158,15 +158,48 @@ def load_serving_graph(cfg: GraphConfig) -> tuple[GraphData, int]:
             f"{directory} was started from it (its records name the old graph's ids): move "
             "that folder away to start over, or point graph.update_log_dir elsewhere", 500)
     log.info("graph mapped from the base of version %d in %s", version, directory)
-    # mapped, not copied: the supervisor moves it to shared memory (one copy) before any
-    # process writes to it
-    return graph_from_arrays(arrays, meta, cfg.name), version
+    # mapped, not copied: every process maps the same files (``MappedGraph``)
+    return graph_from_arrays(arrays, meta, cfg.name, mapped_from=directory), version
+
+
+@dataclass(frozen=True)
+class MappedGraph:
+    """A graph mapped from the base in force of an update-log folder, as a process is handed
+    it: the folder, not the arrays, so each process maps the same files and the page cache
+    holds the one copy (a restart costs no copy of the graph into shared memory). A child
+    started after a compaction maps the newer base; its ``newest_base`` call then moves its
+    ``LiveGraphArgs`` onto that base's version."""
+
+    log_dir: str
+    name: str
+
+    def open(self) -> GraphData:
+        from quiver_serve.graph.update_log import load_base
+
+        found = load_base(Path(self.log_dir))
+        if found is None:
+            raise FileNotFoundError(f"no graph base in {self.log_dir}: the folder the daemon "
+                                    "started from was removed while it runs")
+        _version, arrays, meta = found
+        return graph_from_arrays(arrays, meta, self.name, mapped_from=Path(self.log_dir))
+
+
+def handed(graph: GraphData) -> GraphData | MappedGraph:
+    """What a child process is given for ``graph``: its folder when it is mapped."""
+    return MappedGraph(graph.mapped_from, graph.name) if graph.mapped_from else graph
+
+
+def received(graph: GraphData | MappedGraph) -> GraphData:
+    """The graph a child process was given (``handed``)."""
+    return graph.open() if isinstance(graph, MappedGraph) else graph
 
 
 def graph_from_arrays(arrays: dict[str, np.ndarray], meta: dict, name: str = "graph",
-                      copy: bool = False, with_x: bool = True) -> GraphData:
+                      copy: bool = False, with_x: bool = True,
+                      mapped_from: Path | None = None) -> GraphData:
     """A compacted base as a GraphData: copied into memory, or (``copy=False``) over the files'
-    read-only mappings, which every process that maps them shares through the page cache."""
+    read-only mappings, which every process that maps them shares through the page cache
+    (``mapped_from``: the update-log folder of that base in force, for ``MappedGraph``)."""
     def tensor(arr: np.ndarray) -> torch.Tensor:
         if copy:
             return torch.from_numpy(np.array(arr))
@@ -177,7 +210,10 @@ def graph_from_arrays(arrays: dict[str, np.ndarray], meta: dict, name: str = "gr
     indptr = tensor(arrays["indptr"])
     x = tensor(arrays["x"]) if with_x else torch.empty((indptr.numel() - 1, 0))
     y = tensor(arrays["y"]) if with_x and "y" in arrays else None
-    return GraphData(str(meta.get("name", name)), indptr, tensor(arrays["indices"]), x, y)
+    graph = GraphData(str(meta.get("name", name)), indptr, tensor(arrays["indices"]), x, y)
+    if mapped_from is not None and not copy and with_x:
+        graph.mapped_from = str(mapped_from)
+    return graph
 
 
 def newest_base(live: LiveGraphArgs, graph: GraphData, with_x: bool = True, copy: bool = False,

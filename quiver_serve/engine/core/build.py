@@ -210,6 +210,8 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
     if rows > graph.num_nodes:
         x = torch.zeros((rows, graph.num_features), dtype=graph.x.dtype)
         x[:graph.num_nodes] = graph.x
+    elif graph.mapped_from is not None and caps is not None:
+        x = graph.x.clone()  # feature updates write the store's host rows: not the files
     return device, model, build_feature_store(cfg, graph, device, x)
 
 

@@ -51,8 +51,10 @@ def _gpu_sampler(cfg: ServeConfig, graph: GraphData, device: torch.device) -> Ba
         mode = "device" if csc_bytes < free_bytes // 2 else "uva"
     if mode == "device":
         sampler: BaseSampler = CudaSampler(graph.indptr, graph.indices, device=device)
-    else:
-        sampler = UvaSampler(graph.indptr, graph.indices, device=device,
+    else:  # pinned in place: a graph mapped read-only from its files is copied first
+        private = graph.mapped_from is not None
+        sampler = UvaSampler(graph.indptr.clone() if private else graph.indptr,
+                             graph.indices.clone() if private else graph.indices, device=device,
                              adjacency_cache=_adjacency_cache(cfg, graph, device))
     sampler.sample(graph.indptr.new_zeros(1), cfg.sampling.fanouts, 0)  # compiles the kernel now
     return sampler

@@ -33,7 +33,7 @@ from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.graph.living import LiveGraphArgs, MappedGraph, received
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.sampling.base import SamplerOutput
 from quiver_serve.wire import (
@@ -130,9 +130,10 @@ class ZmqSamplerPool(SamplerPool):
 
 
 # ---- engine core process ----------------------------------------------------------------------------
-def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunAddresses,
-                     live: LiveGraphArgs | None = None) -> None:
-    """Entry point of engine core ``index`` (spawned); ``live``: follow the graph's updates."""
+def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,
+                     addrs: RunAddresses, live: LiveGraphArgs | None = None) -> None:
+    """Entry point of engine core ``index`` (spawned); ``given``: the graph, or the folder it
+    is mapped from (``living.handed``); ``live``: follow the graph's updates."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
@@ -140,6 +141,7 @@ def engine_core_main(index: int, cfg: ServeConfig, graph: GraphData, addrs: RunA
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()
     try:
+        graph = received(given)
         pool = ZmqSamplerPool(ctx, addrs, cfg.sampling.num_cpu_workers, poller) \
             if cfg.sampling.num_cpu_workers else None
         if live is not None:  # started after a compaction: serve its base

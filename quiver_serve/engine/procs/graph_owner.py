@@ -151,8 +151,9 @@ def _newest_on_disk(directory: str, graph: GraphData, base_version: int,
         return graph, base_version
     version, arrays, meta = found
     log.info("serving the compacted base of version %d from %s", version, directory)
-    # mapped, not copied: the supervisor moves it to shared memory before any process writes
-    return living.graph_from_arrays(arrays, meta, graph.name), version
+    # mapped, not copied: every process maps the same files (``living.MappedGraph``)
+    return living.graph_from_arrays(arrays, meta, graph.name,
+                                    mapped_from=Path(directory)), version
 
 
 def living_graph_args(cfg: ServeConfig, graph: GraphData, base_version: int,

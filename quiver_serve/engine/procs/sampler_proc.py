@@ -18,7 +18,7 @@ from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.living import LiveGraphArgs, newest_base
+from quiver_serve.graph.living import LiveGraphArgs, MappedGraph, newest_base, received
 from quiver_serve.graph.overlay import Overlay
 from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.graph.records import EdgeRecord, NodeRecord
@@ -106,13 +106,16 @@ class SamplerSync:
         self.state.set_sampler_version(self.index, self.version)
 
 
-def sampler_main(index: int, cfg: ServeConfig, indptr: torch.Tensor, indices: torch.Tensor,
+def sampler_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,
                  addrs: RunAddresses, live: LiveGraphArgs | None = None) -> None:
-    """Entry point of CPU sampler ``index``: sample what engine cores ask, answer the asker."""
+    """Entry point of CPU sampler ``index``: sample what engine cores ask, answer the asker
+    (``given``: the graph, or the folder it is mapped from: ``living.handed``)."""
     torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "sampler", index)
     try:
+        graph = received(given)
+        indptr, indices = graph.indptr, graph.indices
         sync = None
         if live is not None:  # started after a compaction: sample over its base
             from quiver_serve.graph.living import newest_base

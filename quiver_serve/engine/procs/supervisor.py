@@ -42,6 +42,7 @@ from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.sampler_proc import sampler_main
 from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.living import handed
 from quiver_serve.graph.writer import GraphWriter
 from quiver_serve.wire import RunAddresses
 
@@ -306,11 +307,12 @@ class Supervisor:
         self._control = self._ctx.socket(zmq.PULL)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(self.addrs.control)
+        given = handed(graph)  # a mapped graph goes as its folder: each child maps the files
         self.samplers = [Child("sampler", j, sampler_main,
-                               (j, cfg, graph.indptr, graph.indices, self.addrs, self.living))
+                               (j, cfg, given, self.addrs, self.living))
                          for j in range(cfg.sampling.num_cpu_workers)]
         self.engines = [Child("engine", i, engine_core_main,
-                              (i, cfg, graph, self.addrs, self.living))
+                              (i, cfg, given, self.addrs, self.living))
                         for i in range(num_inference_workers(cfg))]
         #: warm processes a restart hands its child's work to (``standby.py``)
         self.standby = StandbyPool(DAEMON_PRELOAD, cfg.server.standby_processes,
