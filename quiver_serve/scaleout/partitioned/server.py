@@ -33,6 +33,7 @@ from quiver_serve.features.build import DTYPES
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.startup import start_plan
 from quiver_serve.sampling.base import new_batch_seed
+from quiver_serve.scaleout.partitioned.batching import Coalescer
 from quiver_serve.scaleout.partitioned.features import PartitionFeatures
 from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers, PeerSettings
 from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, local_hop
@@ -94,6 +95,8 @@ class PartitionServer:
         self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
         self.storage_dtype = DTYPES[cfg.features.storage_dtype]
         self.ongoing, self.requests, self.refused = 0, 0, 0
+        self.batches = Coalescer(lambda ids: self._embed(ids, False, None),
+                                 cfg.batching.max_batch_nodes)
         log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s",
                  args.part, args.replica, self.owned, self.edges, data.hot_ids.size, self.device)
 
@@ -128,7 +131,9 @@ class PartitionServer:
         self.ongoing += 1
         self.requests += 1
         try:
-            return await asyncio.wait_for(self._embed(node_ids, exact, seed), timeout_s)
+            work = self.batches.submit(node_ids) if seed is None and not exact else \
+                self._embed(node_ids, exact, seed)
+            return await asyncio.wait_for(work, timeout_s)
         except PartitionUnavailable as exc:
             return {**refusal(errors.unavailable("partition_unavailable", str(exc))),
                     "partition": exc.part}
@@ -180,6 +185,7 @@ class PartitionServer:
                 "nodes": self.owned, "edges": self.edges, "device": str(self.device),
                 "dim": self.model.out_dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
+                "batches": self.batches.batches,
                 "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "time_s": time.time()}
