@@ -344,7 +344,7 @@ class PartitionConfig(_Section):
     method: Literal["auto", "metis", "hash", "range"] = Field(
         "auto", description="who owns each node: METIS k-way (balanced on nodes and in-edges, the smallest edge cut), hash of the id, contiguous id ranges balanced on nodes and in-edges, or auto (metis up to metis_max_edges, fallback above)")
     metis_max_edges: int = Field(
-        200_000_000, ge=1, description="method auto: the most in-edges partitioned by METIS (its symmetrised copy takes about 40 bytes per edge; docs/decisions/0042-partitioning.md)")
+        200_000_000, ge=1, description="method auto: the most in-edges partitioned by METIS (pymetis and METIS took about 260 bytes per in-edge above the graph: 200 M edges need about 52 GB; docs/decisions/0042-partitioning.md)")
     fallback: Literal["hash", "range"] = Field(
         "range", description="method auto: the method above metis_max_edges")
     hot_budget_mb: float = Field(
