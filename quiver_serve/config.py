@@ -360,6 +360,8 @@ class PartitionedConfig(_Section):
         2.0, gt=0, le=60, description="longest wait for one call between partition servers (a sampling hop or a feature batch); past it the partition counts as unavailable and the request is answered 503 with Retry-After")
     transport_delay_ms: float = Field(
         0.0, ge=0, le=1000, description="delay added before every call between partition servers (tests and benches: a slower network)")
+    transport: Literal["wire", "ray"] = Field(
+        "wire", description="how partition servers call each other: wire (ZeroMQ, raw array frames, decision 0001) or ray (actor calls through the object store); decision 0045")
     down_s: float = Field(
         1.0, ge=0, le=60, description="after a call to a partition failed, requests needing it are answered 503 at once for this long (then the next request tries it again)")
     max_ongoing_requests: int = Field(

@@ -5,7 +5,8 @@ The graph is made here (three dense blocks joined by a few edges, features drawn
 repository holds no copy of it. Its partitions are written by ``quiver_serve.partition`` and
 mapped by the partition servers; the ingress is the real Ray Serve application on a free port.
 
-* 2 and 3 partitions (the 3 with a transport delay injected): seeded answers equal the
+* 2 partitions (calls between servers over the wire, and as Ray calls) and 3 (over the wire,
+  with a transport delay injected): seeded answers equal the
   single-machine engine's (``LocalEngine``, <= 1e-5), exact answers equal PyG's full-graph
   output; the KServe route, ``/v1/graph``, ``/metrics`` and the error contract.
 * A partition server killed (SIGKILL) under load: requests needing it are answered 503 with
@@ -159,11 +160,13 @@ def check_answers(served: Served, engine: LocalEngine, full: torch.Tensor, n: in
     np.testing.assert_allclose(exact, engine.embed(np.array(ids), exact=True), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("transport", ["wire", "ray"])
 def test_two_partitions_answer_as_one_machine(cluster: int, graph: GraphData, engine: LocalEngine,
-                                              full_graph_output: torch.Tensor,
+                                              full_graph_output: torch.Tensor, transport: str,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
-    cfg = config()
-    served = Served(cfg, partitions(graph, 2, tmp_path_factory.mktemp("p2")), "p2", cluster)
+    cfg = config(partitioned__transport=transport)
+    served = Served(cfg, partitions(graph, 2, tmp_path_factory.mktemp("p2")), f"p2{transport}",
+                    cluster)
     try:
         check_answers(served, engine, full_graph_output, graph.num_nodes)
         ids = [3, 600, 3]

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.scaleout.partitioned.sampling import as_tensor
+
 #: (partition, global ids it owns) -> float32 rows [len(ids), F]
 RemoteRows = Callable[[int, np.ndarray], Awaitable[np.ndarray]]
 
@@ -89,7 +91,7 @@ class PartitionFeatures:
             raise
         remote = 0
         for (pos, _), got in zip(calls, rows, strict=True):
-            out[pos] = torch.from_numpy(np.asarray(got, np.float32))
+            out[pos] = as_tensor(np.asarray(got, np.float32))
             remote += int(pos.numel())
         self.counts.local += int(mine.sum())
         self.counts.hot += int(hot.sum())

@@ -1,6 +1,7 @@
-"""Calls between partition servers: Ray actor calls (NumPy arrays through the object store,
-decision 0045) to the named actors of each partition's replicas, each with a timeout, a transport
-delay tests can inject, and counts of calls, bytes and latency per hop and partition.
+"""Calls between partition servers, to the named actors of each partition's replicas: over the
+project's wire or as Ray actor calls (``links.py``; ``partitioned.transport``, decision 0045),
+each with a timeout, a transport delay tests can inject, and counts of calls, bytes and latency
+per hop and partition.
 
 A partition server finds its peers by name (``server_name``), not by handles given at start: Ray
 restarts a killed server under the same name, and a restarted server reaches its peers the same
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from quiver_serve.scaleout.partitioned.links import LinkError, RayLink, WireLink
 
 #: the latency histogram's upper bounds (seconds) of remote calls
 CALL_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0)
@@ -67,6 +70,7 @@ class PeerSettings:
     replicas: int
     timeout_s: float
     delay_s: float = 0.0  # injected before each call: a slower network in tests
+    transport: str = "wire"  # "wire" (ZeroMQ) or "ray" (actor calls)
     down_s: float = 1.0  # after every replica of a partition failed: refuse calls for this long
 
 
@@ -79,6 +83,8 @@ class Peers:
         self._handles: dict[tuple[int, int], Any] = {}
         self._next = itertools.count()
         self._down_until: dict[int, float] = {}
+        self.link: RayLink | WireLink = WireLink(self._address) if settings.transport == "wire" \
+            else RayLink(self._handle)
 
     def _handle(self, part: int, replica: int) -> Any:
         key = (part, replica)
@@ -89,6 +95,12 @@ class Peers:
             handle = ray.get_actor(server_name(self.settings.app, part, replica))
             self._handles[key] = handle
         return handle
+
+    async def _address(self, part: int, replica: int) -> str:
+        """The wire address of a peer, asked of its actor (the peer binds it on first ask)."""
+        address: str = await asyncio.wait_for(self._handle(part, replica).wire_address.remote(),
+                                              self.settings.timeout_s)
+        return address
 
     async def sample_hop(self, part: int, ids: np.ndarray, k: int, hop: int,
                          base: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,12 +128,13 @@ class Peers:
             try:
                 if self.settings.delay_s > 0:
                     await asyncio.sleep(self.settings.delay_s)
-                ref = getattr(self._handle(part, replica), method).remote(ids, *args)
-                out = await asyncio.wait_for(ref, self.settings.timeout_s)
-            except (RayError, ValueError, asyncio.TimeoutError) as exc:
+                out = await asyncio.wait_for(self.link.call(part, replica, method, ids, *args),
+                                             self.settings.timeout_s)
+            except (RayError, ValueError, LinkError, asyncio.TimeoutError) as exc:
                 # ValueError: ray.get_actor finds no actor of that name (not yet restarted)
                 stats.failures += 1
                 self._handles.pop((part, replica), None)
+                self.link.forget(part, replica)
                 reason = type(exc).__name__
                 continue
             if isinstance(out, dict):  # the peer refused: a fault of ours or of the data

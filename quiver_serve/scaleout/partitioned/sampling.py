@@ -14,6 +14,7 @@ and the per-hop counts equal ``ReferenceSampler`` on the whole graph (docs/archi
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,17 @@ from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions
 
 #: (partition, global ids it owns, fanout, hop, seed base) -> (neighbours, count per id)
 RemoteHop = Callable[[int, np.ndarray, int, int, int], Awaitable[tuple[np.ndarray, np.ndarray]]]
+
+
+def as_tensor(a: np.ndarray) -> Tensor:
+    """A tensor over ``a`` without a copy, read-only arrays (memory maps, Ray's object store,
+    frames off the wire) included: nothing here writes to them."""
+    a = np.asarray(a)
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():  # torch warns that writing would be undefined
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 @dataclass
@@ -116,8 +128,8 @@ class PartitionSampler:
                 fut.cancel()
             raise
         for (pos, _), (got, cnt) in zip(calls, remote, strict=True):
-            answers.append((pos, torch.from_numpy(np.asarray(got, np.int64)),
-                            torch.from_numpy(np.asarray(cnt, np.int64))))
+            answers.append((pos, as_tensor(np.asarray(got, np.int64)),
+                            as_tensor(np.asarray(cnt, np.int64))))
         return _place(int(frontier.numel()), answers)
 
     async def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +34,16 @@ from quiver_serve.models.startup import start_plan
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.scaleout.partitioned.batching import Coalescer
 from quiver_serve.scaleout.partitioned.features import PartitionFeatures
+from quiver_serve.scaleout.partitioned.links import WireService
 from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers, PeerSettings
-from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, local_hop
+from quiver_serve.scaleout.partitioned.sampling import (
+    LocalGraph,
+    PartitionSampler,
+    as_tensor,
+    local_hop,
+)
 
 log = logging.getLogger(__name__)
-
-
-def as_tensor(a: np.ndarray) -> Tensor:
-    """A tensor over ``a`` without a copy, read-only arrays (memory maps, Ray's object store)
-    included: nothing here writes to them."""
-    if a.flags.writeable:
-        return torch.from_numpy(a)
-    with warnings.catch_warnings():  # torch warns that writing would be undefined
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
 
 
 def refusal(exc: errors.ServeError) -> dict[str, Any]:
@@ -84,7 +79,9 @@ class PartitionServer:
         pc = cfg.partitioned
         self.peers = Peers(args.part, PeerSettings(args.app, self.num_parts, args.replicas,
                                                    pc.remote_timeout_s,
-                                                   pc.transport_delay_ms / 1e3, pc.down_s))
+                                                   pc.transport_delay_ms / 1e3, pc.down_s,
+                                                   pc.transport))
+        self.wire = WireService(self._answer_wire)
         self.graph = LocalGraph(args.part, owner, local, as_tensor(data.indptr),
                                 as_tensor(data.indices))
         self.sampler = PartitionSampler(self.graph, self.num_parts, self.peers.sample_hop)
@@ -177,9 +174,23 @@ class PartitionServer:
         except ValueError as exc:
             return {"code": "not_owned", "message": str(exc), "status": 400}
 
+    def _answer_wire(self, method: str, ids: np.ndarray, args: list[int]) -> Any:
+        if method == "sample_hop":
+            return self.sample_hop(ids, *args)
+        return self.rows(ids)
+
+    async def wire_address(self) -> str:
+        """Where this server answers peers over the wire (bound on the first ask)."""
+        import ray
+
+        return self.wire.start(ray.util.get_node_ip_address())
+
     # ---- status -------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        """What ``GET /v1/graph`` and ``/metrics`` show of this server."""
+    async def info(self) -> dict[str, Any]:
+        """What ``GET /v1/graph`` and ``/metrics`` show of this server (the wire's address
+        bound first, so peers find it ready)."""
+        if self.cfg.partitioned.transport == "wire":
+            await self.wire_address()
         counts = self.features.counts
         return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
                 "nodes": self.owned, "edges": self.edges, "device": str(self.device),

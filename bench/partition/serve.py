@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""One engine holding the whole graph against the graph in two partitions (one partition server
+per GPU), in one run, loaded from outside by the same load generator (``loadtest/gen.py``).
+
+1. The graph (synthetic, papers100M-shaped at ``--scale``) is built once and saved; it is
+   partitioned in two (``quiver_serve.partition``: METIS, FAP hot rows within
+   ``--hot-budget-bytes`` per partition).
+2. ``one``: the daemon (``server.py``) on one GPU (``CUDA_VISIBLE_DEVICES=0``; on a CPU box the
+   CPU) over the whole graph.
+3. ``two``: ``python -m quiver_serve.scaleout.ray_serve --partitions 2 --replicas 1`` over the
+   partitions (a local Ray instance; a GPU per partition server where there are two).
+4. Each gets workload (b) (48 uniform ids) closed loop at rising callers over HTTP npy, and
+   workload (c) (1 id) with one caller: seeds/s at p99 <= each bound, single-id p50. Of ``two``,
+   ``/metrics`` gives the remote calls and bytes per request and the replicated-row hit rate.
+
+    python -m bench.partition.serve --scale 0.2 --out-dir bench/results/partition   # 2 GPUs
+    python -m bench.partition.serve --scale 0.0005 --out-dir /tmp/p --smoke         # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.harness import Daemon, Session, save_graph, serve_config
+from loadtest.results import jsonable, run_meta
+
+REMOTE = re.compile(r'^quiver_serve_partition_(remote_sent_bytes|remote_received_bytes|'
+                    r'remote_calls|rows)_total\{(.*)\} (\S+)$')
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.partition.serve",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=0.2, help="papers100M x this")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU, short points: a check, not a figure")
+    ap.add_argument("--hot-budget-bytes", type=int, default=1 << 30)
+    ap.add_argument("--callers", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured window per point")
+    ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)))
+    ap.add_argument("--start-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="section.key=value on the served config (both deployments)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.callers, args.seconds, args.procs = [1, 4], 1.0, 1
+        args.hot_budget_bytes = min(args.hot_budget_bytes, 1 << 20)
+        args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
+    return args
+
+
+def bench_config(args: argparse.Namespace) -> Any:
+    """The embedded default config on a papers100M-shaped synthetic graph at ``--scale``
+    (random weights: the graph's feature width is not Cora's), ``--set`` applied."""
+    from quiver_serve.config import ServeConfig
+
+    cfg = ServeConfig.default().with_overrides([
+        "graph.format=synthetic", "graph.synthetic_preset=papers100m",
+        f"graph.synthetic_scale={args.scale}", "model.weights=null", "exact.materialize=off",
+        *args.sets])
+    return cfg
+
+
+def partition(cfg: Any, folder: Path, hot_budget_bytes: int) -> tuple[Path, dict[str, Any]]:
+    from quiver_serve.graph.datasets import load_graph
+    from quiver_serve.partition.data import partition_graph, save_partitions
+
+    t0 = time.perf_counter()
+    graph = load_graph(cfg.graph)
+    book, parts, stats = partition_graph(graph, 2, "metis", hot_budget_bytes,
+                                         cfg.sampling.fanouts)
+    out = folder / "parts"
+    save_partitions(out, book, parts, stats, graph.name)
+    return out, {"seconds": time.perf_counter() - t0, **stats.to_json()}
+
+
+def load(url: str, workload: str, callers: list[int], args: argparse.Namespace,
+         out: Path) -> dict[str, Any]:
+    """``loadtest.gen`` closed loop over HTTP npy; its summary (seeds/s at each p99 bound)."""
+    argv = [sys.executable, "-m", "loadtest.gen", "--url", url, "--protocol", "http-npy",
+            "--workload", workload, "--mode", "closed", "--clients", *map(str, callers),
+            "--seconds", str(args.seconds), "--procs", str(args.procs), "--bounds-ms", "2",
+            "10", "30", "--out", str(out)]
+    subprocess.run(argv, check=True, timeout=600 + 60 * len(callers))
+    results = json.loads((out / "loadgen.json").read_text())["results"]
+    return results["http-npy"]
+
+
+def remote_per_request(metrics: str, requests: int) -> dict[str, Any]:
+    """Remote calls and bytes per answered request, and the replicated-row hit rate."""
+    sums: dict[str, float] = {}
+    for line in metrics.splitlines():
+        m = REMOTE.match(line)
+        if m:
+            name, labels, value = m.groups()
+            key = name if name != "rows" else "rows_" + re.search(r'source="(\w+)"', labels)[1]
+            sums[key] = sums.get(key, 0.0) + float(value)
+    hot, remote = sums.get("rows_hot", 0.0), sums.get("rows_remote", 0.0)
+    per = max(requests, 1)
+    return {"remote_calls_per_request": sums.get("remote_calls", 0.0) / per,
+            "remote_bytes_per_request": (sums.get("remote_sent_bytes", 0.0)
+                                         + sums.get("remote_received_bytes", 0.0)) / per,
+            "hot_hit_rate": hot / (hot + remote) if hot + remote else None, "sums": sums}
+
+
+def run_one(name: str, daemon: Daemon, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    daemon.wait_ready(args.start_timeout_s)
+    out: dict[str, Any] = {"b": load(daemon.url, "b", args.callers, args, folder / f"{name}-b"),
+                           "c": load(daemon.url, "c", [1], args, folder / f"{name}-c")}
+    return out
+
+
+def answered(result: dict[str, Any]) -> int:
+    return sum(int(p.get("ok", p.get("requests", 0))) for w in ("b", "c")
+               for p in result[w]["points"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = bench_config(args)
+    result: dict[str, Any] = {"meta": run_meta(args, cfg)}
+    with Session("qs-partition-serve-") as s:
+        _, npz = save_graph(cfg, s.folder)
+        config = serve_config(cfg, npz, s.folder)
+        parts, result["partitioning"] = partition(cfg, s.folder, args.hot_budget_bytes)
+        smoke_env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else {}
+        one = s.own(Daemon(config, log_path=s.folder / "one.log", name="one",
+                           env={"CUDA_VISIBLE_DEVICES": "0", **smoke_env},
+                           ready_timeout_s=args.start_timeout_s))
+        result["one"] = run_one("one", one, args, out_dir)
+        one.stop()
+        two = s.own(Daemon(config, log_path=s.folder / "two.log", name="two", env=smoke_env,
+                           command=("-m", "quiver_serve.scaleout.ray_serve"),
+                           args=["--partitions", "2", "--replicas", "1", "--partition-dir",
+                                 str(parts), "--start-timeout-s", str(args.start_timeout_s)],
+                           ready_timeout_s=args.start_timeout_s, grace_s=40.0))
+        result["two"] = run_one("two", two, args, out_dir)
+        metrics = two.get_json("/v1/graph")
+        result["two"]["graph"] = metrics
+        import urllib.request
+
+        with urllib.request.urlopen(two.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        result["two"]["remote"] = remote_per_request(text, answered(result["two"]))
+        two.stop()
+    result["skipped"], result["code"] = s.skipped, s.code
+    path = out_dir / "partition_serve.json"
+    path.write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    print_summary(result)
+    print(f"wrote {path}")
+    return s.code
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    for name in ("one", "two"):
+        if name not in result:
+            continue
+        b, c = result[name]["b"]["summary"], result[name]["c"]["points"][0]
+        best = b.get("p99<=10ms") or {}
+        print(f"{name}: (b) {best.get('seed_nodes_per_s', 0):,.0f} seeds/s at p99 <= 10 ms "
+              f"(p99 {best.get('p99_ms')}); (c) single id p50 {c.get('p50_ms')} ms")
+    if "two" in result and "remote" in result["two"]:
+        r = result["two"]["remote"]
+        print(f"two: {r['remote_calls_per_request']:.2f} remote calls and "
+              f"{r['remote_bytes_per_request']:,.0f} bytes per request; replicated-row hit "
+              f"rate {r['hot_hit_rate']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

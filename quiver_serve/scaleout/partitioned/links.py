@@ -1,0 +1,158 @@
+"""How one partition server's call reaches another: a Ray actor call, or the project's wire.
+
+* ``RayLink``: ``handle.<method>.remote(ids, ...)``; NumPy arrays travel through Ray's object
+  store (pickled headers, the arrays out of band).
+* ``WireLink``: ZeroMQ as between the daemon's processes (decision 0001): each partition server
+  binds a ROUTER socket on its node (``WireService``), a caller keeps one DEALER socket per peer
+  and matches answers to calls by a call number; frame 0 is a msgpack header, the arrays are raw
+  little-endian frames sent without copies and viewed with ``np.frombuffer`` (nothing is
+  unpickled). Ray still finds the peer: its address is asked of the actor once and asked again
+  after a failure (a restarted server binds a new port).
+
+Which one serves is ``partitioned.transport`` (decision 0045 has the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+#: (method, args) the wire carries: sample_hop(ids, k, hop, base) and rows(ids)
+METHODS = ("sample_hop", "rows")
+
+
+class LinkError(ConnectionError):
+    """The peer did not answer: gone, restarting, or unreachable."""
+
+
+class RayLink:
+    """Calls through Ray (``handle_of(part, replica)`` gives the actor handle)."""
+
+    def __init__(self, handle_of: Callable[[int, int], Any]) -> None:
+        self.handle_of = handle_of
+
+    async def call(self, part: int, replica: int, method: str, ids: np.ndarray,
+                   *args: int) -> Any:
+        return await getattr(self.handle_of(part, replica), method).remote(ids, *args)
+
+    def forget(self, part: int, replica: int) -> None:
+        """Nothing cached beyond the handle (``handle_of``'s own cache is dropped by Peers)."""
+
+
+class WireService:
+    """A partition server's side of the wire: answers ``METHODS`` on a ROUTER socket."""
+
+    def __init__(self, answer: Callable[[str, np.ndarray, list[int]], Any]) -> None:
+        self.answer = answer
+        self.address: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, host: str) -> str:
+        """Bind on ``host`` (a free port) and serve from the running loop; the address."""
+        if self.address is None:
+            import zmq
+            import zmq.asyncio
+
+            sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            self.address = f"tcp://{host}:{port}"
+            self._task = asyncio.ensure_future(self._serve(sock))
+        return self.address
+
+    async def _serve(self, sock: Any) -> None:
+        while True:
+            ident, head, *frames = await sock.recv_multipart(copy=False)
+            call_id, method, args = msgspec.msgpack.decode(head.bytes)
+            ids = np.frombuffer(frames[0].buffer, dtype=np.int64)
+            try:
+                out = self.answer(method, ids, args) if method in METHODS else \
+                    {"code": "unknown_method", "message": method, "status": 400}
+            except Exception as exc:  # noqa: BLE001 - the caller hears it, the loop goes on
+                out = {"code": "internal", "message": type(exc).__name__, "status": 500}
+            if isinstance(out, dict):
+                await sock.send_multipart([ident, msgspec.msgpack.encode([call_id, out, []])])
+                continue
+            arrays = [np.ascontiguousarray(a) for a in (out if isinstance(out, tuple) else (out,))]
+            shapes = [[a.dtype.str, list(a.shape)] for a in arrays]
+            await sock.send_multipart([ident, msgspec.msgpack.encode([call_id, None, shapes]),
+                                       *arrays], copy=False)
+
+
+class WireLink:
+    """Calls over the wire; ``address_of(part, replica)`` asks the peer's address (awaitable)."""
+
+    def __init__(self, address_of: Callable[[int, int], Any]) -> None:
+        self.address_of = address_of
+        self._peers: dict[tuple[int, int], _Dealer] = {}
+
+    async def call(self, part: int, replica: int, method: str, ids: np.ndarray,
+                   *args: int) -> Any:
+        key = (part, replica)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = _Dealer(await self.address_of(part, replica))
+            self._peers[key] = peer
+        return await peer.call(method, np.ascontiguousarray(ids, np.int64), list(args))
+
+    def forget(self, part: int, replica: int) -> None:
+        """Drop the socket of a peer that failed: its address is asked again next time."""
+        peer = self._peers.pop((part, replica), None)
+        if peer is not None:
+            peer.close()
+
+
+class _Dealer:
+    """One DEALER socket to one peer, calls matched to answers by number."""
+
+    def __init__(self, address: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def call(self, method: str, ids: np.ndarray, args: list[int]) -> Any:
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting[call_id] = fut
+        try:
+            await self.sock.send_multipart([msgspec.msgpack.encode([call_id, method, args]),
+                                            ids], copy=False)
+            return await fut
+        finally:
+            self.waiting.pop(call_id, None)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                head, *frames = await self.sock.recv_multipart(copy=False)
+                call_id, error, shapes = msgspec.msgpack.decode(head.bytes)
+                fut = self.waiting.get(call_id)
+                if fut is None or fut.done():
+                    continue
+                if error is not None:
+                    fut.set_result(error)
+                    continue
+                arrays = [np.frombuffer(f.buffer, dtype=np.dtype(dt)).reshape(shape)
+                          for f, (dt, shape) in zip(frames, shapes, strict=True)]
+                fut.set_result(arrays[0] if len(arrays) == 1 else tuple(arrays))
+        except Exception as exc:  # noqa: BLE001 - the socket closed: every waiter hears it
+            for fut in self.waiting.values():
+                if not fut.done():
+                    fut.set_exception(LinkError(str(exc)))
+
+    def close(self) -> None:
+        self._reader.cancel()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(LinkError("the peer's socket was closed"))
+        self.sock.close(0)
