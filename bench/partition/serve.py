@@ -7,13 +7,14 @@ per GPU), in one run, loaded from outside by the same load generator (``loadtest
    ``--hot-budget-bytes`` per partition).
 2. ``one``: the daemon (``server.py``) on one GPU (``CUDA_VISIBLE_DEVICES=0``; on a CPU box the
    CPU) over the whole graph.
-3. ``two``: ``python -m quiver_serve.scaleout.ray_serve --partitions 2 --replicas 1`` over the
-   partitions (a local Ray instance; a GPU per partition server where there are two).
+3. ``two-<transport>``: ``python -m quiver_serve.scaleout.ray_serve --partitions 2 --replicas 1``
+   over the partitions (a local Ray instance; a GPU per partition server where there are two),
+   once per ``--transports`` (``partitioned.transport``: the wire, Ray calls).
 4. Each gets workload (b) (48 uniform ids) closed loop at rising callers over HTTP npy, and
    workload (c) (1 id) with one caller: seeds/s at p99 <= each bound, single-id p50. Of ``two``,
    ``/metrics`` gives the remote calls and bytes per request and the replicated-row hit rate.
 
-    python -m bench.partition.serve --scale 0.2 --out-dir bench/results/partition   # 2 GPUs
+    python -m bench.partition.serve --scale 0.2 --out-dir D --transports wire ray    # 2 GPUs
     python -m bench.partition.serve --scale 0.0005 --out-dir /tmp/p --smoke         # CPU check
 """
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.harness import Daemon, Session, save_graph, serve_config
-from loadtest.results import jsonable, run_meta
+from loadtest.results import run_meta, write_result
 
 REMOTE = re.compile(r'^quiver_serve_partition_(remote_sent_bytes|remote_received_bytes|'
                     r'remote_calls|rows)_total\{(.*)\} (\S+)$')
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, short points: a check, not a figure")
     ap.add_argument("--hot-budget-bytes", type=int, default=1 << 30)
+    ap.add_argument("--transports", nargs="+", default=["wire"], choices=["wire", "ray"],
+                    help="partitioned.transport of the two-partition runs, one run each")
     ap.add_argument("--callers", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window per point")
     ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)))
@@ -118,6 +121,27 @@ def run_one(name: str, daemon: Daemon, args: argparse.Namespace, folder: Path) -
     return out
 
 
+def run_two(s: Session, config: Path, parts: Path, transport: str, args: argparse.Namespace,
+            out_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The two-partition deployment with ``partitioned.transport`` = ``transport``, loaded as
+    ``one``; its remote calls and bytes per request and replicated-row hit rate."""
+    import urllib.request
+
+    name = f"two-{transport}"
+    two = s.own(Daemon(config, log_path=s.folder / f"{name}.log", name=name,
+                       env={**env, "QUIVER_SERVE__PARTITIONED__TRANSPORT": transport},
+                       command=("-m", "quiver_serve.scaleout.ray_serve"),
+                       args=["--partitions", "2", "--replicas", "1", "--partition-dir",
+                             str(parts), "--start-timeout-s", str(args.start_timeout_s)],
+                       ready_timeout_s=args.start_timeout_s, grace_s=40.0))
+    out = run_one(name, two, args, out_dir)
+    out["graph"] = two.get_json("/v1/graph")
+    with urllib.request.urlopen(two.url + "/metrics", timeout=30) as resp:
+        out["remote"] = remote_per_request(resp.read().decode(), answered(out))
+    two.stop()
+    return out
+
+
 def answered(result: dict[str, Any]) -> int:
     return sum(int(p.get("ok", p.get("requests", 0))) for w in ("b", "c")
                for p in result[w]["points"])
@@ -139,39 +163,25 @@ def main(argv: list[str] | None = None) -> int:
                            ready_timeout_s=args.start_timeout_s))
         result["one"] = run_one("one", one, args, out_dir)
         one.stop()
-        two = s.own(Daemon(config, log_path=s.folder / "two.log", name="two", env=smoke_env,
-                           command=("-m", "quiver_serve.scaleout.ray_serve"),
-                           args=["--partitions", "2", "--replicas", "1", "--partition-dir",
-                                 str(parts), "--start-timeout-s", str(args.start_timeout_s)],
-                           ready_timeout_s=args.start_timeout_s, grace_s=40.0))
-        result["two"] = run_one("two", two, args, out_dir)
-        metrics = two.get_json("/v1/graph")
-        result["two"]["graph"] = metrics
-        import urllib.request
-
-        with urllib.request.urlopen(two.url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        result["two"]["remote"] = remote_per_request(text, answered(result["two"]))
-        two.stop()
+        for transport in args.transports:
+            result[f"two-{transport}"] = run_two(s, config, parts, transport, args, out_dir,
+                                                 smoke_env)
     result["skipped"], result["code"] = s.skipped, s.code
-    path = out_dir / "partition_serve.json"
-    path.write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    path = write_result(out_dir / "partition_serve.json", result, s.folder)
     print_summary(result)
     print(f"wrote {path}")
     return s.code
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    for name in ("one", "two"):
-        if name not in result:
-            continue
+    for name in [k for k in result if k == "one" or k.startswith("two-")]:
         b, c = result[name]["b"]["summary"], result[name]["c"]["points"][0]
         best = b.get("p99<=10ms") or {}
         print(f"{name}: (b) {best.get('seed_nodes_per_s', 0):,.0f} seeds/s at p99 <= 10 ms "
               f"(p99 {best.get('p99_ms')}); (c) single id p50 {c.get('p50_ms')} ms")
-    if "two" in result and "remote" in result["two"]:
-        r = result["two"]["remote"]
-        print(f"two: {r['remote_calls_per_request']:.2f} remote calls and "
+    for name in [k for k in result if k.startswith("two-") and "remote" in result[k]]:
+        r = result[name]["remote"]
+        print(f"{name}: {r['remote_calls_per_request']:.2f} remote calls and "
               f"{r['remote_bytes_per_request']:,.0f} bytes per request; replicated-row hit "
               f"rate {r['hot_hit_rate']}")
 
