@@ -15,7 +15,7 @@ per GPU), in one run, loaded from outside by the same load generator (``loadtest
    ``/metrics`` gives the remote calls and bytes per request and the replicated-row hit rate.
 
     python -m bench.partition.serve --scale 0.2 --out-dir D --transports wire ray    # 2 GPUs
-    python -m bench.partition.serve --scale 0.0005 --out-dir /tmp/p --smoke         # CPU check
+    python -m bench.partition.serve --scale 0.0005 --out-dir D --smoke              # CPU check
 """
 
 from __future__ import annotations
