@@ -138,10 +138,10 @@ class PartitionedIngress:
     @APP.get("/v1/graph", summary="The partitioned graph: partitions, their servers, sizes")
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
+        shown = ("replica", "pid", "nodes", "edges", "device", "requests", "hot_hit_rate")
         parts = [{"partition": p, "servers": [
-            {"down": bool(s.get("down")), **{k: s.get(k) for k in ("replica", "pid", "nodes", "edges", "device",
-                                   "requests", "hot_hit_rate")}} for s in infos
-            if s["partition"] == p]} for p in range(self.book.num_parts)]
+            {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
+            for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
         return JSONResponse({"num_nodes": self.book.num_nodes, "num_parts": self.book.num_parts,
                              "method": self.book.method, "dim": self.dim,
                              "partitions": parts})
