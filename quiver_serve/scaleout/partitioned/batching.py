@@ -4,7 +4,8 @@ one model call. As in the engine core's continuous batching (``engine/core/formi
 is formed whenever one of ``max_in_flight`` slots is free, from everything waiting up to
 ``max_batch_nodes`` ids, so a lone request is computed at once and a burst shares batches.
 Only unseeded sampled requests are merged: a seeded request's answer is a function of its own
-ids and seed, so it keeps a batch of its own (as in the engine core).
+ids and seed, so it keeps a batch of its own (as in the engine core). What waits is bounded by
+the server's admission (``partitioned.max_ongoing_requests``: past it, 503 before submitting).
 """
 
 from __future__ import annotations
