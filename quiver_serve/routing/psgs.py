@@ -39,6 +39,7 @@ compaction.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -358,15 +359,25 @@ def occupancy_grid(popularity: np.ndarray, draw_lo: float, draw_hi: float) -> np
 
 def table_from_samples(key: str, fanouts: list[int], mean_size: np.ndarray, one_draw: np.ndarray,
                        reach: np.ndarray, degree: np.ndarray | None = None,
-                       capacity: int | None = None) -> PsgsTable:
+                       capacity: int | None = None, alpha: float = 1.0) -> PsgsTable:
     """The table (popularity, grid) from :func:`node_sample_sizes`' three arrays, the nodes'
-    in-degrees (for ``update_nodes``) and a capacity for nodes appended later."""
-    table = PsgsTable(key, list(fanouts), mean_size.astype(np.float32),
-                      one_draw.astype(np.int32), reach.astype(np.float64))
+    in-degrees (for ``update_nodes``), a capacity for nodes appended later (entries of isolated
+    nodes) and the popularity exponent: built once (each build costs a pass over every node)."""
+    num_nodes = int(mean_size.size)
+    extra = max(0, (capacity or 0) - num_nodes)
+
+    def padded(values: np.ndarray, fill: float, dtype: type) -> np.ndarray:
+        values = values.astype(dtype, copy=False)
+        return np.concatenate([values, np.full(extra, fill, dtype)]) if extra else values
+
+    first_hop = None
     if degree is not None:
-        table.first_hop = table.first_hop_draws(degree).astype(np.int32)
-        table.branch = table._branch_size()
-    return table if capacity is None else table.with_capacity(capacity)
+        k1 = fanouts[0] if fanouts else 0
+        degree = np.maximum(np.asarray(degree, dtype=np.int64), 0)
+        first_hop = padded(degree if k1 < 0 else np.minimum(degree, k1), 0, np.int32)
+    return PsgsTable(key, list(fanouts), padded(mean_size, 1, np.float32),
+                     padded(one_draw, 1, np.int32), padded(reach, 0, np.float64), alpha,
+                     first_hop, num_nodes)
 
 
 def cache_path(key: str, fanouts: list[int], rounds: int) -> Path:
@@ -376,10 +387,12 @@ def cache_path(key: str, fanouts: list[int], rounds: int) -> Path:
 
 def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: int = 4,
                   device: torch.device | str | None = None, progress: bool = True,
-                  use_cache: bool = True, capacity: int | None = None) -> PsgsTable:
+                  use_cache: bool = True, capacity: int | None = None,
+                  alpha: float = 1.0) -> PsgsTable:
     """The PSGS table of a graph and fanouts: from the cache file when its key matches, else
     computed (progress bar) and saved (atomically; NumPy arrays only, loaded without pickle).
-    ``capacity``: entries for nodes appended later (``PsgsTable.with_capacity``)."""
+    ``capacity``: entries for nodes appended later (``PsgsTable.with_capacity``); ``alpha``:
+    the popularity exponent (``calibrate_union``, ``saved_alpha``)."""
     key = graph_key(indptr, indices)
     path = cache_path(key, fanouts, rounds)
     degree = (indptr[1:] - indptr[:-1]).cpu().numpy()
@@ -387,7 +400,7 @@ def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: i
         try:
             with np.load(path, allow_pickle=False) as z:
                 table = table_from_samples(key, fanouts, z["mean_size"], z["one_draw"], z["reach"],
-                                           degree, capacity)
+                                           degree, capacity, alpha)
             log.info("PSGS table loaded from %s", path)
             return table
         except (OSError, ValueError, KeyError) as exc:
@@ -408,14 +421,42 @@ def load_or_build(indptr: Tensor, indices: Tensor, fanouts: list[int], rounds: i
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("PSGS cache not written (%s): recomputed at the next start", exc)
-    return table_from_samples(key, fanouts, **arrays, degree=degree, capacity=capacity)
+    return table_from_samples(key, fanouts, **arrays, degree=degree, capacity=capacity,
+                              alpha=alpha)
+
+
+def alpha_path(key: str, fanouts: list[int], rounds: int) -> Path:
+    """Where the exponent fitted for the table at ``cache_path`` is kept."""
+    return cache_path(key, fanouts, rounds).with_suffix(".alpha.json")
+
+
+def saved_alpha(path: Path) -> float | None:
+    """The exponent a start fitted for this table and saved (None: none, or unreadable)."""
+    try:
+        alpha = float(json.loads(path.read_text())["alpha"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return alpha if 0.0 < alpha < 10.0 else None
+
+
+def save_alpha(path: Path, alpha: float, error: float) -> None:
+    """Keep the fitted exponent beside its table (atomically): a start whose table matches
+    reuses it instead of fitting it again (a pass over every node per candidate)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"alpha": alpha, "mean_relative_error": error}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("PSGS exponent not saved (%s): fitted again at the next start", exc)
 
 
 def calibrate_union(table: PsgsTable, sampler, sizes: tuple[int, ...] = (48, 512, 2048),
-                    batches_per_size: int = 4, seed: int = 0) -> float:
+                    batches_per_size: int = 4, seed: int = 0) -> tuple[float, float]:
     """Fit the popularity exponent ``alpha`` on measured sample sizes of random batches: the
     value (a grid from 0.8 to 1.6, then +-0.05) with the least mean |relative error|, each size
-    weighted alike. Sets it on ``table`` and returns it. ``sampler``: any ``BaseSampler``."""
+    weighted alike. Sets it on ``table`` and returns it with its error. ``sampler``: any
+    ``BaseSampler``."""
     rng = np.random.default_rng(seed)
     n = table.num_nodes
     measured: list[tuple[int, np.ndarray, float]] = []
@@ -439,4 +480,4 @@ def calibrate_union(table: PsgsTable, sampler, sizes: tuple[int, ...] = (48, 512
     table.set_alpha(best)
     log.info("PSGS popularity exponent alpha = %.2f (mean |relative error| %.3f on %d measured "
              "batches)", best, errors[best], len(measured))
-    return best
+    return best, errors[best]

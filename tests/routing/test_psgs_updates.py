@@ -45,8 +45,9 @@ def test_every_id_below_the_capacity_is_answered(cora: GraphData) -> None:
     plain = table_for(cora)
     seeds = np.random.default_rng(0).integers(0, n, 300)
     assert table.estimate(seeds) == pytest.approx(plain.estimate(seeds), rel=1e-4)
-    assert psgs.calibrate_union(table, make_cpu_sampler(cora.indptr, cora.indices),
-                                sizes=(48,), batches_per_size=1) > 0  # seeds drawn below n only
+    alpha, error = psgs.calibrate_union(table, make_cpu_sampler(cora.indptr, cora.indices),
+                                        sizes=(48,), batches_per_size=1)
+    assert alpha > 0 and error >= 0  # seeds drawn below n only
 
 
 def test_updates_give_new_nodes_finite_positive_sizes(cora: GraphData) -> None:
@@ -107,3 +108,33 @@ def test_a_table_without_degrees_still_updates() -> None:
     assert table.estimate(np.array([4])) == pytest.approx(9.0)  # 1 + 2 x 4
     assert table.estimate(np.array([1])) == pytest.approx(21.0)  # 1 + 5 x 4
     assert table.estimate(np.array([5])) == 1.0 and table.num_nodes == 5
+
+
+def test_a_start_reuses_the_exponent_fitted_for_the_same_table(cora: GraphData, tmp_path,
+                                                               monkeypatch, caplog) -> None:
+    """The popularity exponent is fitted once per graph and fanouts, then read back: a restart
+    on a large graph does not spend a pass over every node per candidate again."""
+    import logging
+
+    from quiver_serve.config import ServeConfig
+    from quiver_serve.engine.core.calibrate import Calibration
+
+    monkeypatch.setenv("QUIVER_SERVE_CACHE", str(tmp_path))
+    cfg = ServeConfig.default()
+    sampler = make_cpu_sampler(cora.indptr, cora.indices)
+    fanouts = cfg.sampling.fanouts
+    with caplog.at_level(logging.INFO):
+        first = Calibration(cfg, cora, "auto", progress=False).psgs_table(
+            fanouts, torch.device("cpu"), sampler, capacity=cora.num_nodes + 10)
+        assert "measured batches" in caplog.text
+        caplog.clear()
+        again = Calibration(cfg, cora, "auto", progress=False).psgs_table(
+            fanouts, torch.device("cpu"), sampler, capacity=cora.num_nodes + 10)
+    assert "fitted before" in caplog.text and "measured batches" not in caplog.text
+    assert again.alpha == first.alpha and again.capacity == cora.num_nodes + 10
+    seeds = np.arange(0, cora.num_nodes, 7)
+    assert again.estimate(seeds) == pytest.approx(first.estimate(seeds), rel=1e-6)
+    forced = Calibration(cfg, cora, "startup", progress=False)
+    with caplog.at_level(logging.INFO):
+        forced.psgs_table(fanouts, torch.device("cpu"), sampler)
+    assert "measured batches" in caplog.text  # startup: fitted again

@@ -24,7 +24,15 @@ import torch
 
 from quiver_serve.engine.core.batch import Batch
 from quiver_serve.routing.cost import PRIORS, CostModel, cost_key, cost_path, fit_line
-from quiver_serve.routing.psgs import PsgsTable, calibrate_union, load_or_build
+from quiver_serve.routing.psgs import (
+    PsgsTable,
+    alpha_path,
+    calibrate_union,
+    graph_key,
+    load_or_build,
+    save_alpha,
+    saved_alpha,
+)
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, new_batch_seed
 
 if TYPE_CHECKING:
@@ -158,13 +166,16 @@ class Calibration:
                    capacity: int | None = None) -> PsgsTable:
         """The PSGS table of the graph and ``fanouts``, its union correction fitted on
         ``sampler``'s samples; ``capacity``: entries for nodes appended later."""
-        table = load_or_build(self.graph.indptr, self.graph.indices, fanouts,
-                              self.cfg.sampling.psgs_rounds,
+        rounds = self.cfg.sampling.psgs_rounds
+        path = alpha_path(graph_key(self.graph.indptr, self.graph.indices), fanouts, rounds)
+        alpha = saved_alpha(path) if self.mode == "auto" else None
+        table = load_or_build(self.graph.indptr, self.graph.indices, fanouts, rounds,
                               device=device if device.type == "cuda" else None,
-                              progress=self.progress)
-        calibrate_union(table, sampler)
-        if capacity is not None and table.capacity < capacity:
-            table = table.with_capacity(capacity)
+                              progress=self.progress, capacity=capacity, alpha=alpha or 1.0)
+        if alpha is None:
+            save_alpha(path, *calibrate_union(table, sampler))
+        else:
+            log.info("PSGS popularity exponent alpha = %.2f, fitted before (%s)", alpha, path)
         return table
 
     def cost_model(self, core: EngineCore) -> None:

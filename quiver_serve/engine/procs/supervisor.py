@@ -351,9 +351,17 @@ class Supervisor:
         multiprocess_dir()  # before any child starts, so every child inherits it
         self.graph.share_memory_()
         self.owner.open(self._live_readers)
-        for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
-            for child in group:
+        # An engine core's start needs no sampler (a batch sent early waits in the sampler's
+        # queue): with a core for each starting process they start at once (a restart's
+        # seconds), else samplers first, so that they do not share the cores while importing.
+        at_once = (os.cpu_count() or 1) >= len(self.samplers) + len(self.engines) + 2
+        if at_once:
+            for child in self.samplers + self.engines:
                 child.start()
+        for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
+            if not at_once:
+                for child in group:
+                    child.start()
             self._wait_ready(group, what)
         for child in self.engines:  # they started with the plan, and nothing changed it yet
             self.models.settle(child.index, self._engine_pid(child.index))
