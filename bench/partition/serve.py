@@ -3,7 +3,8 @@
 per GPU), in one run, loaded from outside by the same load generator (``loadtest/gen.py``).
 
 1. The graph (synthetic, papers100M-shaped at ``--scale``) is built once and saved; it is
-   partitioned in two (``quiver_serve.partition``: METIS, FAP hot rows within
+   partitioned in two (``python -m quiver_serve.partition``: METIS up to
+   ``partition.metis_max_edges``, its fallback above; FAP hot rows within
    ``--hot-budget-bytes`` per partition).
 2. ``one``: the daemon (``server.py``) on one GPU (``CUDA_VISIBLE_DEVICES=0``; on a CPU box the
    CPU) over the whole graph.
@@ -72,17 +73,16 @@ def bench_config(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def partition(cfg: Any, folder: Path, hot_budget_bytes: int) -> tuple[Path, dict[str, Any]]:
-    from quiver_serve.graph.datasets import load_graph
-    from quiver_serve.partition.data import partition_graph, save_partitions
-
-    t0 = time.perf_counter()
-    graph = load_graph(cfg.graph)
-    book, parts, stats = partition_graph(graph, 2, "metis", hot_budget_bytes,
-                                         cfg.sampling.fanouts)
+def partition(config: Path, folder: Path, hot_budget_bytes: int) -> tuple[Path, dict[str, Any]]:
+    """``python -m quiver_serve.partition`` on the served config (its ``partition:`` section:
+    METIS up to ``metis_max_edges``, its fallback above), ``hot_budget_bytes`` of hot rows."""
     out = folder / "parts"
-    save_partitions(out, book, parts, stats, graph.name)
-    return out, {"seconds": time.perf_counter() - t0, **stats.to_json()}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "quiver_serve.partition", "--config", str(config),
+                    "--parts", "2", "--out", str(out), "--hot-budget-mb",
+                    str(hot_budget_bytes / 1e6)], check=True)
+    stats = json.loads((out / "stats.json").read_text())
+    return out, {"seconds": time.perf_counter() - t0, **stats}
 
 
 def load(url: str, workload: str, callers: list[int], args: argparse.Namespace,
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     with Session("qs-partition-serve-") as s:
         _, npz = save_graph(cfg, s.folder)
         config = serve_config(cfg, npz, s.folder)
-        parts, result["partitioning"] = partition(cfg, s.folder, args.hot_budget_bytes)
+        parts, result["partitioning"] = partition(config, s.folder, args.hot_budget_bytes)
         smoke_env = {"QUIVER_SERVE_DISABLE_CPP": "1"} if args.smoke else {}
         one = s.own(Daemon(config, log_path=s.folder / "one.log", name="one",
                            env={"CUDA_VISIBLE_DEVICES": "0", **smoke_env},

@@ -236,9 +236,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                          "(1: every replica holds the whole graph)")
     ap.add_argument("--partition-dir", default=None,
                     help="the partitions' folder (python -m quiver_serve.partition --out); "
-                         "default: partition the config's graph now")
-    ap.add_argument("--partition-method", default="metis",
-                    help="how to partition when no --partition-dir is given")
+                         "default: partition the config's graph now (its partition: section)")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     ap.add_argument("--host", default=None, help="HTTP bind address (default: server.host)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port (default: server.port)")
@@ -288,8 +286,7 @@ def partitioned_app(args: argparse.Namespace, cfg: ServeConfig, timeout_s: float
 
     if args.partitions < 1:
         raise StartError(f"--partitions must be at least 1, got {args.partitions}")
-    data_dir = deploy.prepare_partitions(cfg, args.partitions, args.partition_dir,
-                                         args.partition_method)
+    data_dir = deploy.prepare_partitions(args.config, args.partitions, args.partition_dir)
     reservations = size_replicas(ray.cluster_resources(), args.partitions * args.replicas)
     log.info("%d partition servers of %g CPU and %g GPU each; the ingress %g CPU",
              args.partitions * args.replicas, reservations.engine_cpus,

@@ -12,7 +12,6 @@ import torch
 
 pytest.importorskip("ray.serve")
 
-from quiver_serve.config import ServeConfig  # noqa: E402
 from quiver_serve.graph.csc import GraphData  # noqa: E402
 from quiver_serve.metrics.partitioned import IngressCounts, exposition  # noqa: E402
 from quiver_serve.partition.data import partition_graph, save_partitions  # noqa: E402
@@ -44,9 +43,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[GraphData, Path]:
 def test_a_folder_of_another_partition_count_is_refused_naming_both(
         folder: tuple[GraphData, Path]) -> None:
     _, out = folder
-    assert prepare_partitions(ServeConfig(), 3, str(out)) == out
+    assert prepare_partitions(None, 3, str(out)) == out
     with pytest.raises(StartError, match="holds 3 partitions; --partitions asks for 2"):
-        prepare_partitions(ServeConfig(), 2, str(out))
+        prepare_partitions(None, 2, str(out))
 
 
 def test_degrees_summed_from_the_partitions_are_the_whole_graphs(

@@ -50,13 +50,12 @@ class Deployment:
         remove_placement_group(self.placement_group)
 
 
-def prepare_partitions(cfg: ServeConfig, parts: int, data_dir: str | None,
-                       method: str = "metis") -> Path:
+def prepare_partitions(config_path: str | None, parts: int, data_dir: str | None) -> Path:
     """The partitions' folder: ``data_dir`` as ``python -m quiver_serve.partition`` wrote it
-    (its partition count checked), or the config's graph partitioned now into a new temporary
-    folder (FAP hot rows within ``inference.gpu_cache_bytes``' share are not chosen here: none)."""
-    from quiver_serve.graph.datasets import load_graph
-    from quiver_serve.partition.data import load_book, partition_graph, save_partitions
+    (its partition count checked), or the config's graph partitioned now by that command's
+    code (the config's ``partition:`` section) into a new temporary folder."""
+    from quiver_serve.partition import cli
+    from quiver_serve.partition.data import load_book
 
     if data_dir is not None:
         book = load_book(Path(data_dir))
@@ -64,11 +63,11 @@ def prepare_partitions(cfg: ServeConfig, parts: int, data_dir: str | None,
             raise StartError(f"{data_dir} holds {book.num_parts} partitions; --partitions "
                              f"asks for {parts}")
         return Path(data_dir)
-    graph = load_graph(cfg.graph)
-    book, datas, stats = partition_graph(graph, parts, method)
     out = Path(tempfile.mkdtemp(prefix="quiver-partitions-")) / "parts"
-    save_partitions(out, book, datas, stats, graph.name)
-    log.info("partitioned %s into %d parts (%s) in %s", graph.name, parts, book.method, out)
+    argv = ["--parts", str(parts), "--out", str(out)]
+    if cli.main([*argv, "--config", config_path] if config_path else argv) != 0:
+        raise StartError(f"partitioning the config's graph into {parts} parts failed (above)")
+    log.info("partitioned the config's graph into %d parts in %s", parts, out)
     return out
 
 
