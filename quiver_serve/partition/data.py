@@ -25,14 +25,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from quiver_serve.graph.base_files import array_digest, write_base_dir, write_synced
+from quiver_serve.graph.base_files import (
+    array_digest,
+    byte_progress,
+    write_base_dir,
+    write_synced,
+)
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.log_reader import META_NAME
 from quiver_serve.partition.book import PartitionBook
 from quiver_serve.partition.hot import hot_rows
 from quiver_serve.partition.methods import assign, check_method
-from quiver_serve.partition.stats import PartitionStats, partition_stats, progress
+from quiver_serve.partition.stats import PartitionStats, partition_stats
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,9 @@ PART_ARRAYS = ("global_ids", "indptr", "indices", "x", "hot_ids", "hot_x", "y")
 OPTIONAL_ARRAYS = ("y",)
 #: what ``meta.json``'s ``meta.kind`` says of a partition folder
 PART_KIND = "quiver-serve partition"
+#: graphs smaller than this many bytes (CSC and features) partition without progress bars, as
+#: ``base_files.byte_progress`` stays silent below it
+QUIET_BYTES = 256 << 20
 
 
 class PartitionFolderError(ValueError):
@@ -132,13 +141,14 @@ def partition_graph(graph: GraphData, num_parts: int, method: str = "metis",
     max_rows = hot_budget_bytes // row_bytes
     hot: list[tuple[np.ndarray, float]] = []
     t0 = time.perf_counter()
-    for p in progress(range(num_parts), "FAP hot rows", disable=max_rows == 0):
+    quiet = indptr.nbytes + indices.nbytes + x.nbytes < QUIET_BYTES
+    for p in tqdm(range(num_parts), "FAP hot rows", unit="part", disable=quiet or max_rows == 0):
         hot.append(hot_rows(graph.indptr, graph.indices, owner, p, list(fap_fanouts or []),
                             fap_batch_size, max_rows))
     phase_s["hot_rows"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     parts = []
-    for p in progress(range(num_parts), "partition data"):
+    for p in tqdm(range(num_parts), "partition data", unit="part", disable=quiet):
         ids = book.global_ids(p)
         sub_indptr, sub_indices = gather_lists(indptr, indices, ids)
         parts.append(PartitionData(
@@ -171,7 +181,7 @@ def save_partitions(out_dir: Path, book: PartitionBook, parts: list[PartitionDat
     if len(parts) != book.num_parts:
         raise ValueError(f"{len(parts)} partitions for a book of {book.num_parts}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for data in progress(parts, "writing partitions"):
+    for data in parts:  # write_base_dir shows a bar per partition of 256 MiB or more
         meta = {"kind": PART_KIND, "part": data.part, "num_parts": book.num_parts,
                 "num_nodes": book.num_nodes, "method": book.method, "graph": graph_name}
         write_base_dir(part_dir(out_dir, data.part), 0, part_arrays(data), meta,
@@ -236,8 +246,6 @@ def _map_array(folder: Path, name: str, spec: dict, mmap: bool, verify: bool) ->
         raise PartitionFolderError(f"{path} is {arr.dtype}{list(arr.shape)}, meta.json says "
                                    f"{spec.get('dtype')}{spec.get('shape')}")
     if verify:
-        from quiver_serve.graph.base_files import byte_progress
-
         with byte_progress(arr.nbytes, f"checking {name}") as bar:
             digest = array_digest(arr, bar)
         if digest != spec.get("blake2b"):

@@ -3,26 +3,12 @@ balance, replicated rows and bytes, seconds per phase; printed and saved as ``st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.partition.book import PartitionBook
-
-T = TypeVar("T")
-
-
-def progress(items: Iterable[T], desc: str, disable: bool = False) -> Iterator[T]:
-    """A tqdm bar over ``items`` (the start-up bars' library; silent where tqdm is missing)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        yield from items
-        return
-    yield from tqdm(items, desc=desc, unit="part", disable=disable, leave=False)
 
 
 @dataclass
