@@ -341,12 +341,12 @@ class PartitionConfig(_Section):
     """Partitioning a graph offline (docs/architecture.md, "Partitioning";
     ``python -m quiver_serve.partition --parts P --out DIR``)."""
 
-    method: Literal["auto", "metis", "hash", "range"] = Field(
-        "auto", description="who owns each node: METIS k-way (balanced on nodes and in-edges, the smallest edge cut), hash of the id, contiguous id ranges balanced on nodes and in-edges, or auto (metis up to metis_max_edges, fallback above)")
+    method: Literal["auto", "metis", "ldg", "range", "hash"] = Field(
+        "auto", description="who owns each node: METIS k-way (balanced on nodes and in-edges, the smallest edge cut), ldg (streaming greedy over the in-edge lists, no copy of the graph), contiguous id ranges balanced on nodes and in-edges, hash of the id, or auto (metis up to metis_max_edges, fallback above)")
     metis_max_edges: int = Field(
         200_000_000, ge=1, description="method auto: the most in-edges partitioned by METIS (pymetis and METIS took about 260 bytes per in-edge above the graph: 200 M edges need about 52 GB; docs/decisions/0042-partitioning.md)")
-    fallback: Literal["hash", "range"] = Field(
-        "range", description="method auto: the method above metis_max_edges")
+    fallback: Literal["ldg", "range", "hash"] = Field(
+        "ldg", description="method auto: the method above metis_max_edges")
     hot_budget_mb: float = Field(
         256.0, ge=0, description="per partition: MB of other partitions' float32 feature rows replicated there, the likeliest read by its requests (FAP under sampling.fanouts)")
     seed: int = Field(0, description="seed of METIS and of hash")
