@@ -12,6 +12,8 @@ mapped by the partition servers; the ingress is the real Ray Serve application o
 * A partition server killed (SIGKILL) under load: requests needing it are answered 503 with
   Retry-After, never a wrong row; ids whose neighbourhood it does not hold keep being served;
   Ray restarts it from its folder and its ids are answered again within 30 s.
+* With two replicas per partition, one killed under load: every request is answered 200 with
+  the right rows (the other replica takes over), and Ray brings the killed one back.
 """
 
 from __future__ import annotations
@@ -120,13 +122,15 @@ def partitions(graph: GraphData, parts: int, tmp: Path) -> Path:
 class Served:
     """One partitioned deployment behind the ingress: its URL and its servers."""
 
-    def __init__(self, cfg: ServeConfig, data_dir: Path, name: str, port: int) -> None:
+    def __init__(self, cfg: ServeConfig, data_dir: Path, name: str, port: int,
+                 replicas: int = 1) -> None:
         from ray import serve
 
         from quiver_serve.scaleout.partitioned import deploy
         from quiver_serve.scaleout.ray_start import Reservations
 
-        self.deployment = deploy.start_servers(cfg, data_dir, 1, Reservations(0.5, 0, 0.2), 120)
+        self.deployment = deploy.start_servers(cfg, data_dir, replicas,
+                                               Reservations(0.5, 0, 0.2), 120)
         serve.run(deploy.ingress_app(cfg, self.deployment, 0.2), name=name, route_prefix="/")
         self.url, self.name = f"http://127.0.0.1:{port}", name
         self.client = httpx.Client(timeout=30.0)
@@ -185,6 +189,7 @@ def test_two_partitions_answer_as_one_machine(cluster: int, graph: GraphData, en
         listed = served.client.get(served.url + "/v1/graph").json()
         assert listed["num_parts"] == 2 and listed["num_nodes"] == graph.num_nodes
         assert sum(p["servers"][0]["nodes"] for p in listed["partitions"]) == graph.num_nodes
+        assert {p["servers"][0]["transport"] for p in listed["partitions"]} == {transport}
         metrics = served.client.get(served.url + "/metrics").text
         assert 'quiver_serve_partition_remote_calls_total{hop="1"' in metrics
         assert "quiver_serve_partition_hot_hit_ratio" in metrics
@@ -294,3 +299,37 @@ def _load(url: str, ids: list[int], expected: dict[int, np.ndarray], stop: threa
             else:
                 ok = r.headers.get("retry-after") is not None
             seen.append(Answer(time.monotonic(), r.status_code, v, ok, time.monotonic() - t0))
+
+
+def test_a_second_replica_takes_over_a_killed_one(
+        cluster: int, graph: GraphData, engine: LocalEngine,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    served = Served(config(), partitions(graph, 2, tmp_path_factory.mktemp("r2")), "r2",
+                    cluster, replicas=2)
+    try:
+        ids = list(range(0, graph.num_nodes, 37))
+        expected = {v: engine.embed(np.array([v]), seed=v) for v in ids}
+        before = served.client.get(served.url + "/v1/graph").json()["partitions"][1]["servers"]
+        stop, seen = threading.Event(), list[Answer]()
+        load = [threading.Thread(target=_load, args=(served.url, ids[i::2], expected, stop, seen))
+                for i in range(2)]
+        for t in load:
+            t.start()
+        time.sleep(1.0)
+        os.kill(before[0]["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        back = False
+        while not back and time.monotonic() - killed_at < 30.0:
+            time.sleep(1.0)
+            now = served.client.get(served.url + "/v1/graph").json()["partitions"][1]["servers"]
+            back = not now[0]["down"] and now[0]["pid"] not in (None, before[0]["pid"])
+        stop.set()
+        for t in load:
+            t.join(30)
+        after = [a for a in seen if a.at_s > killed_at]
+        assert after and {a.status for a in seen} == {200}, \
+            f"statuses {sorted({a.status for a in seen})}"
+        assert all(a.ok for a in seen), "a wrong answer was served"
+        assert back, "Ray did not bring the killed replica back within 30 s"
+    finally:
+        served.close()

@@ -15,7 +15,6 @@ a partial answer; the others go on (docs/architecture.md, "Partitioned serving")
 
 
 import asyncio
-import itertools
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ from quiver_serve.frontend.responses import embed_answer, error_response, serve_
 from quiver_serve.frontend.schemas import EmbedBody
 from quiver_serve.metrics.partitioned import IngressCounts, exposition
 from quiver_serve.partition.book import PartitionBook
-from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S
+from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S, Replicas
 
 #: how long a readiness or status probe waits for a partition server
 PROBE_S = 2.0
@@ -83,7 +82,7 @@ class PartitionedIngress:
         self.dim = dim
         self.down_until = [0.0] * len(servers)
         self.counts = IngressCounts()
-        self._next = itertools.count()
+        self.replicas = Replicas(max(len(r) for r in servers), self.cfg.partitioned.down_s)
 
     # ---- routes --------------------------------------------------------------------------------
     @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
@@ -138,7 +137,8 @@ class PartitionedIngress:
     @APP.get("/v1/graph", summary="The partitioned graph: partitions, their servers, sizes")
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
-        shown = ("replica", "pid", "nodes", "edges", "device", "requests", "hot_hit_rate")
+        shown = ("replica", "pid", "nodes", "edges", "device", "transport", "requests",
+                 "hot_hit_rate")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
@@ -195,14 +195,14 @@ class PartitionedIngress:
         self._check_up(part)
         replicas = self.servers[part]
         wait_s = (timeout_s or self.cfg.server.request_timeout_s) + MARGIN_S
-        first, reason = next(self._next), "no replica"
-        for attempt in range(min(2, len(replicas))):
-            server = replicas[(first + attempt) % len(replicas)]
+        reason = "no replica"
+        for replica in self.replicas.order(part)[:2]:
             try:
-                out = await asyncio.wait_for(server.embed.remote(ids, exact, seed, timeout_s),
-                                             wait_s)
+                out = await asyncio.wait_for(
+                    replicas[replica].embed.remote(ids, exact, seed, timeout_s), wait_s)
             except (RayError, asyncio.TimeoutError) as exc:
                 reason = type(exc).__name__
+                self.replicas.failed(part, replica)
                 continue
             if isinstance(out, dict):
                 self._refused(out)

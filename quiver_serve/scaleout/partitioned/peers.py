@@ -33,6 +33,26 @@ def server_name(app: str, part: int, replica: int) -> str:
     return f"{app}-part{part}-r{replica}"
 
 
+class Replicas:
+    """Which replicas of a partition to try, in order: round robin over those that did not fail
+    within ``down_s``, then the ones that did (a replica Ray is restarting fails each call only
+    after about a second, so a failed one is tried last until the window ends)."""
+
+    def __init__(self, count: int, down_s: float) -> None:
+        self.count, self.down_s = count, down_s
+        self._next = itertools.count()
+        self._down_until: dict[tuple[int, int], float] = {}
+
+    def order(self, part: int) -> list[int]:
+        first = next(self._next) % self.count
+        rotated = [(first + i) % self.count for i in range(self.count)]
+        now = time.monotonic()
+        return sorted(rotated, key=lambda r: self._down_until.get((part, r), 0.0) > now)
+
+    def failed(self, part: int, replica: int) -> None:
+        self._down_until[(part, replica)] = time.monotonic() + self.down_s
+
+
 class PartitionUnavailable(Exception):
     """A partition this request needs did not answer (gone, restarting, or past the timeout)."""
 
@@ -61,7 +81,7 @@ class CallStats:
         self.latency_buckets[i] += 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PeerSettings:
     """How a partition server reaches its peers."""
 
@@ -81,7 +101,7 @@ class Peers:
         self.part, self.settings = part, settings
         self.stats: dict[tuple[int, str], CallStats] = {}
         self._handles: dict[tuple[int, int], Any] = {}
-        self._next = itertools.count()
+        self.replicas = Replicas(settings.replicas, settings.down_s)
         self._down_until: dict[int, float] = {}
         self.link: RayLink | WireLink = WireLink(self._address) if settings.transport == "wire" \
             else RayLink(self._handle)
@@ -120,10 +140,8 @@ class Peers:
         if time.monotonic() < self._down_until.get(part, 0.0):
             stats.failures += 1
             raise PartitionUnavailable(part, "it failed a call moments ago")
-        first = next(self._next) % self.settings.replicas
         reason = "no replica"
-        for attempt in range(min(2, self.settings.replicas)):
-            replica = (first + attempt) % self.settings.replicas
+        for replica in self.replicas.order(part)[:2]:
             t0 = time.perf_counter()
             try:
                 if self.settings.delay_s > 0:
@@ -135,6 +153,7 @@ class Peers:
                 stats.failures += 1
                 self._handles.pop((part, replica), None)
                 self.link.forget(part, replica)
+                self.replicas.failed(part, replica)
                 reason = type(exc).__name__
                 continue
             if isinstance(out, dict):  # the peer refused: a fault of ours or of the data

@@ -77,10 +77,10 @@ class PartitionServer:
         self.owned, self.edges = int(data.global_ids.size), int(data.indices.size)
         owner, local = as_tensor(book.owner), as_tensor(book.local)
         pc = cfg.partitioned
-        self.peers = Peers(args.part, PeerSettings(args.app, self.num_parts, args.replicas,
-                                                   pc.remote_timeout_s,
-                                                   pc.transport_delay_ms / 1e3, pc.down_s,
-                                                   pc.transport))
+        self.peers = Peers(args.part, PeerSettings(
+            app=args.app, num_parts=self.num_parts, replicas=args.replicas,
+            timeout_s=pc.remote_timeout_s, delay_s=pc.transport_delay_ms / 1e3,
+            transport=pc.transport, down_s=pc.down_s))
         self.wire = WireService(self._answer_wire)
         self.graph = LocalGraph(args.part, owner, local, as_tensor(data.indptr),
                                 as_tensor(data.indices))
@@ -196,7 +196,7 @@ class PartitionServer:
                 "nodes": self.owned, "edges": self.edges, "device": str(self.device),
                 "dim": self.model.out_dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
-                "batches": self.batches.batches,
+                "batches": self.batches.batches, "transport": self.peers.settings.transport,
                 "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "time_s": time.time()}
