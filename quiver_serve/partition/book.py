@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quiver_serve.graph.base_files import fsync_dir
+
 #: bad ids named in an error, at most
 SHOWN_IDS = 8
 #: the book's keys in its .npz file
@@ -108,7 +110,7 @@ class PartitionBook:
 
     def save(self, path: Path) -> None:
         """The book as ``path`` (.npz, numbers and one string; written to a temporary file,
-        synced, then renamed into place)."""
+        synced, renamed into place, the folder synced)."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -117,6 +119,7 @@ class PartitionBook:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
 
     @classmethod
     def load(cls, path: Path) -> PartitionBook:

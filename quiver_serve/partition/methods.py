@@ -77,12 +77,34 @@ def assign(indptr: np.ndarray, indices: np.ndarray, num_parts: int, method: str,
     if num_parts == 1:
         return np.zeros(num_nodes, dtype=np.int32)
     if method == "hash":
-        return hash_parts(num_nodes, num_parts, seed)
-    if method == "range":
-        return range_parts(balance_weights(indptr), num_parts)
-    if method == "ldg":
-        return ldg_parts(indptr, indices, num_parts)
-    return metis_parts(indptr, indices, num_parts, seed)
+        owner = hash_parts(num_nodes, num_parts, seed)
+    elif method == "range":
+        owner = range_parts(balance_weights(indptr), num_parts)
+    elif method == "ldg":
+        owner = ldg_parts(indptr, indices, num_parts)
+    else:
+        owner = metis_parts(indptr, indices, num_parts, seed)
+    return fill_empty(owner, num_parts)
+
+
+def fill_empty(owner: np.ndarray, num_parts: int) -> np.ndarray:
+    """``owner`` with every partition owning at least one node: each empty one takes the last
+    node of the largest (logged; a method leaves partitions empty only when they are few nodes
+    each, e.g. METIS asked for ~1,000 parts of Cora). Needs ``num_parts <= len(owner)``."""
+    sizes = np.bincount(owner, minlength=num_parts)
+    empty = np.flatnonzero(sizes == 0)
+    if empty.size == 0:
+        return owner
+    owner = owner.copy()
+    for part in empty:
+        donor = int(np.argmax(sizes))
+        node = int(np.flatnonzero(owner == donor)[-1])
+        owner[node] = part
+        sizes[donor] -= 1
+        sizes[part] += 1
+    log.warning("%d of %d partitions came out empty; each took one node of the largest",
+                empty.size, num_parts)
+    return owner
 
 
 def hash_parts(num_nodes: int, num_parts: int, seed: int = 0) -> np.ndarray:

@@ -200,6 +200,17 @@ def test_a_damaged_partition_is_refused_with_its_file(cora: GraphData, tmp_path:
         save_partitions(tmp_path, book, parts, stats)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_every_partition_owns_a_node_even_when_there_are_many(cora: GraphData,
+                                                              method: str) -> None:
+    book, parts, _ = partition_graph(cora, 1000, method)  # METIS alone leaves 41 empty
+    assert book.sizes().min() >= 1
+    assert np.array_equal(np.sort(np.concatenate([p.global_ids for p in parts])),
+                          np.arange(cora.num_nodes))
+    book, _, _ = partition_graph(cora, cora.num_nodes, method)
+    assert np.all(book.sizes() == 1)
+
+
 @pytest.mark.parametrize(("parts", "method", "message"), [
     (0, "metis", "parts must be an integer >= 1"),
     (-2, "hash", "parts must be an integer >= 1"),
