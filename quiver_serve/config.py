@@ -43,8 +43,11 @@ class GraphConfig(_Section):
         description="file or folder of the dataset (not used by synthetic)"
     )
     name: str = Field("cora", description="dataset name (Planetoid: cora/citeseer/pubmed; else a label)")
-    synthetic_preset: Literal["reddit", "products", "papers100m", "custom"] = Field(
-        "reddit", description="published statistics the synthetic generator matches"
+    synthetic_preset: Literal["reddit", "products", "papers100m", "custom", "mag"] = Field(
+        "reddit", description="published statistics the synthetic generator matches (mag: the typed ogbn-mag, four node types and four relations)"
+    )
+    add_reverse_edges: bool = Field(
+        False, description="typed graphs: add a (dst, rev_<rel>, src) relation for every relation between two types and make relations within one type undirected, as PyG's ToUndirected does"
     )
     synthetic_scale: float = Field(
         1.0, gt=0, le=1.0, description="fraction of the preset's nodes and edges to generate"
