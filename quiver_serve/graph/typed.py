@@ -75,6 +75,12 @@ class Relation:
         """``edge_id``, or the identity when entries are already in edge-id order."""
         return self.edge_id if self.edge_id is not None else torch.arange(self.num_edges)
 
+    def edge_ids_at(self, start: int, stop: int) -> Tensor:
+        """Edge ids of CSC entries ``start .. stop - 1``."""
+        if self.edge_id is None:
+            return torch.arange(start, stop)
+        return self.edge_id[start:stop]
+
     def edge_index(self) -> Tensor:
         """The relation's PyG ``edge_index`` [2, E] in edge-id order (sources, targets)."""
         dst = torch.repeat_interleave(torch.arange(self.num_dst), self.degree())
