@@ -46,6 +46,9 @@ class GraphConfig(_Section):
     synthetic_preset: Literal["reddit", "products", "papers100m", "custom", "mag"] = Field(
         "reddit", description="published statistics the synthetic generator matches (mag: the typed ogbn-mag, four node types and four relations)"
     )
+    words_as_nodes: bool = Field(
+        False, description="typed graphs: serve a bag-of-words graph (Planetoid) as papers and words: paper-cites-paper, and paper-has_word-word for every nonzero feature; words have no features"
+    )
     add_reverse_edges: bool = Field(
         False, description="typed graphs: add a (dst, rev_<rel>, src) relation for every relation between two types and make relations within one type undirected, as PyG's ToUndirected does"
     )

@@ -1,5 +1,6 @@
 """Loaders of typed graphs: a saved PyG ``HeteroData``, an npz layout per type, ogbn-mag-shaped
-synthetic, and any homogeneous graph as the one-type case (docs/architecture.md, "Typed graphs").
+synthetic, a bag-of-words graph as papers and words (``graph.words_as_nodes``), and any
+homogeneous graph as the one-type case (docs/architecture.md, "Typed graphs").
 
 The npz layout (read with ``allow_pickle=False``; type names never hold ``__``):
 
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from quiver_serve.config import GraphConfig, resolve_path
+from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, Relation, TypedGraph, add_reverse_edges
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,11 @@ def load_typed_graph(cfg: GraphConfig) -> TypedGraph:
     if graph is None:
         from quiver_serve.graph.datasets import load_graph
 
-        graph = TypedGraph.from_graph_data(load_graph(cfg))
+        plain = load_graph(cfg)
+        graph = words_as_nodes(plain) if cfg.words_as_nodes else TypedGraph.from_graph_data(plain)
+    elif cfg.words_as_nodes:
+        raise ValueError("graph.words_as_nodes applies to a one-type graph with bag-of-words "
+                         f"features; {graph.name} is already typed")
     if cfg.add_reverse_edges:
         graph = add_reverse_edges(graph)
     log.info("typed graph %s in %.2f s", graph.describe(), time.perf_counter() - t0)
@@ -75,6 +81,24 @@ def _looks_hetero(obj: object) -> bool:
 
     return isinstance(obj, HeteroData) or (
         isinstance(obj, dict) and any(isinstance(k, tuple) and len(k) == 3 for k in obj))
+
+
+def words_as_nodes(graph: GraphData) -> TypedGraph:
+    """A bag-of-words graph (Cora) as two types: ``paper`` (the nodes, their features and
+    labels; ``paper-cites-paper`` their edges) and ``word`` (one per feature column, no
+    features); ``paper-has_word-word`` for every nonzero feature, ordered by paper then word."""
+    papers, words = graph.x.nonzero(as_tuple=True)
+    cites = ("paper", "cites", "paper")
+    has_word = ("paper", "has_word", "word")
+    num_words = graph.num_features
+    relations = {
+        cites: Relation(cites, graph.indptr, graph.indices),
+        has_word: Relation.from_edge_index(has_word, torch.stack([papers, words]),
+                                           graph.num_nodes, num_words),
+    }
+    y = {} if graph.y is None else {"paper": graph.y}
+    return TypedGraph(f"{graph.name}-words", {"paper": graph.num_nodes, "word": num_words},
+                      {"paper": graph.x}, relations, y)
 
 
 # ---- saved HeteroData ---------------------------------------------------------------------------
