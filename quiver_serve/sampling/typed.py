@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
+from quiver_serve.graph.typed import NAME_JOINER, EdgeType, Relation, TypedGraph
 from quiver_serve.sampling.base import check_seed_range, relation_base, seed_base
 from quiver_serve.sampling.reference import hop_edge_positions, unique_first
 
@@ -136,6 +136,12 @@ class TypedReferenceSampler:
     def __init__(self, graph: TypedGraph) -> None:
         self.graph = graph
 
+    def hop_positions(self, rel: Relation, frontier: Tensor, k: int, hop: int,
+                      base: int) -> tuple[Tensor, Tensor]:
+        """One hop of one relation: the CSC positions read for ``frontier`` (global ids), in
+        frontier order, and how many per frontier node; ``base`` is the relation's."""
+        return hop_edge_positions(rel.indptr, frontier, k, hop, base)
+
     def sample(self, seed_type: str, seeds: Tensor, fanouts: TypedFanouts,
                seed: int) -> TypedSamplerOutput:
         graph = self.graph
@@ -158,8 +164,8 @@ class TypedReferenceSampler:
             for r, (et, rel) in enumerate(graph.relations.items()):
                 src, _, dst = et
                 targets = frontier[dst]
-                pos, count = hop_edge_positions(rel.indptr, ids[dst].ids[targets],
-                                                per_rel[et][hop - 1], hop, relation_base(base, r))
+                pos, count = self.hop_positions(rel, ids[dst].ids[targets], per_rel[et][hop - 1],
+                                                hop, relation_base(base, r))
                 owner = torch.repeat_interleave(torch.arange(targets.numel()), count)
                 rows[et].append(ids[src].add(rel.indices[pos]))
                 cols[et].append(targets[owner])
@@ -180,3 +186,26 @@ def _stack(rows: list[Tensor], cols: list[Tensor]) -> Tensor:
     if not rows:
         return torch.empty((2, 0), dtype=torch.int64)
     return torch.stack([torch.cat(rows), torch.cat(cols)])
+
+
+class TypedCppSampler(TypedReferenceSampler):
+    """The same sampling with each relation's hop drawn by the C++ sampler
+    (``csrc/cpu_sampler.cpp``, ``hop_positions``), parallel over the frontier; the bookkeeping
+    between hops stays in torch. Bit for bit the reference's output."""
+
+    name = "cpp"
+
+    def __init__(self, graph: TypedGraph) -> None:
+        from quiver_serve.sampling.cpu import cpu_extension
+
+        super().__init__(graph)
+        for et, rel in graph.relations.items():
+            for label, t in (("indptr", rel.indptr), ("indices", rel.indices)):
+                if not t.is_contiguous():
+                    raise ValueError(f"relation {list(et)}: {label} must be contiguous (it is "
+                                     "read in place)")
+        self._hop = cpu_extension().hop_positions
+
+    def hop_positions(self, rel: Relation, frontier: Tensor, k: int, hop: int,
+                      base: int) -> tuple[Tensor, Tensor]:
+        return self._hop(rel.indptr, rel.indices, frontier, k, base, hop)

@@ -216,3 +216,29 @@ def test_output_trims_per_layer_and_exact_mode_is_the_full_graph() -> None:
                     torch.testing.assert_close(trimmed[out.seed_index], plain, rtol=0, atol=1e-5)
             # all fanouts -1: the whole 2-hop neighbourhood, hence the full graph's answer
             torch.testing.assert_close(plain, full[seeds], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpp_sampler_is_the_reference_bit_for_bit(threads: int) -> None:
+    from quiver_serve.sampling import cpu as cpu_mod
+    from quiver_serve.sampling.typed import TypedCppSampler
+
+    if not cpu_mod.cpp_sampler_available():
+        pytest.skip(f"no C++ sampler here: {cpu_mod.cpu_sampler_status()}")
+    graph = small_typed(3)
+    reference, cpp = TypedReferenceSampler(graph), TypedCppSampler(graph)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fanouts, seed in (([3, 2], 0), ([-1, 1], 5), ([1, 4, 2], 2**50 + 1), ([0, 3], 8)):
+            seeds = torch.tensor([7, 0, 7, 59, 33])
+            a = reference.sample("paper", seeds, fanouts, seed)
+            b = cpp.sample("paper", seeds, fanouts, seed)
+            assert all(torch.equal(a.node[t], b.node[t]) for t in graph.node_types)
+            for et in graph.edge_types:
+                assert torch.equal(a.edge_index[et], b.edge_index[et]), et
+                assert torch.equal(a.e_id[et], b.e_id[et]), et
+            assert a.num_sampled_nodes == b.num_sampled_nodes
+            assert a.num_sampled_edges == b.num_sampled_edges
+    finally:
+        torch.set_num_threads(before)
