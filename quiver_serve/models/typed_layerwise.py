@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
 from quiver_serve.models.typed_served import TypedServedModel
 from quiver_serve.sampling.reference import unique_first
+from quiver_serve.sampling.typed import TypedSamplerOutput
 
 #: targets per chunk of one layer (bounds the subgraph a chunk builds)
 DEFAULT_CHUNK_NODES = 1 << 16
@@ -97,6 +98,32 @@ class TypedLayerwise:
                     nxt[t] = torch.cat(parts)
             h = nxt
         return h
+
+    @torch.no_grad()
+    def sampled(self, out: TypedSamplerOutput) -> Tensor:
+        """The rows of the requested seeds of a sampled subgraph, each layer run only on what it
+        still needs, as PyG's ``trim_to_layer`` trims: layer ``i`` reads the nodes of the first
+        ``L + 1 - i`` hops and the edges of the first ``L - i``. The seeds' rows are those of the
+        untrimmed forward; the outer hops cost no compute in later layers."""
+        num_layers = self.num_layers
+        hops = len(next(iter(out.num_sampled_edges.values()), []))
+        if hops != num_layers:
+            raise ValueError(f"a {num_layers}-layer model needs a {num_layers}-hop sample, got "
+                             f"{hops} hops")
+        h = self.served.inputs(out.node)
+        attrs = self._edge_attr(out.e_id)
+        for i in range(num_layers):
+            keep = {t: sum(c[:num_layers + 1 - i]) for t, c in out.num_sampled_nodes.items()}
+            x = {t: v[:keep[t]] for t, v in h.items() if keep[t] or t == out.seed_type}
+            ei, ea = {}, {}
+            for et, edges in out.edge_index.items():
+                if et[0] in x and et[2] in x:
+                    num = sum(out.num_sampled_edges[et][:num_layers - i])
+                    ei[et] = edges[:, :num]
+                    if et in attrs:
+                        ea[et] = attrs[et][:num]
+            h = self.layer(i, x, ei, ea, {t: out.node[t][:keep[t]] for t in x})
+        return h[out.seed_type][out.seed_index]
 
     def _edge_attr(self, e_id: dict[EdgeType, Tensor]) -> dict[EdgeType, Tensor]:
         rels = self.served.graph.relations

@@ -98,9 +98,14 @@ def test_exact_answers_equal_pyg_full_graph(name: str, tmp_path: Path) -> None:
         out = sampler.sample(node_type, ids, [-1, -1], seed=1)
         torch.testing.assert_close(served(out), full[node_type][ids], rtol=0, atol=TOL)
     if unsupported(served) is None:
-        rows = TypedLayerwise(served).run(chunk_nodes=7)
+        layerwise = TypedLayerwise(served)
+        rows = layerwise.run(chunk_nodes=7)
         for node_type, want in full.items():
             torch.testing.assert_close(rows[node_type], want, rtol=0, atol=TOL)
+        # trimmed per layer: the seeds' rows of the untrimmed forward, sampled or exact
+        for fanouts in ([3, 2], [-1, -1]):
+            out = sampler.sample("user", torch.tensor([2, 9, 2]), fanouts, seed=4)
+            torch.testing.assert_close(layerwise.sampled(out), served(out), rtol=0, atol=TOL)
     else:
         assert name == "custom_edge_attr", unsupported(served)
 
