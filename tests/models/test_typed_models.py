@@ -171,3 +171,32 @@ def test_metadata_mismatches_are_named(tmp_path: Path) -> None:
                                weights=str(tmp_path / "other.pt")), graph)
     with pytest.raises(ValueError, match="set model.to_hetero"):
         build_typed_model(spec("GraphSAGE", kwargs), graph)
+
+
+def test_typed_model_from_the_repository(tmp_path: Path) -> None:
+    import yaml
+
+    from quiver_serve.models.repository import ModelRepository, RepositoryError
+
+    graph = shop_graph(seed=6)
+    kwargs = {"hidden_channels": 8, "num_layers": 2, "out_channels": 4}
+    first = build_typed_model(spec("GraphSAGE", kwargs, {"aggr": "mean"}), graph)
+    folder = tmp_path / "shop"
+    (folder / "1").mkdir(parents=True)
+    torch.save(first.model.state_dict(), folder / "1" / "model.pt")
+    config = {"class": "GraphSAGE", "kwargs": kwargs, "to_hetero": {"aggr": "mean"},
+              "featureless_value": 0.5}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (loaded,), _ = ModelRepository(tmp_path).specs("shop")
+    assert loaded.to_hetero == {"aggr": "mean"} and loaded.featureless_value == 0.5
+    served = build_typed_model(loaded, graph)
+    assert torch.equal(served.inputs({"item": torch.tensor([3])})["item"], torch.tensor([[0.5]]))
+    out = TypedReferenceSampler(graph).sample("item", torch.tensor([1, 2]), [-1, -1], seed=0)
+    x = {t: graph.x[t] if t in graph.x else torch.full((n, 1), 0.5)
+         for t, n in graph.num_nodes.items()}
+    with torch.no_grad():
+        want = served.model(x, graph.edge_index_dict())["item"][torch.tensor([1, 2])]
+    torch.testing.assert_close(served(out), want, rtol=0, atol=TOL)
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, "to_hetero": {"aggr": "avg"}}))
+    with pytest.raises(RepositoryError, match="shop/config.yaml: to_hetero.aggr must be one of"):
+        ModelRepository(tmp_path).specs("shop")
