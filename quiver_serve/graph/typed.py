@@ -183,6 +183,15 @@ class TypedGraph:
         return {et: rel.edge_attr for et, rel in self.relations.items()
                 if rel.edge_attr is not None}
 
+    def to(self, device: torch.device | str) -> TypedGraph:
+        """This graph with its CSCs and edge ids on ``device`` (node and edge features stay
+        where they are: the feature store places them)."""
+        relations = {et: Relation(et, rel.indptr.to(device), rel.indices.to(device),
+                                  None if rel.edge_id is None else rel.edge_id.to(device),
+                                  rel.edge_attr)
+                     for et, rel in self.relations.items()}
+        return TypedGraph(self.name, dict(self.num_nodes), dict(self.x), relations, dict(self.y))
+
     def share_memory_(self) -> TypedGraph:
         """Move every tensor to shared memory so spawned workers map it instead of copying."""
         tensors = [*self.x.values(), *self.y.values()]

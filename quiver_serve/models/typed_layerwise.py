@@ -79,7 +79,7 @@ class TypedLayerwise:
     @torch.no_grad()
     def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
         """Every node's output, per node type that the model gives rows for."""
-        graph = self.served.graph
+        graph, dev = self.served.graph, self.served.device
         h = self.served.inputs({t: torch.arange(n) for t, n in graph.num_nodes.items()})
         for i in range(self.num_layers):
             nxt: dict[str, Tensor] = {}
@@ -88,9 +88,10 @@ class TypedLayerwise:
                 for lo in range(0, count, chunk_nodes):
                     hi = min(count, lo + chunk_nodes)
                     node, edge_index, e_id = one_hop(graph, t, lo, hi)
+                    node = {s: ids.to(dev) for s, ids in node.items()}
                     x = {s: h[s][ids] for s, ids in node.items() if s in h}
-                    ei = {et: e for et, e in edge_index.items() if et[0] in x}
-                    out = self.layer(i, x, ei, self._edge_attr(e_id), node)
+                    ei = {et: e.to(dev) for et, e in edge_index.items() if et[0] in x}
+                    out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node)
                     if out.get(t) is None:
                         break
                     parts.append(out[t][:hi - lo])
@@ -110,25 +111,23 @@ class TypedLayerwise:
         if hops != num_layers:
             raise ValueError(f"a {num_layers}-layer model needs a {num_layers}-hop sample, got "
                              f"{hops} hops")
+        dev = self.served.device
         h = self.served.inputs(out.node)
-        attrs = self._edge_attr(out.e_id)
+        attrs = self.served.edge_attrs(out.e_id)
+        node = {t: ids.to(dev) for t, ids in out.node.items()}
+        edge_index = {et: e.to(dev) for et, e in out.edge_index.items()}
         for i in range(num_layers):
             keep = {t: sum(c[:num_layers + 1 - i]) for t, c in out.num_sampled_nodes.items()}
             x = {t: v[:keep[t]] for t, v in h.items() if keep[t] or t == out.seed_type}
             ei, ea = {}, {}
-            for et, edges in out.edge_index.items():
+            for et, edges in edge_index.items():
                 if et[0] in x and et[2] in x:
                     num = sum(out.num_sampled_edges[et][:num_layers - i])
                     ei[et] = edges[:, :num]
                     if et in attrs:
                         ea[et] = attrs[et][:num]
-            h = self.layer(i, x, ei, ea, {t: out.node[t][:keep[t]] for t in x})
-        return h[out.seed_type][out.seed_index]
-
-    def _edge_attr(self, e_id: dict[EdgeType, Tensor]) -> dict[EdgeType, Tensor]:
-        rels = self.served.graph.relations
-        return {et: rels[et].edge_attr[ids] for et, ids in e_id.items()  # type: ignore[index]
-                if rels[et].edge_attr is not None}
+            h = self.layer(i, x, ei, ea, {t: node[t][:keep[t]] for t in x})
+        return h[out.seed_type][out.seed_index.to(dev)]
 
     def _module_layer(self, i: int, x: dict[str, Tensor], edge_index: dict[EdgeType, Tensor],
                       edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor]

@@ -183,13 +183,33 @@ class TypedServedModel:
         self.takes_ids = "n_id_dict" in params
         self.out_dims: dict[str, int] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (its inputs are moved there)."""
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> TypedServedModel:
+        self.model.to(device)
+        return self
+
     def inputs(self, node: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The input rows of the nodes ``node`` (global ids per type)."""
-        out = {}
+        """The input rows of the nodes ``node`` (global ids per type), on the model's device."""
+        dev, out = self.device, {}
         for t, ids in node.items():
             x = self.graph.x.get(t)
-            out[t] = x[ids] if x is not None else torch.full(
-                (ids.numel(), 1), float(self.spec.featureless_value))
+            out[t] = x[ids.to(x.device)].to(dev) if x is not None else torch.full(
+                (ids.numel(), 1), float(self.spec.featureless_value), device=dev)
+        return out
+
+    def edge_attrs(self, e_id: dict[EdgeType, Tensor]) -> dict[EdgeType, Tensor]:
+        """The edge features of the edges ``e_id`` per relation that has them, on the model's
+        device."""
+        out = {}
+        for et, ids in e_id.items():
+            attr = self.graph.relations[et].edge_attr
+            if attr is not None:
+                out[et] = attr[ids.to(attr.device)].to(self.device)
         return out
 
     @torch.no_grad()
@@ -198,8 +218,8 @@ class TypedServedModel:
         """Output rows of every node of a typed subgraph (``node`` global ids per type, local
         ``edge_index`` and edge ids ``e_id`` per relation)."""
         x = self.inputs(node)
-        attrs = {et: self.graph.relations[et].edge_attr[ids]  # type: ignore[index]
-                 for et, ids in e_id.items() if self.graph.relations[et].edge_attr is not None}
+        attrs = self.edge_attrs(e_id)
+        edge_index = {et: e.to(self.device) for et, e in edge_index.items()}
         if not self.typed:
             (t,), (et,) = self.graph.node_types, self.graph.edge_types
             kwargs = {"edge_attr": attrs[et]} if et in attrs and self.edge_attr_arg else {}
@@ -208,7 +228,7 @@ class TypedServedModel:
         if self.edge_attr_arg and attrs:
             kwargs[self.edge_attr_arg] = attrs
         if self.takes_ids:
-            kwargs["n_id_dict"] = node
+            kwargs["n_id_dict"] = {t: ids.to(self.device) for t, ids in node.items()}
         return self.model(x, edge_index, **kwargs)
 
     def __call__(self, out: TypedSamplerOutput) -> Tensor:
@@ -217,7 +237,7 @@ class TypedServedModel:
         if out.seed_type not in rows:
             raise ValueError(f"{self.spec.label} gives no rows for node type "
                              f"{out.seed_type!r} (it gives {sorted(rows)})")
-        return rows[out.seed_type][out.seed_index]
+        return rows[out.seed_type][out.seed_index.to(self.device)]
 
     def probe(self) -> None:
         """One forward on a small subgraph holding a few edges of every relation: sets lazy

@@ -116,8 +116,10 @@ class RGCN(_Layered):
                 continue
             edges.append(torch.stack([ei[0] + offsets[et[0]], ei[1] + offsets[et[2]]]))
             kinds.append(torch.full((ei.size(1),), r, dtype=torch.int64, device=ei.device))
-        edge_index = torch.cat(edges, 1) if edges else torch.empty(2, 0, dtype=torch.int64)
-        edge_type = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.int64)
+        edge_index = torch.cat(edges, 1) if edges else torch.empty(2, 0, dtype=torch.int64,
+                                                                   device=x.device)
+        edge_type = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.int64,
+                                                               device=x.device)
         out = self.convs[i](x, edge_index, edge_type)
         if i < self.num_layers - 1:
             out = out.relu()

@@ -60,13 +60,18 @@ class TypedSamplerOutput:
         return sum(int(e.size(1)) for e in self.edge_index.values())
 
     def x_dict(self, graph: TypedGraph) -> dict[str, Tensor]:
-        """The sampled nodes' feature rows, per featured type."""
-        return {t: graph.x[t][ids] for t, ids in self.node.items() if t in graph.x}
+        """The sampled nodes' feature rows, per featured type (where the features are)."""
+        return {t: graph.x[t][ids.to(graph.x[t].device)] for t, ids in self.node.items()
+                if t in graph.x}
 
     def edge_attr_dict(self, graph: TypedGraph) -> dict[EdgeType, Tensor]:
         """The sampled edges' feature rows, per relation with edge features."""
-        return {et: graph.relations[et].edge_attr[ids]  # type: ignore[index]
-                for et, ids in self.e_id.items() if graph.relations[et].edge_attr is not None}
+        out = {}
+        for et, ids in self.e_id.items():
+            attr = graph.relations[et].edge_attr
+            if attr is not None:
+                out[et] = attr[ids.to(attr.device)]
+        return out
 
 
 def typed_fanouts(graph: TypedGraph, fanouts: TypedFanouts) -> dict[EdgeType, list[int]]:
@@ -124,17 +129,25 @@ class _TypeIds:
         if new.numel():
             self.ids = torch.cat([self.ids, new])
             self.sorted, order = torch.sort(torch.cat([self.sorted, new]))
-            self.local = torch.cat([self.local, torch.arange(first_new, self.ids.numel())])[order]
+            self.local = torch.cat([self.local, torch.arange(first_new, self.ids.numel(),
+                                                             device=nbr.device)])[order]
         return local
 
 
 class TypedReferenceSampler:
-    """Sampling per edge type (module docstring) in plain vectorised torch."""
+    """Sampling per edge type (module docstring) in plain vectorised torch, on the device of the
+    graph's CSCs (``TypedGraph.to``): on a GPU it is the GPU typed sampler, bit for bit the CPU's
+    output."""
 
     name = "reference"
 
     def __init__(self, graph: TypedGraph) -> None:
         self.graph = graph
+        devices = {rel.indptr.device for rel in graph.relations.values()}
+        if len(devices) > 1:
+            raise ValueError(f"the graph's relations are on several devices: {sorted(map(str, devices))}")
+        #: where the graph's CSCs are and the sampling runs (a GPU: the same torch code there)
+        self.device = devices.pop() if devices else torch.device("cpu")
 
     def hop_positions(self, rel: Relation, frontier: Tensor, k: int, hop: int,
                       base: int) -> tuple[Tensor, Tensor]:
@@ -148,12 +161,14 @@ class TypedReferenceSampler:
         graph.check_node_type(seed_type)
         per_rel = typed_fanouts(graph, fanouts)
         num_layers = len(next(iter(per_rel.values()), []))
-        seeds = seeds.to(torch.int64)
+        dev = self.device
+        seeds = seeds.to(device=dev, dtype=torch.int64)
         check_seed_range(seeds, graph.num_nodes[seed_type])
         seed_ids, seed_index = unique_first(seeds)
-        ids = {t: _TypeIds(seed_ids if t == seed_type else torch.empty(0, dtype=torch.int64))
+        ids = {t: _TypeIds(seed_ids if t == seed_type else
+                           torch.empty(0, dtype=torch.int64, device=dev))
                for t in graph.node_types}
-        frontier = {t: torch.arange(ids[t].ids.numel()) for t in graph.node_types}
+        frontier = {t: torch.arange(ids[t].ids.numel(), device=dev) for t in graph.node_types}
         num_nodes = {t: [ids[t].ids.numel()] for t in graph.node_types}
         rows: dict[EdgeType, list[Tensor]] = {et: [] for et in graph.edge_types}
         cols: dict[EdgeType, list[Tensor]] = {et: [] for et in graph.edge_types}
@@ -166,25 +181,26 @@ class TypedReferenceSampler:
                 targets = frontier[dst]
                 pos, count = self.hop_positions(rel, ids[dst].ids[targets], per_rel[et][hop - 1],
                                                 hop, relation_base(base, r))
-                owner = torch.repeat_interleave(torch.arange(targets.numel()), count)
+                owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count)
                 rows[et].append(ids[src].add(rel.indices[pos]))
                 cols[et].append(targets[owner])
                 eids[et].append(pos if rel.edge_id is None else rel.edge_id[pos])
             for t in graph.node_types:
-                frontier[t] = torch.arange(before[t], ids[t].ids.numel())
+                frontier[t] = torch.arange(before[t], ids[t].ids.numel(), device=dev)
                 num_nodes[t].append(ids[t].ids.numel() - before[t])
         return TypedSamplerOutput(
             seed_type, {t: ids[t].ids for t in graph.node_types},
-            {et: _stack(rows[et], cols[et]) for et in graph.edge_types},
-            {et: torch.cat(eids[et]) if eids[et] else torch.empty(0, dtype=torch.int64)
+            {et: _stack(rows[et], cols[et], dev) for et in graph.edge_types},
+            {et: torch.cat(eids[et]) if eids[et] else torch.empty(0, dtype=torch.int64,
+                                                                  device=dev)
              for et in graph.edge_types},
             seed_index, num_nodes,
             {et: [int(r.numel()) for r in rows[et]] for et in graph.edge_types})
 
 
-def _stack(rows: list[Tensor], cols: list[Tensor]) -> Tensor:
+def _stack(rows: list[Tensor], cols: list[Tensor], dev: torch.device) -> Tensor:
     if not rows:
-        return torch.empty((2, 0), dtype=torch.int64)
+        return torch.empty((2, 0), dtype=torch.int64, device=dev)
     return torch.stack([torch.cat(rows), torch.cat(cols)])
 
 

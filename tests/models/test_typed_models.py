@@ -200,3 +200,25 @@ def test_typed_model_from_the_repository(tmp_path: Path) -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump({**config, "to_hetero": {"aggr": "avg"}}))
     with pytest.raises(RepositoryError, match="shop/config.yaml: to_hetero.aggr must be one of"):
         ModelRepository(tmp_path).specs("shop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["to_hetero_sage_sum", "to_hetero_gat_edges", "hgt",
+                                  "custom_embedded"])
+def test_on_the_gpu_the_answers_are_the_cpus(name: str) -> None:
+    graph = shop_graph(seed=2)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
+    served = build_typed_model(spec(pyg_class, kwargs, to_hetero), graph)
+    layerwise = TypedLayerwise(served)
+    cpu_rows = layerwise.run(chunk_nodes=16)
+    seeds = torch.tensor([4, 0, 4])
+    out = TypedReferenceSampler(graph).sample("user", seeds, [3, 2], seed=2)
+    cpu_sampled = layerwise.sampled(out)
+    served.to("cuda")
+    gpu_rows = layerwise.run(chunk_nodes=16)
+    for t, want in cpu_rows.items():
+        torch.testing.assert_close(gpu_rows[t].cpu(), want, rtol=1e-4, atol=1e-4)
+    gpu_out = TypedReferenceSampler(graph.to("cuda")).sample("user", seeds, [3, 2], seed=2)
+    torch.testing.assert_close(layerwise.sampled(gpu_out).cpu(), cpu_sampled, rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(served(gpu_out).cpu(), cpu_sampled, rtol=1e-4, atol=1e-4)

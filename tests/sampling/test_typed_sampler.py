@@ -242,3 +242,23 @@ def test_cpp_sampler_is_the_reference_bit_for_bit(threads: int) -> None:
             assert a.num_sampled_edges == b.num_sampled_edges
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampling_on_the_graphs_device_is_the_cpu_sample(device: str) -> None:
+    graph = small_typed(4)
+    cpu = TypedReferenceSampler(graph)
+    there = TypedReferenceSampler(graph.to(device))
+    assert there.device.type == device
+    seeds = torch.tensor([5, 2, 5, 40])
+    for fanouts, seed in (([3, 2], 1), ([-1, 2], 6), ([2, 2, 2], 2**33)):
+        a = cpu.sample("paper", seeds, fanouts, seed)
+        b = there.sample("paper", seeds, fanouts, seed)
+        assert all(b.node[t].device.type == device for t in graph.node_types)
+        assert all(torch.equal(a.node[t], b.node[t].cpu()) for t in graph.node_types)
+        for et in graph.edge_types:
+            assert torch.equal(a.edge_index[et], b.edge_index[et].cpu()), et
+            assert torch.equal(a.e_id[et], b.e_id[et].cpu()), et
+        assert a.num_sampled_edges == b.num_sampled_edges
+        attrs = b.edge_attr_dict(graph)
+        assert all(torch.equal(attrs[et], a.edge_attr_dict(graph)[et]) for et in attrs)
