@@ -36,7 +36,7 @@ class GraphConfig(_Section):
     """Which graph and node features to serve."""
 
     format: Literal["planetoid", "npz", "pyg", "synthetic"] = Field(
-        "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic"
+        "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic (typed graphs: pyg also reads a saved HeteroData, npz the typed layout; docs/architecture.md, \"Typed graphs\")"
     )
     path: str | None = Field(
         default_factory=lambda: str(DEFAULTS_DIR / "planetoid" / "cora" / "raw"),
