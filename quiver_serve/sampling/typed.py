@@ -176,15 +176,23 @@ class TypedReferenceSampler:
         base = seed_base(seed)
         for hop in range(1, num_layers + 1):
             before = {t: ids[t].ids.numel() for t in graph.node_types}
+            # one lookup per source type of the hop's neighbours over its relations, in relation
+            # order: the same first occurrences as adding them relation by relation
+            found: dict[str, list[tuple[EdgeType, Tensor]]] = {t: [] for t in graph.node_types}
             for r, (et, rel) in enumerate(graph.relations.items()):
-                src, _, dst = et
-                targets = frontier[dst]
-                pos, count = self.hop_positions(rel, ids[dst].ids[targets], per_rel[et][hop - 1],
-                                                hop, relation_base(base, r))
+                targets = frontier[et[2]]
+                pos, count = self.hop_positions(rel, ids[et[2]].ids[targets],
+                                                per_rel[et][hop - 1], hop, relation_base(base, r))
                 owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count)
-                rows[et].append(ids[src].add(rel.indices[pos]))
+                found[et[0]].append((et, rel.indices[pos]))
                 cols[et].append(targets[owner])
                 eids[et].append(pos if rel.edge_id is None else rel.edge_id[pos])
+            for t, parts in found.items():
+                if parts:
+                    local = ids[t].add(torch.cat([nbr for _, nbr in parts]))
+                    for (et, _), piece in zip(parts, local.split([n.numel() for _, n in parts]),
+                                              strict=True):
+                        rows[et].append(piece)
             for t in graph.node_types:
                 frontier[t] = torch.arange(before[t], ids[t].ids.numel(), device=dev)
                 num_nodes[t].append(ids[t].ids.numel() - before[t])
