@@ -9,19 +9,21 @@ per layer (``TypedLayerwise.sampled``). Every sampler's output is checked equal 
 
 From the repository root:
 
-    python -m bench.sampling.typed_mag --scale 1.0 --json bench/results/typed_mag_cpu2_<date>.json
+    python -m bench.sampling.typed_mag --scale 1.0 --json typed_mag_cpu2_<date>.json
+    OUT=/tmp/results python -m bench.sampling.typed_mag   # on a GPU: the torch sampler there too
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from loadtest.results import run_meta, write_result
+from loadtest.results import add_result_options, result_path, run_meta, write_result
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph.typed_load import load_typed_graph
 from quiver_serve.models.spec import ModelSpec
@@ -62,8 +64,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", help="JSON file (default: $OUT/typed_mag_<machine>_<date>"
+                        "[_<variant>].json when OUT is set, else none)")
+    add_result_options(parser)
     a = parser.parse_args()
+    if not a.json and os.environ.get("OUT"):
+        a.json = str(result_path("typed_mag", a))
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     graph = load_typed_graph(GraphConfig(format="synthetic", synthetic_preset="mag",
