@@ -222,3 +222,15 @@ def test_on_the_gpu_the_answers_are_the_cpus(name: str) -> None:
     torch.testing.assert_close(layerwise.sampled(gpu_out).cpu(), cpu_sampled, rtol=1e-4,
                                atol=1e-4)
     torch.testing.assert_close(served(gpu_out).cpu(), cpu_sampled, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_that_are_not_a_state_dict_are_named(tmp_path: Path) -> None:
+    graph = shop_graph(seed=3)
+    kwargs = {"hidden_channels": 4, "num_layers": 2, "out_channels": 2}
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="bad.pt cannot be loaded weights-only"):
+        build_typed_model(spec("GraphSAGE", kwargs, {"aggr": "sum"},
+                               weights=str(tmp_path / "bad.pt")), graph)
+    with pytest.raises(FileNotFoundError, match="missing.pt do not exist"):
+        build_typed_model(spec("GraphSAGE", kwargs, {"aggr": "sum"},
+                               weights=str(tmp_path / "missing.pt")), graph)
