@@ -10,7 +10,7 @@ per layer (``TypedLayerwise.sampled``). Every sampler's output is checked equal 
 From the repository root:
 
     python -m bench.sampling.typed_mag --scale 1.0 --json typed_mag_cpu2_<date>.json
-    OUT=/tmp/results python -m bench.sampling.typed_mag   # on a GPU: the torch sampler there too
+    OUT=results python -m bench.sampling.typed_mag   # on a GPU: the torch sampler there too
 """
 
 from __future__ import annotations
