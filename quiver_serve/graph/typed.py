@@ -1,6 +1,6 @@
 """A typed graph: several node types and edge types ``(src, rel, dst)``, each relation its own CSC.
 
-docs/architecture.md, "Typed graphs"; docs/decisions/0045-typed-graphs.md. PyG's ``HeteroData`` is
+docs/architecture.md, "Typed graphs"; docs/decisions/0046-typed-graphs.md. PyG's ``HeteroData`` is
 the reference representation: :meth:`TypedGraph.from_hetero_data` and
 :meth:`TypedGraph.to_hetero_data` convert both ways, and every name here means what it means there.
 
