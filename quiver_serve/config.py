@@ -36,15 +36,21 @@ class GraphConfig(_Section):
     """Which graph and node features to serve."""
 
     format: Literal["planetoid", "npz", "pyg", "synthetic"] = Field(
-        "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic"
+        "planetoid", description="dataset format: Planetoid raw folder, .npz, saved PyG Data, or synthetic (typed graphs: pyg also reads a saved HeteroData, npz the typed layout; docs/architecture.md, \"Typed graphs\")"
     )
     path: str | None = Field(
         default_factory=lambda: str(DEFAULTS_DIR / "planetoid" / "cora" / "raw"),
         description="file or folder of the dataset (not used by synthetic)"
     )
     name: str = Field("cora", description="dataset name (Planetoid: cora/citeseer/pubmed; else a label)")
-    synthetic_preset: Literal["reddit", "products", "papers100m", "custom"] = Field(
-        "reddit", description="published statistics the synthetic generator matches"
+    synthetic_preset: Literal["reddit", "products", "papers100m", "custom", "mag"] = Field(
+        "reddit", description="published statistics the synthetic generator matches (mag: the typed ogbn-mag, four node types and four relations)"
+    )
+    words_as_nodes: bool = Field(
+        False, description="typed graphs: serve a bag-of-words graph (Planetoid) as papers and words: paper-cites-paper, and paper-has_word-word for every nonzero feature; words have no features"
+    )
+    add_reverse_edges: bool = Field(
+        False, description="typed graphs: add a (dst, rev_<rel>, src) relation for every relation between two types and make relations within one type undirected, as PyG's ToUndirected does"
     )
     synthetic_scale: float = Field(
         1.0, gt=0, le=1.0, description="fraction of the preset's nodes and edges to generate"
@@ -74,6 +80,10 @@ class GraphConfig(_Section):
         600.0, ge=0, description="also compact this long after the last compaction when anything changed (0: only by fill or on request)")
 
 
+#: how ``to_hetero`` combines the relations into one node type (PyG's choices)
+TO_HETERO_AGGRS = ("sum", "mean", "max", "min", "mul")
+
+
 class ModelConfig(_Section):
     """The PyG model served, rebuilt from its class name and kwargs and loaded weights-only."""
 
@@ -89,6 +99,25 @@ class ModelConfig(_Section):
         default_factory=lambda: str(DEFAULTS_DIR / "cora_graphsage.pt"), description="state_dict file (loaded with weights_only=True); null = random init"
     )
     random_init_seed: int = Field(0, description="seed for random weights when weights is null")
+    to_hetero: dict[str, Any] | None = Field(
+        None, description="typed graphs: {aggr: sum|mean|max} converts the class with PyG's to_hetero(model, metadata, aggr) (lazy in_channels, set by one forward before the weights load); null: the class is served as it is"
+    )
+    featureless_value: float = Field(
+        1.0, description="typed graphs: node types without features get one feature column of this value (a model's own embedding table reads n_id_dict instead)"
+    )
+
+    @field_validator("to_hetero")
+    @classmethod
+    def _check_to_hetero(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        unknown = sorted(set(value) - {"aggr"})
+        if unknown:
+            raise ValueError(f"to_hetero takes only 'aggr', got {unknown}")
+        aggr = value.setdefault("aggr", "sum")
+        if aggr not in TO_HETERO_AGGRS:
+            raise ValueError(f"to_hetero.aggr must be one of {list(TO_HETERO_AGGRS)}, got {aggr!r}")
+        return value
 
     @property
     def num_layers(self) -> int:

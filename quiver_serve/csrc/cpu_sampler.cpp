@@ -474,6 +474,51 @@ sample_neighbors(const at::Tensor& indptr, const at::Tensor& indices, const at::
 
 uint32_t seed_base_py(int64_t seed) { return seed_base(static_cast<uint64_t>(seed)); }
 
+// One hop of one relation of a typed graph (quiver_serve/sampling/typed.py): the CSC positions
+// the hop reads for `frontier` (global ids of the relation's destination type), in frontier
+// order, and how many per frontier node. `base` is the relation's batch base
+// (sampling/base.py, relation_base), so the draws are the reference's hop_edge_positions'.
+std::tuple<at::Tensor, at::Tensor> hop_positions(const at::Tensor& indptr,
+                                                 const at::Tensor& indices,
+                                                 const at::Tensor& frontier, int64_t k,
+                                                 int64_t base, int64_t hop) {
+  check_csc(indptr, indices);
+  TORCH_CHECK_TYPE(frontier.device().is_cpu() && frontier.scalar_type() == at::kLong &&
+                   frontier.dim() == 1, "cpu_sampler: frontier must be a 1-D int64 CPU tensor");
+  TORCH_CHECK_VALUE(base >= 0 && base <= 0xFFFFFFFFLL && hop >= 1,
+                    "cpu_sampler: base must be a 32-bit value and hop >= 1");
+  const LivingGraph g{indptr.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), indices.numel(),
+                      indptr.numel() - 1, indptr.numel() - 1};
+  const at::Tensor nodes = frontier.contiguous();
+  const int64_t width = nodes.numel();
+  std::unique_ptr<NodeList[]> lists(new NodeList[std::max<int64_t>(width, 1)]);
+  Buffer offset = make_buffer(width + 1);
+  plan_hop(g, nodes.data_ptr<int64_t>(), width, k, lists.get(), offset.get());
+  at::Tensor positions = torch::empty({offset[width]}, torch::kInt64);
+  at::Tensor counts = torch::empty({width}, torch::kInt64);
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* count = counts.data_ptr<int64_t>();
+  const int64_t* frontier_ptr = nodes.data_ptr<int64_t>();
+  const uint32_t hop_term = static_cast<uint32_t>(hop) * kHopMul;
+  parallel_chunks(width, grain_nodes(k), [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> chosen(std::max<int64_t>(k, 1));
+    std::vector<int64_t> scratch;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t start = lists[i].base - g.indices;
+      const int64_t n = offset[i + 1] - offset[i];
+      count[i] = n;
+      if (n == lists[i].degree) {
+        for (int64_t d = 0; d < n; ++d) pos[offset[i] + d] = start + d;
+        continue;
+      }
+      floyd_select(lists[i].degree, k, node_hash(static_cast<uint32_t>(base), hop_term,
+                                                 frontier_ptr[i]), chosen.data(), scratch);
+      for (int64_t d = 0; d < k; ++d) pos[offset[i] + d] = start + chosen[d];
+    }
+  });
+  return {positions, counts};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "quiver-serve CPU neighbour sampler (C++ twin of sampling/reference.py)";
   m.def("sample_neighbors", &sample_neighbors,
@@ -482,5 +527,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("tail_start") = py::none(), py::arg("tail_length") = py::none(),
         py::arg("tail") = py::none(), py::arg("n_base") = -1, py::arg("num_nodes") = -1,
         py::call_guard<py::gil_scoped_release>());
+  m.def("hop_positions", &hop_positions,
+        "One hop of one typed relation: (CSC positions, count per frontier node)",
+        py::arg("indptr"), py::arg("indices"), py::arg("frontier"), py::arg("k"),
+        py::arg("base"), py::arg("hop"), py::call_guard<py::gil_scoped_release>());
   m.def("seed_base", &seed_base_py, "The 32-bit batch base of a seed (exposed for tests)");
 }

@@ -122,8 +122,12 @@ def generate_synthetic(cfg: GraphConfig) -> GraphData:
 
 
 def _preset(cfg: GraphConfig) -> SyntheticPreset:
-    if cfg.synthetic_preset != "custom":
+    if cfg.synthetic_preset in PRESETS:
         return PRESETS[cfg.synthetic_preset]
+    if cfg.synthetic_preset != "custom":
+        raise ValueError(f"graph.synthetic_preset {cfg.synthetic_preset!r} is a typed graph "
+                         f"(docs/architecture.md, \"Typed graphs\"); the one-type presets are "
+                         f"{sorted(PRESETS)} and 'custom'")
     sizes = {
         "synthetic_num_nodes": cfg.synthetic_num_nodes,
         "synthetic_num_edges": cfg.synthetic_num_edges,
@@ -137,6 +141,10 @@ def _preset(cfg: GraphConfig) -> SyntheticPreset:
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:
+    return stream_generator(seed, stream)
+
+
+def stream_generator(seed: int, stream: int) -> torch.Generator:
     """One independent CPU generator per stage, so each stage's draws never depend on another's."""
     state = np.random.SeedSequence([seed % (1 << 63), stream]).generate_state(1, np.uint64)[0]
     return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
@@ -146,12 +154,21 @@ def _expected_degrees(
     num_nodes: int, num_edges: int, preset: SyntheticPreset, scale: float
 ) -> Tensor:
     """Expected in-degree by rank (float64, descending), summing to ``num_edges``, each <= cap."""
+    return power_law_degrees(num_nodes, num_edges, preset.gamma, preset.max_degree_ratio, scale,
+                             num_nodes)
+
+
+def power_law_degrees(num_nodes: int, num_edges: int, gamma: float, max_degree_ratio: float,
+                      scale: float, num_sources: int) -> Tensor:
+    """Expected in-degree by rank (float64, descending) of ``num_nodes`` targets whose sources
+    are ``num_sources`` nodes (the targets themselves in a one-type graph), summing to
+    ``num_edges``, each <= the cap (see the module docstring)."""
     mean_degree = num_edges / num_nodes
     # The largest degree shrinks with sqrt(scale) so that d_max**2 / E, which sets how often hub
-    # pairs are drawn twice, is the same at every scale; and stays half a slot below the node
-    # count, so that rounding never asks for more than N distinct sources.
-    cap = min(preset.max_degree_ratio * mean_degree * math.sqrt(scale), num_nodes - 0.5)
-    beta = 1.0 / (preset.gamma - 1.0)
+    # pairs are drawn twice, is the same at every scale; and stays half a slot below the source
+    # count, so that rounding never asks for more than that many distinct sources.
+    cap = min(max_degree_ratio * mean_degree * math.sqrt(scale), num_sources - 0.5)
+    beta = 1.0 / (gamma - 1.0)
     offset = _solve_rank_offset(num_nodes, beta, cap / mean_degree)
     ranks = torch.arange(num_nodes, dtype=torch.float64)
     weights = ranks.add_(offset).pow_(-beta)
@@ -188,23 +205,35 @@ def _solve_rank_offset(num_nodes: int, beta: float, ratio: float) -> float:
 
 
 def _round_degrees(expected: Tensor, num_edges: int) -> Tensor:
+    return round_degrees(expected, num_edges)
+
+
+def round_degrees(expected: Tensor, num_edges: int, max_degree: int | None = None) -> Tensor:
     """Integer degrees summing to exactly ``num_edges``, each floor or ceil of the expected value
-    (systematic rounding of the running total: vectorised, no sort)."""
+    (systematic rounding of the running total: vectorised, no sort), none above ``max_degree``
+    (default: the node count)."""
     running = torch.cumsum(expected, 0)
     running.mul_(num_edges / float(running[-1]))
     running[-1] = num_edges
     totals = running.floor_().to(torch.int64)
     totals = torch.cummax(totals, 0).values  # guards against float jitter making a step negative
     degrees = torch.diff(totals, prepend=torch.zeros(1, dtype=torch.int64))
-    num_nodes = expected.numel()
-    if int(degrees.sum()) != num_edges or int(degrees.max()) > num_nodes:
+    limit = expected.numel() if max_degree is None else max_degree
+    if int(degrees.sum()) != num_edges or int(degrees.max()) > limit:
         raise RuntimeError("degree rounding failed: this is a bug in the synthetic generator")
     return degrees
 
 
 def _fill_sources(indptr: Tensor, weights: Tensor, gen: torch.Generator) -> Tensor:
-    """Draw every node's in-neighbours, sorted and distinct, chunk by chunk into one int64 array."""
+    return draw_sources(indptr, weights, gen)
+
+
+def draw_sources(indptr: Tensor, weights: Tensor, gen: torch.Generator) -> Tensor:
+    """Draw every target's in-neighbours, sorted and distinct, chunk by chunk into one int64
+    array: target ``v`` gets ``indptr[v+1] - indptr[v]`` sources among ``weights.numel()`` nodes,
+    each drawn with probability proportional to its weight."""
     num_nodes, num_edges = indptr.numel() - 1, int(indptr[-1])
+    num_sources = weights.numel()
     cdf = torch.cumsum(weights, 0)
     cdf.div_(float(cdf[-1]))
     indices = torch.empty(num_edges, dtype=torch.int64)
@@ -218,7 +247,7 @@ def _fill_sources(indptr: Tensor, weights: Tensor, gen: torch.Generator) -> Tens
             continue
         lo, hi = int(indptr[start]), int(indptr[stop])
         counts = indptr[start + 1 : stop + 1] - indptr[start:stop]
-        src, segment, n_moved = _draw_segment_sources(counts, cdf, num_nodes, gen)
+        src, segment, n_moved = _draw_segment_sources(counts, cdf, num_sources, gen)
         indices[lo:hi] = src
         moved += n_moved
         self_loops += int((src == segment + start).sum())

@@ -18,6 +18,8 @@ Layout (``models.repository``)::
     version_policy: {latest: 1}      # or {specific: [1, 3]} or {all: true}
     traffic: {1: 0.9, 2: 0.1}        # optional; default: all to the newest served version
     random_init_seed: 0              # optional
+    to_hetero: {aggr: sum}           # optional, typed graphs: PyG's to_hetero(class, metadata)
+    featureless_value: 1.0           # optional, typed graphs: the column of featureless types
 
 What to build and which code to import come only from these files: a load call may change the
 version policy and the traffic split (``overrides``), nothing else. Model names reach the reader
@@ -36,6 +38,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from quiver_serve.config import TO_HETERO_AGGRS
 from quiver_serve.models.spec import IMPORT_PATH, ModelSpec
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
@@ -135,9 +138,13 @@ class ModelDefinition:
     #: weight of unpinned requests per version (not normalised); None: all to the newest
     traffic: dict[int, float] | None = None
     random_init_seed: int = 0
+    #: typed graphs: ``{"aggr": ...}`` converts the class with ``to_hetero``; None: as it is
+    to_hetero: dict[str, Any] | None = None
+    featureless_value: float = 1.0
 
     KEYS: ClassVar[tuple[str, ...]] = ("class", "kwargs", "num_layers", "fanouts",
-                                       "version_policy", "traffic", "random_init_seed")
+                                       "version_policy", "traffic", "random_init_seed",
+                                       "to_hetero", "featureless_value")
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = CONFIG_FILE) -> ModelDefinition:
@@ -159,7 +166,13 @@ class ModelDefinition:
         seed = raw.get("random_init_seed", 0)
         if not _is_int(seed):
             raise RepositoryError(f"{where}: random_init_seed must be an integer, got {seed!r}")
-        return cls(pyg_class, kwargs, num_layers, fanouts, policy, traffic, int(seed))
+        featureless = raw.get("featureless_value", 1.0)
+        if not isinstance(featureless, (int, float)) or isinstance(featureless, bool) or \
+                not math.isfinite(featureless):
+            raise RepositoryError(f"{where}: featureless_value must be a finite number, got "
+                                  f"{featureless!r}")
+        return cls(pyg_class, kwargs, num_layers, fanouts, policy, traffic, int(seed),
+                   _parse_to_hetero(raw.get("to_hetero"), where), float(featureless))
 
     def with_overrides(self, overrides: Mapping[str, Any] | None, where: str) -> ModelDefinition:
         """This definition with a load call's ``version_policy`` and ``traffic``; any other key
@@ -261,7 +274,9 @@ class ModelRepository:
         return ModelSpec(name, version, definition.pyg_class, dict(definition.kwargs),
                          definition.num_layers,
                          list(definition.fanouts) if definition.fanouts is not None else None,
-                         str(weights), definition.random_init_seed, str(folder), label)
+                         str(weights), definition.random_init_seed, str(folder), label,
+                         dict(definition.to_hetero) if definition.to_hetero is not None else None,
+                         definition.featureless_value)
 
     def _inside(self, path: Path) -> bool:
         """Whether ``path`` resolves (links followed) to an entry below the repository root."""
@@ -322,6 +337,19 @@ def _parse_class(raw: Any, where: str) -> str:
         raise RepositoryError(f"{where}: class must be a class of torch_geometric.nn.models "
                               f"(GraphSAGE) or an import path (package.module:Class), got {raw!r}")
     return raw
+
+
+def _parse_to_hetero(raw: Any, where: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or sorted(raw) not in ([], ["aggr"]):
+        raise RepositoryError(f"{where}: to_hetero must be a mapping with only 'aggr', got "
+                              f"{raw!r}")
+    aggr = raw.get("aggr", "sum")
+    if aggr not in TO_HETERO_AGGRS:
+        raise RepositoryError(f"{where}: to_hetero.aggr must be one of {list(TO_HETERO_AGGRS)}, "
+                              f"got {aggr!r}")
+    return {"aggr": aggr}
 
 
 def _parse_kwargs(raw: Any, where: str) -> dict[str, Any]:

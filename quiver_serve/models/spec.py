@@ -41,6 +41,10 @@ class ModelSpec:
     module_dir: str | None = None
     #: the weights file as clients may see it (relative to the repository or the checkout)
     weights_label: str | None = None
+    #: typed graphs: ``{"aggr": "sum"}`` converts the class with PyG's ``to_hetero`` (None: as is)
+    to_hetero: dict[str, Any] | None = None
+    #: typed graphs: the one feature column of node types without features
+    featureless_value: float = 1.0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -75,4 +79,6 @@ class ModelSpec:
         """The ``model:`` section as version 1 of ``cfg.name``."""
         weights = str(resolve_path(cfg.weights)) if cfg.weights is not None else None
         return cls(cfg.name, CONFIG_VERSION, cfg.pyg_class, dict(cfg.kwargs), cfg.num_layers,
-                   None, weights, cfg.random_init_seed, None, cfg.weights)
+                   None, weights, cfg.random_init_seed, None, cfg.weights,
+                   dict(cfg.to_hetero) if cfg.to_hetero is not None else None,
+                   cfg.featureless_value)

@@ -13,8 +13,9 @@ fallback for graphs METIS cannot hold in memory.
 * ``hash``: ``splitmix64(id ^ seed) mod P``: balanced in expectation, O(N), no state.
 * ``ldg``: linear deterministic greedy (Stanton and Kliot, KDD 2012), streamed over the CSC in
   id order: a node goes to the partition holding most of its already-placed in-neighbours,
-  scaled by the room left there (``1 - load / capacity``, the same weights, capacity 1.05 of an
-  equal share); ties and nodes with no placed neighbour go to the partition with the most room.
+  scaled by the room left there (``1 - load / capacity`` of the fuller of its nodes and its
+  in-edges, capacity 1.05 of an equal share of each); ties and nodes with no placed neighbour
+  go to the partition with the most room.
   Vectorised over chunks of nodes placed together (each chunk at most 1/32 of a partition's
   share, so a chunk cannot overfill one), O(E) with no copy of the edges.
 """
@@ -131,14 +132,16 @@ def range_parts(weights: np.ndarray, num_parts: int) -> np.ndarray:
 
 def ldg_parts(indptr: np.ndarray, indices: np.ndarray, num_parts: int,
               slack: float = LDG_SLACK) -> np.ndarray:
-    """Linear deterministic greedy over the in-edge lists, in chunks of nodes (module notes)."""
+    """Linear deterministic greedy over the in-edge lists, in chunks of nodes (module notes);
+    the room left in a partition is the smaller of its node room and its in-edge room."""
     num_nodes = indptr.shape[0] - 1
-    weights = balance_weights(indptr).astype(np.float64)
-    capacity = slack * float(weights.sum()) / num_parts
-    chunk = int(max(1, min(LDG_CHUNK_NODES, num_nodes // (num_parts * 32))))
     degree = np.diff(indptr)
+    node_cap = slack * num_nodes / num_parts
+    edge_cap = slack * max(int(indptr[-1]), 1) / num_parts
+    chunk = int(max(1, min(LDG_CHUNK_NODES, num_nodes // (num_parts * 32))))
     owner = np.full(num_nodes, -1, dtype=np.int32)
-    load = np.zeros(num_parts, dtype=np.float64)
+    nodes = np.zeros(num_parts, dtype=np.float64)
+    edges = np.zeros(num_parts, dtype=np.float64)
     for lo in tqdm(range(0, num_nodes, chunk), "ldg", unit="chunk",
                    disable=indices.nbytes < (256 << 20)):
         hi = min(num_nodes, lo + chunk)
@@ -147,11 +150,14 @@ def ldg_parts(indptr: np.ndarray, indices: np.ndarray, num_parts: int,
         placed = src_owner >= 0
         counts = np.bincount(row[placed] * num_parts + src_owner[placed],
                              minlength=(hi - lo) * num_parts).reshape(hi - lo, num_parts)
-        room = np.clip(1.0 - load / capacity, 0.0, None)
-        # the small room term breaks ties (and places nodes with no placed neighbour)
-        choice = np.argmax(counts * room + 1e-6 * room, axis=1).astype(np.int32)
+        room = 1.0 - np.maximum(nodes / node_cap, edges / edge_cap)
+        # the small room term breaks ties and places nodes with no placed neighbour (or with
+        # every neighbour's partition full) where there is most room, even when all are full
+        choice = np.argmax(counts * np.clip(room, 0.0, None) + 1e-6 * room,
+                           axis=1).astype(np.int32)
         owner[lo:hi] = choice
-        load += np.bincount(choice, weights=weights[lo:hi], minlength=num_parts)
+        nodes += np.bincount(choice, minlength=num_parts)
+        edges += np.bincount(choice, weights=degree[lo:hi], minlength=num_parts)
     return owner
 
 

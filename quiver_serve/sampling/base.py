@@ -21,7 +21,9 @@ everything above reads that combined list: its length is the degree, local offse
 ``q`` of the combined list.
 
 Random numbers are a pure function of (batch seed, hop, node id, draw index), not a stream, so the
-same seed yields the same subgraph from every implementation, on any thread count.
+same seed yields the same subgraph from every implementation, on any thread count. A typed graph
+adds the edge type: relation ``r``'s draws start from ``relation_base(base, r)`` instead of
+``base`` (``sampling/typed.py``).
 For a node ``v`` expanded at hop ``l`` with fanout ``k`` and degree ``d > k``, draw ``i`` in
 ``0..k-1`` takes ``t = d - k + i``, ``r = rand32(seed, l, v, i)``, ``j = (r * (t + 1)) >> 32`` and
 keeps ``j`` unless an earlier draw took it, in which case it keeps ``t`` (Floyd).
@@ -45,6 +47,7 @@ _MIX_MUL = 0x45D9F3B
 _GOLDEN = 0x9E3779B9
 _HOP_MUL = 0x632BE5AB
 _DRAW_MUL = 0x85EBCA6B
+_REL_MUL = 0xC2B2AE35
 
 
 @dataclass
@@ -153,8 +156,19 @@ def seed_base(seed: int) -> int:
     return _mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _GOLDEN))
 
 
+def relation_base(base: int, relation: int) -> int:
+    """The batch base of edge type number ``relation`` of a typed graph (its position in the
+    graph's edge types): ``base`` itself for relation 0, so a one-type graph draws exactly the
+    homogeneous numbers; every other relation draws independent ones (docs/architecture.md,
+    "Typed graphs")."""
+    if relation < 0:
+        raise ValueError(f"relation number must be >= 0, got {relation}")
+    return base ^ _mix32_int((relation * _REL_MUL) & MASK32)
+
+
 def node_hash(base: int, hop: int, nodes: Tensor) -> Tensor:
-    """Per-(batch, hop, node) hash; ``hop`` is 1-based."""
+    """Per-(batch, hop, node) hash; ``hop`` is 1-based. A typed graph's relation passes its
+    :func:`relation_base` as ``base``."""
     hop_term = (_HOP_MUL * hop) & MASK32
     return mix32(base ^ mix32(((nodes & MASK32) + hop_term) & MASK32))
 

@@ -61,6 +61,15 @@ def cpp_sampler_available() -> bool:
     return _load_extension() is not None
 
 
+def cpu_extension() -> ModuleType:
+    """The built C++ extension (built or loaded on the first call), or RuntimeError saying why
+    there is none."""
+    extension = None if envs.QUIVER_SERVE_DISABLE_CPP else _load_extension()
+    if extension is None:
+        raise RuntimeError(f"C++ sampler unavailable: {cpu_sampler_status()}")
+    return extension
+
+
 def cpu_sampler_status() -> str:
     """Which CPU sampler ``make_cpu_sampler('auto')`` serves, and why (for logs and /v2/models)."""
     if envs.QUIVER_SERVE_DISABLE_CPP:

@@ -23,15 +23,17 @@ from quiver_serve.sampling.base import (
 
 
 def unique_first(values: Tensor) -> tuple[Tensor, Tensor]:
-    """Unique values in order of first occurrence, and each input's index into them."""
+    """Unique values in order of first occurrence, and each input's index into them (on the
+    device of ``values``)."""
+    dev = values.device
     if values.numel() == 0:
-        return values.clone(), torch.empty(0, dtype=torch.int64)
+        return values.clone(), torch.empty(0, dtype=torch.int64, device=dev)
     uniq, inverse = torch.unique(values, return_inverse=True)
-    first = torch.full((uniq.numel(),), values.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(values.numel()), reduce="amin")
+    first = torch.full((uniq.numel(),), values.numel(), dtype=torch.int64, device=dev)
+    first.scatter_reduce_(0, inverse, torch.arange(values.numel(), device=dev), reduce="amin")
     order = torch.argsort(first)
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel())
+    rank[order] = torch.arange(order.numel(), device=dev)
     return uniq[order], rank[inverse]
 
 

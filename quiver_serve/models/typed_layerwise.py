@@ -1,0 +1,216 @@
+"""Layer-wise full-graph inference on a typed graph: every node's output, one layer at a time.
+
+docs/architecture.md, "Typed graphs". Layer ``i`` of every node of type ``t`` is computed from
+layer ``i - 1`` of its in-neighbours along every relation into ``t``, target chunk by target chunk:
+a chunk's subgraph holds the targets first (in their type's list), every in-edge of every target
+along every relation into ``t``, and those edges' sources. That is all a target's next layer
+depends on, so the result equals PyG's ``model(x_dict, edge_index_dict)`` on the full graph.
+
+A model is served layer by layer when it is
+
+* ``to_hetero`` of a PyG ``BasicGNN`` (GraphSAGE, GAT, GIN, ...) without jumping knowledge or an
+  output head: layer ``i`` runs each relation's conv, combines the relations into a destination
+  as ``to_hetero`` does (pairwise, in metadata order; ``mean`` divides by their number), then the
+  per-type norm and activation of every layer but the last; or
+* any module with ``forward_layer(i, x_dict, edge_index_dict)`` and ``num_layers``
+  (``models/typed_zoo.py``, or the operator's); it also gets ``edge_attr_dict`` and
+  ``n_id_dict`` (global ids per type, for embedding tables) when it names them. Layer 0 starts
+  from the inputs ``forward`` starts from.
+
+Anything else is exact through sampling with every fanout ``-1`` (the whole ``L``-hop
+in-neighbourhood), which :func:`unsupported` says.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
+from quiver_serve.models.typed_served import TypedServedModel
+from quiver_serve.sampling.reference import unique_first
+from quiver_serve.sampling.typed import TypedSamplerOutput
+
+#: targets per chunk of one layer (bounds the subgraph a chunk builds)
+DEFAULT_CHUNK_NODES = 1 << 16
+#: layer i of (inputs per type, edge_index, edge features, global ids per type)
+LayerFn = Callable[[int, dict[str, Tensor], dict[EdgeType, Tensor], dict[EdgeType, Tensor],
+                    dict[str, Tensor]], dict[str, Tensor]]
+
+
+def unsupported(served: TypedServedModel) -> str | None:
+    """Why this model cannot run layer by layer, or None."""
+    model = served.model
+    if hasattr(model, "forward_layer") and isinstance(getattr(model, "num_layers", None), int):
+        return None
+    if served.spec.to_hetero is None:
+        return (f"{type(model).__name__} has no forward_layer(i, x_dict, edge_index_dict) and is "
+                "not to_hetero of a PyG BasicGNN")
+    convs = getattr(model, "convs", None)
+    if not isinstance(convs, nn.ModuleList) or not all(isinstance(c, nn.ModuleDict)
+                                                       for c in convs):
+        return "to_hetero of a module without BasicGNN's convs"
+    if hasattr(model, "lin") or hasattr(model, "jk"):
+        return "jumping knowledge / an output head"
+    return None
+
+
+class TypedLayerwise:
+    """The served model's layers over the full typed graph (module docstring)."""
+
+    def __init__(self, served: TypedServedModel) -> None:
+        why = unsupported(served)
+        if why is not None:
+            raise ValueError(f"layer-wise inference cannot serve this model: {why}")
+        self.served = served
+        model = served.model
+        if hasattr(model, "forward_layer"):
+            self.num_layers = int(model.num_layers)
+            self.layer_params = set(inspect.signature(model.forward_layer).parameters)
+            self.layer: LayerFn = self._module_layer
+        else:
+            self.num_layers = len(model.convs)
+            self.layer = self._to_hetero_layer
+
+    @torch.no_grad()
+    def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
+        """Every node's output, per node type that the model gives rows for."""
+        graph, dev = self.served.graph, self.served.device
+        h = self.served.inputs({t: torch.arange(n) for t, n in graph.num_nodes.items()})
+        for i in range(self.num_layers):
+            nxt: dict[str, Tensor] = {}
+            for t, count in graph.num_nodes.items():
+                parts = []
+                for lo in range(0, count, chunk_nodes):
+                    hi = min(count, lo + chunk_nodes)
+                    node, edge_index, e_id = one_hop(graph, t, lo, hi)
+                    node = {s: ids.to(dev) for s, ids in node.items()}
+                    x = {s: h[s][ids] for s, ids in node.items() if s in h}
+                    ei = {et: e.to(dev) for et, e in edge_index.items() if et[0] in x}
+                    out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node)
+                    if out.get(t) is None:
+                        break
+                    parts.append(out[t][:hi - lo])
+                if count and len(parts) == -(-count // chunk_nodes):
+                    nxt[t] = torch.cat(parts)
+            h = nxt
+        return h
+
+    @torch.no_grad()
+    def sampled(self, out: TypedSamplerOutput) -> Tensor:
+        """The rows of the requested seeds of a sampled subgraph, each layer run only on what it
+        still needs, as PyG's ``trim_to_layer`` trims: layer ``i`` reads the nodes of the first
+        ``L + 1 - i`` hops and the edges of the first ``L - i``. The seeds' rows are those of the
+        untrimmed forward; the outer hops cost no compute in later layers."""
+        num_layers = self.num_layers
+        hops = len(next(iter(out.num_sampled_edges.values()), []))
+        if hops != num_layers:
+            raise ValueError(f"a {num_layers}-layer model needs a {num_layers}-hop sample, got "
+                             f"{hops} hops")
+        dev = self.served.device
+        h = self.served.inputs(out.node)
+        attrs = self.served.edge_attrs(out.e_id)
+        node = {t: ids.to(dev) for t, ids in out.node.items()}
+        edge_index = {et: e.to(dev) for et, e in out.edge_index.items()}
+        for i in range(num_layers):
+            keep = {t: sum(c[:num_layers + 1 - i]) for t, c in out.num_sampled_nodes.items()}
+            x = {t: v[:keep[t]] for t, v in h.items() if keep[t] or t == out.seed_type}
+            ei, ea = {}, {}
+            for et, edges in edge_index.items():
+                if et[0] in x and et[2] in x:
+                    num = sum(out.num_sampled_edges[et][:num_layers - i])
+                    ei[et] = edges[:, :num]
+                    if et in attrs:
+                        ea[et] = attrs[et][:num]
+            h = self.layer(i, x, ei, ea, {t: node[t][:keep[t]] for t in x})
+        return h[out.seed_type][out.seed_index.to(dev)]
+
+    def _module_layer(self, i: int, x: dict[str, Tensor], edge_index: dict[EdgeType, Tensor],
+                      edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor]
+                      ) -> dict[str, Tensor]:
+        """The module's own ``forward_layer``, given edge features and global ids when it names
+        ``edge_attr_dict`` / ``n_id_dict``."""
+        kwargs: dict[str, object] = {}
+        if "edge_attr_dict" in self.layer_params:
+            kwargs["edge_attr_dict"] = edge_attr
+        if "n_id_dict" in self.layer_params:
+            kwargs["n_id_dict"] = node
+        return self.served.model.forward_layer(i, x, edge_index, **kwargs)
+
+    def _to_hetero_layer(self, i: int, x: dict[str, Tensor], edge_index: dict[EdgeType, Tensor],
+                         edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor]
+                         ) -> dict[str, Tensor]:
+        """Layer ``i`` of ``to_hetero(BasicGNN)`` (module docstring)."""
+        model = self.served.model
+        aggr = (self.served.spec.to_hetero or {}).get("aggr", "sum")
+        per_dst: dict[str, list[Tensor]] = {}
+        for et, ei in edge_index.items():
+            src, _, dst = et
+            conv = model.convs[i][NAME_JOINER.join(et)]
+            inputs = x[src] if src == dst else (x[src], x[dst])
+            kwargs = {"edge_attr": edge_attr[et]} if et in edge_attr and \
+                self.served.edge_attr_arg else {}
+            per_dst.setdefault(dst, []).append(conv(inputs, ei, **kwargs))
+        out = {t: combine(parts, aggr) for t, parts in per_dst.items()}
+        if i == self.num_layers - 1:
+            return out
+        return {t: self._post(i, t, v) for t, v in out.items()}
+
+    def _post(self, i: int, t: str, x: Tensor) -> Tensor:
+        """BasicGNN's work between layers (eval mode) for node type ``t``."""
+        model = self.served.model
+        act_first = bool(self.served.spec.kwargs.get("act_first", False))
+        act = model.act[t] if isinstance(getattr(model, "act", None), nn.ModuleDict) else None
+        norms = getattr(model, "norms", None)
+        norm = norms[i][t] if norms is not None and isinstance(norms[i], nn.ModuleDict) else None
+        if act is not None and act_first:
+            x = act(x)
+        if norm is not None:
+            x = norm(x)
+        if act is not None and not act_first:
+            x = act(x)
+        return x
+
+
+def combine(parts: list[Tensor], aggr: str) -> Tensor:
+    """The relations' outputs into one destination, as ``to_hetero`` combines them: pairwise
+    from a queue in metadata order; ``mean`` sums and divides by their number."""
+    ops = {"sum": torch.add, "mean": torch.add, "max": torch.max, "min": torch.min,
+           "mul": torch.mul}
+    queue = deque(parts)
+    while len(queue) >= 2:
+        a, b = queue.popleft(), queue.popleft()
+        queue.append(ops[aggr](a, b))
+    out = queue.popleft()
+    return out / len(parts) if aggr == "mean" and len(parts) > 1 else out
+
+
+def one_hop(graph: TypedGraph, node_type: str, lo: int, hi: int) -> tuple[
+        dict[str, Tensor], dict[EdgeType, Tensor], dict[EdgeType, Tensor]]:
+    """The subgraph of targets ``lo .. hi - 1`` of ``node_type``: global ids per type (the
+    targets first in their type), every in-edge of every target per relation into the type as a
+    local ``edge_index``, and those edges' ids."""
+    parts: dict[str, list[Tensor]] = {t: [] for t in graph.node_types}
+    parts[node_type].append(torch.arange(lo, hi))
+    picked = {}
+    for et, rel in graph.relations.items():
+        if et[2] != node_type:
+            continue
+        start, stop = int(rel.indptr[lo]), int(rel.indptr[hi])
+        src = rel.indices[start:stop]
+        dst = torch.repeat_interleave(torch.arange(hi - lo), rel.degree()[lo:hi])
+        offset = sum(p.numel() for p in parts[et[0]])  # where src lands in its type's list
+        parts[et[0]].append(src)
+        picked[et] = (offset, src.numel(), dst, rel.edge_ids_at(start, stop))
+    node, inverse = {}, {}
+    for t, pieces in parts.items():
+        if pieces:
+            node[t], inverse[t] = unique_first(torch.cat(pieces))
+    edge_index = {et: torch.stack([inverse[et[0]][off:off + n], dst])
+                  for et, (off, n, dst, _) in picked.items()}
+    e_id = {et: ids for et, (_, _, _, ids) in picked.items()}
+    return node, edge_index, e_id
