@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         d.stop(grace_s=0)
         restart_wall_s = time.time()
         d2, restart_s = start(args, state, env)
-        timeline = start_timeline(Path(d2.log_path).read_text(errors="replace"), restart_wall_s)
+        timeline = start_timeline(Path(d2.log_path).read_text(errors="replace").replace(
+            str(state), "<state>"), restart_wall_s)  # no machine's folder in a result
         after = d2.get_json("/v1/graph")
         d2.stop()
         kept = after["version"] >= ack["version"] and after["num_edges"] == before["num_edges"]
