@@ -46,6 +46,8 @@ def test_a_folder_of_another_partition_count_is_refused_naming_both(
     assert prepare_partitions(None, 3, str(out)) == out
     with pytest.raises(StartError, match="holds 3 partitions; --partitions asks for 2"):
         prepare_partitions(None, 2, str(out))
+    with pytest.raises(StartError, match="--partition-dir .*nowhere.*book.npz does not exist"):
+        prepare_partitions(None, 2, str(out.parent / "nowhere"))
 
 
 def test_degrees_summed_from_the_partitions_are_the_whole_graphs(

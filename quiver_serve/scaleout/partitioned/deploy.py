@@ -58,7 +58,10 @@ def prepare_partitions(config_path: str | None, parts: int, data_dir: str | None
     from quiver_serve.partition.data import load_book
 
     if data_dir is not None:
-        book = load_book(Path(data_dir))
+        try:
+            book = load_book(Path(data_dir))
+        except (OSError, ValueError) as exc:  # no folder, no book, a damaged book
+            raise StartError(f"--partition-dir {data_dir}: {exc}") from exc
         if book.num_parts != parts:
             raise StartError(f"{data_dir} holds {book.num_parts} partitions; --partitions "
                              f"asks for {parts}")
