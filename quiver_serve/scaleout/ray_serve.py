@@ -227,9 +227,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="YAML config (default: $QUIVER_SERVE_CONFIG "
                                                    "or the embedded default)")
-    ap.add_argument("--replicas", type=int, default=2,
+    ap.add_argument("--replicas", type=int, default=None,
                     help="engine replicas (one GPU each where the cluster has GPUs, else a "
-                         "share of its CPUs)")
+                         "share of its CPUs; default 2), or with --partitions P > 1 replicas "
+                         "of each partition server (default 1)")
     ap.add_argument("--autoscale", action="store_true", help="1..--replicas on ongoing requests")
     ap.add_argument("--partitions", type=int, default=1,
                     help="partitions of the graph, one partition server each per replica "
@@ -242,7 +243,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=None, help="HTTP port (default: server.port)")
     ap.add_argument("--start-timeout-s", type=float, default=300.0,
                     help="the replicas must be placed and answering within this many seconds")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.replicas is None:
+        args.replicas = 1 if args.partitions > 1 else 2
+    return args
 
 
 def start(args: argparse.Namespace, cfg: ServeConfig) -> str:
@@ -287,7 +291,12 @@ def partitioned_app(args: argparse.Namespace, cfg: ServeConfig, timeout_s: float
     if args.partitions < 1:
         raise StartError(f"--partitions must be at least 1, got {args.partitions}")
     data_dir = deploy.prepare_partitions(args.config, args.partitions, args.partition_dir)
-    reservations = size_replicas(ray.cluster_resources(), args.partitions * args.replicas)
+    cluster = ray.cluster_resources()
+    reservations = size_replicas(cluster, args.partitions * args.replicas)
+    if cluster.get("GPU", 0.0) and not reservations.engine_gpus:
+        log.warning("%d partition servers and %g GPUs: the servers run on CPUs (a GPU each "
+                    "needs as many GPUs as partitions x replicas)",
+                    args.partitions * args.replicas, cluster["GPU"])
     log.info("%d partition servers of %g CPU and %g GPU each; the ingress %g CPU",
              args.partitions * args.replicas, reservations.engine_cpus,
              reservations.engine_gpus, reservations.ingress_cpus)
