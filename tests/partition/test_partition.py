@@ -107,7 +107,7 @@ def test_ldg_streams_to_a_lower_cut_than_hash_near_its_capacity(cora: GraphData,
         # capacity 1.05 of an equal share of nodes and of in-edges; on a power-law graph one
         # pass fills some partitions' edges before their nodes (measured: up to 1.15)
         assert stats.node_balance <= bound and stats.edge_balance <= bound
-    # measured on Cora: ldg 0.33 of the edges, hash 0.76, METIS 0.07
+    # measured on Cora: ldg 0.33 of the edges, hash 0.76, METIS 0.07 (4 parts)
 
 
 def test_auto_falls_back_above_the_metis_limit(caplog: pytest.LogCaptureFixture) -> None:
