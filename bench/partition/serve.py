@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, short points: a check, not a figure")
     ap.add_argument("--hot-budget-bytes", type=int, default=1 << 30)
+    ap.add_argument("--ingress-replicas", type=int, default=4,
+                    help="front-ends of the two-partition runs (ray_serve --ingress-replicas)")
     ap.add_argument("--transports", nargs="+", default=["wire"], choices=["wire", "ray"],
                     help="partitioned.transport of the two-partition runs, one run each")
     ap.add_argument("--callers", type=int, nargs="+", default=[16, 64, 256, 1024])
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="section.key=value on the served config (both deployments)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.callers, args.seconds, args.procs = [1, 4], 1.0, 1
+        args.callers, args.seconds, args.procs, args.ingress_replicas = [1, 4], 1.0, 1, 1
         args.hot_budget_bytes = min(args.hot_budget_bytes, 1 << 20)
         args.sets = ["inference.device=cpu", "server.http_workers=1", *args.sets]
     return args
@@ -132,7 +134,8 @@ def run_two(s: Session, config: Path, parts: Path, transport: str, args: argpars
                        env={**env, "QUIVER_SERVE__PARTITIONED__TRANSPORT": transport},
                        command=("-m", "quiver_serve.scaleout.ray_serve"),
                        args=["--partitions", "2", "--replicas", "1", "--partition-dir",
-                             str(parts), "--start-timeout-s", str(args.start_timeout_s)],
+                             str(parts), "--start-timeout-s", str(args.start_timeout_s),
+                             "--ingress-replicas", str(args.ingress_replicas)],
                        ready_timeout_s=args.start_timeout_s, grace_s=40.0))
     out = run_one(name, two, args, out_dir)
     out["graph"] = two.get_json("/v1/graph")

@@ -235,6 +235,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--partitions", type=int, default=1,
                     help="partitions of the graph, one partition server each per replica "
                          "(1: every replica holds the whole graph)")
+    ap.add_argument("--ingress-replicas", type=int, default=1,
+                    help="with --partitions: replicas of the ingress (front-ends), each "
+                         "reserving the ingress's CPU share")
     ap.add_argument("--partition-dir", default=None,
                     help="the partitions' folder (python -m quiver_serve.partition --out); "
                          "default: partition the config's graph now (its partition: section)")
@@ -301,7 +304,9 @@ def partitioned_app(args: argparse.Namespace, cfg: ServeConfig, timeout_s: float
              args.partitions * args.replicas, reservations.engine_cpus,
              reservations.engine_gpus, reservations.ingress_cpus)
     deployment = deploy.start_servers(cfg, data_dir, args.replicas, reservations, timeout_s)
-    return deploy.ingress_app(cfg, deployment, reservations.ingress_cpus)
+    if args.ingress_replicas < 1:
+        raise StartError(f"--ingress-replicas must be at least 1, got {args.ingress_replicas}")
+    return deploy.ingress_app(cfg, deployment, reservations.ingress_cpus, args.ingress_replicas)
 
 
 def main(argv: list[str] | None = None) -> int:

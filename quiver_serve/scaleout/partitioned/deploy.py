@@ -141,8 +141,10 @@ def _ready(ref: Any, timeout_s: float) -> bool:
     return bool(ready)
 
 
-def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float) -> Any:
-    """The Ray Serve application of the ingress over ``deployment``'s servers."""
+def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float,
+                replicas: int = 1) -> Any:
+    """The Ray Serve application of the ingress over ``deployment``'s servers, in ``replicas``
+    replicas (Ray's proxy spreads requests over them: more front-ends where one is the limit)."""
     import ray
     from ray import serve
 
@@ -150,6 +152,6 @@ def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float) -
 
     book = {"ref": ray.put(book_arrays(load_book(deployment.data_dir)))}
     ingress = serve.deployment(PartitionedIngress, name="ingress").options(
-        ray_actor_options={"num_cpus": ingress_cpus},
+        ray_actor_options={"num_cpus": ingress_cpus}, num_replicas=replicas,
         max_ongoing_requests=cfg.server.max_pending_requests)
     return ingress.bind(deployment.servers, book, cfg.model_dump(mode="json"), deployment.dim)
