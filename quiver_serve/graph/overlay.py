@@ -88,6 +88,10 @@ def plan_record(record: EdgeRecord, patch: Patch) -> PlannedEdgeRecord:
                              patch.length, patch.block, patch.tail_pos, patch.tail_val)
 
 
+#: list entries a compaction folds per NumPy call (``Overlay.to_csc``): about 10 ms each
+FOLD_CHUNK_EDGES = 1 << 20
+
+
 def range_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concat(arange(s, s + c) for s, c in zip(starts, counts))``, vectorised."""
     total = int(counts.sum())
@@ -217,17 +221,26 @@ class Overlay:
             return np.empty(0, np.int64)
         return np.flatnonzero(self._start[:self.num_nodes] >= 0)
 
-    def to_csc(self) -> tuple[Tensor, Tensor]:
-        """The current graph as a plain CSC (lists in overlay order), e.g. for compaction."""
+    def to_csc(self, edges_per_chunk: int = FOLD_CHUNK_EDGES) -> tuple[Tensor, Tensor]:
+        """The current graph as a plain CSC (lists in overlay order), e.g. for compaction. Built
+        over node ranges of about ``edges_per_chunk`` entries: NumPy holds the interpreter lock
+        through some whole-array calls (``repeat``, fancy indexing), so a fold of the whole
+        graph in one call would stall the writer's other threads for as long (decision 0041)."""
         nodes = np.arange(self.num_nodes, dtype=np.int64)
         if self._start is None:
             indptr = np.zeros(self.num_nodes + 1, np.int64)
             indptr[1:self.n_base + 1] = self.indptr[1:]
             indptr[self.n_base + 1:] = self.indptr[-1]
             return torch.from_numpy(indptr), torch.from_numpy(self.indices.copy())
-        values, counts = self.neighbour_lists(nodes)
         indptr = np.zeros(self.num_nodes + 1, np.int64)
-        np.cumsum(counts, out=indptr[1:])
+        np.cumsum(self.degree(nodes), out=indptr[1:])
+        values = np.empty(int(indptr[-1]), np.int64)
+        lo = 0
+        while lo < self.num_nodes:
+            hi = int(np.searchsorted(indptr, indptr[lo] + edges_per_chunk, side="right")) - 1
+            hi = min(self.num_nodes, max(lo + 1, hi))
+            values[indptr[lo]:indptr[hi]] = self.neighbour_lists(nodes[lo:hi])[0]
+            lo = hi
         return torch.from_numpy(indptr), torch.from_numpy(values)
 
     # ---- writing ---------------------------------------------------------------------------------

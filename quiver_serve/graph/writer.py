@@ -23,7 +23,13 @@ from quiver_serve.config import GraphConfig
 from quiver_serve.graph import living
 from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.overlay import Overlay, OverlayFull, plan_record, range_positions
+from quiver_serve.graph.overlay import (
+    FOLD_CHUNK_EDGES,
+    Overlay,
+    OverlayFull,
+    plan_record,
+    range_positions,
+)
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
 from quiver_serve.graph.state import GraphState
 from quiver_serve.graph.update_log import UpdateLog, load_base
@@ -37,6 +43,24 @@ READERS_WAIT_S = 30.0
 REBASE_ROUNDS = 8
 REBASE_LAG_RECORDS = 4
 
+
+
+def sort_lists(indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray,
+               edges_per_chunk: int = FOLD_CHUNK_EDGES) -> None:
+    """Sort the lists of ``nodes`` (ascending ids) by id, in place, a group of about
+    ``edges_per_chunk`` entries per NumPy call (``Overlay.to_csc`` says why)."""
+    counts = indptr[1:] - indptr[:-1]
+    sizes = np.cumsum(counts[nodes])
+    lo = 0
+    while lo < nodes.size:
+        done = sizes[lo - 1] if lo else 0
+        hi = min(nodes.size, max(lo + 1, int(np.searchsorted(sizes, done + edges_per_chunk,
+                                                             side="right"))))
+        group = nodes[lo:hi]
+        pos = range_positions(indptr[group], counts[group])
+        owner = np.repeat(group, counts[group])
+        indices[pos] = indices[pos][np.lexsort((indices[pos], owner))]
+        lo = hi
 
 class GraphWriter:
     """Validates, logs and acknowledges updates; see the module docstring."""
@@ -261,12 +285,8 @@ class GraphWriter:
                      ) -> dict[str, np.ndarray]:
         """The new base: the CSC with every list sorted by id again (only lists the overlay
         changed need it), the features with writes and appended rows."""
-        counts = indptr[1:] - indptr[:-1]
-        pos = range_positions(indptr[touched], counts[touched])
-        owner = np.repeat(touched, counts[touched])
-        order = np.lexsort((indices[pos], owner))
         indices = indices.copy()
-        indices[pos] = indices[pos][order]
+        sort_lists(indptr, indices, touched)
         n = indptr.size - 1
         x = np.empty((n, self.num_features), np.float32)
         x[:self.base.num_nodes] = self.base.x.numpy()

@@ -150,3 +150,32 @@ def test_unsorted_base_lists_still_lose_every_copy() -> None:
     result, _ = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[0, 0], [1, 1]]))
     assert (result.removed, result.missing) == (3, 0)
     assert overlay_lists(ov) == [[1, 1], [0]]
+
+
+@pytest.mark.parametrize("edges_per_chunk", [1, 7, 64, 1 << 20])
+def test_a_fold_in_chunks_equals_the_lists_and_sorts_them_as_one_call(edges_per_chunk: int) -> None:
+    """A compaction folds the overlay a few entries per NumPy call (so the writer's other
+    threads are not stalled by one whole-graph call): any chunk size gives every list in
+    overlay order, and sorting the touched lists chunk by chunk gives the sorted lists."""
+    from quiver_serve.graph.writer import sort_lists
+
+    rng = np.random.default_rng(5)
+    g = random_graph(rng, 60, 400)
+    ov = Overlay(g.indptr, g.indices, 80, 2000)
+    lists = model_lists(g)
+    for _ in range(8):
+        add = rng.integers(0, 60, (30, 2))
+        remove = np.concatenate([add[:3], rng.integers(0, 60, (5, 2))])
+        ov.apply_edges(add, remove)
+        model_apply(lists, add, remove)
+    indptr, indices = (t.numpy() for t in ov.to_csc(edges_per_chunk))
+    one_ptr, one_idx = (t.numpy() for t in ov.to_csc(1 << 30))
+    assert np.array_equal(indptr, one_ptr) and np.array_equal(indices, one_idx)
+    got = [indices[indptr[v]:indptr[v + 1]].tolist() for v in range(60)]
+    assert as_multisets(got) == as_multisets(lists[:60])
+    touched = ov.changed_nodes()
+    indices = indices.copy()
+    sort_lists(indptr, indices, touched, edges_per_chunk)
+    for v in range(60):
+        want = sorted(got[v]) if v in set(touched.tolist()) else got[v]
+        assert indices[indptr[v]:indptr[v + 1]].tolist() == want
