@@ -291,22 +291,23 @@ def partitioned_app(args: argparse.Namespace, cfg: ServeConfig, timeout_s: float
 
     from quiver_serve.scaleout.partitioned import deploy
 
-    if args.partitions < 1:
-        raise StartError(f"--partitions must be at least 1, got {args.partitions}")
-    data_dir = deploy.prepare_partitions(args.config, args.partitions, args.partition_dir)
+    if args.partitions < 1 or args.ingress_replicas < 1:
+        raise StartError(f"--partitions and --ingress-replicas must be at least 1, got "
+                         f"{args.partitions} and {args.ingress_replicas}")
+    servers = args.partitions * args.replicas
     cluster = ray.cluster_resources()
-    reservations = size_replicas(cluster, args.partitions * args.replicas)
+    reservations = size_replicas(cluster, servers)
+    share = deploy.ingress_share(float(cluster.get("CPU", 0.0)), reservations, servers,
+                                 args.ingress_replicas)
     if cluster.get("GPU", 0.0) and not reservations.engine_gpus:
         log.warning("%d partition servers and %g GPUs: the servers run on CPUs (a GPU each "
-                    "needs as many GPUs as partitions x replicas)",
-                    args.partitions * args.replicas, cluster["GPU"])
-    log.info("%d partition servers of %g CPU and %g GPU each; the ingress %g CPU",
-             args.partitions * args.replicas, reservations.engine_cpus,
-             reservations.engine_gpus, reservations.ingress_cpus)
+                    "needs as many GPUs as partitions x replicas)", servers, cluster["GPU"])
+    log.info("%d partition servers of %g CPU and %g GPU each; %d ingress replicas of %g CPU",
+             servers, reservations.engine_cpus, reservations.engine_gpus,
+             args.ingress_replicas, share)
+    data_dir = deploy.prepare_partitions(args.config, args.partitions, args.partition_dir)
     deployment = deploy.start_servers(cfg, data_dir, args.replicas, reservations, timeout_s)
-    if args.ingress_replicas < 1:
-        raise StartError(f"--ingress-replicas must be at least 1, got {args.ingress_replicas}")
-    return deploy.ingress_app(cfg, deployment, reservations.ingress_cpus, args.ingress_replicas)
+    return deploy.ingress_app(cfg, deployment, share, args.ingress_replicas)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,15 @@ def test_metrics_text_has_every_peer_and_hop_and_marks_a_silent_server_down() ->
     assert 'quiver_serve_partition_hot_hit_ratio{partition="0"} 0.75' in lines
     assert 'quiver_serve_partitioned_requests_total{status="503"} 1.0' in lines
     assert not any('partition="1"' in line for line in lines if "_rows_total" in line)
+
+
+def test_ingress_replicas_share_what_the_servers_leave_or_the_start_says_what_is_missing() -> None:
+    from quiver_serve.scaleout.partitioned.deploy import ingress_share
+    from quiver_serve.scaleout.ray_start import size_replicas
+
+    roomy = size_replicas({"CPU": 32.0}, 2)
+    assert ingress_share(32.0, roomy, 2, 4) == roomy.ingress_cpus  # room for the full share
+    small = size_replicas({"CPU": 2.0}, 2)  # two servers and one ingress fill 2 CPUs
+    assert 0.1 <= ingress_share(2.0, small, 2, 2) < small.ingress_cpus
+    with pytest.raises(StartError, match=r"need at least .* CPUs; the Ray cluster has 2"):
+        ingress_share(2.0, small, 2, 8)

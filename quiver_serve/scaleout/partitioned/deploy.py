@@ -21,7 +21,7 @@ from quiver_serve.models.startup import start_plan
 from quiver_serve.scaleout.partitioned.ingress import PartitionedIngress, book_arrays
 from quiver_serve.scaleout.partitioned.peers import server_name
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
-from quiver_serve.scaleout.ray_start import Reservations, StartError
+from quiver_serve.scaleout.ray_start import MIN_SHARE_CPUS, Reservations, StartError
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,21 @@ def _ready(ref: Any, timeout_s: float) -> bool:
 
     ready, _ = ray.wait([ref], timeout=timeout_s)
     return bool(ready)
+
+
+def ingress_share(cluster_cpus: float, reservations: Reservations, servers: int,
+                  ingress_replicas: int) -> float:
+    """CPUs each of ``ingress_replicas`` ingress replicas reserves: the share sized for one
+    (``ray_start.size_replicas``), less where the servers leave too little for all of them;
+    StartError naming the CPUs needed when not even ``MIN_SHARE_CPUS`` each is left."""
+    left = cluster_cpus - servers * reservations.engine_cpus
+    share = min(reservations.ingress_cpus, left / ingress_replicas)
+    if share < MIN_SHARE_CPUS - 1e-9:
+        need = servers * reservations.engine_cpus + ingress_replicas * MIN_SHARE_CPUS
+        raise StartError(f"{servers} partition servers of {reservations.engine_cpus:g} CPU and "
+                         f"{ingress_replicas} ingress replicas need at least {need:g} CPUs; the "
+                         f"Ray cluster has {cluster_cpus:g}")
+    return int(share * 100) / 100
 
 
 def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float,
