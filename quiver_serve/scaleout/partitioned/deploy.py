@@ -153,7 +153,7 @@ def ingress_share(cluster_cpus: float, reservations: Reservations, servers: int,
         raise StartError(f"{servers} partition servers of {reservations.engine_cpus:g} CPU and "
                          f"{ingress_replicas} ingress replicas need at least {need:g} CPUs; the "
                          f"Ray cluster has {cluster_cpus:g}")
-    return int(share * 100) / 100
+    return int(share * 100 + 1e-9) / 100
 
 
 def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float,
