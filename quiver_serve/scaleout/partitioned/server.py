@@ -188,6 +188,10 @@ class PartitionServer:
             return refusal(errors.ServeError(
                 "unsupported_on_ray", "graph updates need one server per partition "
                 "(--replicas 1): each replica would need the partition's log", 400))
+        if kind == "edges" and self.model.gcn_norm is not None:
+            return refusal(errors.ServeError(
+                "unsupported_on_ray", "edge updates are not supported on a partitioned graph "
+                "serving a GCN: its exact mode uses the in-degrees of the snapshot", 400))
         try:
             if kind == "edges":
                 out = self.live.add_edges(first, second)
