@@ -119,6 +119,8 @@ def test_updates_across_partitions_survive_a_killed_server(
         while served.embed(probe, seed=1, min_version=token).status_code != 200:
             assert time.monotonic() < deadline + 30.0, "its ids were not answered again"
             time.sleep(0.5)
+        listed = served.client.get(served.url + "/v1/graph").json()["partitions"]
+        assert [p["servers"][0]["version"] for p in listed] == [token["0"], token["1"]]
         check_updated(served, new, token)
     finally:
         served.close()

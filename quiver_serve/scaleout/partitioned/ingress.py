@@ -184,7 +184,7 @@ class PartitionedIngress:
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
         shown = ("replica", "pid", "nodes", "edges", "device", "transport", "requests",
-                 "hot_hit_rate")
+                 "hot_hit_rate", "version")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]

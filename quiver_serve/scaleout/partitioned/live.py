@@ -61,6 +61,7 @@ class PartitionLive:
         caps = living.capacities(gcfg, n_local, edges)
         self.overlay = Overlay(indptr, indices, caps.node_capacity, caps.edge_capacity, 0)
         self.rows_written: dict[int, np.ndarray] = {}  # local row -> float32 [F]
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # ``written``'s
         self.log = UpdateLog(self.directory, gcfg.fsync, gcfg.group_commit_ms)
         self.log.open()
         self.version = 0
@@ -85,6 +86,7 @@ class PartitionLive:
         return self.overlay.view()
 
     def _remember(self, rows_local: np.ndarray, rows: np.ndarray) -> None:
+        self._index = None
         for i, row in zip(rows_local.tolist(), rows, strict=True):
             self.rows_written[int(i)] = np.asarray(row, np.float32)
 
@@ -143,14 +145,18 @@ class PartitionLive:
 
     def written(self, rows_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Which of ``rows_local`` were written since the snapshot (bool mask) and their rows
-        (float32 [mask.sum(), F])."""
+        (float32 [mask.sum(), F]); a sorted index of the written rows, rebuilt after a write."""
         if not self.rows_written:
             return torch.zeros_like(rows_local, dtype=torch.bool), torch.empty(0, self.num_features)
-        keys = rows_local.tolist()
-        mask = torch.tensor([k in self.rows_written for k in keys], dtype=torch.bool)
-        got = [self.rows_written[k] for k, m in zip(keys, mask.tolist(), strict=True) if m]
-        rows = torch.from_numpy(np.stack(got)) if got else torch.empty(0, self.num_features)
-        return mask, rows
+        if self._index is None or self._index[0].numel() != len(self.rows_written):
+            keys = np.fromiter(self.rows_written, np.int64, len(self.rows_written))
+            keys.sort()
+            rows = np.stack([self.rows_written[int(k)] for k in keys])
+            self._index = (torch.from_numpy(keys), torch.from_numpy(rows))
+        keys_t, rows_t = self._index
+        pos = torch.searchsorted(keys_t, rows_local).clamp_(max=keys_t.numel() - 1)
+        mask = keys_t[pos] == rows_local
+        return mask, rows_t[pos[mask]]
 
 
 def load_dropped(directory: Path) -> np.ndarray:
