@@ -185,7 +185,7 @@ def test_two_partitions_answer_as_one_machine(cluster: int, graph: GraphData, en
         assert bad.status_code == 400 and "99999" in bad.json()["error"]["message"]
         assert served.embed("x").status_code == 422  # type: ignore[arg-type]
         living = served.embed([1], min_version=3)
-        assert living.status_code == 400 and living.json()["error"]["code"] == "unsupported_on_ray"
+        assert living.status_code == 400 and living.json()["error"]["code"] == "invalid_min_version"
         listed = served.client.get(served.url + "/v1/graph").json()
         assert listed["num_parts"] == 2 and listed["num_nodes"] == graph.num_nodes
         assert sum(p["servers"][0]["nodes"] for p in listed["partitions"]) == graph.num_nodes

@@ -43,6 +43,27 @@ class PartitionFeatures:
         order = torch.argsort(hot_ids)
         self.hot_sorted, self.hot_rows = hot_ids[order], hot_features[order]
         self.counts = RowCounts()
+        #: the rows written since the snapshot (``live.PartitionLive.written``), when live
+        self.written: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+
+    def drop_hot(self, ids: np.ndarray) -> int:
+        """Stop answering the replicated copies of global ``ids`` (their owner answers them
+        from now on); returns how many copies were dropped."""
+        t = torch.from_numpy(np.ascontiguousarray(ids, np.int64))
+        keep = ~torch.isin(self.hot_sorted, t)
+        dropped = int((~keep).sum())
+        if dropped:
+            self.hot_sorted, self.hot_rows = self.hot_sorted[keep], self.hot_rows[keep]
+        return dropped
+
+    def _own(self, rows_local: Tensor) -> Tensor:
+        """float32 rows of this partition's local rows, written rows included."""
+        out = self.features[rows_local].to(torch.float32)
+        if self.written is not None:
+            mask, rows = self.written(rows_local)
+            if bool(mask.any()):
+                out[mask] = rows
+        return out
 
     @property
     def dim(self) -> int:
@@ -59,7 +80,7 @@ class PartitionFeatures:
             bad = int(t[~mine][0])
             raise ValueError(f"node {bad} is owned by partition {int(self.owner[bad])}, not "
                              f"{self.part}")
-        return self.features[self.local[t]].to(torch.float32).numpy()
+        return self._own(self.local[t]).numpy()
 
     def _hot(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Which of ``ids`` have a replicated row here, and its row index (valid where found)."""
@@ -81,7 +102,7 @@ class PartitionFeatures:
             pos = ((owners == q) & ~hot).nonzero().flatten() if q != self.part else None
             if pos is not None and pos.numel():
                 calls.append((pos, asyncio.ensure_future(self.remote(q, n_id[pos].numpy()))))
-        out[mine] = self.features[self.local[n_id[mine]]].to(torch.float32)
+        out[mine] = self._own(self.local[n_id[mine]])
         out[hot] = self.hot_rows[hot_pos[hot]].to(torch.float32)
         try:
             rows = await asyncio.gather(*(fut for _, fut in calls))

@@ -7,6 +7,8 @@ order. A seeded request goes whole to one partition server (the owner of its fir
 draws its subgraph across partitions: a seeded answer is a function of the whole request's
 subgraph, as on one machine. ``GET /v1/graph`` lists the partitions, ``GET /v2/health/ready``
 asks every one, ``GET /metrics`` gathers their counts (``metrics/partitioned.py``).
+``POST /v1/graph/edges`` and ``PUT /v1/graph/features`` (admin) go to the partitions owning what
+they change and answer a version token that ``min_version`` takes (``live_routes.py``).
 
 A partition that fails a call (gone, restarting, past its timeout) is refused for
 ``partitioned.down_s``: requests needing it are answered 503 with Retry-After at once, never with
@@ -28,10 +30,18 @@ from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.frontend import kserve
 from quiver_serve.frontend.bodies import validation_message
+from quiver_serve.frontend.guards import Plane, Tokens, authorize
 from quiver_serve.frontend.responses import embed_answer, error_response, serve_error_response
-from quiver_serve.frontend.schemas import EmbedBody
+from quiver_serve.frontend.schemas import GraphEdgesBody, GraphFeaturesBody
 from quiver_serve.metrics.partitioned import IngressCounts, exposition
 from quiver_serve.partition.book import PartitionBook
+from quiver_serve.scaleout.partitioned.live_routes import (
+    PartitionedEmbedBody,
+    merge_answers,
+    parse_token,
+    split_edges,
+    split_rows,
+)
 from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S, Replicas
 
 #: how long a readiness or status probe waits for a partition server
@@ -83,15 +93,18 @@ class PartitionedIngress:
         self.down_until = [0.0] * len(servers)
         self.counts = IngressCounts()
         self.replicas = Replicas(max(len(r) for r in servers), self.cfg.partitioned.down_s)
+        self.tokens = Tokens.from_config(self.cfg.server)
 
     # ---- routes --------------------------------------------------------------------------------
     @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
-    async def embed(self, body: EmbedBody, request: Request) -> Response:
+    async def embed(self, body: PartitionedEmbedBody, request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            ids = self._check(np.asarray(body.node_ids, dtype=np.int64), body.min_version,
+            ids = self._check(np.asarray(body.node_ids, dtype=np.int64), 0,
                               bool(body.new_nodes), body.seed)
             timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
+            await self._wait_versions(parse_token(body.min_version, self.book.num_parts),
+                                      timeout_s)
             rows = await self.rows(ids, body.exact, body.seed, timeout_s)
         except errors.ServeError as exc:
             return self._refuse(exc, t0)
@@ -119,6 +132,39 @@ class PartitionedIngress:
         self.counts.observe(200, time.perf_counter() - t0)
         return Response(content, headers=headers)
 
+    @APP.post("/v1/graph/edges", summary="Add or remove edges, each at its destination's owner "
+              "(admin); answers the version token")
+    async def edges(self, body: GraphEdgesBody, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            self._admin(request)
+            split = split_edges(self.book, body.add, body.remove)
+            answer = await self._update("edges", {p: (a, r) for p, (a, r) in split.items()})
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0, request.url.path)
+        self.counts.observe(200, time.perf_counter() - t0)
+        return JSONResponse(answer)
+
+    @APP.put("/v1/graph/features", summary="Overwrite feature rows at their owners (admin); "
+             "replicated copies are dropped first")
+    async def features(self, body: GraphFeaturesBody, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            self._admin(request)
+            split = split_rows(self.book, body.node_ids, body.features)
+            await self._drop_copies(np.asarray(body.node_ids, np.int64), set(split))
+            answer = await self._update("features", split)
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0, request.url.path)
+        self.counts.observe(200, time.perf_counter() - t0)
+        return JSONResponse(answer)
+
+    @APP.post("/v1/graph/nodes", summary="New nodes: not on a partitioned graph yet")
+    async def nodes(self, request: Request) -> Response:
+        exc = errors.ServeError("unsupported_on_ray", "new nodes are not supported on a "
+                                "partitioned graph yet (edges and feature rows are)", 400)
+        return self._refuse(exc, time.perf_counter(), request.url.path)
+
     @APP.get("/v2/health/live", summary="Liveness")
     async def live(self) -> dict[str, bool]:
         return {"live": True}
@@ -138,7 +184,7 @@ class PartitionedIngress:
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
         shown = ("replica", "pid", "nodes", "edges", "device", "transport", "requests",
-                 "hot_hit_rate")
+                 "hot_hit_rate", "version")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
@@ -155,11 +201,12 @@ class PartitionedIngress:
     def _check(self, ids: np.ndarray, min_version: int, new_nodes: bool,
                seed: int | None) -> np.ndarray:
         """The daemon's checks of one request (``errors.check_node_ids``, the seed's range);
-        the living graph's fields are refused: this deployment serves its snapshot."""
+        new nodes are refused, and a plain ``min_version`` (KServe's parameter: /v1/embed
+        takes the version token instead, ``live_routes.py``)."""
         if min_version or new_nodes:
-            raise errors.ServeError("unsupported_on_ray", "min_version and new_nodes need the "
-                                    "daemon's living graph; the partitioned deployment serves "
-                                    "its partitions' snapshot", 400)
+            raise errors.ServeError("unsupported_on_ray", "new_nodes and a numeric min_version "
+                                    "are not supported on a partitioned graph; /v1/embed takes "
+                                    "the version token an update answered as min_version", 400)
         errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
         errors.check_seed(seed)
         return ids
@@ -181,6 +228,66 @@ class PartitionedIngress:
                 raise rows
             out[pos] = rows
         return out
+
+    def _admin(self, request: Request) -> None:
+        refused = authorize(Plane.ADMIN, request.headers.get("authorization", "").encode(),
+                            request.client, self.tokens)
+        if refused is not None:
+            raise errors.ServeError(refused.code, refused.message, refused.status)
+
+    async def _update(self, kind: str, split: dict[int, tuple[Any, Any]]) -> dict[str, Any]:
+        """One call per partition touched (replica 0: the one holding the log), all at once;
+        the merged answer, or the first refusal (the partitions that answered keep their
+        update: each is durable in its own log, and its version shows in /v1/graph)."""
+        from ray.exceptions import RayError
+
+        async def one(p: int, first: Any, second: Any) -> dict[str, Any]:
+            self._check_up(p)
+            try:
+                out: dict[str, Any] = await asyncio.wait_for(
+                    self.servers[p][0].update.remote(kind, first, second),
+                    self.cfg.server.request_timeout_s + MARGIN_S)
+            except (RayError, asyncio.TimeoutError) as exc:
+                self.down_until[p] = time.monotonic() + self.cfg.partitioned.down_s
+                raise Unavailable(p, type(exc).__name__) from None
+            if "code" in out:
+                self._refused(out)
+            return out
+
+        got = await asyncio.gather(*(one(p, a, b) for p, (a, b) in split.items()),
+                                   return_exceptions=True)
+        for answer in got:
+            if isinstance(answer, BaseException):
+                raise answer
+        return merge_answers(dict(zip(split, got, strict=True)))  # type: ignore[arg-type]
+
+    async def _drop_copies(self, ids: np.ndarray, owners: set[int]) -> None:
+        """Every server of every partition but the owners drops its replicated copies of
+        ``ids`` before the owners write them (decision 0047); one that cannot be reached
+        fails the write with nothing written."""
+        from ray.exceptions import RayError
+
+        calls = [(p, s.drop_hot.remote(ids)) for p, reps in enumerate(self.servers)
+                 for s in reps]
+        for p, ref in calls:
+            try:
+                await asyncio.wait_for(ref, self.cfg.partitioned.remote_timeout_s + MARGIN_S)
+            except (RayError, asyncio.TimeoutError) as exc:
+                raise Unavailable(p, f"its replicated rows could not be dropped: "
+                                  f"{type(exc).__name__}") from None
+
+    async def _wait_versions(self, wanted: dict[int, int], timeout_s: float | None) -> None:
+        """Until every partition in ``wanted`` applied its version; 504 past the deadline."""
+        if not wanted:
+            return
+        wait_s = timeout_s or self.cfg.server.request_timeout_s
+        got = await asyncio.gather(*(asyncio.wait_for(
+            self.servers[p][0].wait_version.remote(v, wait_s), wait_s + MARGIN_S)
+            for p, v in wanted.items()), return_exceptions=True)
+        for p, version in zip(wanted, got, strict=True):
+            if isinstance(version, BaseException) or version < 0:
+                raise errors.ServeError("deadline_exceeded", f"partition {p} did not reach "
+                                        f"version {wanted[p]} within the deadline", 504)
 
     def _check_up(self, part: int) -> None:
         if time.monotonic() < self.down_until[part]:

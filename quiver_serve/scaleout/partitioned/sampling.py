@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.sampling.base import SamplerOutput, check_seed_range, seed_base
-from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions
+from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions, read_positions
 
 #: (partition, global ids it owns, fanout, hop, seed base) -> (neighbours, count per id)
 RemoteHop = Callable[[int, np.ndarray, int, int, int], Awaitable[tuple[np.ndarray, np.ndarray]]]
@@ -49,6 +50,8 @@ class LocalGraph:
     local: Tensor  # int64 [num_nodes]: row of each global id within its owner
     indptr: Tensor  # int64 [owned + 1]
     indices: Tensor  # int64 [edges]: source GLOBAL ids
+    #: the partition's living-graph overlay over these lists (``live.py``), None when unchanged
+    overlay: OverlayView | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -70,8 +73,8 @@ def local_hop(graph: LocalGraph, ids: Tensor, k: int, hop: int, base: int) -> tu
         raise ValueError(f"node {bad} is owned by partition {int(graph.owner[bad])}, not "
                          f"{graph.part}")
     rows = graph.local[ids]
-    edge_pos, count = hop_edge_positions(graph.indptr, rows, k, hop, base, None, ids)
-    return graph.indices[edge_pos], count
+    edge_pos, count = hop_edge_positions(graph.indptr, rows, k, hop, base, graph.overlay, ids)
+    return read_positions(graph.indices, edge_pos, graph.overlay), count
 
 
 def _place(frontier_size: int, parts: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,180 @@
+"""One partition's living graph: the updates its partition server owns, durable in its own log.
+
+A partition holds the in-edge lists of the nodes it owns (rows: local, sources: GLOBAL ids), so an
+edge ``u -> v`` belongs to ``v``'s owner and a feature row to its node's owner
+(docs/architecture.md, "The living graph across partitions"). Each partition server keeps an
+:class:`~quiver_serve.graph.overlay.Overlay` over its CSC, indexed like the CSC (local rows,
+global source ids: the overlay never reads a source id, it only stores it), the feature rows
+written since the snapshot, and an :class:`~quiver_serve.graph.update_log.UpdateLog` of its
+own. As in the daemon's ``GraphWriter``: an update is checked, planned against the overlay (a
+call that does not fit is refused with nothing written), appended to the log and synced per
+``graph.fsync``, then applied; the version it answers is durable. Records are logged in the
+partition's coordinates (edges as ``(global src, local dst)``, feature rows by local row), so a
+restarted server replays its log over its snapshot without the book.
+
+Replicated hot rows: a partition also maps copies of other partitions' hot rows. A feature write
+first makes every holder drop its copy of the written ids (durable in the holder's
+``hot_dropped.npy``), then reaches the owner: a holder reads those rows from their owner from
+then on, so no copy is ever staler than the owner's acknowledged row.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quiver_serve import errors
+from quiver_serve.config import GraphConfig
+from quiver_serve.graph import living
+from quiver_serve.graph.base_files import fsync_dir
+from quiver_serve.graph.overlay import Overlay, OverlayFull
+from quiver_serve.graph.overlay_view import OverlayView
+from quiver_serve.graph.records import EdgeRecord, FeatureRecord
+from quiver_serve.graph.update_log import UpdateLog
+
+#: the file a holder keeps the global ids of the hot copies it dropped in (int64 .npy)
+HOT_DROPPED = "hot_dropped.npy"
+
+
+def log_folder(data_dir: Path, configured: str | None, part: int) -> Path:
+    """Partition ``part``'s update-log folder: ``<graph.update_log_dir>/part-<p>`` when set,
+    else ``<data_dir>/updates/part-<p>`` beside the partitions."""
+    root = Path(configured).expanduser() if configured else Path(data_dir) / "updates"
+    return root / f"part-{part}"
+
+
+class PartitionLive:
+    """The overlay, the written rows and the update log of one partition (module docstring).
+    Not thread-safe: the partition server calls it from its event loop only."""
+
+    def __init__(self, directory: Path, gcfg: GraphConfig, part: int, owner: torch.Tensor,
+                 local: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                 num_features: int) -> None:
+        self.directory, self.cfg, self.part = Path(directory), gcfg, part
+        self.owner, self.local = owner, local
+        self.num_features = num_features
+        n_local, edges = int(indptr.numel() - 1), int(indices.numel())
+        caps = living.capacities(gcfg, n_local, edges)
+        self.overlay = Overlay(indptr, indices, caps.node_capacity, caps.edge_capacity, 0)
+        self.rows_written: dict[int, np.ndarray] = {}  # local row -> float32 [F]
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # ``written``'s
+        self.log = UpdateLog(self.directory, gcfg.fsync, gcfg.group_commit_ms)
+        self.log.open()
+        self.version = 0
+        self.replayed = self._replay()
+
+    def _replay(self) -> int:
+        count = 0
+        for record in self.log.records_after(0):
+            if isinstance(record, EdgeRecord):
+                self.overlay.apply_record(record)
+            elif isinstance(record, FeatureRecord):
+                self._remember(record.node_ids, record.features)
+            self.version = record.version
+            count += 1
+        return count
+
+    def close(self) -> None:
+        self.log.close()
+
+    def view(self) -> OverlayView | None:
+        """What the partition's sampler reads (None until an edge changed)."""
+        return self.overlay.view()
+
+    def _remember(self, rows_local: np.ndarray, rows: np.ndarray) -> None:
+        self._index = None
+        for i, row in zip(rows_local.tolist(), rows, strict=True):
+            self.rows_written[int(i)] = np.asarray(row, np.float32)
+
+    def _own_rows(self, ids: np.ndarray, field: str) -> np.ndarray:
+        """Local rows of global ``ids``, each one owned here; 400 naming the first that is not."""
+        living.check_ids(ids, int(self.owner.numel()), field)
+        t = torch.from_numpy(ids)
+        mine = self.owner[t] == self.part
+        if not bool(mine.all()):
+            bad = int(t[~mine][0])
+            raise errors.ServeError("not_owned", f"{field}: node {bad} is owned by partition "
+                                    f"{int(self.owner[bad])}, not {self.part}", 400)
+        return self.local[t].numpy()
+
+    def add_edges(self, add: object, remove: object) -> dict[str, int]:
+        """Edges ``src -> dst`` whose ``dst`` this partition owns: added (a repeat is a second
+        copy) and removed (every copy); answers the version they are durable in."""
+        add_arr, rm_arr = living.as_pairs(add, "add"), living.as_pairs(remove, "remove")
+        living.check_count(len(add_arr) + len(rm_arr), self.cfg.max_update_edges, "edges")
+        n = int(self.owner.numel())
+        living.check_ids(add_arr[:, 0], n, "add")
+        living.check_ids(rm_arr[:, 0], n, "remove")
+        add_loc = np.stack([add_arr[:, 0], self._own_rows(add_arr[:, 1], "add")], 1)
+        rm_loc = np.stack([rm_arr[:, 0], self._own_rows(rm_arr[:, 1], "remove")], 1)
+        version = self.version + 1
+        record = EdgeRecord(version, time.time(), add_loc.reshape(-1, 2), rm_loc.reshape(-1, 2))
+        try:
+            result, _ = self.overlay.apply_edges(
+                record.add, record.remove, before_commit=lambda _r, _p: self.log.write(record))
+        except OverlayFull as exc:
+            raise living.overlay_full(f"partition {self.part}: {exc}", 1) from None
+        self.version = version
+        self.log.wait_durable(version)
+        return {"version": version, "added": result.added, "removed": result.removed,
+                "missing": result.missing}
+
+    def put_features(self, node_ids: object, features: object) -> dict[str, int]:
+        """Overwrite the rows of global ``node_ids`` this partition owns."""
+        try:
+            ids = np.asarray(node_ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            raise errors.ServeError("invalid_node_ids", "node_ids must be a list of integers",
+                                    422) from None
+        rows = living.as_rows(features, "features", self.num_features)
+        if ids.size != len(rows):
+            raise errors.ServeError("invalid_features", f"{ids.size} node_ids but {len(rows)} "
+                                    "feature rows", 422)
+        living.check_count(len(rows), self.cfg.max_update_edges, "feature rows")
+        rows_local = self._own_rows(ids, "node_ids")
+        version = self.version + 1
+        self.log.write(FeatureRecord(version, time.time(), rows_local, rows))
+        self._remember(rows_local, rows)
+        self.version = version
+        self.log.wait_durable(version)
+        return {"version": version}
+
+    def written(self, rows_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of ``rows_local`` were written since the snapshot (bool mask) and their rows
+        (float32 [mask.sum(), F]); a sorted index of the written rows, rebuilt after a write."""
+        if not self.rows_written:
+            return torch.zeros_like(rows_local, dtype=torch.bool), torch.empty(0, self.num_features)
+        if self._index is None or self._index[0].numel() != len(self.rows_written):
+            keys = np.fromiter(self.rows_written, np.int64, len(self.rows_written))
+            keys.sort()
+            rows = np.stack([self.rows_written[int(k)] for k in keys])
+            self._index = (torch.from_numpy(keys), torch.from_numpy(rows))
+        keys_t, rows_t = self._index
+        pos = torch.searchsorted(keys_t, rows_local).clamp_(max=keys_t.numel() - 1)
+        mask = keys_t[pos] == rows_local
+        return mask, rows_t[pos[mask]]
+
+
+def load_dropped(directory: Path) -> np.ndarray:
+    """The hot copies this partition dropped (global ids, int64; empty when none)."""
+    path = Path(directory) / HOT_DROPPED
+    if not path.exists():
+        return np.empty(0, np.int64)
+    return np.load(path, allow_pickle=False).astype(np.int64, copy=False)
+
+
+def save_dropped(directory: Path, ids: np.ndarray) -> None:
+    """``ids`` as the dropped hot copies (a temporary file, synced, renamed into place)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (HOT_DROPPED + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, np.asarray(ids, np.int64))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / HOT_DROPPED)
+    fsync_dir(directory)
