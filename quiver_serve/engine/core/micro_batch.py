@@ -53,6 +53,8 @@ class MicroBatch:
     version: int = 0
     #: the ``ModelSlot`` it runs on, resolved at intake (``model_slots.py``)
     slot: ModelSlot | None = None
+    #: the node type its ids are of (typed graphs, ``typed_core.py``); "": the only type
+    node_type: str = ""
 
     @property
     def num_new_nodes(self) -> int:
