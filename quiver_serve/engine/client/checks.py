@@ -124,3 +124,26 @@ def check_min_version(min_version: int) -> None:
             or not 0 <= min_version <= MAX_VERSION:
         raise errors.ServeError("invalid_min_version", f"min_version must be an integer in "
                                 f"[0, {MAX_VERSION}], got {min_version!r}", 400)
+
+
+def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, int] | None,
+                        new_nodes: object, max_request_nodes: int) -> None:
+    """The checks of a request naming a node type (docs/architecture.md, "Typed graphs"): 400
+    for a type the graph lacks (naming the known types), a missing type when there are several,
+    a type on a graph of one type it is not, ``new_nodes`` (not served on a typed graph yet) and
+    ids out of the type's range; the usual shape and count checks first."""
+    if node_types is None:
+        raise errors.ServeError("invalid_node_type", f"node_type {node_type!r} names a type but "
+                                "this daemon serves an untyped graph; leave it out", 400)
+    if not node_type:
+        if len(node_types) != 1:
+            raise errors.ServeError("invalid_node_type", "node_type is required: the graph's "
+                                    f"node types are {sorted(node_types)}", 400)
+        node_type = next(iter(node_types))
+    if node_type not in node_types:
+        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type!r}: the "
+                                f"graph's node types are {sorted(node_types)}", 400)
+    if new_nodes is not None and len(new_nodes):  # type: ignore[arg-type]
+        raise errors.ServeError("invalid_request", "new_nodes are not served on a typed graph",
+                                400)
+    errors.check_node_ids(ids, node_types[node_type], max_request_nodes)

@@ -75,6 +75,12 @@ class TypedEngineCore:
         self.exact_rows: dict[str, Tensor] | None = None
         self.waiting: deque[MicroBatch] = deque()
         self.out_dims = dict(served.out_dims)
+        #: sends replies at once (the process loop's socket); None: ``step()`` returns them
+        self.send_now = None
+
+    def ids_in_hand(self) -> int:
+        """Ids waiting here from every client (the clients spread load by it)."""
+        return sum(mb.num_ids for mb in self.waiting)
 
     @property
     def node_types(self) -> list[str]:
