@@ -32,6 +32,7 @@ from quiver_serve.engine.client.checks import (
     check_rows,
     check_typed_request,
     inductive_from_dicts,
+    names_a_type,
 )
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
@@ -193,7 +194,7 @@ class Pipeline(ClientFacade):
         acknowledged node count (this process holds the writer)."""
         ids = node_ids.numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
         limit = self.cfg.server.max_request_nodes
-        if self.node_types is not None or node_type:
+        if names_a_type(node_type, self.node_types):
             check_typed_request(ids, node_type, self.node_types, new_nodes, limit)
             errors.check_seed(seed)
             return None

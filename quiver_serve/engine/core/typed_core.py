@@ -27,7 +27,9 @@ from quiver_serve.engine.core.micro_batch import (
     Reply,
     check_ids,
     failed_replies,
+    malformed,
     prune,
+    refused_whole,
     split_rows,
 )
 from quiver_serve.graph.typed import TypedGraph
@@ -36,7 +38,7 @@ from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
 from quiver_serve.models.typed_served import TypedServedModel, build_typed_model
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.sampling.typed import TypedCppSampler, TypedReferenceSampler, typed_fanouts
-from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
+from quiver_serve.wire import NO_SEED, MicroBatchDone
 
 log = logging.getLogger(__name__)
 
@@ -106,24 +108,23 @@ class TypedEngineCore:
 
     def add(self, mb: MicroBatch) -> Reply | None:
         """Take a micro-batch in; a reply at once when it is refused whole (unknown node type,
-        queue full), else None. Ids out of range refuse their own requests (400)."""
+        queue full, malformed), else None. Ids out of range refuse their own requests (400)."""
+        bad = malformed(mb)
+        if bad is not None:
+            return bad
         node_type = self.resolve_type(mb.node_type)
         if node_type is None:
             msg = (f"node_type is required: the graph's node types are {self.node_types}"
                    if not mb.node_type else unknown_type_message(mb.node_type, self.node_types))
-            return self._refuse(mb, "invalid_node_type", msg, 400)
+            return refused_whole(mb, "invalid_node_type", msg, 400)
         if len(self.waiting) >= self.settings.max_waiting:
-            return self._refuse(mb, "overloaded", "engine queue is full; retry later", 503)
+            return refused_whole(mb, "overloaded", "engine queue is full; retry later", 503)
         mb.node_type = node_type
         valid, errs = check_ids(mb, self.graph.num_nodes[node_type])
         mb.valid, mb.errors = valid, errs
         mb.min_deadline_s = float(mb.deadlines_s.min()) if mb.num_requests else 0.0
         self.waiting.append(mb)
         return None
-
-    def _refuse(self, mb: MicroBatch, code: str, message: str, status: int) -> Reply:
-        errs = [RequestError(i, code, message, status) for i in range(mb.num_requests)]
-        return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
 
     def busy(self) -> bool:
         return bool(self.waiting)

@@ -136,11 +136,6 @@ def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGrap
     is mapped from (``living.handed``); ``live``: follow the graph's updates."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    from quiver_serve.engine.procs.typed_engine_proc import config_is_typed, typed_engine_main
-
-    if config_is_typed(cfg):  # docs/architecture.md, "Typed graphs"
-        typed_engine_main(index, cfg, addrs)
-        return
     torch.set_num_threads(cfg.inference.torch_threads)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)

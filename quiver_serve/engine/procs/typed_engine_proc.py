@@ -34,9 +34,14 @@ def config_is_typed(cfg: ServeConfig) -> bool:
         (g.format == "synthetic" and g.synthetic_preset in TYPED_PRESETS)
 
 
-def typed_engine_main(index: int, cfg: ServeConfig, addrs: RunAddresses) -> None:
-    """Entry point of typed engine core ``index``: build, report ready, serve until the parent
-    goes."""
+def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAddresses,
+                      live: object = None) -> None:
+    """Entry point of typed engine core ``index`` (spawned, the arguments of
+    ``engine_proc.engine_core_main``): the typed graph loaded here from ``cfg.graph`` (``given``,
+    the main process's one-type graph, and ``live`` are not read: typed updates are not served
+    yet), build, report ready, serve until the parent goes."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)

@@ -20,7 +20,7 @@ from quiver_serve.models.typed_layerwise import TypedLayerwise
 from quiver_serve.sampling.typed import TypedReferenceSampler
 from quiver_serve.wire import NO_SEED
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cora_typed.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cora_typed.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,13 @@ def test_a_wrong_type_or_id_is_refused_by_name(core_and_graph) -> None:
     reply = _answer(core, _mb(9, [1500], "word"))  # 1433 words
     (err,) = reply.done.errors
     assert err.status == 400 and "1500" in err.message and "0..1432" in err.message
+
+
+def test_a_malformed_micro_batch_is_refused(core_and_graph) -> None:
+    core, _, _ = core_and_graph
+    bad = MicroBatch(b"x", 10, False, NO_SEED, np.arange(3), np.array([5]),
+                     np.array([time.time() + 9]))
+    bad.node_type = "paper"
+    reply = core.add(bad)
+    assert reply is not None and reply.done.errors[0].status == 400
+    assert "malformed" in reply.done.errors[0].message
