@@ -127,6 +127,10 @@ def check_min_version(min_version: int) -> None:
                                 f"[0, {MAX_VERSION}], got {min_version!r}", 400)
 
 
+#: characters of an unknown node type an error quotes (a client's string, bounded)
+NAME_SHOWN = 128
+
+
 def names_a_type(node_type: str, node_types: dict[str, int] | None) -> bool:
     """Whether a request's ``node_type`` needs the typed checks (``check_typed_request``): on a
     typed graph always; on an untyped one unless it names none or the one type."""
@@ -140,7 +144,7 @@ def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, i
     a type on a graph of one type it is not, ``new_nodes`` (not served on a typed graph yet) and
     ids out of the type's range; the usual shape and count checks first."""
     if node_types is None:
-        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type!r}: this "
+        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: this "
                                 f"daemon serves an untyped graph (its one type is "
                                 f"{HOMOGENEOUS_NODE_TYPE!r}); leave node_type out", 400)
     if not node_type:
@@ -149,7 +153,7 @@ def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, i
                                     f"node types are {sorted(node_types)}", 400)
         node_type = next(iter(node_types))
     if node_type not in node_types:
-        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type!r}: the "
+        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: the "
                                 f"graph's node types are {sorted(node_types)}", 400)
     if new_nodes is not None and len(new_nodes):  # type: ignore[arg-type]
         raise errors.ServeError("invalid_request", "new_nodes are not served on a typed graph",

@@ -184,5 +184,5 @@ def untyped_refusal(mb: MicroBatch, one_type: str) -> Reply | None:
     one type ``one_type`` (or none), else None (docs/architecture.md, "Typed graphs")."""
     if mb.node_type in ("", one_type):
         return None
-    return refused_whole(mb, "invalid_node_type", f"unknown node_type {mb.node_type!r}: this "
+    return refused_whole(mb, "invalid_node_type", f"unknown node_type {mb.node_type[:128]!r}: this "
                          f"daemon serves an untyped graph (its one type is {one_type!r})", 400)

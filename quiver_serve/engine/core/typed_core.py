@@ -51,7 +51,7 @@ def is_typed(graph: TypedGraph, spec: ModelSpec) -> bool:
 
 
 def unknown_type_message(node_type: str, known: list[str]) -> str:
-    return f"unknown node_type {node_type!r}: the graph's node types are {known}"
+    return f"unknown node_type {node_type[:128]!r}: the graph's node types are {known}"
 
 
 @dataclass
