@@ -112,3 +112,10 @@ def test_kserve_and_grpc_take_a_node_type_parameter(server: ServerProcess, libra
                                    atol=1e-5)
     finally:
         client.close()
+
+
+def test_graph_updates_are_refused_until_typed_updates_are_served(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/v1/graph/edges", json={"add": [[0, 1]]})
+    assert r.status_code == 501 and "typed graph" in r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/embed", json={"node_type": "paper", "node_ids": [1]})
+    assert ok.status_code == 200  # serving goes on
