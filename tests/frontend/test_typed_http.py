@@ -119,3 +119,27 @@ def test_graph_updates_are_refused_until_typed_updates_are_served(server: Server
     assert r.status_code == 501 and "typed graph" in r.json()["error"]["message"]
     ok = httpx.post(server.url + "/v1/embed", json={"node_type": "paper", "node_ids": [1]})
     assert ok.status_code == 200  # serving goes on
+
+
+def test_front_ends_in_their_own_processes_serve_typed_requests(
+        tmp_path: Path, library) -> None:
+    """With several HTTP workers the front-ends do not know the types: the engine cores check
+    them, with the same 400s."""
+    _, _, full, _ = library
+    cfg = _config()
+    cfg.server.http_workers = 2
+    path = tmp_path / "config.yaml"
+    path.write_text(_to_yaml(cfg))
+    srv = ServerProcess(path, free_port(), tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/embed",
+                       json={"node_type": "word", "node_ids": [9], "exact": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["embeddings"], full["word"][[9]].numpy(), atol=1e-5)
+        r = httpx.post(srv.url + "/v1/embed", json={"node_type": "author", "node_ids": [1]})
+        assert r.status_code == 400 and "'author'" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/embed", json={"node_type": "word", "node_ids": [1433]})
+        assert r.status_code == 400 and "0..1432" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
