@@ -70,6 +70,8 @@ class EmbedRequest(_InlineSmallTensors):
     #: the model ("": the default) and version (0: by its traffic split) asked for
     model: str = ""
     version: int = 0
+    #: the node type of ``node_ids`` (typed graphs; "": the graph's only type)
+    node_type: str = ""
 
 
 @dataclass

@@ -97,6 +97,8 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     version: int = 0
     #: requests in the packed frame after the header (0: ids, lengths, deadlines in 3 frames)
     requests: int = 0
+    #: the node type of every request's ids (typed graphs; "": the graph's only type)
+    node_type: str = ""
 
 
 def pack_requests(ids: list[np.ndarray], deadlines_s: list[float]) -> np.ndarray:

@@ -39,6 +39,7 @@ class _Embed(msgspec.Struct, forbid_unknown_fields=True):
     new_nodes: list[_NewNode] | None = None
     model: str = ""
     version: int | str | None = None
+    node_type: str = ""
 
 
 _DECODER = msgspec.json.Decoder(_Embed)
@@ -60,6 +61,8 @@ class EmbedArgs:
     #: the model asked for ("": the default) and its version (0: by the traffic split)
     model: str = ""
     version: int = 0
+    #: the node type of ``node_ids`` (typed graphs; "": the only type)
+    node_type: str = ""
 
 
 def body_version(value: int | str | None) -> int | None:
@@ -83,7 +86,8 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
     else:
         if not errors.seed_ok(body.seed) or (
                 body.timeout_ms is not None and not body.timeout_ms > 0) or \
-                not 0 <= body.min_version <= MAX_VERSION or body_version(body.version) is None:
+                not 0 <= body.min_version <= MAX_VERSION or body_version(body.version) is None \
+                or len(body.node_type) > 128:
             body = _slow(raw)  # names every field that is wrong
         elif not body.node_ids and not body.new_nodes:
             raise errors.ServeError("invalid_request", NOTHING_TO_EMBED, 422)
@@ -99,7 +103,8 @@ def parse_embed(raw: bytes, max_nodes: int) -> EmbedArgs:
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise errors.invalid(f"node id {bad} is out of range (beyond int64)") from None
     args = EmbedArgs(arr, body.exact, body.seed, body.timeout_ms, body.min_version,
-                     model=body.model or "", version=body_version(body.version) or 0)
+                     model=body.model or "", version=body_version(body.version) or 0,
+                     node_type=body.node_type)
     if new:
         args.new_features = [n.features for n in new]
         args.new_neighbors = [n.in_neighbors for n in new]

@@ -32,7 +32,9 @@ from quiver_serve.engine.client.checks import (
     check_ids_at_door,
     check_min_version,
     check_rows,
+    check_typed_request,
     inductive_nodes,
+    names_a_type,
 )
 from quiver_serve.frontend import kserve
 from quiver_serve.frontend.bodies import npy_header, parse_embed
@@ -88,6 +90,8 @@ class Submitted(NamedTuple):
     model: str
     version: int
     default_model: str
+    #: the node type asked for (typed graphs; "": none named)
+    node_type: str = ""
 
 
 class Work(NamedTuple):
@@ -126,7 +130,7 @@ def infer_version(raw: str | None) -> int:
 def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
                timeout_ms: float | None, min_version: int = 0,
                new_nodes: tuple[list[Any], list[Any]] | None = None,
-               model: str = "", version: int = 0) -> Submitted:
+               model: str = "", version: int = 0, node_type: str = "") -> Submitted:
     """Check (NumPy) and submit on the running event loop's client; a ServeError with the
     right status when the request is refused. ``new_nodes``: the inductive nodes' feature
     rows and in-neighbour lists, unchecked; their rows follow the ids' rows. ``model`` ("":
@@ -141,7 +145,12 @@ def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
     if not pipeline.ready:
         raise pipeline.refusal()
     num_nodes, capacity = pipeline.num_nodes, pipeline.node_capacity
-    check_ids_at_door(ids, num_nodes, capacity)
+    node_types = getattr(pipeline, "node_types", None)
+    if names_a_type(node_type, node_types):  # docs/architecture.md, "Typed graphs"
+        if hasattr(pipeline, "node_types"):  # else the engine core checks type and ids
+            check_typed_request(ids, node_type, node_types, new_nodes and new_nodes[0], limit)
+    else:
+        check_ids_at_door(ids, num_nodes, capacity)
     check_min_version(min_version)
     view = state.views.current(cached=True)
     target_model, target_version = view.submit_target(model, version)
@@ -149,8 +158,9 @@ def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
         new_nodes[0], new_nodes[1], pipeline.num_features or 0, num_nodes, capacity)  # type: ignore[index]
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s, min_version,
-                                                   inductive, target_model, target_version)
-    return Submitted(request_id, future, model, version, view.default)
+                                                   inductive, target_model, target_version,
+                                                   node_type)
+    return Submitted(request_id, future, model, version, view.default, node_type)
 
 
 def answer_of(result: EmbedResult, sub: Submitted) -> Answer:
@@ -168,11 +178,11 @@ def start(state: Any, target: HotTarget, body: bytes, header_length: str | None)
         a = parse_embed(body, state.cfg.server.max_request_nodes)
         new = None if a.new_features is None else (a.new_features, a.new_neighbors or [])
         return Work(submit_ids(state, a.node_ids, a.exact, a.seed, a.timeout_ms, a.min_version,
-                               new, a.model, a.version), None)
+                               new, a.model, a.version, a.node_type), None)
     pinned = infer_version(target.version_raw)
     req = kserve.parse_infer(body, header_length)
     return Work(submit_ids(state, req.node_ids, req.exact, req.seed, req.timeout_ms,
-                           req.min_version, None, target.name, pinned), req)
+                           req.min_version, None, target.name, pinned, req.node_type), req)
 
 
 def ok_parts(work: Work, result: EmbedResult, accept: str | None) -> tuple[Headers, list[Any]]:
@@ -192,7 +202,7 @@ def ok_parts(work: Work, result: EmbedResult, accept: str | None) -> tuple[Heade
         return [(_MODEL_NAME, answer.model.encode("latin-1")),
                 (_MODEL_VERSION, str(answer.version).encode("latin-1")),
                 content_length(parts), (b"content-type", _NPY)], parts
-    body, _ = embed_answer(answer.model, answer.rows, None, answer.version)
+    body, _ = embed_answer(answer.model, answer.rows, None, answer.version, work.sub.node_type)
     return [content_length([body]), (b"content-type", _JSON)], [body]
 
 

@@ -6,7 +6,8 @@
   ``Inference-Header-Content-Length`` bytes followed by the raw tensors in input order, each input
   saying its size in ``parameters.binary_data_size``. A missing Content-Type is taken as JSON.
 * Request parameters: ``exact``, ``seed``, ``timeout_ms`` (or Triton's ``timeout`` in
-  microseconds) and ``min_version`` (the graph version the answer must see). Inductive requests
+  microseconds), ``min_version`` (the graph version the answer must see) and ``node_type``
+  (typed graphs: the type of ``node_ids``). Inductive requests
   (``new_nodes``) are JSON-only, on ``POST /v1/embed``.
 * Outputs come back as JSON ``data`` or, when asked (``outputs[i].parameters.binary_data`` or the
   request's ``parameters.binary_data_output``), as raw little-endian bytes after the JSON header,
@@ -57,6 +58,8 @@ class InferRequest:
     seed: int | None
     timeout_ms: float | None
     min_version: int = 0
+    #: the ``node_type`` parameter (typed graphs; "": the only type)
+    node_type: str = ""
 
 
 def parse_infer(raw: bytes, header_length: str | None) -> InferRequest:
@@ -90,7 +93,7 @@ def parse_infer(raw: bytes, header_length: str | None) -> InferRequest:
         timeout_ms = timeout_us / 1000.0  # Triton's request timeout is in microseconds
     return InferRequest(body, _node_ids(body, tail), _binary_output(body, binary_all),
                         p.exact if p else False, p.seed if p else None, timeout_ms,
-                        (p.min_version or 0) if p else 0)
+                        (p.min_version or 0) if p else 0, p.node_type if p else "")
 
 
 def _node_ids(body: InferBody, tail: bytes) -> np.ndarray:
@@ -155,6 +158,8 @@ def infer_response_parts(model: str, version: int, req: InferRequest,
     head: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": [out]}
     if req.body.id is not None:
         head["id"] = req.body.id
+    if req.node_type:
+        head["parameters"] = {"node_type": req.node_type}
     if not req.binary_output:
         out["data"] = rows.reshape(-1)
         return [orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)], \

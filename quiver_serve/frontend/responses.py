@@ -48,7 +48,7 @@ def wants_npy(accept: str | None) -> bool:
 
 
 def embed_answer(model_name: str, emb: np.ndarray, accept: str | None,
-                 version: int = 1) -> tuple[bytes, str]:
+                 version: int = 1, node_type: str = "") -> tuple[bytes, str]:
     """The ``/v1/embed`` answer: body and media type (``.npy`` when the client accepts it, else
     ``{"model", "model_version", "dim", "embeddings"}`` as JSON, NumPy rows serialised without
     ``tolist()``). ``model_name`` and ``version``: the model version that computed the rows."""
@@ -56,6 +56,8 @@ def embed_answer(model_name: str, emb: np.ndarray, accept: str | None,
         return npy_bytes(emb), NPY_MEDIA_TYPE
     payload: dict[str, Any] = {"model": model_name, "model_version": str(version),
                                "dim": emb.shape[1], "embeddings": emb}
+    if node_type:  # typed graphs: the answer names the type asked for
+        payload["node_type"] = node_type
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), JSON_MEDIA_TYPE
 
 

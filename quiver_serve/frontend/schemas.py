@@ -55,6 +55,9 @@ class EmbedBody(_Body):
     version: StrictInt | str | None = Field(
         None, description="pin a version of the model (an integer, or a string of digits); "
         "null: the model's traffic split picks one")
+    node_type: str = Field("", max_length=128, description="typed graphs: the node type of "
+                           "node_ids (GET /v2/health/ready's engine lists them); empty: the "
+                           "graph's only type")
 
     @field_validator("version")
     @classmethod
@@ -77,6 +80,7 @@ class EmbedResponse(BaseModel):
     model_version: str = Field(..., description="its version")
     dim: int
     embeddings: list[list[float]]
+    node_type: str | None = Field(None, description="typed graphs: the node type asked for")
 
 
 class ErrorDetail(BaseModel):
@@ -105,6 +109,8 @@ class InferParameters(_Body):
     timeout_ms: float | None = Field(None, gt=0)
     min_version: StrictInt | None = Field(
         None, ge=0, le=MAX_VERSION, description="graph version the answer must see (else 504 at the deadline)")
+    node_type: str = Field("", max_length=128, description="typed graphs: the node type of "
+                           "node_ids; empty: the graph's only type")
 
 
 class InferBody(_Body):

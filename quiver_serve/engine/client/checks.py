@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from quiver_serve import errors
+from quiver_serve.graph.typed import HOMOGENEOUS_NODE_TYPE
 from quiver_serve.wire import InductiveNodes
 
 
@@ -124,3 +125,37 @@ def check_min_version(min_version: int) -> None:
             or not 0 <= min_version <= MAX_VERSION:
         raise errors.ServeError("invalid_min_version", f"min_version must be an integer in "
                                 f"[0, {MAX_VERSION}], got {min_version!r}", 400)
+
+
+#: characters of an unknown node type an error quotes (a client's string, bounded)
+NAME_SHOWN = 128
+
+
+def names_a_type(node_type: str, node_types: dict[str, int] | None) -> bool:
+    """Whether a request's ``node_type`` needs the typed checks (``check_typed_request``): on a
+    typed graph always; on an untyped one unless it names none or the one type."""
+    return node_types is not None or node_type not in ("", HOMOGENEOUS_NODE_TYPE)
+
+
+def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, int] | None,
+                        new_nodes: object, max_request_nodes: int) -> None:
+    """The checks of a request naming a node type (docs/architecture.md, "Typed graphs"): 400
+    for a type the graph lacks (naming the known types), a missing type when there are several,
+    a type on a graph of one type it is not, ``new_nodes`` (not served on a typed graph yet) and
+    ids out of the type's range; the usual shape and count checks first."""
+    if node_types is None:
+        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: this "
+                                f"daemon serves an untyped graph (its one type is "
+                                f"{HOMOGENEOUS_NODE_TYPE!r}); leave node_type out", 400)
+    if not node_type:
+        if len(node_types) != 1:
+            raise errors.ServeError("invalid_node_type", "node_type is required: the graph's "
+                                    f"node types are {sorted(node_types)}", 400)
+        node_type = next(iter(node_types))
+    if node_type not in node_types:
+        raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: the "
+                                f"graph's node types are {sorted(node_types)}", 400)
+    if new_nodes is not None and len(new_nodes):  # type: ignore[arg-type]
+        raise errors.ServeError("invalid_request", "new_nodes are not served on a typed graph",
+                                400)
+    errors.check_node_ids(ids, node_types[node_type], max_request_nodes)

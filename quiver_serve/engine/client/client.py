@@ -134,20 +134,22 @@ class EngineClient(MicroBatchSender):
     def submit(self, node_ids: Any, exact: bool = False, seed: int | None = None,
                deadline_s: float | None = None, request_id: str | None = None,
                min_version: int = 0, inductive: InductiveNodes | None = None,
-               model: str = "", version: int = 0) -> Future[EmbedResult]:
+               model: str = "", version: int = 0, node_type: str = "") -> Future[EmbedResult]:
         """Admit one request (ids already validated by the caller, or checked by the engine).
         ``min_version``: the graph version it must see; ``inductive``: nodes embedded as if
         added (their rows follow the ids' rows); ``model`` ("": the default) and ``version``
-        (0: the model's traffic split picks)."""
+        (0: the model's traffic split picks); ``node_type``: the type of the ids (typed
+        graphs; "": the only type)."""
         fut: Future[EmbedResult] = Future()
         self._admit(node_ids, exact, seed, deadline_s, request_id, fut, None, min_version,
-                    inductive, model, version)
+                    inductive, model, version).node_type = node_type
         return fut
 
     def call(self, node_ids: Any, exact: bool = False, seed: int | None = None,
              deadline_s: float | None = None, request_id: str | None = None,
              min_version: int = 0, inductive: InductiveNodes | None = None,
-             model: str = "", version: int = 0, wait_s: float | None = None) -> EmbedResult:
+             model: str = "", version: int = 0, wait_s: float | None = None,
+             node_type: str = "") -> EmbedResult:
         """``submit`` for a thread that blocks on the answer (``Pipeline.embed``): a
         :class:`Waiter` instead of a future. A thread that asked again within the gate's quiet
         time of its last answer is expected to do so again (``returns.py``). The client answers
@@ -158,7 +160,7 @@ class EngineClient(MicroBatchSender):
         caller = self._callers
         waiter = Waiter(time.monotonic() - getattr(caller, "answered_s", -1e9) < self._gate.quiet_s)
         req = self._admit(node_ids, exact, seed, deadline_s, request_id, waiter, None,
-                          min_version, inductive, model, version)
+                          min_version, inductive, model, version, node_type=node_type)
         if wait_s is None:
             wait_s = req.deadline_s - time.time() + _WAIT_MARGIN_S
         result = waiter.wait(wait_s)
@@ -174,20 +176,22 @@ class EngineClient(MicroBatchSender):
                      deadline_s: float | None = None, request_id: str | None = None,
                      min_version: int = 0, inductive: InductiveNodes | None = None,
                      model: str = "", version: int = 0,
-                     numpy_rows: bool = False) -> asyncio.Future[EmbedResult]:
+                     numpy_rows: bool = False,
+                     node_type: str = "") -> asyncio.Future[EmbedResult]:
         """The same from a coroutine: the returned future resolves on the running loop.
         ``numpy_rows``: the answer's rows as ``EmbedResult.rows``, a read-only NumPy view of
         the engine's reply (no copy, no tensor; what a front-end writes out)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[EmbedResult] = loop.create_future()
         self._admit(node_ids, exact, seed, deadline_s, request_id, fut, loop, min_version,
-                    inductive, model, version, numpy_rows)
+                    inductive, model, version, numpy_rows, node_type)
         return fut
 
     def _admit(self, node_ids: Any, exact: bool, seed: int | None, deadline_s: float | None,
                request_id: str | None, fut: Any, loop: asyncio.AbstractEventLoop | None,
                min_version: int = 0, inductive: InductiveNodes | None = None,
-               model: str = "", version: int = 0, numpy_rows: bool = False) -> Admitted:
+               model: str = "", version: int = 0, numpy_rows: bool = False,
+               node_type: str = "") -> Admitted:
         if self._stopping.is_set():
             raise errors.unavailable("shutting_down", "the server is shutting down")
         ids = np.ascontiguousarray(np.asarray(node_ids, dtype=np.int64).reshape(-1))
@@ -207,6 +211,7 @@ class EngineClient(MicroBatchSender):
                                     f"request_id {rid!r} is already in flight", 409)
         req = Admitted(rid, ids, exact, seed, deadline_s, fut, loop, min_version, inductive,
                        model, version, numpy_rows)
+        req.node_type = node_type
         with self._lock:
             self._pending_ids += req.rows
         self._by_id[rid] = req

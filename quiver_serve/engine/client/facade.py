@@ -111,7 +111,7 @@ class ClientFacade:
     def submit_ids_async(self, ids: np.ndarray, exact: bool, seed: int | None,
                          timeout_s: float | None, min_version: int = 0,
                          inductive: InductiveNodes | None = None, model: str = "",
-                         version: int = 0) -> tuple[str, Any]:
+                         version: int = 0, node_type: str = "") -> tuple[str, Any]:
         """The hot path of a front-end: ids (and inductive nodes) already checked (int64, in
         range, not too many). Returns the request id (to cancel it) and an asyncio future of
         its EmbedResult (which names the model and version that computed it; its rows are
@@ -124,7 +124,7 @@ class ClientFacade:
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         rid = f"{self._rid_prefix}{next(self._rids)}"
         return rid, client.submit_async(ids, exact, seed, deadline_s, rid, min_version, inductive,
-                                        model, version, numpy_rows=True)
+                                        model, version, numpy_rows=True, node_type=node_type)
 
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> bool:
         """Forget a request nobody waits for; not computed if it has not been sent yet."""

@@ -83,7 +83,7 @@ class Admitted:
 
     __slots__ = ("request_id", "ids", "exact", "seed", "deadline_s", "future", "loop", "done",
                  "arrived_s", "min_version", "inductive", "rows", "model", "version",
-                 "numpy_rows")
+                 "numpy_rows", "node_type")
 
     def __init__(self, request_id: str, ids: np.ndarray, exact: bool, seed: int | None,
                  deadline_s: float, future: Any, loop: asyncio.AbstractEventLoop | None,
@@ -93,6 +93,8 @@ class Admitted:
         #: answered with ``EmbedResult.rows`` (a NumPy view of the reply), not a tensor
         self.numpy_rows = numpy_rows
         self.model, self.version = model, version
+        #: the node type of its ids (typed graphs; "": the graph's only type)
+        self.node_type = ""
         self.deadline_s, self.future, self.loop = deadline_s, future, loop
         self.min_version, self.inductive = min_version, inductive
         self.rows = int(ids.size) + (inductive.count if inductive is not None else 0)

@@ -27,7 +27,13 @@ from torch import Tensor
 
 from quiver_serve import errors
 from quiver_serve.config import ServeConfig
-from quiver_serve.engine.client.checks import check_min_version, check_rows, inductive_from_dicts
+from quiver_serve.engine.client.checks import (
+    check_min_version,
+    check_rows,
+    check_typed_request,
+    inductive_from_dicts,
+    names_a_type,
+)
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
 from quiver_serve.engine.client.graph_client import (
@@ -79,6 +85,7 @@ class Pipeline(ClientFacade):
         self.supervisor: Supervisor | None = None
         self.client: EngineClient | None = None
         self.out_dim: int | None = None
+        self.node_types: dict[str, int] | None = None
         self._ids = itertools.count()
         self._init_facade("h-")
         ctx = spawn_context()  # multiprocessing queues: callers in other processes use them too
@@ -111,7 +118,10 @@ class Pipeline(ClientFacade):
         except BaseException:
             self.supervisor.stop(timeout_s=1.0)
             raise
-        self.out_dim = int(self.supervisor.engine_info(0)["dim"])
+        info = self.supervisor.engine_info(0)
+        self.out_dim = int(info["dim"])
+        #: node count per type of a typed graph (engine/procs/typed_engine_proc.py); None: one type
+        self.node_types: dict[str, int] | None = info.get("node_types")
         self.client_endpoints = self.endpoints()
         self.client = EngineClient(self.client_endpoints, self.observer, name="pipeline")
         self._bridge.start()
@@ -177,12 +187,17 @@ class Pipeline(ClientFacade):
 
     # ---- submitting ----------------------------------------------------------------------------
     def validate(self, node_ids: Tensor | np.ndarray, seed: int | None,
-                 new_nodes: Any = None, min_version: int = 0) -> InductiveNodes | None:
+                 new_nodes: Any = None, min_version: int = 0,
+                 node_type: str = "") -> InductiveNodes | None:
         """Raise a ServeError naming what is wrong with a request (400/413/422); returns its
         inductive nodes (``new_nodes`` as checked), if any. Ids are checked against the exact
         acknowledged node count (this process holds the writer)."""
         ids = node_ids.numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
         limit = self.cfg.server.max_request_nodes
+        if names_a_type(node_type, self.node_types):
+            check_typed_request(ids, node_type, self.node_types, new_nodes, limit)
+            errors.check_seed(seed)
+            return None
         inductive = None
         if new_nodes is not None and len(new_nodes):
             num_nodes = self.num_nodes
@@ -208,10 +223,11 @@ class Pipeline(ClientFacade):
         ``[{"features": [...], "in_neighbors": [...]}, ...]``, embedded as if added (their rows
         follow the ids' rows)."""
         client = self._client_or_refuse()
-        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
+        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version,
+                                  request.node_type)
         return client.submit(request.node_ids.numpy(), request.exact, request.seed,
                              request.deadline_s, request.request_id, min_version, inductive,
-                             request.model, request.version)
+                             request.model, request.version, request.node_type)
 
     def submit_async(self, request: EmbedRequest, min_version: int = 0,
                      new_nodes: Any = None) -> Any:
@@ -219,42 +235,47 @@ class Pipeline(ClientFacade):
         loop's own client: no thread hand-off)."""
         self._client_or_refuse()
         client = self.async_client()
-        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version)
+        inductive = self.validate(request.node_ids, request.seed, new_nodes, min_version,
+                                  request.node_type)
         return client.submit_async(request.node_ids.numpy(), request.exact, request.seed,
                                    request.deadline_s, request.request_id, min_version, inductive,
-                                   request.model, request.version)
+                                   request.model, request.version, node_type=request.node_type)
 
     def new_request(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
                     timeout_s: float | None = None, model: str = "",
-                    version: int = 0) -> EmbedRequest:
+                    version: int = 0, node_type: str = "") -> EmbedRequest:
         ids = torch.as_tensor(_as_ids(node_ids))
         now = time.time()
         limit = self.cfg.server.request_timeout_s
         deadline = now + (limit if timeout_s is None else min(timeout_s, limit))
         return EmbedRequest(request_id=f"p-{next(self._ids)}", node_ids=ids, exact=exact, seed=seed,
-                            deadline_s=deadline, submitted_s=now, model=model, version=version)
+                            deadline_s=deadline, submitted_s=now, model=model, version=version,
+                            node_type=node_type)
 
     def embed(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
               timeout_s: float | None = None, min_version: int = 0,
-              new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
+              new_nodes: Any = None, model: str = "", version: int = 0,
+              node_type: str = "") -> Tensor:
         """Embeddings [len(node_ids) + len(new_nodes), dim] (one row per requested position,
         then one per new node) from ``model`` ("": the default) at ``version`` (0: by the
-        model's traffic split); raises ServeError. ``node_ids`` may be left out (None: no ids)
+        model's traffic split), of ``node_type``'s nodes on a typed graph ("": the only
+        type); raises ServeError. ``node_ids`` may be left out (None: no ids)
         when ``new_nodes`` are given. The calling thread blocks on its answer
         (``EngineClient.call``: no future, no request object)."""
         client = self._client_or_refuse()
         ids = _as_ids(node_ids)
-        inductive = self.validate(ids, seed, new_nodes, min_version)
+        inductive = self.validate(ids, seed, new_nodes, min_version, node_type)
         limit = self.cfg.server.request_timeout_s
         deadline_s = time.time() + (limit if timeout_s is None else min(timeout_s, limit))
         return _unwrap(client.call(ids, exact, seed, deadline_s, f"p-{next(self._ids)}",
-                                   min_version, inductive, model, version))
+                                   min_version, inductive, model, version, node_type=node_type))
 
     async def embed_async(self, node_ids: Any = None, exact: bool = False, seed: int | None = None,
                           timeout_s: float | None = None, min_version: int = 0,
-                          new_nodes: Any = None, model: str = "", version: int = 0) -> Tensor:
+                          new_nodes: Any = None, model: str = "", version: int = 0,
+                          node_type: str = "") -> Tensor:
         """``embed`` for coroutines: thousands in flight from one thread."""
-        request = self.new_request(node_ids, exact, seed, timeout_s, model, version)
+        request = self.new_request(node_ids, exact, seed, timeout_s, model, version, node_type)
         return _unwrap(await self.submit_async(request, min_version, new_nodes))
 
     # ---- the living graph (docs/architecture.md, "The living graph"): the writer's calls ----

@@ -74,8 +74,8 @@ class MicroBatchSender:
         alone."""
         cap = self.endpoints.max_batch_nodes
         planned = self._estimated_load()
-        groups: dict[tuple[int, bool, str, int], list[Admitted]] = {}
-        sizes: dict[tuple[int, bool, str, int], int] = {}
+        groups: dict[tuple[int, bool, str, int, str], list[Admitted]] = {}
+        sizes: dict[tuple[int, bool, str, int, str], int] = {}
         for req in self._take_inbox():
             if req.done:
                 continue
@@ -84,7 +84,7 @@ class MicroBatchSender:
             if req.alone:
                 self._send([req], req.exact, NO_SEED if req.seed is None else req.seed, engine)
                 continue
-            key = (engine, req.exact, req.model, req.version)
+            key = (engine, req.exact, req.model, req.version, req.node_type)
             group = groups.setdefault(key, [])
             if group and sizes[key] + req.rows > cap:
                 self._send(group, req.exact, NO_SEED, engine)
@@ -92,7 +92,7 @@ class MicroBatchSender:
                 sizes[key] = 0
             group.append(req)
             sizes[key] = sizes.get(key, 0) + req.rows
-        for (engine, exact, _, _), group in groups.items():
+        for (engine, exact, *_), group in groups.items():
             if group:
                 self._send(group, exact, NO_SEED, engine)
 
@@ -133,7 +133,7 @@ class MicroBatchSender:
         self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
                                 inductive.count if inductive is not None else 0,
-                                reqs[0].model, reqs[0].version, len(reqs))
+                                reqs[0].model, reqs[0].version, len(reqs), reqs[0].node_type)
         frames: list[Any] = [encode(head), body]
         if inductive is not None:
             frames += inductive.frames()

@@ -37,11 +37,13 @@ from quiver_serve.engine.core.micro_batch import (
     check_ids,
     failed_replies,
     split_rows,
+    untyped_refusal,
 )
 from quiver_serve.engine.core.model_load import ModelLoads
 from quiver_serve.engine.core.model_slots import ModelSlot, ModelTable, Refusal
 from quiver_serve.engine.core.parts import CoreParts
 from quiver_serve.features.store import FeatureStore
+from quiver_serve.graph.typed import HOMOGENEOUS_NODE_TYPE
 from quiver_serve.messages import BatchStats
 from quiver_serve.models.graphed import GraphedForward
 from quiver_serve.models.served import ServedModel
@@ -168,6 +170,8 @@ class EngineCore:
                         for i in range(max(mb.num_requests, 1))]
                 return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
             mb.slot = slot
+        if mb.node_type and (refused := untyped_refusal(mb, HOMOGENEOUS_NODE_TYPE)) is not None:
+            return refused
         if self.graph_sync is not None and versions.must_wait(self, mb):
             return versions.park(self, mb)
         n_req = mb.num_requests

@@ -53,6 +53,8 @@ class MicroBatch:
     version: int = 0
     #: the ``ModelSlot`` it runs on, resolved at intake (``model_slots.py``)
     slot: ModelSlot | None = None
+    #: the node type its ids are of (typed graphs, ``typed_core.py``); "": the only type
+    node_type: str = ""
 
     @property
     def num_new_nodes(self) -> int:
@@ -158,3 +160,29 @@ def failed_replies(parts: list[Part], code: str, message: str, status: int) -> l
         errs = part.errors + [RequestError(i, code, message, status) for i in alive]
         replies.append(Reply(part.mb.client, MicroBatchDone(part.mb.seq, 0, errs), None))
     return replies
+
+
+def refused_whole(mb: MicroBatch, code: str, message: str, status: int) -> Reply:
+    """The reply refusing every request of ``mb`` with one error."""
+    errs = [RequestError(i, code, message, status) for i in range(max(mb.num_requests, 1))]
+    return Reply(mb.client, MicroBatchDone(mb.seq, 0, errs), None)
+
+
+def malformed(mb: MicroBatch) -> Reply | None:
+    """A 400 when ``mb``'s ids, lengths and deadlines do not agree (a client the front-ends
+    did not check), else None."""
+    n_req = mb.num_requests
+    total = int(mb.lengths[0]) if n_req == 1 else int(mb.lengths.sum())
+    if n_req == 0 or total != mb.num_ids or mb.deadlines_s.size != n_req:
+        return refused_whole(mb, "invalid_request", "malformed micro-batch: ids, lengths and "
+                             "deadlines do not agree", 400)
+    return None
+
+
+def untyped_refusal(mb: MicroBatch, one_type: str) -> Reply | None:
+    """On an untyped graph, a 400 for a micro-batch naming a node type other than the graph's
+    one type ``one_type`` (or none), else None (docs/architecture.md, "Typed graphs")."""
+    if mb.node_type in ("", one_type):
+        return None
+    return refused_whole(mb, "invalid_node_type", f"unknown node_type {mb.node_type[:128]!r}: this "
+                         f"daemon serves an untyped graph (its one type is {one_type!r})", 400)

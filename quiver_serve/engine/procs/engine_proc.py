@@ -277,7 +277,7 @@ class EngineLoop:
             mb = MicroBatch(client, head.seq, head.exact, head.seed, ids, lengths, deadlines,
                             outstanding_ids=head.outstanding_ids,
                             min_version=head.min_version, model=head.model,
-                            version=head.version)
+                            version=head.version, node_type=head.node_type)
             if getattr(head, "new_nodes", 0):
                 from quiver_serve.wire import decode_inductive
 

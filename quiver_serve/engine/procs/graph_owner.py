@@ -54,6 +54,13 @@ class GraphOwner:
         """Open the update log and replay it (the acknowledged version is then published);
         ``readers``: (role, index) of the live processes that apply updates."""
         self._readers = readers
+        from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
+
+        if config_is_typed(self.cfg):  # the engine cores serve a graph this writer does not hold
+            self.read_only_reason = ("graph updates of a typed graph are not served yet "
+                                     '(docs/architecture.md, "Typed graphs")')
+            self.state.set(NUM_NODES, self.graph.num_nodes)
+            return
         from quiver_serve.graph.update_log import LogLockedError, UpdateLog
 
         g = self.cfg.graph

@@ -41,6 +41,7 @@ from quiver_serve.engine.procs.graph_owner import GraphOwner
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.sampler_proc import sampler_main
 from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
+from quiver_serve.engine.procs.typed_engine_proc import config_is_typed, typed_engine_main
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import handed
 from quiver_serve.graph.writer import GraphWriter
@@ -311,7 +312,9 @@ class Supervisor:
         self.samplers = [Child("sampler", j, sampler_main,
                                (j, cfg, given, self.addrs, self.living))
                          for j in range(cfg.sampling.num_cpu_workers)]
-        self.engines = [Child("engine", i, engine_core_main,
+        # a typed graph's engine cores load it themselves (docs/architecture.md, "Typed graphs")
+        engine_main = typed_engine_main if config_is_typed(cfg) else engine_core_main
+        self.engines = [Child("engine", i, engine_main,
                               (i, cfg, given, self.addrs, self.living))
                         for i in range(num_inference_workers(cfg))]
         #: warm processes a restart hands its child's work to (``standby.py``)

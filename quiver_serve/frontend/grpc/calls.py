@@ -198,7 +198,7 @@ class InferCall(_UnaryRequest):
                 timeout_ms = deadline_ms if timeout_ms is None else min(timeout_ms, deadline_ms)
             self.req_id = req.id
             self.sub = submit_ids(self.front.state, a.ids, a.exact, a.seed, timeout_ms,
-                                  a.min_version, None, a.model, a.version)
+                                  a.min_version, None, a.model, a.version, a.node_type)
         except DecodeError as exc:
             self._refuse(stream, GrpcStatus.INVALID_ARGUMENT, 400,
                          f"not a ModelInferRequest message: {exc}")

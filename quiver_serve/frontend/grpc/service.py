@@ -3,7 +3,7 @@
 Same semantics as the HTTP routes: one input ``node_ids`` (INT64 [n]) as ``raw_input_contents`` or
 ``contents.int64_contents``; one output ``embeddings`` (FP32 [n, dim]) as ``raw_output_contents``;
 request parameters ``exact``, ``seed``, ``timeout_ms``, ``min_version`` (the graph version the
-answer must see); ``model_version`` pins a version (empty: the model's traffic split), and the
+answer must see) and ``node_type`` (typed graphs); ``model_version`` pins a version (empty: the model's traffic split), and the
 answer names the version that computed it; ``ModelReady`` and ``ModelMetadata`` take a version
 too. The daemon's errors are mapped to gRPC status codes (``status.CODES``) with the same
 messages. Off unless ``server.grpc_port`` is set; same bind address and bearer token as HTTP.
@@ -58,6 +58,8 @@ class InferArgs(NamedTuple):
     min_version: int
     model: str
     version: int  # 0: the model's traffic split
+    #: typed graphs: the ``node_type`` parameter ("": the graph's only type)
+    node_type: str = ""
 
 
 def _bad(message: str) -> errors.ServeError:
@@ -188,18 +190,19 @@ def infer_args(req: Any) -> InferArgs:
     """A ``ModelInferRequest``'s ids, parameters, model and version; ServeError (400) naming
     what is wrong with it."""
     ids = _node_ids(req)
-    exact, seed, timeout_ms, min_version = False, None, None, 0
+    exact, seed, timeout_ms, min_version, node_type = False, None, None, 0, ""
     p = req.parameters
     if p:
         exact = p["exact"].bool_param if "exact" in p else False
         seed = p["seed"].int64_param if "seed" in p else None
         timeout_ms = _number(p["timeout_ms"]) if "timeout_ms" in p else None
         min_version = _integer(p["min_version"], "min_version") if "min_version" in p else 0
+        node_type = p["node_type"].string_param if "node_type" in p else ""
     for out in req.outputs:
         if out.name != gp.OUTPUT_NAME:
             raise _bad(f"unknown output {out.name!r}; this model has 'embeddings'")
     return InferArgs(ids, exact, seed, timeout_ms, min_version, req.model_name,
-                     _version(req.model_version) or 0)
+                     _version(req.model_version) or 0, node_type)
 
 
 def _repository_params(params: Any) -> dict[str, Any]:

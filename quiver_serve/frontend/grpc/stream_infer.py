@@ -97,7 +97,7 @@ class StreamSession:
         try:
             a = self.parse(req)
             sub = submit_ids(self.state, a.ids, a.exact, a.seed, a.timeout_ms, a.min_version,
-                             None, a.model, a.version)
+                             None, a.model, a.version, a.node_type)
         except errors.ServeError as exc:
             self._push(gp.stream_error(exc.info.message, model, version, rid))
             self._observe(exc.info.status, t0_s)

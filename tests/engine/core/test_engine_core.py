@@ -453,3 +453,13 @@ def test_received_micro_batches_decode_to_writable_arrays(cora: GraphData) -> No
     finally:
         a.close(linger=0)
         b.close(linger=0)
+
+
+def test_an_untyped_core_takes_its_one_type_and_refuses_others(cora: GraphData) -> None:
+    core = make_core(cora)
+    named, other = mb(1, [[3, 4]]), mb(2, [[3]])
+    named.node_type, other.node_type = "node", "paper"
+    replies = run(core, named, other)
+    assert not replies[1].done.errors and replies[1].rows is not None
+    (err,) = replies[2].done.errors
+    assert err.status == 400 and "'paper'" in err.message and "'node'" in err.message

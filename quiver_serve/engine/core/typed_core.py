@@ -1,0 +1,203 @@
+"""The engine core of a typed graph (docs/architecture.md, "Typed graphs"; decision 0046).
+
+Driven like ``EngineCore`` (``add`` a micro-batch, ``step()`` returns replies), on the typed
+library: micro-batches name a node type (``MicroBatch.node_type``; "" is the only type of a
+one-type graph), are batched with others of the same type and mode, sampled with the typed
+sampler (``sampling/typed.py``) and run through the typed model (``models/typed_served.py``),
+trimmed per layer when the layer runner serves the model (``TypedLayerwise.sampled``). Exact
+requests read a per-type table of every node's layer-wise output (``TypedLayerwise.run``) when
+``exact.materialize`` is on, else are computed on the fly from a sample with every fanout -1
+(every in-neighbour: exact). A one-type graph keeps the homogeneous core (``build.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.micro_batch import (
+    MicroBatch,
+    Reply,
+    check_ids,
+    failed_replies,
+    malformed,
+    prune,
+    refused_whole,
+    split_rows,
+)
+from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.models.spec import ModelSpec
+from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
+from quiver_serve.models.typed_served import TypedServedModel, build_typed_model
+from quiver_serve.sampling.base import new_batch_seed
+from quiver_serve.sampling.typed import TypedCppSampler, TypedReferenceSampler, typed_fanouts
+from quiver_serve.wire import NO_SEED, MicroBatchDone
+
+log = logging.getLogger(__name__)
+
+
+def is_typed(graph: TypedGraph, spec: ModelSpec) -> bool:
+    """Whether the typed core serves ``graph``: several node types, or a model made or written
+    for typed inputs (``model.to_hetero`` or a module taking dicts)."""
+    return len(graph.node_types) > 1 or spec.to_hetero is not None or \
+        len(graph.edge_types) > 1
+
+
+def unknown_type_message(node_type: str, known: list[str]) -> str:
+    return f"unknown node_type {node_type[:128]!r}: the graph's node types are {known}"
+
+
+@dataclass
+class TypedSettings:
+    """What the typed core takes from the configuration."""
+
+    max_batch_nodes: int
+    max_waiting: int
+    materialize: bool
+
+
+class TypedEngineCore:
+    """Stage logic of one engine core on a typed graph; see the module docstring."""
+
+    def __init__(self, served: TypedServedModel, fanouts: dict, sampler: TypedReferenceSampler,
+                 settings: TypedSettings, *, index: int = 0) -> None:
+        self.served, self.graph, self.sampler = served, served.graph, sampler
+        self.fanouts = typed_fanouts(self.graph, fanouts)
+        self.all_fanouts = {et: [-1] * len(f) for et, f in self.fanouts.items()}
+        self.settings, self.index = settings, index
+        self.layerwise = TypedLayerwise(served) if unsupported(served) is None else None
+        #: every node's exact rows per node type (None: exact requests computed on the fly)
+        self.exact_rows: dict[str, Tensor] | None = None
+        self.waiting: deque[MicroBatch] = deque()
+        self.out_dims = dict(served.out_dims)
+        #: sends replies at once (the process loop's socket); None: ``step()`` returns them
+        self.send_now = None
+
+    def ids_in_hand(self) -> int:
+        """Ids waiting here from every client (the clients spread load by it)."""
+        return sum(mb.num_ids for mb in self.waiting)
+
+    @property
+    def node_types(self) -> list[str]:
+        return self.graph.node_types
+
+    def build_table(self) -> None:
+        """Every node's exact rows per type, layer by layer (``TypedLayerwise.run``)."""
+        if self.layerwise is None:
+            log.warning("engine %d: the typed model is not served layer by layer: exact "
+                        "requests are computed on the fly", self.index)
+            return
+        t0 = time.perf_counter()
+        self.exact_rows = {t: rows.float().cpu() for t, rows in self.layerwise.run().items()}
+        log.info("engine %d: typed exact table of %s in %.2f s", self.index,
+                 {t: tuple(r.shape) for t, r in self.exact_rows.items()}, time.perf_counter() - t0)
+
+    def resolve_type(self, node_type: str) -> str | None:
+        """The node type a request names ("" is the only type of a one-type graph); None when
+        the graph has no such type."""
+        if not node_type and len(self.node_types) == 1:
+            return self.node_types[0]
+        return node_type if node_type in self.graph.num_nodes else None
+
+    def add(self, mb: MicroBatch) -> Reply | None:
+        """Take a micro-batch in; a reply at once when it is refused whole (unknown node type,
+        queue full, malformed), else None. Ids out of range refuse their own requests (400)."""
+        bad = malformed(mb)
+        if bad is not None:
+            return bad
+        node_type = self.resolve_type(mb.node_type)
+        if node_type is None:
+            msg = (f"node_type is required: the graph's node types are {self.node_types}"
+                   if not mb.node_type else unknown_type_message(mb.node_type, self.node_types))
+            return refused_whole(mb, "invalid_node_type", msg, 400)
+        if len(self.waiting) >= self.settings.max_waiting:
+            return refused_whole(mb, "overloaded", "engine queue is full; retry later", 503)
+        mb.node_type = node_type
+        valid, errs = check_ids(mb, self.graph.num_nodes[node_type])
+        mb.valid, mb.errors = valid, errs
+        mb.min_deadline_s = float(mb.deadlines_s.min()) if mb.num_requests else 0.0
+        self.waiting.append(mb)
+        return None
+
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[Reply]:
+        """Form one batch of waiting micro-batches (same node type and mode; a seeded
+        micro-batch alone), run it, and answer it."""
+        if not self.waiting:
+            return []
+        first = self.waiting.popleft()
+        group = [first]
+        total = first.num_ids
+        if first.seed == NO_SEED:
+            keep: deque[MicroBatch] = deque()
+            while self.waiting:
+                mb = self.waiting.popleft()
+                if (mb.node_type, mb.exact, mb.seed) == (first.node_type, first.exact, NO_SEED) \
+                        and total + mb.num_ids <= self.settings.max_batch_nodes:
+                    group.append(mb)
+                    total += mb.num_ids
+                else:
+                    keep.append(mb)
+            self.waiting = keep
+        return self._run(group)
+
+    def _run(self, group: list[MicroBatch]) -> list[Reply]:
+        parts = [prune(mb, time.time()) for mb in group]
+        ids = [p.alive_ids() for p in parts]
+        node_type, exact = group[0].node_type, group[0].exact
+        seed = group[0].seed if group[0].seed != NO_SEED else new_batch_seed()
+        seeds = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        try:
+            rows = self.rows(node_type, torch.from_numpy(seeds), exact, seed)
+        except Exception as exc:  # noqa: BLE001 - every request of the batch hears it
+            log.exception("engine %d: typed batch failed", self.index)
+            return failed_replies(parts, "internal", f"{type(exc).__name__}: {exc}", 500)
+        replies = []
+        for part, chunk in zip(parts, split_rows(parts, rows), strict=True):
+            dim = int(rows.shape[1]) if part.num_alive else 0
+            replies.append(Reply(part.mb.client, MicroBatchDone(
+                part.mb.seq, dim, part.errors, model=self.served.spec.name,
+                version=self.served.spec.version), chunk if dim else None))
+        return replies
+
+    @torch.no_grad()
+    def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:
+        """float32 [len(seeds), dim]: the rows of ``seeds`` of ``node_type``, exact or from a
+        sample drawn with ``seed``."""
+        if seeds.numel() == 0:
+            return np.zeros((0, self.out_dims.get(node_type, 0)), np.float32)
+        if exact and self.exact_rows is not None:
+            if node_type not in self.exact_rows:
+                raise ValueError(f"the model gives no rows for node type {node_type!r}")
+            return self.exact_rows[node_type][seeds].numpy()
+        out = self.sampler.sample(node_type, seeds, self.all_fanouts if exact else self.fanouts,
+                                  seed)
+        result = self.layerwise.sampled(out) if self.layerwise is not None else self.served(out)
+        return result.float().cpu().numpy()
+
+
+def build_typed_core(cfg: ServeConfig, graph: TypedGraph, index: int = 0,
+                     spec: ModelSpec | None = None) -> TypedEngineCore:
+    """The typed engine core of ``cfg`` on ``graph``: the model (weights-only, probe forward),
+    the C++ typed sampler (the reference with ``sampling.implementation: reference``), and the
+    exact table when ``exact.materialize`` is not off."""
+    spec = spec or ModelSpec.from_config(cfg.model)
+    served = build_typed_model(spec, graph)
+    sampler_cls = TypedReferenceSampler if cfg.sampling.implementation == "reference" \
+        else TypedCppSampler
+    fanouts = cfg.sampling.fanouts if spec.fanouts is None else spec.fanouts
+    settings = TypedSettings(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
+                             cfg.exact.materialize != "off")
+    core = TypedEngineCore(served, fanouts, sampler_cls(graph), settings, index=index)
+    if settings.materialize:
+        core.build_table()
+    return core

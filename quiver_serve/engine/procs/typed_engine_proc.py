@@ -1,0 +1,86 @@
+"""The engine core process of a typed graph (docs/architecture.md, "Typed graphs"): the typed
+graph loaded here from ``cfg.graph`` (``graph/typed_load.py``), a ``TypedEngineCore``, and the
+homogeneous loop's decoding and replies (``engine_proc.EngineLoop``) around it. The main
+process and its clients are those of the homogeneous daemon; the engine core checks each
+request's node type and ids per type."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.typed_core import TypedEngineCore, build_typed_core
+from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
+from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, EngineLoop
+from quiver_serve.engine.procs.process import parent_alive
+from quiver_serve.graph.typed_load import load_typed_graph
+from quiver_serve.wire import RunAddresses
+
+log = logging.getLogger(__name__)
+
+
+def config_is_typed(cfg: ServeConfig) -> bool:
+    """Whether ``cfg`` serves a typed graph: a model made typed (``model.to_hetero``), words as
+    nodes (``graph.words_as_nodes``) or a typed synthetic preset. (A typed file format is read
+    by ``load_typed_graph`` but not told apart here before it is read.)"""
+    from quiver_serve.graph.typed_synthetic import TYPED_PRESETS
+
+    g = cfg.graph
+    return cfg.model.to_hetero is not None or bool(g.words_as_nodes) or \
+        (g.format == "synthetic" and g.synthetic_preset in TYPED_PRESETS)
+
+
+def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAddresses,
+                      live: object = None) -> None:
+    """Entry point of typed engine core ``index`` (spawned, the arguments of
+    ``engine_proc.engine_core_main``): the typed graph loaded here from ``cfg.graph`` (``given``,
+    the main process's one-type graph, and ``live`` are not read: typed updates are not served
+    yet), build, report ready, serve until the parent goes."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.inference.torch_threads)
+    ctx = zmq.Context()
+    reporter = Reporter(ctx, addrs, "engine", index)
+    poller = zmq.Poller()
+    try:
+        core = build_typed_core(cfg, load_typed_graph(cfg.graph), index)
+        front = ctx.socket(zmq.ROUTER)
+        front.setsockopt(zmq.LINGER, 0)
+        front.setsockopt(zmq.RCVHWM, 0)
+        bind_fresh(front, addrs.engine(index))
+        poller.register(front, zmq.POLLIN)
+    except Exception as exc:  # noqa: BLE001 - reported on the control line, then exit 1
+        exit_failed(reporter, exc)
+    dims = sorted(set(core.out_dims.values()))
+    reporter.send("ready", device="cpu", sampler=core.sampler.name, gpu_sampler=None,
+                  dim=dims[0] if len(dims) == 1 else 0, node_types=dict(core.graph.num_nodes),
+                  dims=core.out_dims)
+    TypedEngineLoop(core, front, poller, reporter).run()
+
+
+class TypedEngineLoop(EngineLoop):
+    """``EngineLoop`` around a ``TypedEngineCore``: take input, ``step()``, send, beat."""
+
+    def __init__(self, core: TypedEngineCore, front: zmq.Socket, poller: zmq.Poller,
+                 reporter: Reporter) -> None:
+        super().__init__(core, front, None, poller, reporter)  # type: ignore[arg-type]
+
+    def run(self) -> None:
+        core = self.core
+        next_check_s = 0.0
+        while True:
+            now_s = time.monotonic()
+            if now_s >= next_check_s:
+                if not parent_alive():
+                    return
+                next_check_s = now_s + PARENT_CHECK_S
+            events = dict(self.poller.poll(0 if core.busy() else IDLE_POLL_MS))
+            replies = self._take_input() if events.get(self.front) else []
+            replies += core.step()
+            if replies:
+                self.send_replies(replies)
+            self.reporter.heartbeat()

@@ -1,0 +1,123 @@
+"""The typed engine core (engine/core/typed_core.py) on the shipped typed Cora
+(configs/cora_typed.yaml): exact answers equal the library's layer-wise rows, seeded answers the
+typed sampler and model for that seed, and a wrong node type or id is refused by name."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.micro_batch import MicroBatch
+from quiver_serve.engine.core.typed_core import build_typed_core, is_typed
+from quiver_serve.graph.typed_load import load_typed_graph
+from quiver_serve.models.spec import ModelSpec
+from quiver_serve.models.typed_layerwise import TypedLayerwise
+from quiver_serve.sampling.typed import TypedReferenceSampler
+from quiver_serve.wire import NO_SEED
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cora_typed.yaml"
+
+
+@pytest.fixture(scope="module")
+def core_and_graph():
+    cfg = ServeConfig.from_yaml(CONFIG)
+    graph = load_typed_graph(cfg.graph)
+    return build_typed_core(cfg, graph), graph, cfg
+
+
+def _mb(seq: int, ids: list[int], node_type: str, exact: bool = False,
+        seed: int = NO_SEED) -> MicroBatch:
+    arr = np.array(ids, np.int64)
+    mb = MicroBatch(b"c", seq, exact, seed, arr, np.array([arr.size], np.int64),
+                    np.array([time.time() + 30.0]))
+    mb.node_type = node_type
+    return mb
+
+
+def _answer(core, mb):
+    refused = core.add(mb)
+    if refused is not None:
+        return refused
+    replies = []
+    while core.busy():
+        replies += core.step()
+    assert len(replies) == 1
+    return replies[0]
+
+
+def test_the_config_is_typed(core_and_graph) -> None:
+    _, graph, cfg = core_and_graph
+    assert is_typed(graph, ModelSpec.from_config(cfg.model))
+
+
+def test_exact_rows_are_the_layerwise_rows_of_each_type(core_and_graph) -> None:
+    core, graph, _ = core_and_graph
+    assert core.exact_rows is not None
+    full = TypedLayerwise(core.served).run(chunk_nodes=500)
+    ids = [0, 5, 2707, 5]
+    reply = _answer(core, _mb(1, ids, "paper", exact=True))
+    assert not reply.done.errors and reply.done.dim == 64
+    np.testing.assert_allclose(reply.rows, full["paper"][ids].numpy(), rtol=0, atol=1e-5)
+    # on the fly (no table): a sample with every fanout -1 is the same rows
+    rows = core.exact_rows
+    core.exact_rows = None
+    try:
+        again = _answer(core, _mb(2, ids, "paper", exact=True))
+    finally:
+        core.exact_rows = rows
+    np.testing.assert_allclose(again.rows, full["paper"][ids].numpy(), rtol=0, atol=1e-5)
+
+
+def test_seeded_rows_are_the_typed_sampler_and_model_for_that_seed(core_and_graph) -> None:
+    core, graph, cfg = core_and_graph
+    ids = [3, 17, 3, 1000]
+    reply = _answer(core, _mb(3, ids, "paper", seed=1234))
+    out = TypedReferenceSampler(graph).sample("paper", torch.tensor(ids), cfg.sampling.fanouts,
+                                              seed=1234)
+    with torch.no_grad():
+        expected = core.served(out).numpy()
+    np.testing.assert_allclose(reply.rows, expected, rtol=0, atol=1e-5)
+    other = _answer(core, _mb(4, ids, "paper", seed=99))
+    assert not np.allclose(other.rows, reply.rows)  # the seed decides the sample
+
+
+def test_word_rows_and_batching_by_type(core_and_graph) -> None:
+    core, graph, _ = core_and_graph
+    full = TypedLayerwise(core.served).run(chunk_nodes=500)
+    a, b = _mb(5, [1, 2], "word", exact=True), _mb(6, [7], "paper", exact=True)
+    assert core.add(a) is None and core.add(b) is None
+    replies = []
+    while core.busy():
+        replies += core.step()
+    by_seq = {r.done.seq: r for r in replies}
+    np.testing.assert_allclose(by_seq[5].rows, full["word"][[1, 2]].numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(by_seq[6].rows, full["paper"][[7]].numpy(), atol=1e-5, rtol=0)
+
+
+def test_a_wrong_type_or_id_is_refused_by_name(core_and_graph) -> None:
+    core, _, _ = core_and_graph
+    reply = _answer(core, _mb(7, [1], "author"))
+    (err,) = reply.done.errors
+    assert err.status == 400 and "'author'" in err.message and "paper" in err.message \
+        and "word" in err.message
+    reply = _answer(core, _mb(8, [1], ""))
+    assert reply.done.errors[0].status == 400 and "node_type is required" in \
+        reply.done.errors[0].message
+    reply = _answer(core, _mb(9, [1500], "word"))  # 1433 words
+    (err,) = reply.done.errors
+    assert err.status == 400 and "1500" in err.message and "0..1432" in err.message
+
+
+def test_a_malformed_micro_batch_is_refused(core_and_graph) -> None:
+    core, _, _ = core_and_graph
+    bad = MicroBatch(b"x", 10, False, NO_SEED, np.arange(3), np.array([5]),
+                     np.array([time.time() + 9]))
+    bad.node_type = "paper"
+    reply = core.add(bad)
+    assert reply is not None and reply.done.errors[0].status == 400
+    assert "malformed" in reply.done.errors[0].message
