@@ -146,7 +146,8 @@ class FakePipeline:
 
     def submit_ids_async(self, ids: np.ndarray, exact: bool, seed: int | None,
                          timeout_s: float | None, min_version: int = 0, inductive: Any = None,
-                         model: str = "", version: int = 0) -> tuple[str, Any]:
+                         model: str = "", version: int = 0,
+                         node_type: str = "") -> tuple[str, Any]:
         self.submitted.append((model, version))
         future = asyncio.get_running_loop().create_future()
         future.set_result(self._result(ids, model or "sage", version))
