@@ -112,6 +112,21 @@ def check_ids(ids: np.ndarray, num_nodes: int, field: str) -> None:
                    f"0..{num_nodes - 1}")
 
 
+def feature_writes(node_ids: object, features: object, width: int, limit: int,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """A feature write's body checked: (int64 ids, float32 rows [n, width]), one row per id,
+    at most ``limit`` rows; a named 422 otherwise."""
+    try:
+        ids = np.asarray(node_ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise _bad("invalid_node_ids", "node_ids must be a list of integers", 422) from None
+    rows = as_rows(features, "features", width)
+    if ids.size != len(rows):
+        raise _bad("invalid_features", f"{ids.size} node_ids but {len(rows)} feature rows", 422)
+    check_count(len(rows), limit, "feature rows")
+    return ids, rows
+
+
 def check_count(n: int, limit: int, what: str) -> None:
     if n > limit:
         raise _bad("too_many_updates", f"{n} {what} in one call; the limit is {limit} "

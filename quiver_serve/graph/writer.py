@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from quiver_serve import errors
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph import living
 from quiver_serve.graph import state as slots
@@ -192,16 +191,8 @@ class GraphWriter:
         return {"version": version, "node_ids": ids.tolist()}
 
     def put_features(self, node_ids: Any, features: Any) -> dict[str, int]:
-        try:
-            ids = np.asarray(node_ids, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError):
-            raise errors.ServeError("invalid_node_ids", "node_ids must be a list of integers",
-                                    422) from None
-        rows = living.as_rows(features, "features", self.num_features)
-        if ids.size != len(rows):
-            raise errors.ServeError("invalid_features", f"{ids.size} node_ids but {len(rows)} "
-                                    "feature rows", 422)
-        living.check_count(len(rows), self.cfg.max_update_edges, "feature rows")
+        ids, rows = living.feature_writes(node_ids, features, self.num_features,
+                                          self.cfg.max_update_edges)
         t0 = time.perf_counter()
         with self.lock:
             living.check_ids(ids, self.overlay.num_nodes, "node_ids")

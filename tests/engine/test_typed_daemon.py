@@ -31,12 +31,18 @@ def typed_config() -> ServeConfig:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def library():
+def typed_library() -> tuple:
+    """The typed Cora, its served model, every node's exact rows (the library's) and the
+    config: what the daemon's answers are compared with."""
     cfg = typed_config()
     graph = load_typed_graph(cfg.graph)
     served = build_typed_model(ModelSpec.from_config(cfg.model), graph)
     return graph, served, TypedLayerwise(served).run(chunk_nodes=1000), cfg
+
+
+@pytest.fixture(scope="module")
+def library():
+    return typed_library()
 
 
 @pytest.fixture(scope="module")

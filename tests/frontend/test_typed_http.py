@@ -5,7 +5,6 @@ the graph's types."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,38 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from quiver_serve.config import ServeConfig
-from quiver_serve.graph.typed_load import load_typed_graph
-from quiver_serve.models.spec import ModelSpec
-from quiver_serve.models.typed_layerwise import TypedLayerwise
-from quiver_serve.models.typed_served import build_typed_model
 from quiver_serve.sampling.typed import TypedReferenceSampler
 from tests.conftest import ServerProcess, _to_yaml, free_port
+from tests.engine.test_typed_daemon import typed_config, typed_library
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cora_typed.yaml"
 MODEL = "cora-typed-sage"
-
-
-def _config() -> ServeConfig:
-    cfg = ServeConfig.from_yaml(CONFIG)
-    cfg.server.start_timeout_s = 180.0
-    cfg.server.http_workers = 1
-    cfg.graph.update_log_dir = tempfile.mkdtemp(prefix="quiver-log-")
-    return cfg
 
 
 @pytest.fixture(scope="module")
 def library():
-    cfg = _config()
-    graph = load_typed_graph(cfg.graph)
-    served = build_typed_model(ModelSpec.from_config(cfg.model), graph)
-    return graph, served, TypedLayerwise(served).run(chunk_nodes=1000), cfg
+    return typed_library()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("typed")
-    cfg = _config()
+    cfg = typed_config()
     cfg.server.grpc_port = free_port()
     path = tmp / "config.yaml"
     path.write_text(_to_yaml(cfg))
@@ -126,7 +109,7 @@ def test_front_ends_in_their_own_processes_serve_typed_requests(
     """With several HTTP workers the front-ends do not know the types: the engine cores check
     them, with the same 400s."""
     _, _, full, _ = library
-    cfg = _config()
+    cfg = typed_config()
     cfg.server.http_workers = 2
     path = tmp_path / "config.yaml"
     path.write_text(_to_yaml(cfg))

@@ -125,16 +125,8 @@ class PartitionLive:
 
     def put_features(self, node_ids: object, features: object) -> dict[str, int]:
         """Overwrite the rows of global ``node_ids`` this partition owns."""
-        try:
-            ids = np.asarray(node_ids, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError):
-            raise errors.ServeError("invalid_node_ids", "node_ids must be a list of integers",
-                                    422) from None
-        rows = living.as_rows(features, "features", self.num_features)
-        if ids.size != len(rows):
-            raise errors.ServeError("invalid_features", f"{ids.size} node_ids but {len(rows)} "
-                                    "feature rows", 422)
-        living.check_count(len(rows), self.cfg.max_update_edges, "feature rows")
+        ids, rows = living.feature_writes(node_ids, features, self.num_features,
+                                          self.cfg.max_update_edges)
         rows_local = self._own_rows(ids, "node_ids")
         version = self.version + 1
         self.log.write(FeatureRecord(version, time.time(), rows_local, rows))
