@@ -218,6 +218,7 @@ class InferenceConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available (auto)")
     num_workers: int = Field(0, ge=0, description="inference processes; 0 = one per GPU, or one on CPU")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per inference worker")
+    startup_threads: int = Field(0, ge=0, description="intra-op threads of an engine core's start-up (feature copies and placement, PSGS, FAP); 0 = every core the process may run on; serving then uses torch_threads")
     gpu_cache_bytes: int = Field(
         4 << 30, ge=0,
         description="GPU memory for node features per GPU (rows and location map): the hottest rows by features.placement go there, the rest are read from pinned host memory",

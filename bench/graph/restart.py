@@ -91,7 +91,7 @@ def snapshot_writes(log_text: str) -> dict[str, dict[str, float]]:
 STAMPED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:INFO|WARNING) (\S+) (.*)$")
 
 
-def start_timeline(log_text: str, started_wall_s: float, max_chars: int = 160) -> list[list]:
+def start_timeline(log_text: str, started_wall_s: float, max_chars: int = 400) -> list[list]:
     """Where a start's seconds went: each timestamped INFO/WARNING line of its log, as
     [seconds after the daemon was launched, process, message]."""
     import datetime as dt

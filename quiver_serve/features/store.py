@@ -161,11 +161,35 @@ class FeatureStore:
         return layout
 
     def _copy_rows(self, nodes: Tensor, dev: torch.device, bar: Any) -> Tensor:
-        shard = torch.empty((int(nodes.numel()), self.dim), dtype=self.dtype, device=dev)
-        for lo in range(0, int(nodes.numel()), ROWS_PER_CHUNK):
+        """Rows ``nodes`` of the host matrix into a new shard on ``dev``. On a GPU, chunk by
+        chunk through two pinned buffers: a chunk's rows are gathered in ascending row order
+        (the matrix's pages read forwards) on torch's intra-op threads while the chunk before
+        it crosses to the device, where its rows are put in placement order."""
+        n = int(nodes.numel())
+        shard = torch.empty((n, self.dim), dtype=self.dtype, device=dev)
+        if dev.type != "cuda" or n == 0:
+            for lo in range(0, n, ROWS_PER_CHUNK):
+                part = nodes[lo:lo + ROWS_PER_CHUNK]
+                shard[lo:lo + part.numel()].copy_(self.host.index_select(0, part))
+                bar.update(int(part.numel()))
+            return shard
+        width = min(n, ROWS_PER_CHUNK)
+        staging = [torch.empty((width, self.dim), dtype=self.host.dtype, pin_memory=True)
+                   for _ in range(2)]
+        freed: list[torch.cuda.Event | None] = [None, None]
+        for i, lo in enumerate(range(0, n, ROWS_PER_CHUNK)):
             part = nodes[lo:lo + ROWS_PER_CHUNK]
-            shard[lo:lo + part.numel()].copy_(self.host.index_select(0, part), non_blocking=False)
+            order = torch.argsort(part)
+            buf = staging[i % 2][:part.numel()]
+            if freed[i % 2] is not None:
+                freed[i % 2].synchronize()  # its last chunk has left for the device
+            torch.index_select(self.host, 0, part[order], out=buf)
+            rows = buf.to(dev, non_blocking=True)
+            freed[i % 2] = torch.cuda.Event()
+            freed[i % 2].record()
+            shard.index_copy_(0, (order + lo).to(dev, non_blocking=True), rows.to(self.dtype))
             bar.update(int(part.numel()))
+        torch.cuda.current_stream(dev).synchronize()
         return shard
 
     def _host_shard(self, nodes: Tensor, s: int, bar: Any, keep: list[Any]) -> Tensor:

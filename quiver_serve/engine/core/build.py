@@ -6,8 +6,10 @@ adjacency cache, the C++ sampler), feature placement and the PSGS table, the cor
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,18 +55,44 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
     applied; then a warm-up batch, the cost model (``engine/core/calibrate.py``;
     ``calibration`` overrides ``sampling.calibration``) and the exact table; ``plan``: the
     models to serve (default: ``models/startup.start_plan``)."""
+    with start_up_threads(cfg):
+        return _build_core(cfg, graph, index, pool, calibration, progress, live, plan)
+
+
+@contextmanager
+def start_up_threads(cfg: ServeConfig) -> Iterator[int]:
+    """Start-up's CPU work (the capacity copy of the features, their placement, the PSGS and
+    FAP tables, the exact table on a CPU) on ``inference.startup_threads`` intra-op threads
+    (0: every core this process may run on); serving then runs on ``inference.torch_threads``
+    again (docs/decisions/0056-start-up-threads.md)."""
+    serving = torch.get_num_threads()
+    wanted = cfg.inference.startup_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(wanted, serving))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(serving)
+
+
+def _build_core(cfg: ServeConfig, graph: GraphData, index: int, pool: SamplerPool | None,
+                calibration: str | None, progress: bool, live: LiveGraphArgs | None,
+                plan: StartPlan | None) -> EngineCore:
     from quiver_serve.engine.core.calibrate import Calibration
 
+    lap = StartLaps(index)
     caps = live.caps if live is not None else None
     rows = caps.node_capacity if caps is not None else graph.num_nodes
     plan = plan or start_plan(cfg)
     spec = plan.primary()
     device, model, features = place_model_and_features(cfg, graph, index, caps, spec)
+    lap("model and features")
     fanouts = spec.fanouts_or(cfg.sampling.fanouts)
     local = make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
     gpu = gpu_sampler_or_none(cfg, graph, device)
+    lap("samplers")
     calib = Calibration(cfg, graph, calibration, progress)
     psgs = calib.psgs_table(fanouts, device, local, caps.node_capacity if caps else None)
+    lap("psgs")
     former = BatchFormer(cfg.batching.max_batch_nodes, psgs,
                          RequestLog(cfg.features.request_log_size),
                          expected_fill_for(cfg.batching.expected_fill, device))
@@ -72,17 +100,43 @@ def build_core(cfg: ServeConfig, graph: GraphData, index: int,
                        (device, features), rows)
     core = EngineCore(model, features, device, local, fanouts, graph.num_nodes, parts,
                       index=index, spec=spec)
+    lap("parts")
     if parts.graph_sync is not None and live is not None:
         replay_updates(core, parts.graph_sync, live, index)
+    lap("replay")
     check_fast_model(core)
     capture_graphs(core, cfg.inference.cuda_graph_max_seeds)
     warm_up(core)
+    lap("checks, graphs and warm-up")
     calib.cost_model(core)
+    lap("cost model")
     core.tables.build(core, core.model, progress)
     if core.exact_table is not None:
         _warm_batches(core, exact_only=True)  # the table's answer path, once
+    lap("exact table")
     load_other_models(core, cfg, plan)
+    lap("other models")
+    lap.report()
     return core
+
+
+class StartLaps:
+    """Seconds of each phase of an engine core's start, logged in one line at the end (the
+    restart benchmark's timeline reads it)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.laps: list[tuple[str, float]] = []
+        self._last_s = self._first_s = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now_s = time.perf_counter()
+        self.laps.append((phase, now_s - self._last_s))
+        self._last_s = now_s
+
+    def report(self) -> None:
+        log.info("engine %d built in %.2f s: %s", self.index, self._last_s - self._first_s,
+                 ", ".join(f"{phase} {s:.2f} s" for phase, s in self.laps))
 
 
 def core_parts(cfg: ServeConfig, graph: GraphData, index: int, former: BatchFormer,
@@ -207,12 +261,19 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
                         precision=cfg.inference.precision,
                         fast=cfg.inference.fast_model).to(device)
     x = None
-    if rows > graph.num_nodes:
-        x = torch.zeros((rows, graph.num_features), dtype=graph.x.dtype)
-        x[:graph.num_nodes] = graph.x
-    elif graph.mapped_from is not None and caps is not None:
-        x = graph.x.clone()  # feature updates write the store's host rows: not the files
+    if rows > graph.num_nodes or (graph.mapped_from is not None and caps is not None):
+        x = capacity_copy(graph.x, rows)  # feature updates write the store's rows, not files
     return device, model, build_feature_store(cfg, graph, device, x)
+
+
+def capacity_copy(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` in private memory with zero rows up to ``rows``: one parallel copy (torch's
+    intra-op threads, ``start_up_threads``), not a zero fill of the whole matrix and a copy
+    over it; the capacity rows are written once, as zeros."""
+    out = torch.empty((max(rows, x.size(0)), x.size(1)), dtype=x.dtype)
+    out[:x.size(0)].copy_(x)
+    out[x.size(0):].zero_()
+    return out
 
 
 def _padded(values: torch.Tensor, rows: int) -> torch.Tensor:
