@@ -58,7 +58,7 @@ _ACCEPT = b"accept"
 _HEADER_LENGTH = kserve.HEADER_LENGTH.encode("latin-1")
 _JSON = JSON_MEDIA_TYPE.encode("latin-1")
 _NPY = NPY_MEDIA_TYPE.encode("latin-1")
-_MODEL_NAME, _MODEL_VERSION = b"x-model-name", b"x-model-version"
+_MODEL_NAME, _MODEL_VERSION, _NODE_TYPE = b"x-model-name", b"x-model-version", b"x-node-type"
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -188,7 +188,8 @@ def start(state: Any, target: HotTarget, body: bytes, header_length: str | None)
 def ok_parts(work: Work, result: EmbedResult, accept: str | None) -> tuple[Headers, list[Any]]:
     """Headers and body parts of the 200 answering ``result`` (a ServeError when it is a
     refusal). ``/v1/embed``: JSON, or ``.npy`` when ``accept`` asks for it (the model and
-    version in ``x-model-name`` / ``x-model-version``); infer: KServe JSON or binary."""
+    version in ``x-model-name`` / ``x-model-version``, a typed request's type in
+    ``x-node-type``); infer: KServe JSON or binary."""
     answer = answer_of(result, work.sub)
     if work.infer is not None:
         parts, named = kserve.infer_response_parts(answer.model, answer.version, work.infer,
@@ -199,9 +200,12 @@ def ok_parts(work: Work, result: EmbedResult, accept: str | None) -> tuple[Heade
     if wants_npy(accept):
         rows = np.ascontiguousarray(answer.rows, dtype="<f4")
         parts = [npy_header(rows.shape), rows.reshape(-1).view(np.uint8)]
-        return [(_MODEL_NAME, answer.model.encode("latin-1")),
-                (_MODEL_VERSION, str(answer.version).encode("latin-1")),
-                content_length(parts), (b"content-type", _NPY)], parts
+        headers = [(_MODEL_NAME, answer.model.encode("latin-1")),
+                   (_MODEL_VERSION, str(answer.version).encode("latin-1")),
+                   content_length(parts), (b"content-type", _NPY)]
+        if work.sub.node_type:  # typed graphs: the answer names the type asked for
+            headers.append((_NODE_TYPE, work.sub.node_type.encode("latin-1")))
+        return headers, parts
     body, _ = embed_answer(answer.model, answer.rows, None, answer.version, work.sub.node_type)
     return [content_length([body]), (b"content-type", _JSON)], [body]
 

@@ -59,11 +59,3 @@ def embed_answer(model_name: str, emb: np.ndarray, accept: str | None,
     if node_type:  # typed graphs: the answer names the type asked for
         payload["node_type"] = node_type
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), JSON_MEDIA_TYPE
-
-
-def model_headers(media_type: str, model_name: str, version: int) -> dict[str, str] | None:
-    """The headers naming the model version of a ``.npy`` answer (a JSON answer names it in
-    its body)."""
-    if media_type != NPY_MEDIA_TYPE:
-        return None
-    return {"x-model-name": model_name, "x-model-version": str(version)}

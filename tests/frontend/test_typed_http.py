@@ -5,6 +5,7 @@ the graph's types."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def test_embed_names_the_type_and_equals_the_library(server: ServerProcess, libr
     out = TypedReferenceSampler(graph).sample("paper", torch.tensor(ids), cfg.sampling.fanouts,
                                               seed=5)
     np.testing.assert_allclose(r.json()["embeddings"], served(out).numpy(), atol=1e-5)
+    r = httpx.post(server.url + "/v1/embed", headers={"accept": "application/x-npy"},
+                   json={"node_type": "paper", "node_ids": ids, "seed": 5}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-node-type"] == "paper", r.headers
+    np.testing.assert_allclose(np.load(io.BytesIO(r.content)), served(out).numpy(), atol=1e-5)
 
 
 def test_a_wrong_type_is_a_400_naming_the_types(server: ServerProcess) -> None:
