@@ -20,6 +20,7 @@ a partial answer; the others go on (docs/architecture.md, "Partitioned serving")
 
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -202,14 +203,15 @@ class PartitionedIngress:
     @APP.get("/v1/graph", summary="The partitioned graph: partitions, their servers, sizes")
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
-        shown = ("replica", "pid", "nodes", "edges", "device", "transport", "requests",
+        shown = ("replica", "pid", "nodes", "graph_nodes", "edges", "device", "transport", "requests",
                  "hot_hit_rate", "version")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
+        await self._sync_book()
         return JSONResponse({"num_nodes": self.book.num_nodes, "num_parts": self.book.num_parts,
                              "method": self.book.method, "dim": self.dim,
-                             "partitions": parts})
+                             "ingress_pid": os.getpid(), "partitions": parts})
 
     @APP.get("/metrics", summary="Prometheus metrics of the ingress and every partition server")
     async def metrics(self) -> Response:

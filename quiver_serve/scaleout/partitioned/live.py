@@ -12,6 +12,11 @@ call that does not fit is refused with nothing written), appended to the log and
 partition's coordinates (edges as ``(global src, local dst)``, feature rows by local row), so a
 restarted server replays its log over its snapshot without the book.
 
+New nodes (decision 0052): a ``BookNodesRecord`` enters a call's nodes in the partition book
+(global ids, owner) in every partition's log, with their rows in the owner's; a server's book
+grows as it applies its log. Replicas (decision 0053): replica 0 writes the log, the others
+follow it in the same folder (``follow=True``) and ``catch_up`` before each read they answer.
+
 Replicated hot rows: a partition also maps copies of other partitions' hot rows. A feature write
 first makes every holder drop its copy of the written ids (durable in the holder's
 ``hot_dropped.npy``), then reaches the owner: a holder reads those rows from their owner from

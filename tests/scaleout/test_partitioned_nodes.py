@@ -1,0 +1,249 @@
+"""New nodes across partitions and replicas that follow their partition's log, on a local Ray
+cluster (``ray.cluster_utils``, three nodes; the graph is made in the test).
+
+* ``POST /v1/graph/nodes`` hands out the ids one machine's daemon would (the node count, +1, ...),
+  at the least-loaded partition; edges into, out of and between new nodes across partitions and
+  rows of new nodes are written; seeded answers equal ``LocalEngine`` over the grown whole
+  graph and exact answers PyG's full-graph output over it. The owner of new nodes and the
+  ingress killed (SIGKILL): both come back knowing every acknowledged node from the logs, and
+  the next call's ids follow on.
+* Two replicas per partition: every replica answers exactly as PyG after updates, a replica
+  honours ``min_version`` at once (its follower reads the log before it answers), a version
+  never reached is a 504 naming the partition, and a replica killed while updates go on comes
+  back from its snapshot and the log with the primary's version and its answers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray.serve")
+
+from quiver_serve.engine.client.local import LocalEngine  # noqa: E402
+from quiver_serve.graph.csc import GraphData  # noqa: E402
+from quiver_serve.models.served import build_model  # noqa: E402
+from quiver_serve.partition.data import load_book, load_partition  # noqa: E402
+from tests.scaleout import test_partitioned as harness  # noqa: E402
+from tests.scaleout.test_partitioned import FEATURES, Served, config, partitions, rows  # noqa: E402
+
+#: the harness's fixtures: a three-node Ray cluster with Serve (its port), the block graph
+cluster, graph = harness.cluster, harness.graph
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def grown(base: GraphData, new_rows: list[list[float]], add: list[list[int]],
+          written: dict[int, list[float]]) -> GraphData:
+    """``base`` with nodes appended (rows ``new_rows``), then edges added (each in-list: the base
+    list, then the added sources in the order they came) and rows overwritten."""
+    n = base.num_nodes + len(new_rows)
+    lists = [base.indices[base.indptr[v]:base.indptr[v + 1]].tolist()
+             for v in range(base.num_nodes)] + [[] for _ in new_rows]
+    for src, dst in add:
+        lists[dst].append(src)
+    indptr = np.cumsum([0] + [len(nbrs) for nbrs in lists])
+    x = torch.cat([base.x, torch.tensor(new_rows, dtype=torch.float32).reshape(-1, FEATURES)])
+    for v, row in written.items():
+        x[v] = torch.tensor(row)
+    assert x.shape[0] == n
+    return GraphData("blocks-grown", torch.from_numpy(indptr.astype(np.int64)),
+                     torch.tensor([u for nbrs in lists for u in nbrs], dtype=torch.int64), x)
+
+
+def full_output(g: GraphData) -> np.ndarray:
+    model = build_model(config().model, g.num_features)
+    with torch.no_grad():
+        return model(g.x, g.edge_index()).numpy()
+
+
+def merge(token: dict[str, int], answer: dict[str, Any]) -> dict[str, int]:
+    out = dict(token)
+    for p, v in answer["versions"].items():
+        out[p] = max(out.get(p, 0), v)
+    return out
+
+
+def check_grown(served: Served, g: GraphData, token: dict[str, int], new_ids: list[int]) -> None:
+    """Seeded answers (new ids among them, first and later) equal the engine's over ``g``;
+    exact answers of every node PyG's full-graph output."""
+    engine = LocalEngine(config(), g)
+    try:
+        rng = np.random.default_rng(9)
+        for seed, first in ((1, new_ids[0]), (23, 3), (5, new_ids[-1])):
+            ids = [first, *rng.integers(0, g.num_nodes, 10).tolist(), *new_ids]
+            got = rows(served.embed(ids, seed=seed, min_version=token))
+            np.testing.assert_allclose(got, engine.embed(np.array(ids), seed=seed), atol=1e-5,
+                                       rtol=0)
+        exact = rows(served.embed(list(range(g.num_nodes)), exact=True, min_version=token))
+        np.testing.assert_allclose(exact, full_output(g), atol=1e-4, rtol=1e-4)
+    finally:
+        engine.stop()
+
+
+def post(served: Served, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = served.client.post(served.url + path, json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def wait_back(served: Served, part: int, replica: int, old_pid: int) -> None:
+    """Until partition ``part``'s replica answers again from a new process."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        r = served.client.get(served.url + "/v1/graph")
+        if r.status_code != 200:
+            continue
+        now = r.json()["partitions"][part]["servers"][replica]
+        if not now["down"] and now["pid"] not in (None, old_pid):
+            return
+    pytest.fail(f"partition {part} replica {replica} was not back within 60 s")
+
+
+def test_new_nodes_across_partitions_answer_as_one_machine(
+        cluster: int, graph: GraphData, tmp_path_factory: pytest.TempPathFactory) -> None:
+    data_dir = partitions(graph, 2, tmp_path_factory.mktemp("nodes2"))
+    book = load_book(data_dir)
+    n, rng = graph.num_nodes, np.random.default_rng(11)
+    served = Served(config(), data_dir, "nodes2", cluster)
+    try:
+        first_rows = rng.standard_normal((3, FEATURES)).round(3).tolist()
+        first = post(served, "/v1/graph/nodes", {"features": first_rows})
+        assert first["node_ids"] == [n, n + 1, n + 2] and set(first["versions"]) == {"0", "1"}
+        second_rows = rng.standard_normal((2, FEATURES)).round(3).tolist()
+        second = post(served, "/v1/graph/nodes", {"features": second_rows})
+        assert second["node_ids"] == [n + 3, n + 4]
+        owner = int(np.argmin(book.sizes()))  # the least-loaded partition took the first ones
+        old = [int(book.global_ids(0)[5]), int(book.global_ids(1)[7])]
+        add = [[n, old[0]], [n, old[1]], [old[0], n + 1], [old[1], n + 3], [n + 3, n],
+               [n + 4, n + 4], [n + 1, n + 3], [old[1], n]]
+        edges = post(served, "/v1/graph/edges", {"add": add})
+        assert edges["added"] == len(add)
+        hot = int(load_partition(data_dir, owner).hot_ids[0])
+        ids = [n + 2, hot, n]
+        written = rng.standard_normal((3, FEATURES)).round(3).tolist()
+        put = served.client.put(served.url + "/v1/graph/features",
+                                json={"node_ids": ids, "features": written})
+        assert put.status_code == 200, put.text
+        token = merge(merge(merge(first["versions"], second), edges), put.json())
+        g = grown(graph, first_rows + second_rows, add, dict(zip(ids, written, strict=True)))
+        check_grown(served, g, token, list(range(n, n + 5)))
+        listed = served.client.get(served.url + "/v1/graph").json()
+        assert listed["num_nodes"] == n + 5
+        assert [s["servers"][0]["graph_nodes"] for s in listed["partitions"]] == [n + 5] * 2
+
+        # the owner of the first new nodes and the ingress killed: both back from the logs
+        victim = listed["partitions"][owner]["servers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        os.kill(listed["ingress_pid"], signal.SIGKILL)
+        wait_back(served, owner, 0, victim)
+        # its peers find its new address after a failed call (decision 0045): every partition
+        # asks every other once
+        deadline = time.monotonic() + 60.0
+        while served.embed(list(range(n + 5)), exact=True,
+                           min_version=token).status_code != 200:
+            assert time.monotonic() < deadline, "the new nodes were not answered again"
+            time.sleep(0.5)
+        again = served.client.get(served.url + "/v1/graph").json()
+        assert again["ingress_pid"] != listed["ingress_pid"] and again["num_nodes"] == n + 5
+        check_grown(served, g, token, list(range(n, n + 5)))
+        third_rows = rng.standard_normal((1, FEATURES)).round(3).tolist()
+        third = post(served, "/v1/graph/nodes", {"features": third_rows})
+        assert third["node_ids"] == [n + 5]
+        link = post(served, "/v1/graph/edges", {"add": [[n + 5, n], [n, n + 5]]})
+        g = grown(graph, first_rows + second_rows + third_rows, [*add, [n + 5, n], [n, n + 5]],
+                  dict(zip(ids, written, strict=True)))
+        check_grown(served, g, merge(merge(token, third), link), [n, n + 5])
+    finally:
+        served.close()
+
+
+def test_replicas_follow_their_partitions_log(
+        cluster: int, graph: GraphData, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import ray
+
+    data_dir = partitions(graph, 2, tmp_path_factory.mktemp("rep2"))
+    book = load_book(data_dir)
+    n, rng = graph.num_nodes, np.random.default_rng(12)
+    served = Served(config(), data_dir, "rep2", cluster, replicas=2)
+    servers = served.deployment.servers
+    try:
+        new_rows = rng.standard_normal((2, FEATURES)).round(3).tolist()
+        nodes = post(served, "/v1/graph/nodes", {"features": new_rows})
+        assert nodes["node_ids"] == [n, n + 1]
+        old = [int(book.global_ids(0)[2]), int(book.global_ids(1)[4])]
+        add = [[n, old[0]], [old[1], n], [n + 1, old[1]], [old[0], n + 1]]
+        edges = post(served, "/v1/graph/edges", {"add": add})
+        token = merge(nodes["versions"], edges)
+        g = grown(graph, new_rows, add, {})
+        full, all_ids = full_output(g), np.arange(g.num_nodes)
+        for p in (0, 1):  # every replica draws and computes: exact answers are PyG's
+            for r in (0, 1):
+                assert ray.get(servers[p][r].wait_version.remote(token[str(p)], 5.0)) >= \
+                    token[str(p)]
+                got = ray.get(servers[p][r].embed.remote(all_ids, True, None, 20.0))
+                np.testing.assert_allclose(got, full, atol=1e-4, rtol=1e-4)
+        seeded = [ray.get(servers[p][r].embed.remote(np.array([n, 3, n + 1]), False, 7, 20.0))
+                  for p in (0, 1) for r in (0, 1)]
+        for other in seeded[1:]:
+            np.testing.assert_array_equal(other, seeded[0])
+
+        # min_version on a replica: an update, then at once a read there
+        more = [[n + 1, n], [old[1], old[0]]]
+        answer = post(served, "/v1/graph/edges", {"add": more})
+        token = merge(token, answer)
+        g = grown(graph, new_rows, [*add, *more], {})
+        engine = LocalEngine(config(), g)
+        try:
+            want = engine.embed(np.array([n, old[0]]), seed=3)
+            for _ in range(4):  # the ingress and the peers go round the replicas
+                got = rows(served.embed([n, old[0]], seed=3, min_version=token))
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        finally:
+            engine.stop()
+        late = served.embed([1], min_version={"1": token["1"] + 1000}, timeout_ms=300)
+        assert late.status_code == 504 and "partition 1" in late.json()["error"]["message"]
+
+        # a replica killed while updates go on: back from its snapshot and the log
+        listed = served.client.get(served.url + "/v1/graph").json()
+        victim = listed["partitions"][1]["servers"][1]["pid"]
+        acked: list[list[int]] = []
+        refused: list[str] = []
+        stop = threading.Event()
+
+        def updates() -> None:
+            local = np.random.default_rng(13)
+            while not stop.is_set() and len(acked) < 400:
+                pair = [int(local.integers(0, n + 2)),
+                        int(book.global_ids(1)[local.integers(0, 50)])]
+                r = served.client.post(served.url + "/v1/graph/edges", json={"add": [pair]})
+                if r.status_code != 200:
+                    refused.append(r.text)
+                    return
+                acked.append(pair)
+
+        writer = threading.Thread(target=updates)
+        writer.start()
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        before_back = len(acked)
+        wait_back(served, 1, 1, victim)  # updates go on while it restarts
+        stop.set()
+        writer.join(60.0)
+        assert not refused and len(acked) > before_back > 0, refused
+        versions = [ray.get(servers[1][r].wait_version.remote(0, 1.0)) for r in (0, 1)]
+        assert versions[0] == versions[1] == token["1"] + len(acked)
+        g = grown(graph, new_rows, [*add, *more, *acked], {})
+        got = ray.get(servers[1][1].embed.remote(np.arange(g.num_nodes), True, None, 20.0))
+        np.testing.assert_allclose(got, full_output(g), atol=1e-4, rtol=1e-4)
+    finally:
+        served.close()
