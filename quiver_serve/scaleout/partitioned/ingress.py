@@ -299,7 +299,7 @@ class PartitionedIngress:
         except errors.ServeError:
             self.synced = False
             raise
-        self.book.add_nodes(count, owner)
+        adopt(self.book, [entry])  # a read's ``_sync_book`` meanwhile may have entered it
         versions = {**at_owner["versions"], **others.get("versions", {})}
         return {"versions": dict(sorted(versions.items(), key=lambda kv: int(kv[0]))),
                 "node_ids": list(range(first, first + count))}
