@@ -12,6 +12,7 @@ import torch
 
 from quiver_serve import errors
 from quiver_serve.config import GraphConfig
+from quiver_serve.graph.records import BookNodesRecord, decode, encode
 from quiver_serve.partition.data import load_partition
 from quiver_serve.scaleout.partitioned.live import PartitionLive
 from quiver_serve.scaleout.partitioned.live_routes import (
@@ -144,3 +145,15 @@ def test_the_ingress_places_new_nodes_and_merges_the_growth(data_dir: Path) -> N
     assert book.num_nodes == n + 4 and book.owners(np.arange(n, n + 4)).tolist() == [1, 1, 1, 0]
     with pytest.raises(errors.ServeError, match="book_conflict|from"):
         adopt(book, [[n + 9, 1, 0]])
+
+
+def test_a_book_record_round_trips_and_a_bad_one_is_refused() -> None:
+    rows = np.arange(6, dtype=np.float32).reshape(2, 3)
+    record = BookNodesRecord(4, 1.5, [900, 2, 1], rows)
+    back, end = decode(encode(record))
+    assert back == record and end == len(encode(record))
+    assert (back.first_id, back.count, back.owner) == (900, 2, 1)
+    assert BookNodesRecord(5, 1.5, [900, 2, 1], np.empty((0, 3), np.float32)).count == 2
+    for head, feats in (([900, 2], rows), ([900, 3, 1], rows), ([-1, 2, 1], rows)):
+        with pytest.raises(ValueError, match="first id, count, owner"):
+            BookNodesRecord(4, 1.5, head, feats)
