@@ -104,6 +104,7 @@ class PartitionedIngress:
         #: whether ``book`` holds the growth the partitions logged (learned at the first request)
         self.synced = False
         self.grow_lock = asyncio.Lock()
+        self._learning: asyncio.Future[None] | None = None  # the reads' shared ``_sync_book``
 
     # ---- routes --------------------------------------------------------------------------------
     @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
@@ -148,7 +149,8 @@ class PartitionedIngress:
         t0 = time.perf_counter()
         try:
             self._admin(request)
-            await self._sync_book()
+            named = [v for pair in (*body.add, *body.remove) for v in pair]
+            await self._learn_book(force=max(named, default=-1) >= self.book.num_nodes)
             split = split_edges(self.book, body.add, body.remove)
             answer = await self._update("edges", {p: (a, r) for p, (a, r) in split.items()})
         except errors.ServeError as exc:
@@ -162,7 +164,7 @@ class PartitionedIngress:
         t0 = time.perf_counter()
         try:
             self._admin(request)
-            await self._sync_book()
+            await self._learn_book(force=max(body.node_ids) >= self.book.num_nodes)
             split = split_rows(self.book, body.node_ids, body.features)
             await self._drop_copies(np.asarray(body.node_ids, np.int64), set(split))
             answer = await self._update("features", split)
@@ -208,7 +210,7 @@ class PartitionedIngress:
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
-        await self._sync_book()
+        await self._learn_book()
         return JSONResponse({"num_nodes": self.book.num_nodes, "num_parts": self.book.num_parts,
                              "method": self.book.method, "dim": self.dim,
                              "ingress_pid": os.getpid(), "partitions": parts})
@@ -231,7 +233,7 @@ class PartitionedIngress:
                                     "graph; POST /v1/graph/nodes adds nodes, and /v1/embed takes "
                                     "the version token an update answered as min_version", 400)
         if not self.synced or (ids.size and int(ids.max()) >= self.book.num_nodes):
-            await self._sync_book(force=True)
+            await self._learn_book(force=True)
         errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
         errors.check_seed(seed)
         return ids
@@ -304,12 +306,21 @@ class PartitionedIngress:
         return {"versions": dict(sorted(versions.items(), key=lambda kv: int(kv[0]))),
                 "node_ids": list(range(first, first + count))}
 
-    async def _sync_book(self, force: bool = False, complete: bool = False) -> None:
+    async def _learn_book(self, force: bool = False) -> None:
+        """``_sync_book`` for reads and edge or row updates, once until it succeeds (again with
+        ``force``: a request names an id past the book, which another ingress replica may have
+        added), one call shared by every request that waits meanwhile (a restarted ingress under
+        load asks the partitions once, not once per request)."""
+        if self.synced and not force:
+            return
+        if self._learning is None or self._learning.done():
+            self._learning = asyncio.ensure_future(self._sync_book())
+        await asyncio.shield(self._learning)
+
+    async def _sync_book(self, complete: bool = False) -> None:
         """Learn the book's growth from every partition server that answers (an acknowledged
         entry is at every partition); with ``complete``, every partition's replica 0 must
         answer (503 naming one that does not) and is given the entries it lacks, in order."""
-        if self.synced and not (force or complete):
-            return
         from ray.exceptions import RayError
 
         async def ask(server: Any) -> list[list[int]]:
