@@ -3,7 +3,9 @@ graph").
 
 A record is one acknowledged update: ``EdgeRecord`` (directed edges added and removed),
 ``NodeRecord`` (new nodes' feature rows; their ids follow the current node count in order) or
-``FeatureRecord`` (feature rows overwritten). ``PlannedEdgeRecord`` is an ``EdgeRecord`` with
+``FeatureRecord`` (feature rows overwritten). ``BookNodesRecord`` is a partitioned graph's: new
+nodes entered in the partition book with their global ids and owner, with their rows at the
+owner (``scaleout/partitioned/live.py``). ``PlannedEdgeRecord`` is an ``EdgeRecord`` with
 the writer's plan of it (the overlay's writes, ``graph/overlay.py`` ``Patch``): a follower whose
 overlay is in the writer's state applies the plan instead of planning again. ``SegmentSeal`` is the log's own marker closing a
 segment file; readers of the log never see it.
@@ -14,7 +16,8 @@ decode it)::
     offset  size  field
          0     4  magic b"QSUL"
          4     2  format version (FORMAT_VERSION)
-         6     1  kind (0 seal, 1 edges, 2 nodes, 3 features, 4 edges with their plan)
+         6     1  kind (0 seal, 1 edges, 2 nodes, 3 features, 4 edges with their plan,
+                  5 a partitioned graph's new nodes)
          7     1  reserved, 0
          8     8  record version, u64
         16     8  accepted_s, f64 (wall clock when the update was accepted)
@@ -180,6 +183,41 @@ class FeatureRecord(BaseRecord):
 
 
 @dataclass(eq=False)
+class BookNodesRecord(BaseRecord):
+    """New nodes of a partitioned graph: ``head`` is (first global id, count, owner partition);
+    ``features`` their rows in the owner's log, none ([0, F]) in the other partitions' logs,
+    which only learn who owns them."""
+
+    version: int
+    accepted_s: float
+    head: np.ndarray  # int64 [3]
+    features: np.ndarray  # float32 [count or 0, F]
+    KIND: ClassVar[int] = 5
+    FIELDS: ClassVar[tuple[str, ...]] = ("head", "features")
+
+    def __post_init__(self) -> None:
+        self._check_version()
+        self.head = _array(self.head, _DTYPES[1], 1, "head")
+        self.features = _array(self.features, _DTYPES[2], 2, "features")
+        if self.head.size != 3 or self.head.min() < 0 or \
+                len(self.features) not in (0, int(self.head[1])):
+            raise ValueError("a book record's head is (first id, count, owner), each >= 0, with "
+                             "count rows or none")
+
+    @property
+    def first_id(self) -> int:
+        return int(self.head[0])
+
+    @property
+    def count(self) -> int:
+        return int(self.head[1])
+
+    @property
+    def owner(self) -> int:
+        return int(self.head[2])
+
+
+@dataclass(eq=False)
 class SegmentSeal(BaseRecord):
     """Last record of a segment file that is complete: ``version`` is the first version of the
     next segment. Followers read it to move on without listing the directory."""
@@ -192,9 +230,9 @@ class SegmentSeal(BaseRecord):
         self._check_version()
 
 
-Record = EdgeRecord | NodeRecord | FeatureRecord
-_KINDS: dict[int, type[BaseRecord]] = {c.KIND: c for c in (SegmentSeal, EdgeRecord, NodeRecord,
-                                                         FeatureRecord, PlannedEdgeRecord)}
+Record = EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord
+_KINDS: dict[int, type[BaseRecord]] = {c.KIND: c for c in (
+    SegmentSeal, EdgeRecord, NodeRecord, FeatureRecord, PlannedEdgeRecord, BookNodesRecord)}
 
 
 def _pad(n_bytes: int) -> int:

@@ -54,6 +54,7 @@ from quiver_serve.graph.log_reader import (
     segment_path,
 )
 from quiver_serve.graph.records import (
+    BookNodesRecord,
     EdgeRecord,
     FeatureRecord,
     NodeRecord,
@@ -306,7 +307,7 @@ class UpdateLog:
 
     def _write_locked(self, record: Record) -> None:
         self._check_usable()
-        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord):
+        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord):
             raise TypeError(f"not an update record: {type(record).__name__}")
         if record.version != self._last + 1:
             raise ValueError(f"record version {record.version} does not follow the log's last "

@@ -102,7 +102,9 @@ def cluster() -> Iterator[int]:
         c.add_node(num_cpus=2, object_store_memory=100 << 20)
     ray.init(address=c.address, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # one proxy, on the head: the cluster's nodes share this host and port, and a proxy Serve
+    # starts or drains on another node as replicas move resets the connections it took
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
         yield port
     finally:

@@ -8,7 +8,8 @@ on the updated graph equal one machine's on that graph.
 * A partition server killed (SIGKILL) after acknowledged updates: Ray restarts it, it replays
   its log over its snapshot and the answers are still those of the updated graph.
 * The contract: a numeric or unknown-partition ``min_version`` is a 400 naming it, a version
-  never reached a 504 within the request's deadline, bad ids a 400, new nodes a clear 400.
+  never reached a 504 within the request's deadline, bad ids a 400, new nodes of the wrong width
+  a 422.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def contract(served: Served, token: dict[str, int]) -> None:
     edges = served.client.post(served.url + "/v1/graph/edges", json={"add": [[1, 99999]]})
     assert code(edges) == (400, "invalid_node_ids") and "99999" in edges.text
     nodes = served.client.post(served.url + "/v1/graph/nodes", json={"features": [[0.0]]})
-    assert code(nodes) == (400, "unsupported_on_ray")
+    assert code(nodes) == (422, "invalid_features") and "24" in nodes.text
     mismatch = served.client.put(served.url + "/v1/graph/features",
                                  json={"node_ids": [1, 2], "features": [[0.0] * 24]})
     assert code(mismatch)[0] == 422

@@ -57,8 +57,15 @@ class PartitionFeatures:
         return dropped
 
     def _own(self, rows_local: Tensor) -> Tensor:
-        """float32 rows of this partition's local rows, written rows included."""
-        out = self.features[rows_local].to(torch.float32)
+        """float32 rows of this partition's local rows, written rows included (a node added
+        since the snapshot, past the mapped rows, has only a written row)."""
+        n_mapped = int(self.features.size(0))
+        if rows_local.numel() and int(rows_local.max()) >= n_mapped:
+            out = torch.zeros((rows_local.numel(), self.dim), dtype=torch.float32)
+            mapped = rows_local < n_mapped
+            out[mapped] = self.features[rows_local[mapped]].to(torch.float32)
+        else:
+            out = self.features[rows_local].to(torch.float32)
         if self.written is not None:
             mask, rows = self.written(rows_local)
             if bool(mask.any()):

@@ -9,6 +9,9 @@ subgraph, as on one machine. ``GET /v1/graph`` lists the partitions, ``GET /v2/h
 asks every one, ``GET /metrics`` gathers their counts (``metrics/partitioned.py``).
 ``POST /v1/graph/edges`` and ``PUT /v1/graph/features`` (admin) go to the partitions owning what
 they change and answer a version token that ``min_version`` takes (``live_routes.py``).
+``POST /v1/graph/nodes`` (admin) hands out the next global ids, enters them in the book at their
+owner (with their rows), then at every other partition (decision 0052); the ingress learns the
+book's growth from the partitions when it starts and completes an entry a failed call left.
 
 A partition that fails a call (gone, restarting, past its timeout) is refused for
 ``partitioned.down_s``: requests needing it are answered 503 with Retry-After at once, never with
@@ -17,6 +20,7 @@ a partial answer; the others go on (docs/architecture.md, "Partitioned serving")
 
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -32,12 +36,15 @@ from quiver_serve.frontend import kserve
 from quiver_serve.frontend.bodies import validation_message
 from quiver_serve.frontend.guards import Plane, Tokens, authorize
 from quiver_serve.frontend.responses import embed_answer, error_response, serve_error_response
-from quiver_serve.frontend.schemas import GraphEdgesBody, GraphFeaturesBody
+from quiver_serve.frontend.schemas import GraphEdgesBody, GraphFeaturesBody, GraphNodesBody
 from quiver_serve.metrics.partitioned import IngressCounts, exposition
 from quiver_serve.partition.book import PartitionBook
 from quiver_serve.scaleout.partitioned.live_routes import (
     PartitionedEmbedBody,
+    adopt,
+    choose_owner,
     merge_answers,
+    merge_growth,
     parse_token,
     split_edges,
     split_rows,
@@ -94,14 +101,18 @@ class PartitionedIngress:
         self.counts = IngressCounts()
         self.replicas = Replicas(max(len(r) for r in servers), self.cfg.partitioned.down_s)
         self.tokens = Tokens.from_config(self.cfg.server)
+        #: whether ``book`` holds the growth the partitions logged (learned at the first request)
+        self.synced = False
+        self.grow_lock = asyncio.Lock()
+        self._learning: asyncio.Future[None] | None = None  # the reads' shared ``_sync_book``
 
     # ---- routes --------------------------------------------------------------------------------
     @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
     async def embed(self, body: PartitionedEmbedBody, request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            ids = self._check(np.asarray(body.node_ids, dtype=np.int64), 0,
-                              bool(body.new_nodes), body.seed)
+            ids = await self._check(np.asarray(body.node_ids, dtype=np.int64), 0,
+                                    bool(body.new_nodes), body.seed)
             timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
             await self._wait_versions(parse_token(body.min_version, self.book.num_parts),
                                       timeout_s)
@@ -123,7 +134,7 @@ class PartitionedIngress:
                                         f"deployment serves {self.cfg.model.name!r}", 404)
             req = kserve.parse_infer(await request.body(),
                                      request.headers.get(kserve.HEADER_LENGTH))
-            ids = self._check(req.node_ids, req.min_version, False, req.seed)
+            ids = await self._check(req.node_ids, req.min_version, False, req.seed)
             timeout_s = None if req.timeout_ms is None else req.timeout_ms / 1000.0
             rows = await self.rows(ids, req.exact, req.seed, timeout_s)
         except errors.ServeError as exc:
@@ -138,6 +149,8 @@ class PartitionedIngress:
         t0 = time.perf_counter()
         try:
             self._admin(request)
+            named = [v for pair in (*body.add, *body.remove) for v in pair]
+            await self._learn_book(force=max(named, default=-1) >= self.book.num_nodes)
             split = split_edges(self.book, body.add, body.remove)
             answer = await self._update("edges", {p: (a, r) for p, (a, r) in split.items()})
         except errors.ServeError as exc:
@@ -151,6 +164,7 @@ class PartitionedIngress:
         t0 = time.perf_counter()
         try:
             self._admin(request)
+            await self._learn_book(force=max(body.node_ids) >= self.book.num_nodes)
             split = split_rows(self.book, body.node_ids, body.features)
             await self._drop_copies(np.asarray(body.node_ids, np.int64), set(split))
             answer = await self._update("features", split)
@@ -159,11 +173,19 @@ class PartitionedIngress:
         self.counts.observe(200, time.perf_counter() - t0)
         return JSONResponse(answer)
 
-    @APP.post("/v1/graph/nodes", summary="New nodes: not on a partitioned graph yet")
-    async def nodes(self, request: Request) -> Response:
-        exc = errors.ServeError("unsupported_on_ray", "new nodes are not supported on a "
-                                "partitioned graph yet (edges and feature rows are)", 400)
-        return self._refuse(exc, time.perf_counter(), request.url.path)
+    @APP.post("/v1/graph/nodes", summary="Append nodes with their feature rows (admin): the "
+              "next global ids, at the least-loaded partition; answers them and the token")
+    async def nodes(self, body: GraphNodesBody, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            self._admin(request)
+            async with self.grow_lock:
+                await self._sync_book(complete=True)
+                answer = await self._add_nodes(body.features)
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0, request.url.path)
+        self.counts.observe(200, time.perf_counter() - t0)
+        return JSONResponse(answer)
 
     @APP.get("/v2/health/live", summary="Liveness")
     async def live(self) -> dict[str, bool]:
@@ -183,14 +205,15 @@ class PartitionedIngress:
     @APP.get("/v1/graph", summary="The partitioned graph: partitions, their servers, sizes")
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
-        shown = ("replica", "pid", "nodes", "edges", "device", "transport", "requests",
+        shown = ("replica", "pid", "nodes", "graph_nodes", "edges", "device", "transport", "requests",
                  "hot_hit_rate", "version")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]
+        await self._learn_book()
         return JSONResponse({"num_nodes": self.book.num_nodes, "num_parts": self.book.num_parts,
                              "method": self.book.method, "dim": self.dim,
-                             "partitions": parts})
+                             "ingress_pid": os.getpid(), "partitions": parts})
 
     @APP.get("/metrics", summary="Prometheus metrics of the ingress and every partition server")
     async def metrics(self) -> Response:
@@ -198,15 +221,19 @@ class PartitionedIngress:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- the work ------------------------------------------------------------------------------
-    def _check(self, ids: np.ndarray, min_version: int, new_nodes: bool,
-               seed: int | None) -> np.ndarray:
-        """The daemon's checks of one request (``errors.check_node_ids``, the seed's range);
-        new nodes are refused, and a plain ``min_version`` (KServe's parameter: /v1/embed
-        takes the version token instead, ``live_routes.py``)."""
+    async def _check(self, ids: np.ndarray, min_version: int, new_nodes: bool,
+                     seed: int | None) -> np.ndarray:
+        """The daemon's checks of one request (``errors.check_node_ids``, the seed's range,
+        after learning the book's growth when an id is past it); a request's own new nodes are
+        refused, and a plain ``min_version`` (KServe's parameter: /v1/embed takes the version
+        token instead, ``live_routes.py``)."""
         if min_version or new_nodes:
-            raise errors.ServeError("unsupported_on_ray", "new_nodes and a numeric min_version "
-                                    "are not supported on a partitioned graph; /v1/embed takes "
+            raise errors.ServeError("unsupported_on_ray", "a request's own new_nodes and a "
+                                    "numeric min_version are not supported on a partitioned "
+                                    "graph; POST /v1/graph/nodes adds nodes, and /v1/embed takes "
                                     "the version token an update answered as min_version", 400)
+        if not self.synced or (ids.size and int(ids.max()) >= self.book.num_nodes):
+            await self._learn_book(force=True)
         errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
         errors.check_seed(seed)
         return ids
@@ -261,6 +288,64 @@ class PartitionedIngress:
                 raise answer
         return merge_answers(dict(zip(split, got, strict=True)))  # type: ignore[arg-type]
 
+    async def _add_nodes(self, features: list[list[float]]) -> dict[str, Any]:
+        """``features``' nodes at the next global ids: entered at their owner with their rows
+        (durable there), then at every other partition; the book grows when all have them.
+        A call that fails leaves the book to be learned and completed by the next one."""
+        owner, first, count = choose_owner(self.book), self.book.num_nodes, len(features)
+        entry = [first, count, owner]
+        try:
+            at_owner = await self._update("nodes", {owner: (entry, features)})
+            others = await self._update("nodes", {q: (entry, None)
+                                                  for q in range(self.book.num_parts) if q != owner})
+        except errors.ServeError:
+            self.synced = False
+            raise
+        adopt(self.book, [entry])  # a read's ``_sync_book`` meanwhile may have entered it
+        versions = {**at_owner["versions"], **others.get("versions", {})}
+        return {"versions": dict(sorted(versions.items(), key=lambda kv: int(kv[0]))),
+                "node_ids": list(range(first, first + count))}
+
+    async def _learn_book(self, force: bool = False) -> None:
+        """``_sync_book`` for reads and edge or row updates, once until it succeeds (again with
+        ``force``: a request names an id past the book, which another ingress replica may have
+        added), one call shared by every request that waits meanwhile (a restarted ingress under
+        load asks the partitions once, not once per request)."""
+        if self.synced and not force:
+            return
+        if self._learning is None or self._learning.done():
+            self._learning = asyncio.ensure_future(self._sync_book())
+        await asyncio.shield(self._learning)
+
+    async def _sync_book(self, complete: bool = False) -> None:
+        """Learn the book's growth from every partition server that answers (an acknowledged
+        entry is at every partition); with ``complete``, every partition's replica 0 must
+        answer (503 naming one that does not) and is given the entries it lacks, in order."""
+        from ray.exceptions import RayError
+
+        async def ask(server: Any) -> list[list[int]]:
+            got: list[list[int]] = await asyncio.wait_for(server.growth.remote(), PROBE_S)
+            return got
+
+        asked = [(p, r) for p, reps in enumerate(self.servers) for r in range(len(reps))]
+        got = await asyncio.gather(*(ask(self.servers[p][r]) for p, r in asked),
+                                   return_exceptions=True)
+        lists = {pr: g for pr, g in zip(asked, got, strict=True) if not isinstance(g, BaseException)}
+        for (p, r), g in zip(asked, got, strict=True):
+            if complete and r == 0 and isinstance(g, BaseException):
+                if not isinstance(g, RayError | asyncio.TimeoutError):
+                    raise g
+                raise Unavailable(p, "new nodes need every partition answering")
+        if not lists:
+            return
+        entries = merge_growth(list(lists.values()))
+        adopt(self.book, entries)
+        if complete:
+            for p in range(self.book.num_parts):
+                for entry in entries[len(lists[(p, 0)]):]:
+                    await self._update("nodes", {p: (entry, None)})
+        self.synced = True
+
     async def _drop_copies(self, ids: np.ndarray, owners: set[int]) -> None:
         """Every server of every partition but the owners drops its replicated copies of
         ``ids`` before the owners write them (decision 0047); one that cannot be reached
@@ -281,13 +366,36 @@ class PartitionedIngress:
         if not wanted:
             return
         wait_s = timeout_s or self.cfg.server.request_timeout_s
-        got = await asyncio.gather(*(asyncio.wait_for(
-            self.servers[p][0].wait_version.remote(v, wait_s), wait_s + MARGIN_S)
-            for p, v in wanted.items()), return_exceptions=True)
-        for p, version in zip(wanted, got, strict=True):
-            if isinstance(version, BaseException) or version < 0:
-                raise errors.ServeError("deadline_exceeded", f"partition {p} did not reach "
-                                        f"version {wanted[p]} within the deadline", 504)
+        got = await asyncio.gather(*(self._wait_version(p, v, wait_s)
+                                     for p, v in wanted.items()), return_exceptions=True)
+        for answer in got:
+            if isinstance(answer, BaseException):
+                raise answer
+
+    async def _wait_version(self, part: int, version: int, wait_s: float) -> None:
+        """Until a replica of ``part`` applied ``version``: it is then in the partition's log,
+        which every replica reads up to before it answers (decision 0053). Another replica
+        when one is lost; 504 naming the partition past ``wait_s``, 503 when none answers."""
+        from ray.exceptions import RayError
+
+        end = time.monotonic() + wait_s
+        for replica in self.replicas.order(part):
+            left = end - time.monotonic()
+            try:
+                got = await asyncio.wait_for(
+                    self.servers[part][replica].wait_version.remote(version, max(left, 0.0)),
+                    max(left, 0.0) + MARGIN_S)
+            except (RayError, asyncio.TimeoutError):
+                self.replicas.failed(part, replica)
+                continue
+            if got >= 0:
+                return
+            raise errors.ServeError("deadline_exceeded", f"partition {part} did not reach "
+                                    f"version {version} within the deadline", 504)
+        if time.monotonic() < end:
+            raise Unavailable(part, f"no replica answered while waiting for version {version}")
+        raise errors.ServeError("deadline_exceeded", f"partition {part} did not reach version "
+                                f"{version} within the deadline (no replica answered)", 504)
 
     def _check_up(self, part: int) -> None:
         if time.monotonic() < self.down_until[part]:

@@ -12,6 +12,11 @@ call that does not fit is refused with nothing written), appended to the log and
 partition's coordinates (edges as ``(global src, local dst)``, feature rows by local row), so a
 restarted server replays its log over its snapshot without the book.
 
+New nodes (decision 0052): a ``BookNodesRecord`` enters a call's nodes in the partition book
+(global ids, owner) in every partition's log, with their rows in the owner's; a server's book
+grows as it applies its log. Replicas (decision 0053): replica 0 writes the log, the others
+follow it in the same folder (``follow=True``) and ``catch_up`` before each read they answer.
+
 Replicated hot rows: a partition also maps copies of other partitions' hot rows. A feature write
 first makes every holder drop its copy of the written ids (durable in the holder's
 ``hot_dropped.npy``), then reaches the owner: a holder reads those rows from their owner from
@@ -33,8 +38,10 @@ from quiver_serve.graph import living
 from quiver_serve.graph.base_files import fsync_dir
 from quiver_serve.graph.overlay import Overlay, OverlayFull
 from quiver_serve.graph.overlay_view import OverlayView
-from quiver_serve.graph.records import EdgeRecord, FeatureRecord
-from quiver_serve.graph.update_log import UpdateLog
+from quiver_serve.graph.records import BookNodesRecord, EdgeRecord, FeatureRecord, Record
+from quiver_serve.graph.update_log import LogFollower, UpdateLog, UpdateLogError
+from quiver_serve.partition.book import PartitionBook
+from quiver_serve.scaleout.partitioned.sampling import as_tensor
 
 #: the file a holder keeps the global ids of the hot copies it dropped in (int64 .npy)
 HOT_DROPPED = "hot_dropped.npy"
@@ -48,41 +55,83 @@ def log_folder(data_dir: Path, configured: str | None, part: int) -> Path:
 
 
 class PartitionLive:
-    """The overlay, the written rows and the update log of one partition (module docstring).
-    Not thread-safe: the partition server calls it from its event loop only."""
+    """The overlay, the written rows, the grown book and the update log of one partition (module
+    docstring). The partition's primary (replica 0) writes the log; another replica follows it
+    (``follow=True``: ``catch_up`` applies what the primary logged since). Not thread-safe: the
+    partition server calls it from its event loop only."""
 
-    def __init__(self, directory: Path, gcfg: GraphConfig, part: int, owner: torch.Tensor,
-                 local: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
-                 num_features: int) -> None:
+    def __init__(self, directory: Path, gcfg: GraphConfig, part: int, book: PartitionBook,
+                 indptr: torch.Tensor, indices: torch.Tensor, num_features: int,
+                 follow: bool = False) -> None:
         self.directory, self.cfg, self.part = Path(directory), gcfg, part
-        self.owner, self.local = owner, local
-        self.num_features = num_features
+        self.book, self.num_features = book, num_features
+        self.owner, self.local = as_tensor(book.owner), as_tensor(book.local)
         n_local, edges = int(indptr.numel() - 1), int(indices.numel())
         caps = living.capacities(gcfg, n_local, edges)
         self.overlay = Overlay(indptr, indices, caps.node_capacity, caps.edge_capacity, 0)
         self.rows_written: dict[int, np.ndarray] = {}  # local row -> float32 [F]
+        #: the book's growth since the snapshot: ``[first id, count, owner]`` per call, id order
+        self.entries: list[list[int]] = []
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # ``written``'s
-        self.log = UpdateLog(self.directory, gcfg.fsync, gcfg.group_commit_ms)
-        self.log.open()
+        self.log: UpdateLog | None = None
+        self.follower: LogFollower | None = None
+        if follow:
+            self.follower = LogFollower(self.directory, 0)
+        else:
+            self.log = UpdateLog(self.directory, gcfg.fsync, gcfg.group_commit_ms)
+            self.log.open()
         self.version = 0
-        self.replayed = self._replay()
+        self.replayed = self.catch_up() if follow else self._replay()
 
     def _replay(self) -> int:
+        assert self.log is not None
         count = 0
         for record in self.log.records_after(0):
-            if isinstance(record, EdgeRecord):
-                self.overlay.apply_record(record)
-            elif isinstance(record, FeatureRecord):
-                self._remember(record.node_ids, record.features)
-            self.version = record.version
+            self._apply(record)
             count += 1
         return count
 
+    def catch_up(self) -> int:
+        """A follower: apply every record the primary logged since the last call (one
+        ``fstat`` when there is none); how many."""
+        if self.follower is None:
+            return 0
+        records = self.follower.poll()
+        for record in records:
+            self._apply(record)
+        return len(records)
+
+    def _apply(self, record: Record) -> None:
+        if isinstance(record, EdgeRecord):
+            self.overlay.apply_record(record)
+        elif isinstance(record, FeatureRecord):
+            self._remember(record.node_ids, record.features)
+        elif isinstance(record, BookNodesRecord):
+            self._grow(record)
+        self.version = record.version
+
+    def _grow(self, record: BookNodesRecord) -> None:
+        """Enter ``record``'s nodes in the book (and, at their owner, in the overlay with their
+        rows)."""
+        if record.first_id != self.book.num_nodes:
+            raise UpdateLogError(f"{self.directory}: version {record.version} adds node "
+                                 f"{record.first_id}, the book has {self.book.num_nodes} nodes")
+        self.book.add_nodes(record.count, record.owner)
+        self.entries.append([record.first_id, record.count, record.owner])
+        self.owner, self.local = as_tensor(self.book.owner), as_tensor(self.book.local)
+        if record.owner == self.part:
+            rows_local = self.overlay.add_nodes(record.count)
+            self.overlay.ensure_active()  # samplers read new nodes' (empty) lists through it
+            self._remember(rows_local, record.features)
+
     def close(self) -> None:
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
+        if self.follower is not None:
+            self.follower.close()
 
     def view(self) -> OverlayView | None:
-        """What the partition's sampler reads (None until an edge changed)."""
+        """What the partition's sampler reads (None until an edge or a node changed)."""
         return self.overlay.view()
 
     def _remember(self, rows_local: np.ndarray, rows: np.ndarray) -> None:
@@ -101,9 +150,16 @@ class PartitionLive:
                                     f"{int(self.owner[bad])}, not {self.part}", 400)
         return self.local[t].numpy()
 
+    def _writer(self) -> UpdateLog:
+        if self.log is None:
+            raise errors.ServeError("not_primary", f"partition {self.part}: updates go to the "
+                                    "partition's replica 0, which writes its log", 400)
+        return self.log
+
     def add_edges(self, add: object, remove: object) -> dict[str, int]:
         """Edges ``src -> dst`` whose ``dst`` this partition owns: added (a repeat is a second
         copy) and removed (every copy); answers the version they are durable in."""
+        log = self._writer()
         add_arr, rm_arr = living.as_pairs(add, "add"), living.as_pairs(remove, "remove")
         living.check_count(len(add_arr) + len(rm_arr), self.cfg.max_update_edges, "edges")
         n = int(self.owner.numel())
@@ -115,25 +171,61 @@ class PartitionLive:
         record = EdgeRecord(version, time.time(), add_loc.reshape(-1, 2), rm_loc.reshape(-1, 2))
         try:
             result, _ = self.overlay.apply_edges(
-                record.add, record.remove, before_commit=lambda _r, _p: self.log.write(record))
+                record.add, record.remove, before_commit=lambda _r, _p: log.write(record))
         except OverlayFull as exc:
             raise living.overlay_full(f"partition {self.part}: {exc}", 1) from None
         self.version = version
-        self.log.wait_durable(version)
+        log.wait_durable(version)
         return {"version": version, "added": result.added, "removed": result.removed,
                 "missing": result.missing}
 
     def put_features(self, node_ids: object, features: object) -> dict[str, int]:
         """Overwrite the rows of global ``node_ids`` this partition owns."""
+        log = self._writer()
         ids, rows = living.feature_writes(node_ids, features, self.num_features,
                                           self.cfg.max_update_edges)
         rows_local = self._own_rows(ids, "node_ids")
         version = self.version + 1
-        self.log.write(FeatureRecord(version, time.time(), rows_local, rows))
+        log.write(FeatureRecord(version, time.time(), rows_local, rows))
         self._remember(rows_local, rows)
         self.version = version
-        self.log.wait_durable(version)
+        log.wait_durable(version)
         return {"version": version}
+
+    def add_nodes(self, first_id: int, count: int, owner: int,
+                  features: object = None) -> dict[str, int]:
+        """``count`` new nodes ``first_id, first_id + 1, ...`` owned by ``owner``: at the owner
+        ``features`` are their rows and ``first_id`` must be the book's next id; elsewhere (no
+        rows) an entry the book already holds alike is acknowledged again (the ingress
+        completing a call it could not finish). 409 ``book_conflict`` naming the book's next
+        id otherwise."""
+        log = self._writer()
+        rows = np.empty((0, self.num_features), np.float32)
+        if owner == self.part:
+            rows = living.as_rows(features, "features", self.num_features)
+            living.check_count(len(rows), self.cfg.max_update_edges, "nodes")
+            if len(rows) != count:
+                raise errors.ServeError("invalid_features", f"{count} new nodes but "
+                                        f"{len(rows)} feature rows", 422)
+            if self.overlay.num_nodes + count > self.overlay.node_capacity:
+                raise living.overlay_full(f"partition {self.part}: node capacity "
+                                          f"{self.overlay.node_capacity} reached", 1)
+        if self._holds(first_id, count, owner):
+            return {"version": self.version}
+        if first_id != self.book.num_nodes:
+            raise errors.ServeError("book_conflict", f"partition {self.part}: new nodes from "
+                                    f"{first_id}, the book's next id is {self.book.num_nodes}; "
+                                    "retry", 409)
+        record = BookNodesRecord(self.version + 1, time.time(), [first_id, count, owner], rows)
+        log.write(record)
+        self._apply(record)
+        log.wait_durable(record.version)
+        return {"version": record.version}
+
+    def _holds(self, first_id: int, count: int, owner: int) -> bool:
+        """Whether the book holds exactly this entry already (never so at its owner: a second
+        call there is a second set of nodes)."""
+        return owner != self.part and [first_id, count, owner] in self.entries
 
     def written(self, rows_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Which of ``rows_local`` were written since the snapshot (bool mask) and their rows

@@ -85,3 +85,33 @@ def merge_answers(answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
         if any(key in a for a in answers.values()):
             out[key] = sum(int(a.get(key, 0)) for a in answers.values())
     return out
+
+
+def choose_owner(book: PartitionBook) -> int:
+    """The partition a call's new nodes go to: the one owning the fewest nodes now, the lowest
+    number among equals (decision 0052). A function of the book alone, so a replayed sequence
+    of calls places its nodes alike."""
+    return int(np.argmin(book.sizes()))
+
+
+def merge_growth(lists: list[list[list[int]]]) -> list[list[int]]:
+    """The book's growth since the snapshot from what the partitions hold, each list
+    ``[first id, count, owner]`` in id order: the longest (an entry reaches its owner first,
+    then the others), every other one a beginning of it; 409 ``book_conflict`` otherwise."""
+    longest = max(lists, key=len, default=[])
+    for entries in lists:
+        if entries != longest[:len(entries)]:
+            raise errors.ServeError("book_conflict", "the partitions disagree on the new nodes "
+                                    f"({entries[:3]} ... against {longest[:3]} ...)", 409)
+    return longest
+
+
+def adopt(book: PartitionBook, entries: list[list[int]]) -> None:
+    """Enter in ``book`` the entries past its nodes (``merge_growth``'s, in id order)."""
+    for first, count, owner in entries:
+        if first + count <= book.num_nodes:
+            continue
+        if first != book.num_nodes:
+            raise errors.ServeError("book_conflict", f"new nodes from {first}, the ingress's "
+                                    f"book has {book.num_nodes} nodes", 409)
+        book.add_nodes(count, owner)

@@ -104,22 +104,37 @@ class PartitionServer:
         log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s",
                  args.part, args.replica, self.owned, self.edges, data.hot_ids.size, self.device)
 
-    def _open_live(self, data: Any, data_dir: str) -> PartitionLive | None:
-        """The partition's living graph over its update log, replayed (one replica per
-        partition only: replicas would each need the log; decision 0047), its written rows
-        and dropped hot copies shown to the feature source, its overlay to the sampler."""
-        if self.args.replicas != 1:
-            return None
+    def _open_live(self, data: Any, data_dir: str) -> PartitionLive:
+        """The partition's living graph over its update log, replayed: replica 0 writes the
+        log, the others follow it (decision 0053); its written rows and dropped hot copies
+        shown to the feature source, its grown book and overlay to the sampler."""
         folder = log_folder(Path(data_dir), self.cfg.graph.update_log_dir, self.args.part)
-        live = PartitionLive(folder, self.cfg.graph, self.args.part, self.graph.owner,
-                             self.graph.local, self.graph.indptr, self.graph.indices,
-                             int(data.features.shape[1]))
+        live = PartitionLive(folder, self.cfg.graph, self.args.part, data.book,
+                             self.graph.indptr, self.graph.indices, int(data.features.shape[1]),
+                             follow=self.args.replica != 0)
         self.features.written = live.written
         self.features.drop_hot(load_dropped(folder))
-        self.graph.overlay = live.view()
-        log.info("partition %d: %d updates replayed from %s (version %d)", self.args.part,
-                 live.replayed, folder, live.version)
+        self.live = live
+        self._refresh()
+        log.info("partition %d replica %d: %d updates replayed from %s (version %d)",
+                 self.args.part, self.args.replica, live.replayed, folder, live.version)
         return live
+
+    def _refresh(self) -> None:
+        """Show the living graph's state to the sampler and the feature source: the grown
+        book's owner and local rows, the overlay's current view."""
+        live = self.live
+        if self.graph.owner.numel() != live.owner.numel():
+            self.graph.owner = self.features.owner = live.owner
+            self.graph.local = self.features.local = live.local
+            self.num_nodes = int(live.owner.numel())
+        self.graph.overlay = live.view()
+
+    def _follow(self) -> None:
+        """A replica other than 0 applies what its partition's primary logged since its last
+        read, before it reads (one ``fstat`` when nothing is new; decision 0053)."""
+        if self.live.catch_up():
+            self._refresh()
 
     def _model(self, in_channels: int, degrees: dict[str, Any] | None,
                ) -> tuple[ServedModel, list[int]]:
@@ -152,6 +167,7 @@ class PartitionServer:
         self.ongoing += 1
         self.requests += 1
         try:
+            self._follow()
             work = self.batches.submit(node_ids) if seed is None and not exact else \
                 self._embed(node_ids, exact, seed)
             return await asyncio.wait_for(work, timeout_s)
@@ -183,21 +199,21 @@ class PartitionServer:
     # ---- the living graph (``live.py``) ------------------------------------------------------------
     def update(self, kind: str, first: Any, second: Any) -> dict[str, Any]:
         """``edges`` (add, remove) or ``features`` (node_ids, rows) of nodes this partition
-        owns: the durable version's answer, or a refusal."""
-        if self.live is None:
+        owns, or ``nodes`` (``first``: [first id, count, owner], ``second``: their rows at the
+        owner): the durable version's answer, or a refusal. Replica 0 only (it writes the log)."""
+        if kind in ("edges", "nodes") and self.model.gcn_norm is not None:
             return refusal(errors.ServeError(
-                "unsupported_on_ray", "graph updates need one server per partition "
-                "(--replicas 1): each replica would need the partition's log", 400))
-        if kind == "edges" and self.model.gcn_norm is not None:
-            return refusal(errors.ServeError(
-                "unsupported_on_ray", "edge updates are not supported on a partitioned graph "
+                "unsupported_on_ray", f"{kind} updates are not supported on a partitioned graph "
                 "serving a GCN: its exact mode uses the in-degrees of the snapshot", 400))
         try:
             if kind == "edges":
                 out = self.live.add_edges(first, second)
-                self.graph.overlay = self.live.view()
-                return out
-            return self.live.put_features(first, second)
+            elif kind == "nodes":
+                out = self.live.add_nodes(*(int(v) for v in first), second)
+            else:
+                out = self.live.put_features(first, second)
+            self._refresh()
+            return out
         except errors.ServeError as exc:
             return refusal(exc)
         except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
@@ -208,7 +224,7 @@ class PartitionServer:
         their owner follows); returns how many copies this server held."""
         ids = np.asarray(ids, np.int64)
         dropped = self.features.drop_hot(ids)
-        if self.live is not None and dropped:
+        if self.live.log is not None and dropped:  # replica 0 keeps the partition's file
             folder = self.live.directory
             save_dropped(folder, np.union1d(load_dropped(folder), ids))
         return dropped
@@ -216,19 +232,27 @@ class PartitionServer:
     async def wait_version(self, version: int, timeout_s: float) -> int:
         """This partition's version once it reaches ``version`` (-1 past ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
+        self._follow()
         while self.graph_version() < version:
             if time.monotonic() >= deadline:
                 return -1
             await asyncio.sleep(0.005)
+            self._follow()
         return self.graph_version()
 
     def graph_version(self) -> int:
-        return 0 if self.live is None else self.live.version
+        return self.live.version
+
+    def growth(self) -> list[list[int]]:
+        """The book's entries since the snapshot, ``[first id, count, owner]`` in id order."""
+        self._follow()
+        return [list(e) for e in self.live.entries]
 
     # ---- answering the other partition servers -------------------------------------------------
     def sample_hop(self, ids: np.ndarray, k: int, hop: int,
                    base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
         """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id)."""
+        self._follow()
         try:
             nbr, count = local_hop(self.graph, torch.from_numpy(np.asarray(ids, np.int64)), k,
                                    hop, base)
@@ -238,6 +262,7 @@ class PartitionServer:
 
     def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         """Feature rows of the global ``ids`` this partition owns."""
+        self._follow()
         try:
             return self.features.own_rows(ids)
         except ValueError as exc:
@@ -260,9 +285,10 @@ class PartitionServer:
         bound first, so peers find it ready)."""
         if self.cfg.partitioned.transport == "wire":
             await self.wire_address()
+        self._follow()
         counts = self.features.counts
         return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
-                "nodes": self.owned, "edges": self.edges, "device": str(self.device),
+                "nodes": self.owned, "graph_nodes": self.num_nodes, "edges": self.edges, "device": str(self.device),
                 "dim": self.model.out_dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
                 "batches": self.batches.batches, "transport": self.peers.settings.transport,
