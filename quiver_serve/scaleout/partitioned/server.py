@@ -47,6 +47,7 @@ from quiver_serve.scaleout.partitioned.sampling import (
     PartitionSampler,
     as_tensor,
     local_hop,
+    off_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -96,13 +97,22 @@ class PartitionServer:
             as_tensor(data.hot_features), self.num_parts, self.peers.rows)
         self.live = self._open_live(data, args.data_dir)
         self.device = worker_device(cfg, 0)
+        self.device_bytes = self._place()
         self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
         self.storage_dtype = DTYPES[cfg.features.storage_dtype]
         self.ongoing, self.requests, self.refused = 0, 0, 0
         self.batches = Coalescer(lambda ids: self._embed(ids, False, None),
                                  cfg.batching.max_batch_nodes)
-        log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s",
-                 args.part, args.replica, self.owned, self.edges, data.hot_ids.size, self.device)
+        log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s (%d bytes "
+                 "of them on it)", args.part, args.replica, self.owned, self.edges,
+                 data.hot_ids.size, self.device, self.device_bytes)
+
+    def _place(self) -> int:
+        """The in-edge lists, then the hot rows, then the own rows on this server's GPU while
+        they fit in ``partitioned.device_bytes`` (decision 0054); the bytes placed."""
+        budget = self.cfg.partitioned.device_bytes
+        placed = self.graph.place(self.device, budget)
+        return placed + self.features.place(self.device, budget - placed)
 
     def _open_live(self, data: Any, data_dir: str) -> PartitionLive | None:
         """The partition's living graph over its update log, replayed (one replica per
@@ -170,12 +180,12 @@ class PartitionServer:
         fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
         sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
                                             else seed)
-        x = (await self.features.gather(sampled.n_id)).to(self.storage_dtype)
+        x = await self.features.gather(sampled.n_id)
         return await asyncio.to_thread(self._forward, x, sampled, exact)
 
     def _forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
         dev = self.device
-        out = self.model(x.to(dev), sampled.n_id.to(dev), sampled.edge_index.to(dev),
+        out = self.model(x.to(dev, self.storage_dtype), sampled.n_id.to(dev), sampled.edge_index.to(dev),
                          sampled.num_sampled_nodes, sampled.num_sampled_edges, exact)
         rows = out.index_select(0, sampled.seed_index.to(dev)).float()
         return np.ascontiguousarray(rows.cpu().numpy())
@@ -243,10 +253,13 @@ class PartitionServer:
         except ValueError as exc:
             return {"code": "not_owned", "message": str(exc), "status": 400}
 
-    def _answer_wire(self, method: str, ids: np.ndarray, args: list[int]) -> Any:
+    async def _answer_wire(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
+        if method == "embed":  # the ingress (decision 0054)
+            exact, seed, timeout_s = args
+            return await self.embed(ids, bool(exact), seed, timeout_s)
         if method == "sample_hop":
-            return self.sample_hop(ids, *args)
-        return self.rows(ids)
+            return await off_loop(self.sample_hop, int(ids.size), ids, *args)
+        return await off_loop(self.rows, int(ids.size), ids)
 
     async def wire_address(self) -> str:
         """Where this server answers peers over the wire (bound on the first ask)."""
