@@ -103,6 +103,10 @@ class PartitionServer:
         self.ongoing, self.requests, self.refused = 0, 0, 0
         self.batches = Coalescer(lambda ids: self._embed(ids, False, None),
                                  cfg.batching.max_batch_nodes)
+        #: exact requests merge with each other, as in the engine core (no draws: an exact
+        #: row does not depend on the batch)
+        self.exact_batches = Coalescer(lambda ids: self._embed(ids, True, None),
+                                       cfg.batching.max_batch_nodes)
         log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s (%d bytes "
                  "of them on it)", args.part, args.replica, self.owned, self.edges,
                  data.hot_ids.size, self.device, self.device_bytes)
@@ -162,7 +166,8 @@ class PartitionServer:
         self.ongoing += 1
         self.requests += 1
         try:
-            work = self.batches.submit(node_ids) if seed is None and not exact else \
+            work = self.exact_batches.submit(node_ids) if exact else \
+                self.batches.submit(node_ids) if seed is None else \
                 self._embed(node_ids, exact, seed)
             return await asyncio.wait_for(work, timeout_s)
         except PartitionUnavailable as exc:
@@ -278,7 +283,7 @@ class PartitionServer:
                 "nodes": self.owned, "edges": self.edges, "device": str(self.device),
                 "dim": self.model.out_dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
-                "batches": self.batches.batches, "transport": self.peers.settings.transport,
+                "batches": self.batches.batches + self.exact_batches.batches, "transport": self.peers.settings.transport,
                 "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "version": self.graph_version(),
