@@ -3,10 +3,12 @@
 process (no Ray; each reaches the other over the project's wire on 127.0.0.1), driven through
 ``PartitionServer.embed`` as the ingress drives them, each stage timed.
 
-Stages (milliseconds per request, medians over ``--requests``): ``sample`` (every hop: the local
-draws, the remote calls' wait, placing answers and the subgraph builder), ``gather`` (own rows,
-replicated hot rows, remote rows), ``forward`` (the model and the copy of the answer), and
-``total`` (``embed``). The peer's own time answering a call is inside the caller's remote wait.
+Stages (milliseconds per round of ``--concurrent`` requests, medians; one request per round for
+the single-id and 48-id workloads): ``sample`` (every hop: the local draws, the remote calls'
+wait, placing answers and the subgraph builder), ``gather`` (own rows, replicated hot rows,
+remote rows), ``forward`` (the model and the copy of the answer), ``total`` (``embed``, summed
+over the round's requests). The peer's own time answering a call is inside the caller's remote
+wait; ``cpu_ms_per_request`` is the process's CPU time per request.
 
     python -m bench.partition.profile --scale 0.01 --out-dir /tmp/pp-prof
 """
@@ -36,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="requests in flight for the batched (load) workload")
     ap.add_argument("--hot-budget-mb", type=float, default=0.0,
                     help="replicated rows per partition (default: a fifth of the features)")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="workloads to run (single_id, b_48_ids, b_48_ids_load; default all)")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     return ap.parse_args(argv)
 
@@ -137,12 +141,15 @@ async def drive(server: Any, ids_of: Callable[[int], np.ndarray], requests: int,
     for i in range(3):  # warm-up: sockets, first model call
         await one(i)
     clock.now.clear()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, requests, concurrent):
         await asyncio.gather(*(one(i) for i in range(start, min(start + concurrent, requests))))
         clock.cut()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    # CPU time of the process (both servers, every thread) per request: steadier than the
+    # wall-clock stages on a box shared with other work
     return {"requests_per_s": round(requests / wall, 1), "per_batch_ms": clock.medians_ms(),
+            "cpu_ms_per_request": round(cpu / requests * 1e3, 3),
             "batches": server.batches.batches}
 
 
@@ -156,6 +163,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"scale": args.scale, "nodes": caller.num_nodes}
     for name, size, concurrent, seeded in (("single_id", 1, 1, True), ("b_48_ids", 48, 1, True),
                                            ("b_48_ids_load", 48, args.concurrent, False)):
+        if args.only and name not in args.only:
+            continue
         ids = [rng.choice(owned, size) for _ in range(args.requests + 3)]
         clock.rows.clear()
         out[name] = await drive(caller, lambda i, ids=ids: ids[i], args.requests, concurrent,
