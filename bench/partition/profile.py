@@ -10,7 +10,7 @@ remote rows), ``forward`` (the model and the copy of the answer), ``total`` (``e
 over the round's requests). The peer's own time answering a call is inside the caller's remote
 wait; ``cpu_ms_per_request`` is the process's CPU time per request.
 
-    python -m bench.partition.profile --scale 0.01 --out-dir /tmp/pp-prof
+    python -m bench.partition.profile --scale 0.01 --out-dir OUT
 """
 
 from __future__ import annotations
