@@ -119,6 +119,9 @@ class WireLink:
                    *args: Any) -> Any:
         key = (part, replica)
         peer = self._peers.get(key)
+        if peer is not None and peer.dropped:  # the peer went away: ask where it is now
+            self.forget(part, replica)
+            peer = None
         if peer is None:
             peer = _Dealer(await self.address_of(part, replica))
             self._peers[key] = peer
@@ -152,6 +155,8 @@ class _Dealer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.address = address
+        #: the connection dropped (the peer died or restarted): the link asks its address again
+        self.dropped = False
         self.waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
@@ -194,6 +199,7 @@ class _Dealer:
         try:
             while True:
                 await monitor.recv_multipart()
+                self.dropped = True
                 self._fail("the connection to the peer dropped")
         except Exception:  # noqa: BLE001 - closed with the socket
             return
