@@ -396,6 +396,8 @@ class PartitionedConfig(_Section):
         1.0, ge=0, le=60, description="after a call to a partition failed, requests needing it are answered 503 at once for this long (then the next request tries it again)")
     max_ongoing_requests: int = Field(
         256, ge=1, le=65536, description="requests one partition server works on at once; past it 503 overloaded")
+    device_bytes: int = Field(
+        32 << 30, ge=0, description="GPU memory a partition server on a GPU fills with its partition's data, in this order while it fits: the in-edge lists (local hops drawn there), the replicated hot rows, its own feature rows (gathered there); the rest stays in host memory (decision 0054)")
 
 
 class ServeConfig(_Section):

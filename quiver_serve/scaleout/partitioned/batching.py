@@ -3,8 +3,9 @@ partitions (one call per partition per hop for the whole batch, not per request)
 one model call. As in the engine core's continuous batching (``engine/core/forming.py``), a batch
 is formed whenever one of ``max_in_flight`` slots is free, from everything waiting up to
 ``max_batch_nodes`` ids, so a lone request is computed at once and a burst shares batches.
-Only unseeded sampled requests are merged: a seeded request's answer is a function of its own
-ids and seed, so it keeps a batch of its own (as in the engine core). What waits is bounded by
+Unseeded sampled requests merge with each other, exact requests with each other (one coalescer
+each: an exact row does not depend on its batch); a seeded request's answer is a function of
+its own ids and seed, so it keeps a batch of its own (as in the engine core). What waits is bounded by
 the server's admission (``partitioned.max_ongoing_requests``: past it, 503 before submitting).
 """
 

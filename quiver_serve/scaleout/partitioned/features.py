@@ -33,43 +33,78 @@ class RowCounts:
 
 
 class PartitionFeatures:
-    """``gather(n_id)`` over one partition's rows (see the module docstring)."""
+    """``gather(n_id)`` over one partition's rows (see the module docstring). Which rows are
+    replicated here is a dense map (global id -> hot row, -1: none; 4 bytes per node), so a
+    batch's rows are found by one index, not a search. ``place`` moves the hot rows and the
+    own rows to the GPU while they fit; ``gather`` answers on the device of the own rows."""
 
     def __init__(self, part: int, owner: Tensor, local: Tensor, features: Tensor,
                  hot_ids: Tensor, hot_features: Tensor, num_parts: int,
                  remote: RemoteRows) -> None:
         self.part, self.owner, self.local, self.num_parts = part, owner, local, num_parts
         self.features, self.remote = features, remote
-        order = torch.argsort(hot_ids)
-        self.hot_sorted, self.hot_rows = hot_ids[order], hot_features[order]
+        self.hot_rows = hot_features
+        self.hot_slot = torch.full((owner.numel(),), -1, dtype=torch.int32)
+        self.hot_slot[hot_ids.to(torch.int64)] = torch.arange(hot_ids.numel(), dtype=torch.int32)
         self.counts = RowCounts()
         #: the rows written since the snapshot (``live.PartitionLive.written``), when live
         self.written: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.features.device
+
+    def place(self, device: torch.device, budget_bytes: int) -> int:
+        """Copy the hot rows, then the own rows, to ``device`` while each fits in what is left
+        of ``budget_bytes``; the bytes placed. The own rows go only with the hot rows, so a
+        gather never mixes devices beyond the remote rows."""
+        placed = 0
+        if device.type == "cpu":
+            return placed
+        hot_bytes = self.hot_rows.numel() * self.hot_rows.element_size()
+        if hot_bytes > budget_bytes:
+            return placed
+        self.hot_rows, placed = self.hot_rows.to(device), hot_bytes
+        own_bytes = self.features.numel() * self.features.element_size()
+        if placed + own_bytes <= budget_bytes:
+            self.features, placed = self.features.to(device), placed + own_bytes
+        return placed
+
+    def grow(self, owner: Tensor, local: Tensor) -> None:
+        """The book grew (new nodes, ``live.PartitionLive``): its owner and local rows from
+        now on; the new nodes have no replicated copies here."""
+        extra = int(owner.numel()) - int(self.hot_slot.numel())
+        if extra > 0:
+            self.hot_slot = torch.cat([self.hot_slot,
+                                       torch.full((extra,), -1, dtype=torch.int32)])
+        self.owner, self.local = owner, local
 
     def drop_hot(self, ids: np.ndarray) -> int:
         """Stop answering the replicated copies of global ``ids`` (their owner answers them
         from now on); returns how many copies were dropped."""
         t = torch.from_numpy(np.ascontiguousarray(ids, np.int64))
-        keep = ~torch.isin(self.hot_sorted, t)
-        dropped = int((~keep).sum())
-        if dropped:
-            self.hot_sorted, self.hot_rows = self.hot_sorted[keep], self.hot_rows[keep]
+        t = t[(t >= 0) & (t < self.hot_slot.numel())]
+        dropped = int((self.hot_slot[t] >= 0).sum())
+        self.hot_slot[t] = -1
         return dropped
 
     def _own(self, rows_local: Tensor) -> Tensor:
-        """float32 rows of this partition's local rows, written rows included (a node added
-        since the snapshot, past the mapped rows, has only a written row)."""
+        """float32 rows of this partition's local rows on the own rows' device, written rows
+        included (a node added since the snapshot, past the mapped rows, has only a written
+        row)."""
         n_mapped = int(self.features.size(0))
+        idx = rows_local.to(self.device)
         if rows_local.numel() and int(rows_local.max()) >= n_mapped:
-            out = torch.zeros((rows_local.numel(), self.dim), dtype=torch.float32)
-            mapped = rows_local < n_mapped
-            out[mapped] = self.features[rows_local[mapped]].to(torch.float32)
+            out = torch.zeros((rows_local.numel(), self.dim), dtype=torch.float32,
+                              device=self.device)
+            mapped = idx < n_mapped
+            out[mapped] = self.features.index_select(0, idx[mapped]).to(torch.float32)
         else:
-            out = self.features[rows_local].to(torch.float32)
+            out = self.features.index_select(0, idx).to(torch.float32)
         if self.written is not None:
             mask, rows = self.written(rows_local)
             if bool(mask.any()):
-                out[mask] = rows
+                out[mask.to(self.device)] = rows.to(self.device)
         return out
 
     @property
@@ -87,30 +122,29 @@ class PartitionFeatures:
             bad = int(t[~mine][0])
             raise ValueError(f"node {bad} is owned by partition {int(self.owner[bad])}, not "
                              f"{self.part}")
-        return self._own(self.local[t]).numpy()
-
-    def _hot(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Which of ``ids`` have a replicated row here, and its row index (valid where found)."""
-        if self.hot_sorted.numel() == 0:
-            return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
-        pos = torch.searchsorted(self.hot_sorted, ids).clamp_(max=self.hot_sorted.numel() - 1)
-        return self.hot_sorted[pos] == ids, pos
+        return self._own(self.local[t]).cpu().numpy()
 
     async def gather(self, n_id: Tensor) -> Tensor:
-        """float32 [len(n_id), F]: the rows of global ids ``n_id``, in order."""
+        """float32 [len(n_id), F] on :attr:`device`: the rows of global ids ``n_id``, in order.
+        The remote calls go first; own and hot rows are gathered while they travel."""
         n_id = n_id.to(torch.int64)
-        out = torch.empty((n_id.numel(), self.dim), dtype=torch.float32)
         owners = self.owner[n_id].to(torch.int64)
+        slot = self.hot_slot[n_id]
         mine = owners == self.part
-        hot, hot_pos = self._hot(n_id)
-        hot &= ~mine
+        hot = (slot >= 0) & ~mine
         calls = []
         for q in range(self.num_parts):
             pos = ((owners == q) & ~hot).nonzero().flatten() if q != self.part else None
             if pos is not None and pos.numel():
                 calls.append((pos, asyncio.ensure_future(self.remote(q, n_id[pos].numpy()))))
-        out[mine] = self._own(self.local[n_id[mine]])
-        out[hot] = self.hot_rows[hot_pos[hot]].to(torch.float32)
+        dev = self.device
+        out = torch.empty((n_id.numel(), self.dim), dtype=torch.float32, device=dev)
+        mine_pos, hot_pos = mine.nonzero().flatten(), hot.nonzero().flatten()
+        if mine_pos.numel():
+            out.index_copy_(0, mine_pos.to(dev), self._own(self.local[n_id[mine_pos]]))
+        if hot_pos.numel():
+            got = self.hot_rows.index_select(0, slot[hot_pos].to(self.hot_rows.device, torch.int64))
+            out.index_copy_(0, hot_pos.to(dev), got.to(dev, torch.float32))
         try:
             rows = await asyncio.gather(*(fut for _, fut in calls))
         except BaseException:
@@ -119,9 +153,9 @@ class PartitionFeatures:
             raise
         remote = 0
         for (pos, _), got in zip(calls, rows, strict=True):
-            out[pos] = as_tensor(np.asarray(got, np.float32))
+            out.index_copy_(0, pos.to(dev), as_tensor(np.asarray(got, np.float32)).to(dev))
             remote += int(pos.numel())
-        self.counts.local += int(mine.sum())
-        self.counts.hot += int(hot.sum())
+        self.counts.local += int(mine_pos.numel())
+        self.counts.hot += int(hot_pos.numel())
         self.counts.remote += remote
         return out

@@ -39,6 +39,7 @@ from quiver_serve.frontend.responses import embed_answer, error_response, serve_
 from quiver_serve.frontend.schemas import GraphEdgesBody, GraphFeaturesBody, GraphNodesBody
 from quiver_serve.metrics.partitioned import IngressCounts, exposition
 from quiver_serve.partition.book import PartitionBook
+from quiver_serve.scaleout.partitioned.links import LinkError, WireLink
 from quiver_serve.scaleout.partitioned.live_routes import (
     PartitionedEmbedBody,
     adopt,
@@ -105,6 +106,8 @@ class PartitionedIngress:
         self.synced = False
         self.grow_lock = asyncio.Lock()
         self._learning: asyncio.Future[None] | None = None  # the reads' shared ``_sync_book``
+        #: embeds go to the servers over the wire when it is the transport (decision 0054)
+        self.link = WireLink(self._address) if self.cfg.partitioned.transport == "wire" else None
 
     # ---- routes --------------------------------------------------------------------------------
     @APP.post("/v1/embed", summary="Embeddings for node ids (the daemon's /v1/embed)")
@@ -413,17 +416,40 @@ class PartitionedIngress:
         reason = "no replica"
         for replica in self.replicas.order(part)[:2]:
             try:
-                out = await asyncio.wait_for(
-                    replicas[replica].embed.remote(ids, exact, seed, timeout_s), wait_s)
-            except (RayError, asyncio.TimeoutError) as exc:
+                call = replicas[replica].embed.remote(ids, exact, seed, timeout_s) \
+                    if self.link is None else \
+                    self.link.call(part, replica, "embed", ids, exact, seed, timeout_s)
+                out = await asyncio.wait_for(call, wait_s)
+            except (RayError, LinkError, asyncio.TimeoutError) as exc:
                 reason = type(exc).__name__
                 self.replicas.failed(part, replica)
+                if self.link is not None:
+                    asyncio.ensure_future(self._relink(part, replica))
                 continue
             if isinstance(out, dict):
                 self._refused(out)
             return np.asarray(out, dtype=np.float32)
         self.down_until[part] = time.monotonic() + self.cfg.partitioned.down_s
         raise Unavailable(part, reason)
+
+    async def _address(self, part: int, replica: int) -> str:
+        """Partition ``part`` replica ``replica``'s wire address, asked of its actor."""
+        address: str = await asyncio.wait_for(
+            self.servers[part][replica].wire_address.remote(), PROBE_S)
+        return address
+
+    async def _relink(self, part: int, replica: int) -> None:
+        """After a failed wire call: drop the socket if the server moved (restarted on a new
+        port) or is gone; a slow answer alone keeps it (other calls are on it)."""
+        from ray.exceptions import RayError
+
+        if self.link is None:
+            return
+        try:
+            address: str | None = await self._address(part, replica)
+        except (RayError, asyncio.TimeoutError):
+            address = None
+        self.link.moved(part, replica, address)
 
     def _refused(self, out: dict[str, Any]) -> None:
         if "partition" in out:

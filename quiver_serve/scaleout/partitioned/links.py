@@ -15,6 +15,7 @@ Which one serves is ``partitioned.transport`` (decision 0045 has the numbers).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-#: (method, args) the wire carries: sample_hop(ids, k, hop, base) and rows(ids)
-METHODS = ("sample_hop", "rows")
+#: (method, args) the wire carries: sample_hop(ids, k, hop, base) and rows(ids) between
+#: partition servers; embed(ids, exact, seed, timeout_s) from the ingress
+METHODS = ("sample_hop", "rows", "embed")
+#: the calls of peers: local work that never waits on another server, so they alone take the
+#: answering slots (an embed waits on peers; it is bounded by the server's own admission)
+PEER_METHODS = ("sample_hop", "rows")
 
 
 class LinkError(ConnectionError):
@@ -45,12 +50,18 @@ class RayLink:
 
 
 class WireService:
-    """A partition server's side of the wire: answers ``METHODS`` on a ROUTER socket."""
+    """A partition server's side of the wire: answers ``METHODS`` on a ROUTER socket. ``answer``
+    may return an awaitable (work it runs beside the loop); each call is answered in its own
+    task, the next call read meanwhile, up to ``MAX_ANSWERING`` peer calls at once."""
 
-    def __init__(self, answer: Callable[[str, np.ndarray, list[int]], Any]) -> None:
+    #: peer calls answered at once; the next waits for one of them (the bound of this queue)
+    MAX_ANSWERING = 64
+
+    def __init__(self, answer: Callable[[str, np.ndarray, list[Any]], Any]) -> None:
         self.answer = answer
         self.address: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(self.MAX_ANSWERING)
 
     def start(self, host: str) -> str:
         """Bind on ``host`` (a free port) and serve from the running loop; the address."""
@@ -68,19 +79,33 @@ class WireService:
         while True:
             ident, head, *frames = await sock.recv_multipart(copy=False)
             call_id, method, args = msgspec.msgpack.decode(head.bytes)
+            slot = method in PEER_METHODS
+            if slot:
+                await self._slots.acquire()
+            asyncio.ensure_future(self._reply(sock, ident, (call_id, method, args), frames, slot))
+
+    async def _reply(self, sock: Any, ident: Any, head: tuple[int, str, list[Any]],
+                     frames: list[Any], slot: bool) -> None:
+        try:
+            call_id, method, args = head
             ids = np.frombuffer(frames[0].buffer, dtype=np.int64)
             try:
                 out = self.answer(method, ids, args) if method in METHODS else \
                     {"code": "unknown_method", "message": method, "status": 400}
+                if inspect.isawaitable(out):
+                    out = await out
             except Exception as exc:  # noqa: BLE001 - the caller hears it, the loop goes on
                 out = {"code": "internal", "message": type(exc).__name__, "status": 500}
             if isinstance(out, dict):
                 await sock.send_multipart([ident, msgspec.msgpack.encode([call_id, out, []])])
-                continue
+                return
             arrays = [np.ascontiguousarray(a) for a in (out if isinstance(out, tuple) else (out,))]
             shapes = [[a.dtype.str, list(a.shape)] for a in arrays]
             await sock.send_multipart([ident, msgspec.msgpack.encode([call_id, None, shapes]),
                                        *arrays], copy=False)
+        finally:
+            if slot:
+                self._slots.release()
 
 
 class WireLink:
@@ -91,9 +116,12 @@ class WireLink:
         self._peers: dict[tuple[int, int], _Dealer] = {}
 
     async def call(self, part: int, replica: int, method: str, ids: np.ndarray,
-                   *args: int) -> Any:
+                   *args: Any) -> Any:
         key = (part, replica)
         peer = self._peers.get(key)
+        if peer is not None and peer.dropped:  # the peer went away: ask where it is now
+            self.forget(part, replica)
+            peer = None
         if peer is None:
             peer = _Dealer(await self.address_of(part, replica))
             self._peers[key] = peer
@@ -104,6 +132,16 @@ class WireLink:
         peer = self._peers.pop((part, replica), None)
         if peer is not None:
             peer.close()
+
+    def moved(self, part: int, replica: int, address: str | None) -> bool:
+        """Forget the peer's socket when its address is no longer ``address`` (a restarted
+        server binds a new port; None: it has none now), keeping the calls on a socket that
+        still reaches it; whether it was forgotten."""
+        peer = self._peers.get((part, replica))
+        if peer is None or peer.address == address:
+            return False
+        self.forget(part, replica)
+        return True
 
 
 class _Dealer:
@@ -116,11 +154,16 @@ class _Dealer:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
+        self.address = address
+        #: the connection dropped (the peer died or restarted): the link asks its address again
+        self.dropped = False
         self.waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
+        self._watcher = asyncio.ensure_future(
+            self._watch(self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
 
-    async def call(self, method: str, ids: np.ndarray, args: list[int]) -> Any:
+    async def call(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[call_id] = fut
@@ -150,9 +193,26 @@ class _Dealer:
                 if not fut.done():
                     fut.set_exception(LinkError(str(exc)))
 
-    def close(self) -> None:
-        self._reader.cancel()
+    async def _watch(self, monitor: Any) -> None:
+        """Every waiting call hears LinkError as soon as the connection drops (a killed peer's
+        socket is closed by its kernel), not only at its timeout."""
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self.dropped = True
+                self._fail("the connection to the peer dropped")
+        except Exception:  # noqa: BLE001 - closed with the socket
+            return
+        finally:
+            monitor.close(0)
+
+    def _fail(self, reason: str) -> None:
         for fut in self.waiting.values():
             if not fut.done():
-                fut.set_exception(LinkError("the peer's socket was closed"))
+                fut.set_exception(LinkError(reason))
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self._watcher.cancel()
+        self._fail("the peer's socket was closed")
         self.sock.close(0)

@@ -17,6 +17,7 @@ import asyncio
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ from torch import Tensor
 from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.sampling.base import SamplerOutput, check_seed_range, seed_base
 from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions, read_positions
+
+T = TypeVar("T")
 
 #: (partition, global ids it owns, fanout, hop, seed base) -> (neighbours, count per id)
 RemoteHop = Callable[[int, np.ndarray, int, int, int], Awaitable[tuple[np.ndarray, np.ndarray]]]
@@ -52,10 +55,23 @@ class LocalGraph:
     indices: Tensor  # int64 [edges]: source GLOBAL ids
     #: the partition's living-graph overlay over these lists (``live.py``), None when unchanged
     overlay: OverlayView | None = None
+    #: (indptr, indices) copied to a GPU by :meth:`place`: local hops are drawn there while
+    #: no overlay is set (the same torch ops on integers: the same draws; decision 0054)
+    device_csc: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_nodes(self) -> int:
         return int(self.owner.numel())
+
+    def place(self, device: torch.device, budget_bytes: int) -> int:
+        """Copy the in-edge lists to ``device`` (a GPU) when they fit in ``budget_bytes``; the
+        bytes placed."""
+        nbytes = self.indptr.numel() * self.indptr.element_size() + \
+            self.indices.numel() * self.indices.element_size()
+        if device.type == "cpu" or nbytes > budget_bytes:
+            return 0
+        self.device_csc = (self.indptr.to(device), self.indices.to(device))
+        return nbytes
 
 
 def local_hop(graph: LocalGraph, ids: Tensor, k: int, hop: int, base: int) -> tuple[Tensor, Tensor]:
@@ -73,8 +89,26 @@ def local_hop(graph: LocalGraph, ids: Tensor, k: int, hop: int, base: int) -> tu
         raise ValueError(f"node {bad} is owned by partition {int(graph.owner[bad])}, not "
                          f"{graph.part}")
     rows = graph.local[ids]
+    if graph.overlay is None and graph.device_csc is not None:
+        indptr, indices = graph.device_csc
+        dev = indptr.device
+        edge_pos, count = hop_edge_positions(indptr, rows.to(dev), k, hop, base, None, ids.to(dev))
+        return read_positions(indices, edge_pos, None).cpu(), count.cpu()
     edge_pos, count = hop_edge_positions(graph.indptr, rows, k, hop, base, graph.overlay, ids)
     return read_positions(graph.indices, edge_pos, graph.overlay), count
+
+
+#: work on at least this many ids runs in a thread, beside the loop (which keeps answering
+#: peers and sending calls meanwhile: torch releases the GIL); less runs inline, where a
+#: thread's hand-over would cost more than it frees
+OFF_LOOP_MIN_IDS = 2048
+
+
+async def off_loop(fn: Callable[..., T], size: int, *args: Any) -> T:
+    """``fn(*args)``, in a thread when ``size`` (ids of work) reaches ``OFF_LOOP_MIN_IDS``."""
+    if size >= OFF_LOOP_MIN_IDS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _place(frontier_size: int, parts: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -122,7 +156,8 @@ class PartitionSampler:
         answers: list[tuple[Tensor, Tensor, Tensor]] = []
         mine = (owners == self.graph.part).nonzero().flatten()
         if mine.numel():
-            got, cnt = local_hop(self.graph, frontier[mine], k, hop, base)
+            got, cnt = await off_loop(local_hop, int(mine.numel()), self.graph, frontier[mine],
+                                      k, hop, base)
             answers.append((mine, got, cnt))
         try:
             remote = await asyncio.gather(*(fut for _, fut in calls))

@@ -47,6 +47,7 @@ from quiver_serve.scaleout.partitioned.sampling import (
     PartitionSampler,
     as_tensor,
     local_hop,
+    off_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -96,13 +97,26 @@ class PartitionServer:
             as_tensor(data.hot_features), self.num_parts, self.peers.rows)
         self.live = self._open_live(data, args.data_dir)
         self.device = worker_device(cfg, 0)
+        self.device_bytes = self._place()
         self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
         self.storage_dtype = DTYPES[cfg.features.storage_dtype]
         self.ongoing, self.requests, self.refused = 0, 0, 0
         self.batches = Coalescer(lambda ids: self._embed(ids, False, None),
                                  cfg.batching.max_batch_nodes)
-        log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s",
-                 args.part, args.replica, self.owned, self.edges, data.hot_ids.size, self.device)
+        #: exact requests merge with each other, as in the engine core (no draws: an exact
+        #: row does not depend on the batch)
+        self.exact_batches = Coalescer(lambda ids: self._embed(ids, True, None),
+                                       cfg.batching.max_batch_nodes)
+        log.info("partition %d replica %d: %d nodes, %d in-edges, %d hot rows on %s (%d bytes "
+                 "of them on it)", args.part, args.replica, self.owned, self.edges,
+                 data.hot_ids.size, self.device, self.device_bytes)
+
+    def _place(self) -> int:
+        """The in-edge lists, then the hot rows, then the own rows on this server's GPU while
+        they fit in ``partitioned.device_bytes`` (decision 0054); the bytes placed."""
+        budget = self.cfg.partitioned.device_bytes
+        placed = self.graph.place(self.device, budget)
+        return placed + self.features.place(self.device, budget - placed)
 
     def _open_live(self, data: Any, data_dir: str) -> PartitionLive:
         """The partition's living graph over its update log, replayed: replica 0 writes the
@@ -125,8 +139,8 @@ class PartitionServer:
         book's owner and local rows, the overlay's current view."""
         live = self.live
         if self.graph.owner.numel() != live.owner.numel():
-            self.graph.owner = self.features.owner = live.owner
-            self.graph.local = self.features.local = live.local
+            self.graph.owner, self.graph.local = live.owner, live.local
+            self.features.grow(live.owner, live.local)
             self.num_nodes = int(live.owner.numel())
         self.graph.overlay = live.view()
 
@@ -168,7 +182,8 @@ class PartitionServer:
         self.requests += 1
         try:
             self._follow()
-            work = self.batches.submit(node_ids) if seed is None and not exact else \
+            work = self.exact_batches.submit(node_ids) if exact else \
+                self.batches.submit(node_ids) if seed is None else \
                 self._embed(node_ids, exact, seed)
             return await asyncio.wait_for(work, timeout_s)
         except PartitionUnavailable as exc:
@@ -186,12 +201,12 @@ class PartitionServer:
         fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
         sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
                                             else seed)
-        x = (await self.features.gather(sampled.n_id)).to(self.storage_dtype)
+        x = await self.features.gather(sampled.n_id)
         return await asyncio.to_thread(self._forward, x, sampled, exact)
 
     def _forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
         dev = self.device
-        out = self.model(x.to(dev), sampled.n_id.to(dev), sampled.edge_index.to(dev),
+        out = self.model(x.to(dev, self.storage_dtype), sampled.n_id.to(dev), sampled.edge_index.to(dev),
                          sampled.num_sampled_nodes, sampled.num_sampled_edges, exact)
         rows = out.index_select(0, sampled.seed_index.to(dev)).float()
         return np.ascontiguousarray(rows.cpu().numpy())
@@ -268,10 +283,13 @@ class PartitionServer:
         except ValueError as exc:
             return {"code": "not_owned", "message": str(exc), "status": 400}
 
-    def _answer_wire(self, method: str, ids: np.ndarray, args: list[int]) -> Any:
+    async def _answer_wire(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
+        if method == "embed":  # the ingress (decision 0054)
+            exact, seed, timeout_s = args
+            return await self.embed(ids, bool(exact), seed, timeout_s)
         if method == "sample_hop":
-            return self.sample_hop(ids, *args)
-        return self.rows(ids)
+            return await off_loop(self.sample_hop, int(ids.size), ids, *args)
+        return await off_loop(self.rows, int(ids.size), ids)
 
     async def wire_address(self) -> str:
         """Where this server answers peers over the wire (bound on the first ask)."""
@@ -288,10 +306,12 @@ class PartitionServer:
         self._follow()
         counts = self.features.counts
         return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
-                "nodes": self.owned, "graph_nodes": self.num_nodes, "edges": self.edges, "device": str(self.device),
+                "nodes": self.owned, "graph_nodes": self.num_nodes, "edges": self.edges,
+                "device": str(self.device),
                 "dim": self.model.out_dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
-                "batches": self.batches.batches, "transport": self.peers.settings.transport,
+                "batches": self.batches.batches + self.exact_batches.batches,
+                "transport": self.peers.settings.transport,
                 "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "version": self.graph_version(),
