@@ -3,8 +3,9 @@ graphs"; decision 0050): one GPU budget across the node types, filled hottest ro
 
 * FAP per typed row (``typed_access_probability``): the access recursion of ``graph/access.py``
   run over the relations: at hop ``l`` each relation ``(s, r, t)`` expands the nodes of type
-  ``t`` with its own fanout and degree, and the chance that a node of type ``s`` is missed is
-  the product over every relation into ``s``. A row's score is its FAP averaged over the seed
+  ``t`` added at hop ``l - 1`` (the typed sampler expands each node once), with its own fanout
+  and degree, and the chance that a node of type ``s`` is missed is the product over every
+  relation into ``s``. A row's score is its FAP averaged over the seed
   types (a batch is of one type; ``seed_types`` are those requests name, each as likely).
 * One budget (``plan_typed_placement``): every featured row of every type ranked by its score,
   the hottest first, until ``budget_bytes`` is spent; a type whose rows do not all fit pays its
@@ -37,15 +38,19 @@ def typed_access_probability(graph: TypedGraph, fanouts: Mapping[EdgeType, list[
     has each node in its sampled subgraph (float32 per node)."""
     prob = {t: torch.zeros(n, dtype=torch.float32) for t, n in graph.num_nodes.items()}
     prob[seed_type] = uniform_seed_probability(graph.num_nodes[seed_type], batch_size)
+    frontier = dict(prob)  # the chance a node is added at the previous hop (expanded now)
     num_layers = len(next(iter(fanouts.values()), []))
     for hop in range(num_layers):
         miss = {t: torch.ones(n, dtype=torch.float32) for t, n in graph.num_nodes.items()}
         for et, rel in graph.relations.items():
             src, _, dst = et
             indptr, indices = rel.indptr.cpu(), rel.indices.cpu()
-            draw = prob[dst] * expand_probability(indptr[1:] - indptr[:-1], fanouts[et][hop])
+            draw = frontier[dst] * expand_probability(indptr[1:] - indptr[:-1],
+                                                      fanouts[et][hop])
             miss[src] *= miss_probability(indptr, indices, draw, graph.num_nodes[src])
-        prob = {t: 1.0 - (1.0 - p) * miss[t] for t, p in prob.items()}
+        after = {t: 1.0 - (1.0 - p) * miss[t] for t, p in prob.items()}
+        frontier = {t: (after[t] - prob[t]).clamp_(min=0.0) for t in prob}
+        prob = after
     return prob
 
 
