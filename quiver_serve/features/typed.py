@@ -146,6 +146,10 @@ class TypedFeatures:
         """(hits, misses) per node type so far (a host sync on a GPU: off the hot path)."""
         return {t: s.read_counts() for t, s in self.stores.items()}
 
+    def reset_counts(self) -> None:
+        for store in self.stores.values():
+            store.reset_counts()
+
     def describe(self) -> dict[str, dict[str, int]]:
         return {t: {"gpu_rows": int(self.placement.gpu_nodes[t].numel()),
                     "rows": self.placement.num_nodes[t]} for t in self.stores}

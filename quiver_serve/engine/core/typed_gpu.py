@@ -12,7 +12,8 @@ exact table) with the homogeneous core's GPU parts per seed type:
   (``routing/router.py``, the lines learnt from measured batches, seeded by a warm-up through
   both paths); both paths sample the same subgraph for a seed;
 * the model on the GPU, sampling and compute on a high-priority stream;
-* counts per node type and path (``stats_by_type``) and feature hits per type.
+* counts per node type and path (``stats_by_type``), feature rows per type and tier, and
+  per-batch stats for metrics labelled by node type (``on_typed_stats``, ``metrics/typed.py``).
 
 On a CPU device the same core runs with the GPU sampler's torch twin and CPU tensors as the
 "GPU" tier: the tests drive it there.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,7 @@ from quiver_serve.engine.core.typed_core import TypedEngineCore, TypedSettings
 from quiver_serve.features.build import DTYPES
 from quiver_serve.features.typed import TypedFeatures, plan_typed_placement, typed_fap
 from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.metrics.typed import TypedBatchStats
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.models.typed_served import build_typed_model
 from quiver_serve.routing.router import EngineRouter, EngineRouteState, Route
@@ -86,6 +89,9 @@ class TypedGpuEngineCore(TypedEngineCore):
         self.type_stats: dict[tuple[str, str], TypeStats] = {}
         #: learn the cost model's lines from measured batches (off while warming up)
         self.learn_costs = True
+        #: called with each batch's stats (the process wrapper turns them into metrics)
+        self.on_typed_stats: Callable[[TypedBatchStats], None] | None = None
+        self._rows_seen = self.features.counts()  # feature reads per type at the last batch
 
     def route(self, node_type: str, num_seeds: int, exact: bool) -> tuple[Route, float]:
         """Where a batch samples, and its predicted sampled nodes (exact: the whole
@@ -123,14 +129,29 @@ class TypedGpuEngineCore(TypedEngineCore):
         if self.learn_costs and not exact:
             self.router.cost.observe_sample(path, out.num_nodes, sample_s)
             self.router.cost.observe_compute(out.num_nodes, compute_s)
-        stats = self.type_stats.setdefault((node_type, str(path)), TypeStats())
-        stats.batches += 1
-        stats.seeds += int(seeds.numel())
-        stats.sampled_nodes += out.num_nodes
-        stats.sampled_edges += out.num_edges
-        stats.sample_s += sample_s
-        stats.compute_s += compute_s
+        batch = TypedBatchStats(node_type, str(path), int(seeds.numel()), out.num_nodes,
+                                out.num_edges, sample_s, compute_s)
+        self.record(batch)
         return rows
+
+    def record(self, batch: TypedBatchStats) -> None:
+        """Add a batch to ``type_stats`` and hand it to ``on_typed_stats`` with the feature
+        rows it read per type (the counters' change since the last batch: a small copy from
+        the device once the batch is done)."""
+        stats = self.type_stats.setdefault((batch.node_type, batch.route), TypeStats())
+        stats.batches += 1
+        stats.seeds += batch.num_seeds
+        stats.sampled_nodes += batch.sampled_nodes
+        stats.sampled_edges += batch.sampled_edges
+        stats.sample_s += batch.sample_s
+        stats.compute_s += batch.compute_s
+        if self.on_typed_stats is None:
+            return
+        now = self.features.counts()
+        batch.feature_rows = {t: (h - self._rows_seen[t][0], m - self._rows_seen[t][1])
+                              for t, (h, m) in now.items()}
+        self._rows_seen = now
+        self.on_typed_stats(batch)
 
     def warm_up(self, seed_types: list[str]) -> None:
         """Batches of each seed type through each path, so the first request pays no lazy
@@ -147,6 +168,8 @@ class TypedGpuEngineCore(TypedEngineCore):
                         self.rows_on(path, t, ids, False, b)
         self.learn_costs = True
         self.type_stats.clear()
+        self.features.reset_counts()  # the warm-up's rows are no requests' hits or misses
+        self._rows_seen = self.features.counts()
 
     def stats_by_type(self) -> dict[str, dict]:
         """Per node type: batches, seeds and sampled nodes per path, and feature hits/misses."""

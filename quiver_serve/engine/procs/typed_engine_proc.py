@@ -82,6 +82,10 @@ class TypedEngineLoop(EngineLoop):
     def __init__(self, core: TypedEngineCore, front: zmq.Socket, poller: zmq.Poller,
                  reporter: Reporter) -> None:
         super().__init__(core, front, None, poller, reporter)  # type: ignore[arg-type]
+        if hasattr(core, "on_typed_stats"):  # the GPU core: metrics labelled by node type
+            from quiver_serve.metrics.typed import TypedMetrics
+
+            core.on_typed_stats = TypedMetrics().observe
 
     def run(self) -> None:
         core = self.core

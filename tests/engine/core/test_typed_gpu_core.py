@@ -106,3 +106,27 @@ def test_psgs_interpolates_between_measured_sizes() -> None:
     assert 2000.0 < psgs.estimate("paper", 20) < 9000.0
     assert psgs.estimate("paper", 96) == pytest.approx(18000.0)
     assert psgs.estimate("other", 5) == 5.0
+
+
+def test_each_batch_reports_its_type_route_and_feature_rows_per_type() -> None:
+    from quiver_serve.metrics.typed import TypedMetrics
+
+    graph = shop_graph(seed=7)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
+    core = build_typed_gpu_core(shop_config(1000), graph, spec=spec(pyg_class, kwargs, to_hetero),
+                                device=torch.device("cpu"))
+    seen: list = []
+    metrics = TypedMetrics()
+    core.on_typed_stats = lambda s: (seen.append(s), metrics.observe(s))
+    core.rows_on(Route.GPU, "shop", torch.tensor([0, 1, 1]), False, 3)
+    core.rows_on(Route.LOCAL, "user", torch.tensor([5]), False, 3)
+    assert [(s.node_type, s.route, s.num_seeds) for s in seen] == [("shop", "gpu", 3),
+                                                                  ("user", "local", 1)]
+    first = seen[0]
+    # every sampled node of a featured type read one row, from one tier or the other
+    out = core.sampler.sample("shop", torch.tensor([0, 1, 1]), core.fanouts, 3)
+    assert {t: sum(first.feature_rows[t]) for t in graph.x} == \
+        {t: int(out.node[t].numel()) for t in graph.x}
+    batches = {tuple(s.labels.values()): s.value for s in metrics.batches.collect()[0].samples
+               if s.name.endswith("_total")}
+    assert batches == {("shop", "gpu"): 1.0, ("user", "local"): 1.0}
