@@ -2,7 +2,7 @@
 reverse relations, to_hetero(GraphSAGE) hidden 256, [25, 10] per relation, 48 uniform paper ids
 per request.
 
-1. The engine core driven directly (``step()`` in this process; the GPU core on a CUDA device,
+1. The engine core driven directly (``add`` and ``step()`` in this process; the GPU core on a CUDA device,
    the CPU core on a CPU): per-batch p50/p99 of 48 paper ids, its seeds/s one batch at a time,
    sampled nodes and edges per seed, and the batches per node type and path.
 2. The daemon's queue API (``Pipeline`` in this process, engine cores in their own): closed-loop
@@ -55,6 +55,24 @@ def percentiles_ms(times_s: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3}
 
 
+def step_batch(core: Any, ids: np.ndarray) -> None:
+    """One request of ``ids`` into the core (``add``) and ``step()`` until it is answered."""
+    from quiver_serve.engine.core.micro_batch import MicroBatch
+    from quiver_serve.wire import NO_SEED
+
+    mb = MicroBatch(b"bench", 0, False, NO_SEED, ids.astype(np.int64),
+                    np.array([ids.size], np.int64), np.array([time.time() + 60.0]))
+    mb.node_type = SEED_TYPE
+    refused = core.add(mb)
+    if refused is not None:
+        raise RuntimeError(f"the engine core refused the batch: {refused.done.errors}")
+    replies: list = []
+    while not replies:
+        replies = core.step()
+    if replies[0].done.errors:
+        raise RuntimeError(f"the engine core failed the batch: {replies[0].done.errors}")
+
+
 def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator) -> dict[str, Any]:
     """Step 1 of the module docstring."""
     from quiver_serve.engine.core.typed_core import build_typed_core
@@ -74,7 +92,7 @@ def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator) -> dict[str
     for i in range(batches):
         ids = torch.randint(0, count, (SEEDS_PER_REQUEST,), generator=gen)
         t = time.perf_counter()
-        core.rows(SEED_TYPE, ids, False, i)
+        step_batch(core, ids.numpy())
         times.append(time.perf_counter() - t)
         if i < 20:
             out = core.sampler.sample(SEED_TYPE, ids, core.fanouts, i)

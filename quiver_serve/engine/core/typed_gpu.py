@@ -231,6 +231,8 @@ def build_typed_gpu_core(cfg: ServeConfig, graph: TypedGraph, index: int = 0,
     placement, PSGS per seed type, warm-up, then the exact table when ``exact.materialize``."""
     device = device or worker_device(cfg, index)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     spec = spec or ModelSpec.from_config(cfg.model)
     served = build_typed_model(spec, graph).to(device)
