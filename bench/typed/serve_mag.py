@@ -45,6 +45,7 @@ def mag_config(scale: float, device: str, hidden: int, fanouts: list[int]) -> Se
     cfg.sampling.fanouts = list(fanouts)
     cfg.inference.device = device
     cfg.exact.materialize = "off"
+    cfg.sampling.num_cpu_workers = 0  # typed engine cores sample in themselves
     cfg.server.start_timeout_s = 1800.0
     return cfg
 
