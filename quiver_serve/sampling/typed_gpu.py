@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,10 +86,12 @@ class TypedGpuSampler(TypedReferenceSampler):
     name = "typed_gpu"
 
     def __init__(self, graph: TypedGraph, device: torch.device, mode: str = "device",
-                 kernels: bool = True) -> None:
+                 kernels: bool = True, hop_kernels: Any = None) -> None:
+        """``hop_kernels``: launches ``count`` and ``draw`` as ``TypedHopKernels`` does, used
+        instead of the compiled kernels (the kernels' source built for the CPU, in tests)."""
         if mode not in GPU_MODES:
             raise ValueError(f"typed GPU sampler mode must be one of {GPU_MODES}, got {mode!r}")
-        if mode == "uva" and (device.type != "cuda" or not kernels):
+        if mode == "uva" and (device.type != "cuda" or not kernels) and hop_kernels is None:
             raise ValueError("the typed GPU sampler reads host-memory relations (uva) only "
                              "through its kernels on a CUDA device")
         self.mode, self._regions = mode, []
@@ -97,14 +100,15 @@ class TypedGpuSampler(TypedReferenceSampler):
         self.device = device
         #: the relations' (indptr, indices, edge_id or 0) addresses the kernels read
         self._addrs: list[tuple[int, int, int]] = []
-        self.kernels: TypedHopKernels | None = None
-        if kernels and device.type == "cuda":
+        self.kernels: Any = hop_kernels
+        if self.kernels is None and kernels and device.type == "cuda":
             self.kernels = kernels_for(device.index)
+        if self.kernels is not None:
             self._addrs = [self._addresses(rel) for rel in placed.relations.values()]
 
     def _addresses(self, rel: Relation) -> tuple[int, int, int]:
         tensors = [rel.indptr, rel.indices, rel.edge_id]
-        if self.mode == "uva":
+        if self.mode == "uva" and self.device.type == "cuda":
             from quiver_serve.ops.cuda import PinnedRegion
 
             out = []
@@ -116,6 +120,10 @@ class TypedGpuSampler(TypedReferenceSampler):
                 self._regions.append(region)
                 out.append(region.device_ptr)
             return out[0], out[1], out[2]
+        for label, t in zip(("indptr", "indices", "edge_id"), tensors, strict=True):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"relation {list(rel.edge_type)}: {label} must be contiguous "
+                                 "(the kernels read it in place)")
         return tuple(0 if t is None or t.numel() == 0 else t.data_ptr()  # type: ignore[return-value]
                      for t in tensors)
 
