@@ -191,7 +191,9 @@ class TypedReferenceSampler:
                 targets = frontier[et[2]]
                 nbr, eid, count = self.hop_edges(r, rel, ids[et[2]].ids[targets],
                                                  per_rel[et][hop - 1], hop, relation_base(base, r))
-                owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count)
+                # the size is known here: no wait for the device to count it
+                owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count,
+                                                output_size=nbr.numel())
                 found[et[0]].append((et, nbr))
                 cols[et].append(targets[owner])
                 eids[et].append(eid)

@@ -59,10 +59,12 @@ def test_seeded_answers_are_the_cpu_cores_on_both_paths(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("materialize", ["off", "on"])
-def test_exact_answers_equal_pyg_full_graph(device: str, materialize: str) -> None:
+@pytest.mark.parametrize(("name", "materialize"), [("to_hetero_sage_sum", "off"),
+                                                   ("to_hetero_sage_sum", "on"),
+                                                   ("rgcn", "off"), ("hgt", "on")])
+def test_exact_answers_equal_pyg_full_graph(device: str, name: str, materialize: str) -> None:
     graph = shop_graph(seed=5)
-    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
+    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
     torch.manual_seed(0)
     model_spec = spec(pyg_class, kwargs, to_hetero)
     core = build_typed_gpu_core(shop_config(1000, materialize), graph, spec=model_spec,
