@@ -6,16 +6,37 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_geometric.data import HeteroData
 
+from quiver_serve.graph.typed import Relation, TypedGraph, add_reverse_edges
 from quiver_serve.sampling.gpu import gpu_sampler_available
 from quiver_serve.sampling.typed import TypedReferenceSampler
 from quiver_serve.sampling.typed_gpu import TypedGpuSampler
-from tests.sampling.test_typed_sampler import small_typed
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not gpu_sampler_available(), reason="needs a CUDA device and CuPy"),
 ]
+
+
+def small_typed(seed: int) -> TypedGraph:
+    """Papers, authors and venues with edge features and reverse relations (the graph of
+    ``test_typed_sampler.py``, built here: this file imports nothing beyond the GPU box's
+    packages)."""
+    g = torch.Generator().manual_seed(seed)
+    data = HeteroData()
+    data["paper"].x = torch.randn(60, 6, generator=g)
+    data["author"].x = torch.randn(45, 4, generator=g)
+    data["venue"].num_nodes = 5
+    sizes = {"paper": 60, "author": 45, "venue": 5}
+    for (src, rel, dst), num in ((("author", "writes", "paper"), 200),
+                                 (("paper", "cites", "paper"), 260),
+                                 (("paper", "in", "venue"), 60)):
+        ei = torch.stack([torch.randint(0, sizes[src], (num,), generator=g),
+                          torch.randint(0, sizes[dst], (num,), generator=g)])
+        data[src, rel, dst].edge_index = ei
+        data[src, rel, dst].edge_attr = torch.randn(num, 2, generator=g)
+    return add_reverse_edges(TypedGraph.from_hetero_data(data, "papers"))
 
 
 def assert_same(got, want) -> None:  # noqa: ANN001
@@ -47,10 +68,6 @@ def test_kernels_sample_the_references_subgraph(mode: str, fanouts: list[int]) -
 
 def test_high_degree_lists_draw_the_references_neighbours() -> None:
     """Lists of thousands of entries: whole lists (-1) and k-of-n draws with k above a warp."""
-    from torch_geometric.data import HeteroData
-
-    from quiver_serve.graph.typed import TypedGraph
-
     g = torch.Generator().manual_seed(0)
     data = HeteroData()
     data["a"].x = torch.randn(300, 2, generator=g)
@@ -60,6 +77,9 @@ def test_high_degree_lists_draw_the_references_neighbours() -> None:
     data["a", "to", "b"].edge_index = torch.stack([src, dst])
     data["b", "back", "a"].edge_index = torch.stack([dst, src])
     graph = TypedGraph.from_hetero_data(data, "dense")
+    et = ("a", "to", "b")
+    rel = graph.relations[et]
+    graph.relations[et] = Relation(et, rel.indptr, rel.indices)  # edge ids: CSC positions
     ref, gpu = TypedReferenceSampler(graph), TypedGpuSampler(graph, torch.device("cuda", 0))
     for fanouts in ([70, 3], [-1, 2], [1000, 1]):
         seeds = torch.tensor([0, 1, 2, 3])
