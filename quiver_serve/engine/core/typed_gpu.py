@@ -121,7 +121,9 @@ class TypedGpuEngineCore(TypedEngineCore):
             else self.sampler
         t0 = time.perf_counter()
         out = sampler.sample(node_type, seeds, self.all_fanouts if exact else self.fanouts, seed)
-        sample_s = time.perf_counter() - t0  # the per-hop counts were read: the sample is done
+        # every hop's sizes were read on the host: what is left of the sample on the device
+        # (the last concatenations) is counted in compute_s
+        sample_s = time.perf_counter() - t0
         result = self.layerwise.sampled(out) if self.layerwise is not None else self.served(out)
         rows = result.float().cpu().numpy()
         compute_s = time.perf_counter() - t0 - sample_s
