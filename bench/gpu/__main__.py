@@ -3,7 +3,8 @@
 Suites (bench/README.md): gate (GPU tests, GPU sampler bench, engine stage profile, model compute,
 engine vs daemon), pipeline (engine vs daemon, workloads a b c), features, features2 (two GPUs),
 features_e2e, routing (--daemon: through the real daemon), headline, trace, updates, exact, reload, front_door (two
-checkouts' daemons in turn), frontdoor (compiled load clients: wrk, h2load). Options the runner
+checkouts' daemons in turn), frontdoor (compiled load clients: wrk, h2load), typed (the typed
+GPU tests and the ogbn-mag-shaped typed contract). Options the runner
 does not know go to the suite's main bench.
 
 First the wheels carried in .whl/ (git-ignored; fastapi, pydantic, pyzmq, msgspec... that GPU

@@ -30,6 +30,11 @@ ROUTING_DAEMON_ARGS = [
     "--warmup", "0.4", "--procs", "6", "--budget-s", "400", "--set", "sampling.num_cpu_workers=8",
     "--modes", "cpu", "gpu", "auto", "quiver", "auto:sampling.pool_overlap=serial@uva",
     "auto:sampling.pool_overlap=off@uva"]
+#: the typed GPU core's tests (GPU-marked; they read the shared test modules: conftest on)
+TYPED_GPU_TESTS = ["tests/sampling/test_typed_sampler_gpu.py",
+                   "tests/engine/core/test_typed_gpu_core.py"]
+#: what the daemon's queue API needs (the typed bench runs no HTTP front-end)
+TYPED_IMPORTS = "import pydantic, zmq, msgspec, orjson"
 HEADLINE_IMPORTS = "import fastapi, uvicorn, pydantic, zmq, msgspec, orjson, hpack, aiohttp, matplotlib, grpc"
 LOAD_CLIENTS = ("from loadtest.clients import find_tool as f; import sys; "
                 "t = [(n, f(n)) for n in ('wrk', 'h2load')]; v = [(n, x and x.version()) for n, x "
@@ -313,6 +318,25 @@ def frontdoor(a: argparse.Namespace) -> list[Step]:
     ]
 
 
+def typed(a: argparse.Namespace) -> list[Step]:
+    """The typed graph on the GPU: its GPU tests (kernels against the reference, the GPU core
+    against the CPU core and PyG's full graph), then the typed contract on the ogbn-mag-shaped
+    synthetic graph (engine core driven directly and the queue API, one run)."""
+    res = result(a, "typed_mag", "smoke" if "--smoke" in a.extra else None)
+    return [
+        Step("server packages", ["{python}", "-c", TYPED_IMPORTS], 120.0, "imports.log",
+             required=True, on_fail="missing Python packages: carry them as wheels in .whl/ "
+                                    "(bench/README.md, the GPU runner)"),
+        info(["nvidia-smi", "-L"], "nvidia_smi.log", on_fail="no GPU: smoke run"),
+        pytest_step("typed GPU tests", TYPED_GPU_TESTS, a.test_timeout_s or 600.0,
+                    "typed_gpu_tests.log", 10, conftest=True),
+        bench_step("typed mag contract", "bench.typed.serve_mag",
+                   ["--out", str(res), "--machine", a.machine, *a.extra],
+                   a.bench_timeout_s or 900.0, "typed_mag.log", res, QUIET_PIPELINE,
+                   kill_after_s=30.0),
+    ]
+
+
 #: the bench each suite hands the options it does not know (routing --daemon: routing_daemon)
 MAIN_BENCH = {
     "gate": "bench.sampling.gpu_sampler", "pipeline": "bench.engine.pipeline",
@@ -322,12 +346,12 @@ MAIN_BENCH = {
     "front_door": "bench.frontdoor.front_door", "updates": "bench.graph.updates",
     "exact": "bench.graph.exact_table", "reload": "bench.models.reload",
     "frontdoor": "bench.frontdoor.wrk_bench", "change": "bench.graph.change",
-    "restart": "bench.graph.restart",
+    "restart": "bench.graph.restart", "typed": "bench.typed.serve_mag",
 }
 
 SUITES: dict[str, Callable[[argparse.Namespace], list[Step]]] = {
     "gate": gate, "pipeline": pipeline, "features": features, "features2": features2,
     "features_e2e": features_e2e, "routing": routing, "headline": headline, "trace": trace,
     "front_door": front_door, "updates": updates, "exact": exact, "reload": reload,
-    "frontdoor": frontdoor, "change": change, "restart": restart,
+    "frontdoor": frontdoor, "change": change, "restart": restart, "typed": typed,
 }

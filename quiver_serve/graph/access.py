@@ -52,14 +52,25 @@ def propagate_hop(indptr: Tensor, indices: Tensor, prob: Tensor, fanout: int,
     degree = indptr[1:] - indptr[:-1]
     # probability that expanding u draws any given neighbour, times the chance u is expanded
     draw = prob * expand_probability(degree, fanout).to(prob.device)
-    miss = torch.ones_like(prob)  # prod over u with v in N(u) of (1 - draw(u))
+    miss = miss_probability(indptr, indices, draw, prob.numel(), edges_per_chunk)
+    return 1.0 - (1.0 - prob) * miss
+
+
+def miss_probability(indptr: Tensor, indices: Tensor, draw: Tensor, num_sources: int,
+                     edges_per_chunk: int = EDGES_PER_CHUNK) -> Tensor:
+    """Per source node ``v`` (``num_sources`` of them): ``prod_{u: v in N(u)} (1 - draw(u))``,
+    the probability that no expanding node draws it; ``draw`` (float32 per destination ``u``)
+    is the chance that ``u`` is expanded and draws any one given in-neighbour. A typed graph's
+    relation has sources of another type than its destinations (``features/typed.py``)."""
+    degree = indptr[1:] - indptr[:-1]
+    miss = torch.ones(num_sources, dtype=torch.float32, device=draw.device)
     for lo, hi, e0, e1 in _edge_chunks(indptr, edges_per_chunk):
         if e1 == e0:
             continue
         counts = degree[lo:hi]
         per_edge = torch.repeat_interleave(1.0 - draw[lo:hi], counts, output_size=e1 - e0)
         miss.scatter_reduce_(0, indices[e0:e1], per_edge, reduce="prod")
-    return 1.0 - (1.0 - prob) * miss
+    return miss
 
 
 def access_probability(indptr: Tensor, indices: Tensor, seed_prob: Tensor, fanouts: list[int],

@@ -213,3 +213,20 @@ def save_typed_npz(graph: TypedGraph, path: Path) -> None:
         if rel.edge_attr is not None:
             arrays[f"edge_attr__{joined}"] = rel.edge_attr.numpy()
     np.savez(path, **arrays)  # type: ignore[arg-type]
+
+
+def typed_door_graph(cfg: GraphConfig) -> GraphData | None:
+    """What the daemon's main process holds of a typed synthetic preset (``mag``), whose engine
+    cores generate the typed graph themselves: ids below the largest type's node count (the
+    front door's range check; each engine core checks ids per type), no edges, no feature
+    columns. None for any other graph (the main process loads it as it is)."""
+    from quiver_serve.graph.typed_synthetic import TYPED_PRESETS
+
+    if cfg.format != "synthetic" or cfg.synthetic_preset not in TYPED_PRESETS:
+        return None
+    counts = [max(1, round(n * cfg.synthetic_scale))
+              for n in TYPED_PRESETS[cfg.synthetic_preset].num_nodes.values()]
+    num_nodes = max(counts)
+    return GraphData(f"{cfg.synthetic_preset}-typed-door", torch.zeros(num_nodes + 1,
+                     dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                     torch.zeros((num_nodes, 0)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,9 @@ class TypedServedModel:
                                   None) if edge_features else None
         self.takes_ids = "n_id_dict" in params
         self.out_dims: dict[str, int] = {}
+        #: (node type, global ids) -> that type's feature rows on the model's device, float32
+        #: (a placed store, ``features/typed.py``); None: rows read from ``graph.x``
+        self.gather: Callable[[str, Tensor], Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +203,9 @@ class TypedServedModel:
         dev, out = self.device, {}
         for t, ids in node.items():
             x = self.graph.x.get(t)
+            if x is not None and self.gather is not None:
+                out[t] = self.gather(t, ids)
+                continue
             out[t] = x[ids.to(x.device)].to(dev) if x is not None else torch.full(
                 (ids.numel(), 1), float(self.spec.featureless_value), device=dev)
         return out

@@ -155,6 +155,14 @@ class TypedReferenceSampler:
         frontier order, and how many per frontier node; ``base`` is the relation's."""
         return hop_edge_positions(rel.indptr, frontier, k, hop, base)
 
+    def hop_edges(self, number: int, rel: Relation, frontier: Tensor, k: int, hop: int,
+                  base: int) -> tuple[Tensor, Tensor, Tensor]:
+        """One hop of relation ``number`` (its position in the graph's edge types): the drawn
+        neighbours' ids and edge ids in frontier order, and how many per frontier node; the
+        GPU sampler (``sampling/typed_gpu.py``) draws the three in one kernel."""
+        pos, count = self.hop_positions(rel, frontier, k, hop, base)
+        return rel.indices[pos], pos if rel.edge_id is None else rel.edge_id[pos], count
+
     def sample(self, seed_type: str, seeds: Tensor, fanouts: TypedFanouts,
                seed: int) -> TypedSamplerOutput:
         graph = self.graph
@@ -181,12 +189,14 @@ class TypedReferenceSampler:
             found: dict[str, list[tuple[EdgeType, Tensor]]] = {t: [] for t in graph.node_types}
             for r, (et, rel) in enumerate(graph.relations.items()):
                 targets = frontier[et[2]]
-                pos, count = self.hop_positions(rel, ids[et[2]].ids[targets],
-                                                per_rel[et][hop - 1], hop, relation_base(base, r))
-                owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count)
-                found[et[0]].append((et, rel.indices[pos]))
+                nbr, eid, count = self.hop_edges(r, rel, ids[et[2]].ids[targets],
+                                                 per_rel[et][hop - 1], hop, relation_base(base, r))
+                # the size is known here: no wait for the device to count it
+                owner = torch.repeat_interleave(torch.arange(targets.numel(), device=dev), count,
+                                                output_size=nbr.numel())
+                found[et[0]].append((et, nbr))
                 cols[et].append(targets[owner])
-                eids[et].append(pos if rel.edge_id is None else rel.edge_id[pos])
+                eids[et].append(eid)
             for t, parts in found.items():
                 if parts:
                     local = ids[t].add(torch.cat([nbr for _, nbr in parts]))

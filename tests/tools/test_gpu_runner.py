@@ -27,7 +27,7 @@ def steps_of(argv: list[str], tmp_path: Path) -> list[runner.Step]:
 @pytest.mark.parametrize("argv", [["gate"], ["pipeline"], ["features"], ["features2"],
                                   ["features_e2e"], ["routing"], ["routing", "--daemon"],
                                   ["headline", "--smoke"], ["trace", "--scale", "0.01"],
-                                  ["front_door", "."]])
+                                  ["front_door", "."], ["typed"]])
 def test_every_suite_names_existing_tests_and_modules(argv: list[str], tmp_path: Path) -> None:
     steps = steps_of(argv, tmp_path)
     assert steps

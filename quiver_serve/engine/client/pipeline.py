@@ -106,8 +106,11 @@ class Pipeline(ClientFacade):
         if self.graph is None:  # the dataset, or its newest compacted base
             from quiver_serve.graph.living import load_serving_graph
             from quiver_serve.graph.living import log_dir as config_log_dir
+            from quiver_serve.graph.typed_load import typed_door_graph
 
-            self.graph, base_version = load_serving_graph(self.cfg.graph)
+            self.graph = typed_door_graph(self.cfg.graph)  # a typed preset: engines make it
+            if self.graph is None:
+                self.graph, base_version = load_serving_graph(self.cfg.graph)
             log_dir = str(config_log_dir(self.cfg.graph))
         self.supervisor = Supervisor(self.cfg, self.graph,
                                      on_restart=lambda role: self.observer.on_restart(role),

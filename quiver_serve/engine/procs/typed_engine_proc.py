@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from quiver_serve.config import ServeConfig
+from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.typed_core import TypedEngineCore, build_typed_core
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, EngineLoop
@@ -47,7 +48,7 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()
     try:
-        core = build_typed_core(cfg, load_typed_graph(cfg.graph), index)
+        core = build_engine_core(cfg, index)
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.RCVHWM, 0)
@@ -56,10 +57,23 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     except Exception as exc:  # noqa: BLE001 - reported on the control line, then exit 1
         exit_failed(reporter, exc)
     dims = sorted(set(core.out_dims.values()))
-    reporter.send("ready", device="cpu", sampler=core.sampler.name, gpu_sampler=None,
+    gpu = getattr(core, "gpu_sampler", None)
+    reporter.send("ready", device=str(getattr(core, "device", "cpu")), sampler=core.sampler.name,
+                  gpu_sampler=None if gpu is None else gpu.name,
                   dim=dims[0] if len(dims) == 1 else 0, node_types=dict(core.graph.num_nodes),
                   dims=core.out_dims)
     TypedEngineLoop(core, front, poller, reporter).run()
+
+
+def build_engine_core(cfg: ServeConfig, index: int) -> TypedEngineCore:
+    """The typed graph loaded from ``cfg.graph`` and engine core ``index`` over it: on a GPU
+    when the core's device is one (``engine/core/typed_gpu.py``), else on the CPU."""
+    graph = load_typed_graph(cfg.graph)
+    if worker_device(cfg, index).type == "cuda":
+        from quiver_serve.engine.core.typed_gpu import build_typed_gpu_core
+
+        return build_typed_gpu_core(cfg, graph, index)
+    return build_typed_core(cfg, graph, index)
 
 
 class TypedEngineLoop(EngineLoop):
@@ -68,6 +82,10 @@ class TypedEngineLoop(EngineLoop):
     def __init__(self, core: TypedEngineCore, front: zmq.Socket, poller: zmq.Poller,
                  reporter: Reporter) -> None:
         super().__init__(core, front, None, poller, reporter)  # type: ignore[arg-type]
+        if hasattr(core, "on_typed_stats"):  # the GPU core: metrics labelled by node type
+            from quiver_serve.metrics.typed import TypedMetrics
+
+            core.on_typed_stats = TypedMetrics().observe
 
     def run(self) -> None:
         core = self.core
