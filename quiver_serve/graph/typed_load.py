@@ -76,6 +76,23 @@ def _typed_file(cfg: GraphConfig) -> TypedGraph | None:
     return hetero_from_saved(obj, path, cfg.name) if _looks_hetero(obj) else None
 
 
+def holds_typed_graph(cfg: GraphConfig) -> bool:
+    """Whether ``graph.path`` (format ``pyg`` or ``npz``) holds a typed graph: an npz with
+    ``edge_index__<src>__<rel>__<dst>`` keys, a saved ``HeteroData`` (or its ``to_dict()``)."""
+    if cfg.format not in ("pyg", "npz") or cfg.path is None:
+        return False
+    path = resolve_path(cfg.path)
+    if not path.exists():
+        return False
+    if cfg.format == "npz":
+        with np.load(path, allow_pickle=False) as archive:
+            return any(k.startswith("edge_index" + NAME_JOINER) for k in archive.files)
+    try:
+        return _looks_hetero(_torch_load(path))
+    except ValueError:
+        return False  # the homogeneous loader names what is wrong with the file
+
+
 def _looks_hetero(obj: object) -> bool:
     from torch_geometric.data import HeteroData
 

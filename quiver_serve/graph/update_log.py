@@ -59,6 +59,9 @@ from quiver_serve.graph.records import (
     NodeRecord,
     Record,
     SegmentSeal,
+    TypedEdgeRecord,
+    TypedFeatureRecord,
+    TypedNodeRecord,
     decode,
     encode,
 )
@@ -306,7 +309,8 @@ class UpdateLog:
 
     def _write_locked(self, record: Record) -> None:
         self._check_usable()
-        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord):
+        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord | TypedEdgeRecord
+                          | TypedNodeRecord | TypedFeatureRecord):
             raise TypeError(f"not an update record: {type(record).__name__}")
         if record.version != self._last + 1:
             raise ValueError(f"record version {record.version} does not follow the log's last "
