@@ -2,8 +2,9 @@
 (docs/architecture.md, "Typed graphs"; docs/decisions/0048-typed-updates.md).
 
 A typed graph keeps no overlay: an update to a relation builds that relation's next CSC from
-the current one in O(E) array passes (no sort of the relation's entries), and the other
-relations are untouched. Within a destination's list the surviving entries keep their order and
+the current one in bulk copies of its arrays (no sort or gather of the relation's entries when
+only edges are added; removals renumber the edge ids in one pass), and the other relations are
+untouched. Within a destination's list the surviving entries keep their order and
 the added ones follow in request order; edge ids stay PyG's columns: survivors are renumbered in
 their old order, added edges take the next ids in request order (``edge_attr`` rows follow).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,46 +52,42 @@ def splice(rel: Relation, num_src: int, add: Tensor, remove: Tensor,
            ) -> tuple[Relation, SpliceResult]:
     """``rel`` with ``add`` (int64 [a, 2] (src, dst), each a new copy) appended and every copy
     of each ``remove`` pair taken out; the caller checked ids and that a relation with edge
-    features gets no additions."""
-    num_dst, num_edges = rel.num_dst, rel.num_edges
-    keep = torch.ones(num_edges, dtype=torch.bool)
-    removed_per_dst = torch.zeros(num_dst, dtype=torch.int64)
-    removed = missing = 0
+    features gets no additions. NumPy's ``delete`` and ``insert`` move the unchanged entries
+    in bulk (a few passes of memory copies over the relation, no gather per entry)."""
+    removed_at = np.zeros(0, np.int64)
+    missing = 0
     if remove.numel():
         pos, keys = entries_of(rel, torch.unique(remove[:, 1]), num_src)
         wanted = remove[:, 1] * num_src + remove[:, 0]
         hit = torch.isin(keys, wanted)
-        keep[pos[hit]] = False
-        removed = int(hit.sum())
+        removed_at = pos[hit].numpy()
         missing = int((~torch.isin(wanted, keys)).sum())
-        removed_per_dst = torch.bincount(keys[hit] // num_src, minlength=num_dst)
-    if removed == 0 and add.numel() == 0:
+    if removed_at.size == 0 and add.numel() == 0:
         return rel, SpliceResult(0, 0, missing)
-    added_per_dst = torch.bincount(add[:, 1], minlength=num_dst)
-    old_deg = rel.degree()
-    new_deg = old_deg - removed_per_dst + added_per_dst
-    indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
-    torch.cumsum(new_deg, 0, out=indptr[1:])
-    added_before = torch.cumsum(added_per_dst, 0) - added_per_dst
-    kept_dst = torch.repeat_interleave(torch.arange(num_dst), old_deg)[keep]
-    kept_at = torch.arange(kept_dst.numel()) + added_before[kept_dst]
-    order = torch.argsort(add[:, 1], stable=True)
-    add_dst = add[order, 1]
-    rank = torch.arange(add_dst.numel()) - added_before[add_dst]
-    add_at = indptr[add_dst] + (new_deg - added_per_dst)[add_dst] + rank
-    indices = torch.empty(int(indptr[-1]), dtype=torch.int64)
-    indices[kept_at] = rel.indices[keep]
-    indices[add_at] = add[order, 0]
-    old_ids = rel.edge_ids()
-    alive = torch.ones(num_edges, dtype=torch.bool)
-    alive[old_ids[~keep]] = False
-    renumbered = torch.cumsum(alive, 0) - 1
-    edge_id = torch.empty_like(indices)
-    edge_id[kept_at] = renumbered[old_ids[keep]]
-    edge_id[add_at] = kept_dst.numel() + order
-    attr = None if rel.edge_attr is None else rel.edge_attr[alive]
-    out = Relation(rel.edge_type, indptr, indices, edge_id, attr)
-    return out, SpliceResult(int(add.size(0)), removed, missing)
+    indptr = rel.indptr.numpy()
+    indices, ids = rel.indices.numpy(), rel.edge_ids().numpy()
+    attr = rel.edge_attr
+    if removed_at.size:
+        removed_ids = ids[removed_at]
+        drop_per_dst = np.bincount(np.searchsorted(indptr, removed_at, side="right") - 1,
+                                   minlength=rel.num_dst)
+        indptr = indptr - np.concatenate([[0], np.cumsum(drop_per_dst)])
+        indices, ids = np.delete(indices, removed_at), np.delete(ids, removed_at)
+        alive = np.ones(rel.num_edges, bool)
+        alive[removed_ids] = False
+        ids = (np.cumsum(alive) - 1)[ids]  # survivors renumbered in their old order
+        attr = None if attr is None else attr[torch.from_numpy(alive)]
+    if add.numel():
+        pairs = add.numpy()
+        order = np.argsort(pairs[:, 1], kind="stable")
+        at = indptr[pairs[order, 1] + 1]  # the end of each destination's list
+        indices = np.insert(indices, at, pairs[order, 0])
+        ids = np.insert(ids, at, indices.size - len(pairs) + order)
+        indptr = indptr + np.concatenate([[0], np.cumsum(np.bincount(pairs[:, 1],
+                                                                     minlength=rel.num_dst))])
+    out = Relation(rel.edge_type, torch.from_numpy(np.ascontiguousarray(indptr)),
+                   torch.from_numpy(indices), torch.from_numpy(ids), attr)
+    return out, SpliceResult(int(add.size(0)), int(removed_at.size), missing)
 
 
 def undirected_pairs(rel: Relation, num_nodes: int, add: Tensor, remove: Tensor,
