@@ -59,7 +59,6 @@ class GraphOwner:
         ``readers``: (role, index) of the live processes that apply updates."""
         self._readers = readers
         from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
-
         from quiver_serve.graph.update_log import LogLockedError, UpdateLog
 
         if config_is_typed(self.cfg):
