@@ -95,7 +95,8 @@ def type_args(writer: Any, op: str, params: dict[str, Any]) -> dict[str, Any]:
         return {key: value}
     one = ONE_RELATION if key == "edge_type" else HOMOGENEOUS_NODE_TYPE
     if value not in (None, "", one, "__".join(ONE_RELATION)):
-        raise errors.ServeError(f"invalid_{key}", f"unknown {key} {str(value)[:128]}: this "
+        shown = [str(v)[:64] for v in value[:3]] if isinstance(value, list) else str(value)[:128]
+        raise errors.ServeError(f"invalid_{key}", f"unknown {key} {shown!r}: this "
                                 f"daemon serves an untyped graph (its one {key.replace('_', ' ')} "
                                 f"is {one}); leave {key} out", 400)
     return {}
