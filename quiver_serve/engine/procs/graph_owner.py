@@ -117,6 +117,9 @@ class GraphOwner:
         graph = self.typed_graph if self.typed_graph is not None else load_typed_graph(g)
         self.typed_graph = None  # the writer's copy from here on
         writer = TypedGraphWriter(g, graph, update_log, self.state)
+        from quiver_serve.metrics.prometheus import GraphWriterMetrics
+
+        writer.on_update = GraphWriterMetrics().on_update  # versions, update counts, durations
         replayed = writer.replay()
         if replayed:
             log.info("update log %s: %d typed update(s) replayed (now version %d)",
