@@ -120,7 +120,7 @@ class RemotePipeline(ClientFacade):
             raise self.refusal()
 
     def _on_graph_result(self, op: str, result: dict[str, Any]) -> None:
-        if op == "add_nodes" and result.get("node_ids"):
+        if op == "add_nodes" and result.get("node_ids") and not result.get("node_type"):
             self.num_nodes = max(self.num_nodes, int(max(result["node_ids"])) + 1)
             self.node_capacity = max(self.node_capacity, self.num_nodes)
         version = result.get("version")

@@ -44,15 +44,19 @@ _ADMIN = " (admin: server.admin_token, or loopback clients when none is set)"
 class _Edges(msgspec.Struct, forbid_unknown_fields=True):
     add: list[tuple[int, int]] = []
     remove: list[tuple[int, int]] = []
+    edge_type: tuple[str, str, str] | None = None
 
 
 class _Nodes(msgspec.Struct, forbid_unknown_fields=True):
-    features: list[list[float]]
+    features: list[list[float]] | None = None
+    node_type: str | None = None
+    count: int | None = None
 
 
 class _Features(msgspec.Struct, forbid_unknown_fields=True):
     node_ids: list[int]
     features: list[list[float]]
+    node_type: str | None = None
 
 
 _DECODERS = {cls: msgspec.json.Decoder(cls) for cls in (_Edges, _Nodes, _Features)}
@@ -96,19 +100,37 @@ def float_rows(rows: list[list[float]], field: str, width: int | None) -> np.nda
         return np.array(rows, dtype=np.float32).reshape(len(rows), -1)
 
 
-def edges_args(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+def edges_args(raw: bytes) -> tuple[np.ndarray, np.ndarray, Any]:
+    """(add, remove, edge_type or None)."""
     body = decode(raw, _Edges, GraphEdgesBody)
-    return (int_array(body.add, "add", (-1, 2)), int_array(body.remove, "remove", (-1, 2)))
+    edge_type = None if body.edge_type is None else list(body.edge_type)
+    return (int_array(body.add, "add", (-1, 2)), int_array(body.remove, "remove", (-1, 2)),
+            edge_type)
 
 
-def nodes_args(raw: bytes, width: int | None) -> np.ndarray:
-    return float_rows(decode(raw, _Nodes, GraphNodesBody).features, "features", width)
+def nodes_args(raw: bytes, width: int | None) -> tuple[np.ndarray, str | None]:
+    """(feature rows, node_type or None); on a typed graph the writer checks the width, and a
+    type without features takes ``count`` (rows of no values)."""
+    body = decode(raw, _Nodes, GraphNodesBody)
+    if body.node_type is not None:
+        width = None
+    if body.count is not None:
+        if body.features is not None or body.count < 1:
+            raise errors.ServeError("invalid_request", "give features (one row per new node) "
+                                    "or count (a type without features) >= 1, not both", 422)
+        return np.zeros((body.count, 0), np.float32), body.node_type
+    if body.features is None:
+        raise errors.ServeError("invalid_request", "features is required (one row per new "
+                                "node; count for a type without features)", 422)
+    return float_rows(body.features, "features", width), body.node_type
 
 
-def features_args(raw: bytes, width: int | None) -> tuple[np.ndarray, np.ndarray]:
+def features_args(raw: bytes, width: int | None) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(node_ids, rows, node_type or None)."""
     body = decode(raw, _Features, GraphFeaturesBody)
+    width = None if body.node_type is not None else width
     return (int_array(body.node_ids, "node_ids", (-1,)),
-            float_rows(body.features, "features", width))
+            float_rows(body.features, "features", width), body.node_type)
 
 
 def _json(result: dict[str, Any], status: int = 200) -> Response:
@@ -133,24 +155,25 @@ def add_graph_routes(app: FastAPI, state: Any, responses: dict[int | str, Any]) 
 
     @app.post(GRAPH_PATH + "/edges", response_model=GraphEdgesResponse, responses=responses,
               openapi_extra=_body_doc(GraphEdgesBody),
-              summary="Add and remove directed edges src -> dst" + _ADMIN)
+              summary="Add and remove directed edges src -> dst (of edge_type on a typed "
+                      "graph)" + _ADMIN)
     async def edges(request: Request) -> Response:
-        add, remove = edges_args(await request.body())
-        return _json(await _graph_ops(state).add_edges(add, remove))
+        add, remove, edge_type = edges_args(await request.body())
+        return _json(await _graph_ops(state).add_edges(add, remove, edge_type))
 
     @app.post(GRAPH_PATH + "/nodes", response_model=GraphNodesResponse, responses=responses,
               openapi_extra=_body_doc(GraphNodesBody),
               summary="Append nodes with their feature rows (ids follow the node count)" + _ADMIN)
     async def nodes(request: Request) -> Response:
-        rows = nodes_args(await request.body(), state.pipeline.num_features)
-        return _json(await _graph_ops(state).add_nodes(rows))
+        rows, node_type = nodes_args(await request.body(), state.pipeline.num_features)
+        return _json(await _graph_ops(state).add_nodes(rows, node_type))
 
     @app.put(GRAPH_PATH + "/features", response_model=GraphVersionResponse, responses=responses,
              openapi_extra=_body_doc(GraphFeaturesBody),
              summary="Overwrite the feature rows of existing nodes" + _ADMIN)
     async def features(request: Request) -> Response:
-        ids, rows = features_args(await request.body(), state.pipeline.num_features)
-        return _json(await _graph_ops(state).put_features(ids, rows))
+        ids, rows, node_type = features_args(await request.body(), state.pipeline.num_features)
+        return _json(await _graph_ops(state).put_features(ids, rows, node_type))
 
     @app.get(GRAPH_PATH, responses=responses,
              summary="The graph: versions acknowledged and visible per engine core, sizes, "

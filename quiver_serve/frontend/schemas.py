@@ -145,10 +145,14 @@ class GraphEdgesBody(_Body):
 
     add: list[Pair] = Field([], description="[[src, dst], ...] to add (a repeat is a second copy)")
     remove: list[Pair] = Field([], description="[[src, dst], ...] to remove (every copy)")
+    edge_type: list[str] | None = Field(
+        None, min_length=3, max_length=3, description="typed graph: the relation [src, rel, dst] "
+        "(ids are the source and destination types' own); optional when it has one")
 
 
 class GraphEdgesResponse(BaseModel):
     version: int = Field(..., description="the graph version this update is durable in")
+    edge_type: list[str] | None = Field(None, description="typed graph: the relation updated")
     added: int
     removed: int = Field(..., description="edge copies removed")
     missing: int = Field(..., description="removals that named no existing edge")
@@ -157,11 +161,17 @@ class GraphEdgesResponse(BaseModel):
 class GraphNodesBody(_Body):
     """``POST /v1/graph/nodes``: append nodes with their feature rows."""
 
-    features: list[list[Number]] = Field(..., min_length=1, description="one row per new node")
+    features: list[list[Number]] | None = Field(None, min_length=1,
+                                                description="one row per new node")
+    node_type: str | None = Field(None, description="typed graph: the new nodes' type (their "
+                                  "ids follow its count)")
+    count: int | None = Field(None, ge=1, description="typed graph: how many new nodes of a "
+                              "type without features (no rows then)")
 
 
 class GraphNodesResponse(BaseModel):
     version: int
+    node_type: str | None = Field(None, description="typed graph: the new nodes' type")
     node_ids: list[int] = Field(..., description="the new nodes' ids, consecutive, in row order")
 
 
@@ -170,6 +180,7 @@ class GraphFeaturesBody(_Body):
 
     node_ids: list[StrictInt] = Field(..., min_length=1)
     features: list[list[Number]] = Field(..., min_length=1, description="one row per node id")
+    node_type: str | None = Field(None, description="typed graph: the nodes' type")
 
 
 class GraphVersionResponse(BaseModel):

@@ -3,8 +3,10 @@ graph").
 
 A record is one acknowledged update: ``EdgeRecord`` (directed edges added and removed),
 ``NodeRecord`` (new nodes' feature rows; their ids follow the current node count in order) or
-``FeatureRecord`` (feature rows overwritten). ``BookNodesRecord`` is a partitioned graph's: new
-nodes entered in the partition book with their global ids and owner, with their rows at the
+``FeatureRecord`` (feature rows overwritten); on a typed graph ``TypedEdgeRecord``,
+``TypedNodeRecord`` and ``TypedFeatureRecord``, the same with the relation's or node type's
+position in the graph (``graph/typed_living.py``). ``BookNodesRecord`` is a partitioned graph's:
+new nodes entered in the partition book with their global ids and owner, with their rows at the
 owner (``scaleout/partitioned/live.py``). ``PlannedEdgeRecord`` is an ``EdgeRecord`` with
 the writer's plan of it (the overlay's writes, ``graph/overlay.py`` ``Patch``): a follower whose
 overlay is in the writer's state applies the plan instead of planning again. ``SegmentSeal`` is the log's own marker closing a
@@ -17,7 +19,7 @@ decode it)::
          0     4  magic b"QSUL"
          4     2  format version (FORMAT_VERSION)
          6     1  kind (0 seal, 1 edges, 2 nodes, 3 features, 4 edges with their plan,
-                  5 a partitioned graph's new nodes)
+                  5 a partitioned graph's new nodes, 6-8 typed edges, nodes, features)
          7     1  reserved, 0
          8     8  record version, u64
         16     8  accepted_s, f64 (wall clock when the update was accepted)
@@ -182,6 +184,73 @@ class FeatureRecord(BaseRecord):
             raise ValueError(f"{len(self.node_ids)} node_ids but {len(self.features)} feature rows")
 
 
+def _type_key(value: Any) -> np.ndarray:
+    key = _array(value, _DTYPES[1], 1, "type_key")
+    if key.size != 1 or int(key[0]) < 0:
+        raise ValueError(f"a typed record's type_key is one position >= 0, got {key.tolist()}")
+    return key
+
+
+@dataclass(eq=False)
+class TypedEdgeRecord(BaseRecord):
+    """``EdgeRecord`` of one relation of a typed graph: ``type_key`` [1] is the relation's
+    position in the graph's edge types; ``add``/``remove`` pairs are (source id, destination id)
+    in the source and destination types' own ids."""
+
+    version: int
+    accepted_s: float
+    type_key: np.ndarray  # int64 [1]
+    add: np.ndarray  # int64 [a, 2]
+    remove: np.ndarray  # int64 [r, 2]
+    KIND: ClassVar[int] = 6
+    FIELDS: ClassVar[tuple[str, ...]] = ("type_key", "add", "remove")
+
+    def __post_init__(self) -> None:
+        self._check_version()
+        self.type_key = _type_key(self.type_key)
+        self.add = _array(self.add, _DTYPES[1], 2, "add", width=2)
+        self.remove = _array(self.remove, _DTYPES[1], 2, "remove", width=2)
+
+
+@dataclass(eq=False)
+class TypedNodeRecord(BaseRecord):
+    """New nodes of one node type (``type_key``: its position); ``features`` [n, F], F = 0 for
+    a type without features. Their ids follow the type's node count."""
+
+    version: int
+    accepted_s: float
+    type_key: np.ndarray  # int64 [1]
+    features: np.ndarray  # float32 [n, F]
+    KIND: ClassVar[int] = 7
+    FIELDS: ClassVar[tuple[str, ...]] = ("type_key", "features")
+
+    def __post_init__(self) -> None:
+        self._check_version()
+        self.type_key = _type_key(self.type_key)
+        self.features = _array(self.features, _DTYPES[2], 2, "features")
+
+
+@dataclass(eq=False)
+class TypedFeatureRecord(BaseRecord):
+    """Feature rows of one node type's nodes overwritten (``type_key``: the type's position)."""
+
+    version: int
+    accepted_s: float
+    type_key: np.ndarray  # int64 [1]
+    node_ids: np.ndarray  # int64 [n]
+    features: np.ndarray  # float32 [n, F]
+    KIND: ClassVar[int] = 8
+    FIELDS: ClassVar[tuple[str, ...]] = ("type_key", "node_ids", "features")
+
+    def __post_init__(self) -> None:
+        self._check_version()
+        self.type_key = _type_key(self.type_key)
+        self.node_ids = _array(self.node_ids, _DTYPES[1], 1, "node_ids")
+        self.features = _array(self.features, _DTYPES[2], 2, "features")
+        if len(self.node_ids) != len(self.features):
+            raise ValueError(f"{len(self.node_ids)} node_ids but {len(self.features)} feature rows")
+
+
 @dataclass(eq=False)
 class BookNodesRecord(BaseRecord):
     """New nodes of a partitioned graph: ``head`` is (first global id, count, owner partition);
@@ -230,9 +299,11 @@ class SegmentSeal(BaseRecord):
         self._check_version()
 
 
-Record = EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord
+TypedRecord = TypedEdgeRecord | TypedNodeRecord | TypedFeatureRecord
+Record = EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord | TypedRecord
 _KINDS: dict[int, type[BaseRecord]] = {c.KIND: c for c in (
-    SegmentSeal, EdgeRecord, NodeRecord, FeatureRecord, PlannedEdgeRecord, BookNodesRecord)}
+    SegmentSeal, EdgeRecord, NodeRecord, FeatureRecord, PlannedEdgeRecord, BookNodesRecord,
+    TypedEdgeRecord, TypedNodeRecord, TypedFeatureRecord)}
 
 
 def _pad(n_bytes: int) -> int:

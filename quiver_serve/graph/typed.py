@@ -303,3 +303,15 @@ def add_reverse_edges(graph: TypedGraph, merge: bool = True) -> TypedGraph:
                                                   graph.num_nodes[src], rel.edge_attr)
     return TypedGraph(graph.name, dict(graph.num_nodes), dict(graph.x), relations,
                       dict(graph.y))
+
+
+def stand_in(graph: TypedGraph) -> GraphData:
+    """The one-type graph the main process of a typed daemon holds for what reads one (widths,
+    counts, logs): the first node type with features (else the first type), its rows, no
+    edges. The engine cores load and serve the typed graph themselves."""
+    featured = [t for t in graph.node_types if t in graph.x]
+    node_type = featured[0] if featured else graph.node_types[0]
+    count = graph.num_nodes[node_type]
+    x = graph.x.get(node_type, torch.zeros((count, 0)))
+    return GraphData(graph.name, torch.zeros(count + 1, dtype=torch.int64),
+                     torch.zeros(0, dtype=torch.int64), x)

@@ -76,6 +76,23 @@ def _typed_file(cfg: GraphConfig) -> TypedGraph | None:
     return hetero_from_saved(obj, path, cfg.name) if _looks_hetero(obj) else None
 
 
+def holds_typed_graph(cfg: GraphConfig) -> bool:
+    """Whether ``graph.path`` (format ``pyg`` or ``npz``) holds a typed graph: an npz with
+    ``edge_index__<src>__<rel>__<dst>`` keys, a saved ``HeteroData`` (or its ``to_dict()``)."""
+    if cfg.format not in ("pyg", "npz") or cfg.path is None:
+        return False
+    path = resolve_path(cfg.path)
+    if not path.exists():
+        return False
+    if cfg.format == "npz":
+        with np.load(path, allow_pickle=False) as archive:
+            return any(k.startswith("edge_index" + NAME_JOINER) for k in archive.files)
+    try:
+        return _looks_hetero(_torch_load(path))
+    except ValueError:
+        return False  # the homogeneous loader names what is wrong with the file
+
+
 def _looks_hetero(obj: object) -> bool:
     from torch_geometric.data import HeteroData
 
@@ -213,20 +230,3 @@ def save_typed_npz(graph: TypedGraph, path: Path) -> None:
         if rel.edge_attr is not None:
             arrays[f"edge_attr__{joined}"] = rel.edge_attr.numpy()
     np.savez(path, **arrays)  # type: ignore[arg-type]
-
-
-def typed_door_graph(cfg: GraphConfig) -> GraphData | None:
-    """What the daemon's main process holds of a typed synthetic preset (``mag``), whose engine
-    cores generate the typed graph themselves: ids below the largest type's node count (the
-    front door's range check; each engine core checks ids per type), no edges, no feature
-    columns. None for any other graph (the main process loads it as it is)."""
-    from quiver_serve.graph.typed_synthetic import TYPED_PRESETS
-
-    if cfg.format != "synthetic" or cfg.synthetic_preset not in TYPED_PRESETS:
-        return None
-    counts = [max(1, round(n * cfg.synthetic_scale))
-              for n in TYPED_PRESETS[cfg.synthetic_preset].num_nodes.values()]
-    num_nodes = max(counts)
-    return GraphData(f"{cfg.synthetic_preset}-typed-door", torch.zeros(num_nodes + 1,
-                     dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                     torch.zeros((num_nodes, 0)))

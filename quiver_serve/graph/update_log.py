@@ -60,6 +60,9 @@ from quiver_serve.graph.records import (
     NodeRecord,
     Record,
     SegmentSeal,
+    TypedEdgeRecord,
+    TypedFeatureRecord,
+    TypedNodeRecord,
     decode,
     encode,
 )
@@ -307,7 +310,8 @@ class UpdateLog:
 
     def _write_locked(self, record: Record) -> None:
         self._check_usable()
-        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord):
+        if not isinstance(record, EdgeRecord | NodeRecord | FeatureRecord | BookNodesRecord
+                          | TypedEdgeRecord | TypedNodeRecord | TypedFeatureRecord):
             raise TypeError(f"not an update record: {type(record).__name__}")
         if record.version != self._last + 1:
             raise ValueError(f"record version {record.version} does not follow the log's last "

@@ -102,8 +102,13 @@ def test_kserve_and_grpc_take_a_node_type_parameter(server: ServerProcess, libra
         client.close()
 
 
-def test_graph_updates_are_refused_until_typed_updates_are_served(server: ServerProcess) -> None:
+def test_typed_updates_without_a_type_are_named(server: ServerProcess) -> None:
     r = httpx.post(server.url + "/v1/graph/edges", json={"add": [[0, 1]]})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "['paper', 'has_word', 'word']" in message, message
+    r = httpx.post(server.url + "/v1/graph/nodes", json={"features": [[0.0] * 1433]})
+    assert r.status_code == 400 and "node_type is required" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/graph/compact")
     assert r.status_code == 501 and "typed graph" in r.json()["error"]["message"]
     ok = httpx.post(server.url + "/v1/embed", json={"node_type": "paper", "node_ids": [1]})
     assert ok.status_code == 200  # serving goes on
@@ -129,5 +134,15 @@ def test_front_ends_in_their_own_processes_serve_typed_requests(
         assert r.status_code == 400 and "'author'" in r.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/embed", json={"node_type": "word", "node_ids": [1433]})
         assert r.status_code == 400 and "0..1432" in r.json()["error"]["message"]
+        # a new word through a front-end's graph client, then read at its version
+        r = httpx.post(srv.url + "/v1/graph/nodes", json={"node_type": "word", "count": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["node_ids"] == [1433] and r.json()["node_type"] == "word"
+        r = httpx.post(srv.url + "/v1/graph/edges", json={
+            "edge_type": ["paper", "has_word", "word"], "add": [[9, 1433]]})
+        assert r.status_code == 200 and r.json()["version"] == 2, r.text
+        r = httpx.post(srv.url + "/v1/embed", json={
+            "node_type": "word", "node_ids": [1433], "min_version": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["node_type"] == "word", r.text
     finally:
         srv.stop()

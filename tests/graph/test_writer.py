@@ -131,3 +131,25 @@ def test_bad_updates_are_refused_and_change_nothing(tmp_path: Path) -> None:
     assert writer.add_edges([[1, 2], [1, 2]], [[3, 4]]) == {
         "version": 1, "added": 2, "removed": 0, "missing": 1}
     writer.log.close()
+
+
+def test_a_type_on_an_untyped_graph_is_its_one_type_or_a_400(tmp_path: Path) -> None:
+    """Update calls on a one-type graph take no type or its one type (``node``,
+    ``node-to-node``: docs/architecture.md, "Typed graphs"); another is a 400 naming it."""
+    from quiver_serve.engine.procs.graph_service import WriterCalls
+
+    ORIGINAL[:] = [graph()]
+    calls = WriterCalls(open_writer(tmp_path, GraphConfig()), 1)
+    try:
+        got = calls.run("add_edges", [[[0, 1]], []], params={"edge_type": ["node", "to", "node"]})
+        assert got["added"] == 1 and got["version"] == 1
+        got = calls.run("put_features", [[0], [[0.0] * 4]], params={"node_type": "node"})
+        assert got["version"] == 2
+        with pytest.raises(errors.ServeError) as info:
+            calls.run("add_edges", [[[0, 1]], []], params={"edge_type": ["a", "b", "c"]})
+        assert info.value.info.status == 400 and "['node', 'to', 'node']" in info.value.info.message
+        with pytest.raises(errors.ServeError) as info:
+            calls.run("add_nodes", [[[0.0] * 4]], params={"node_type": "paper"})
+        assert info.value.info.status == 400 and "'paper'" in info.value.info.message
+    finally:
+        calls.stop()

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from quiver_serve import errors
-from quiver_serve.engine.procs.graph_service import WriterCalls
+from quiver_serve.engine.procs.graph_service import WriterCalls, typed_params
 from quiver_serve.wire import Decoders, GraphCall, GraphReply, encode, graph_frames
 
 log = logging.getLogger(__name__)
@@ -59,14 +59,16 @@ def timed_out(op: str, timeout_s: float) -> errors.ServeError:
 class _GraphOps:
     """The five coroutines, over ``_call(op, arrays)``."""
 
-    async def add_edges(self, add: Any, remove: Any) -> dict[str, Any]:
-        return await self._call("add_edges", [add, remove])
+    async def add_edges(self, add: Any, remove: Any, edge_type: Any = None) -> dict[str, Any]:
+        return await self._call("add_edges", [add, remove], typed_params(edge_type=edge_type))
 
-    async def add_nodes(self, features: Any) -> dict[str, Any]:
-        return await self._call("add_nodes", [features])
+    async def add_nodes(self, features: Any, node_type: Any = None) -> dict[str, Any]:
+        return await self._call("add_nodes", [features], typed_params(node_type=node_type))
 
-    async def put_features(self, node_ids: Any, features: Any) -> dict[str, Any]:
-        return await self._call("put_features", [node_ids, features])
+    async def put_features(self, node_ids: Any, features: Any,
+                           node_type: Any = None) -> dict[str, Any]:
+        return await self._call("put_features", [node_ids, features],
+                                typed_params(node_type=node_type))
 
     async def info(self) -> dict[str, Any]:
         return await self._call("info", [])

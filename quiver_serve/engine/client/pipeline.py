@@ -44,11 +44,15 @@ from quiver_serve.engine.client.graph_client import (
 )
 from quiver_serve.engine.client.loop_client import connect_async
 from quiver_serve.engine.client.queue_bridge import QueueBridge
-from quiver_serve.engine.procs.graph_service import WriterCalls, unavailable
+from quiver_serve.engine.procs.graph_service import WriterCalls, typed_params, unavailable
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.supervisor import Supervisor
+from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
 from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.typed import stand_in
+from quiver_serve.graph.typed_load import load_typed_graph
+from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.messages import EmbedRequest, EmbedResult
 from quiver_serve.metrics.observer import PipelineObserver
 from quiver_serve.wire import InductiveNodes
@@ -85,7 +89,7 @@ class Pipeline(ClientFacade):
         self.supervisor: Supervisor | None = None
         self.client: EngineClient | None = None
         self.out_dim: int | None = None
-        self.node_types: dict[str, int] | None = None
+        self._node_types: dict[str, int] | None = None
         self._ids = itertools.count()
         self._init_facade("h-")
         ctx = spawn_context()  # multiprocessing queues: callers in other processes use them too
@@ -102,19 +106,21 @@ class Pipeline(ClientFacade):
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start(self) -> Pipeline:
-        base_version, log_dir = 0, None
+        base_version, log_dir, typed = 0, None, None
         if self.graph is None:  # the dataset, or its newest compacted base
             from quiver_serve.graph.living import load_serving_graph
             from quiver_serve.graph.living import log_dir as config_log_dir
-            from quiver_serve.graph.typed_load import typed_door_graph
 
-            self.graph = typed_door_graph(self.cfg.graph)  # a typed preset: engines make it
-            if self.graph is None:
-                self.graph, base_version = load_serving_graph(self.cfg.graph)
             log_dir = str(config_log_dir(self.cfg.graph))
+            if config_is_typed(self.cfg):  # docs/architecture.md, "Typed graphs"
+                typed = load_typed_graph(self.cfg.graph)
+                self.graph = stand_in(typed)
+            else:
+                self.graph, base_version = load_serving_graph(self.cfg.graph)
         self.supervisor = Supervisor(self.cfg, self.graph,
                                      on_restart=lambda role: self.observer.on_restart(role),
-                                     base_version=base_version, log_dir=log_dir)
+                                     base_version=base_version, log_dir=log_dir,
+                                     typed_graph=typed)
         self.graph = self.supervisor.graph  # a newer compacted base, when there is one
         try:
             self.supervisor.start()
@@ -123,8 +129,7 @@ class Pipeline(ClientFacade):
             raise
         info = self.supervisor.engine_info(0)
         self.out_dim = int(info["dim"])
-        #: node count per type of a typed graph (engine/procs/typed_engine_proc.py); None: one type
-        self.node_types: dict[str, int] | None = info.get("node_types")
+        self._node_types = info.get("node_types")
         self.client_endpoints = self.endpoints()
         self.client = EngineClient(self.client_endpoints, self.observer, name="pipeline")
         self._bridge.start()
@@ -138,6 +143,15 @@ class Pipeline(ClientFacade):
         """What a client in another process needs to reach this daemon (picklable)."""
         assert self.supervisor is not None and self.graph is not None
         return engine_endpoints(self.cfg, self.supervisor, self.graph.num_nodes)
+
+    @property
+    def node_types(self) -> dict[str, int] | None:
+        """Node count per type of a typed graph (its writer's, so ids of nodes just added
+        pass; engine/procs/typed_engine_proc.py); None: one type."""
+        writer = self.supervisor.graph_writer if self.supervisor is not None else None
+        if self._node_types is not None and isinstance(writer, TypedGraphWriter):
+            return writer.num_nodes
+        return self._node_types
 
     @property
     def num_nodes(self) -> int:
@@ -325,18 +339,30 @@ class Pipeline(ClientFacade):
             "model_index", [], params={"ready": ready})["models"]
         return rows
 
-    def add_edges(self, add: Any = None, remove: Any = None) -> dict[str, Any]:
+    def add_edges(self, add: Any = None, remove: Any = None,
+                  edge_type: Any = None) -> dict[str, Any]:
         """Add (a repeat is a second copy) and remove (every copy) directed edges src -> dst,
-        each ``[[src, dst], ...]``: ``{"version", "added", "removed", "missing"}``."""
-        return self.writer_calls().run("add_edges", [add, remove])
+        each ``[[src, dst], ...]``: ``{"version", "added", "removed", "missing"}``. On a typed
+        graph ``edge_type`` ``(src, rel, dst)`` names the relation (optional when it has one);
+        ids are the source and destination types' own."""
+        return self.writer_calls().run("add_edges", [add, remove],
+                                       params=typed_params(edge_type=edge_type))
 
-    def add_nodes(self, features: Any) -> dict[str, Any]:
-        """Append nodes with these feature rows: ``{"version", "node_ids"}`` (consecutive)."""
-        return self.writer_calls().run("add_nodes", [features])
+    def add_nodes(self, features: Any = None, node_type: str | None = None,
+                  count: int | None = None) -> dict[str, Any]:
+        """Append nodes with these feature rows: ``{"version", "node_ids"}`` (consecutive). On
+        a typed graph ``node_type`` names their type (ids follow its count); a type without
+        features takes ``count`` instead of rows."""
+        rows = features if count is None else np.zeros((count, 0), np.float32)
+        return self.writer_calls().run("add_nodes", [rows],
+                                       params=typed_params(node_type=node_type))
 
-    def put_features(self, node_ids: Any, features: Any) -> dict[str, Any]:
-        """Overwrite the feature rows of ``node_ids``: ``{"version"}``."""
-        return self.writer_calls().run("put_features", [node_ids, features])
+    def put_features(self, node_ids: Any, features: Any,
+                     node_type: str | None = None) -> dict[str, Any]:
+        """Overwrite the feature rows of ``node_ids`` (of ``node_type`` on a typed graph):
+        ``{"version"}``."""
+        return self.writer_calls().run("put_features", [node_ids, features],
+                                       params=typed_params(node_type=node_type))
 
     def graph_info(self) -> dict[str, Any]:
         """Versions acknowledged and visible per engine core, sizes, staleness."""

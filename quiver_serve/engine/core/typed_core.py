@@ -8,6 +8,12 @@ trimmed per layer when the layer runner serves the model (``TypedLayerwise.sampl
 requests read a per-type table of every node's layer-wise output (``TypedLayerwise.run``) when
 ``exact.materialize`` is on, else are computed on the fly from a sample with every fanout -1
 (every in-neighbour: exact). A one-type graph keeps the homogeneous core (``build.py``).
+
+With the living graph (``sync``, ``typed_sync.py``) each step first applies new updates; a
+micro-batch whose ``min_version`` is not applied here yet, or that names an id past its type's
+applied count while updates are pending, waits in ``parked`` until they are (504 at its
+deadline). The exact table holds the rows of the version it was built on: the first update
+applied drops it, and exact requests are then computed from a sample with every fanout -1.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.micro_batch import (
     MicroBatch,
@@ -32,6 +39,7 @@ from quiver_serve.engine.core.micro_batch import (
     refused_whole,
     split_rows,
 )
+from quiver_serve.engine.core.typed_sync import TypedSync
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
@@ -61,6 +69,8 @@ class TypedSettings:
     max_batch_nodes: int
     max_waiting: int
     materialize: bool
+    #: time a step may spend applying updates while requests wait (``graph.apply_budget_ms``)
+    apply_budget_s: float = 0.005
 
 
 class TypedEngineCore:
@@ -79,6 +89,10 @@ class TypedEngineCore:
         self.out_dims = dict(served.out_dims)
         #: sends replies at once (the process loop's socket); None: ``step()`` returns them
         self.send_now = None
+        #: follows the update log (None: the graph does not change)
+        self.sync: TypedSync | None = None
+        #: micro-batches waiting for a version (``min_version``, ids of nodes not applied yet)
+        self.parked: deque[MicroBatch] = deque()
 
     def ids_in_hand(self) -> int:
         """Ids waiting here from every client (the clients spread load by it)."""
@@ -117,9 +131,12 @@ class TypedEngineCore:
             msg = (f"node_type is required: the graph's node types are {self.node_types}"
                    if not mb.node_type else unknown_type_message(mb.node_type, self.node_types))
             return refused_whole(mb, "invalid_node_type", msg, 400)
-        if len(self.waiting) >= self.settings.max_waiting:
+        if len(self.waiting) + len(self.parked) >= self.settings.max_waiting:
             return refused_whole(mb, "overloaded", "engine queue is full; retry later", 503)
         mb.node_type = node_type
+        if self._must_wait(mb):
+            self.parked.append(mb)
+            return None
         valid, errs = check_ids(mb, self.graph.num_nodes[node_type])
         mb.valid, mb.errors = valid, errs
         mb.min_deadline_s = float(mb.deadlines_s.min()) if mb.num_requests else 0.0
@@ -129,11 +146,47 @@ class TypedEngineCore:
     def busy(self) -> bool:
         return bool(self.waiting)
 
-    def step(self) -> list[Reply]:
-        """Form one batch of waiting micro-batches (same node type and mode; a seeded
-        micro-batch alone), run it, and answer it."""
-        if not self.waiting:
+    def _must_wait(self, mb: MicroBatch) -> bool:
+        sync = self.sync
+        if sync is None:
+            return False
+        if mb.min_version > sync.version:
+            return True
+        return bool(sync.behind() and mb.ids.size
+                    and int(mb.ids.max()) >= self.graph.num_nodes[mb.node_type])
+
+    def follow(self) -> list[Reply]:
+        """Apply new updates (see the module docstring), then move on the parked micro-batches
+        whose version is here; 504 those whose every deadline passed."""
+        if self.sync is None:
             return []
+        budget_s = self.settings.apply_budget_s if self.waiting else float("inf")
+        if self.sync.step(budget_s) and self.exact_rows is not None:
+            self.exact_rows = None
+            log.info("engine %d: graph updated (version %d): the typed exact table is dropped; "
+                     "exact requests are computed from full-fanout samples", self.index,
+                     self.sync.version)
+        replies: list[Reply] = []
+        now_s = time.time()
+        pending, self.parked = self.parked, deque()
+        for mb in pending:
+            if mb.deadlines_s.size and float(mb.deadlines_s.max()) <= now_s:
+                replies.append(refused_whole(mb, *errors.DEADLINE))
+            elif self._must_wait(mb):
+                self.parked.append(mb)
+            else:
+                mb.valid, mb.errors = check_ids(mb, self.graph.num_nodes[mb.node_type])
+                mb.min_deadline_s = float(mb.deadlines_s.min()) if mb.num_requests else 0.0
+                self.waiting.append(mb)
+        return replies
+
+    def step(self) -> list[Reply]:
+        """Apply updates and move on parked micro-batches (``follow``), then form one batch of
+        waiting micro-batches (same node type and mode; a seeded micro-batch alone), run it,
+        and answer it."""
+        parked = self.follow()
+        if not self.waiting:
+            return parked
         first = self.waiting.popleft()
         group = [first]
         total = first.num_ids
@@ -148,7 +201,7 @@ class TypedEngineCore:
                 else:
                     keep.append(mb)
             self.waiting = keep
-        return self._run(group)
+        return parked + self._run(group)
 
     def _run(self, group: list[MicroBatch]) -> list[Reply]:
         parts = [prune(mb, time.time()) for mb in group]
@@ -196,7 +249,7 @@ def build_typed_core(cfg: ServeConfig, graph: TypedGraph, index: int = 0,
         else TypedCppSampler
     fanouts = cfg.sampling.fanouts if spec.fanouts is None else spec.fanouts
     settings = TypedSettings(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
-                             cfg.exact.materialize != "off")
+                             cfg.exact.materialize != "off", cfg.graph.apply_budget_ms / 1000.0)
     core = TypedEngineCore(served, fanouts, sampler_cls(graph), settings, index=index)
     if settings.materialize:
         core.build_table()

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.devices import worker_device
+from quiver_serve.engine.core.micro_batch import Reply
 from quiver_serve.engine.core.typed_core import TypedEngineCore, TypedSettings
 from quiver_serve.features.build import DTYPES
 from quiver_serve.features.typed import TypedFeatures, plan_typed_placement, typed_fap
@@ -92,6 +93,8 @@ class TypedGpuEngineCore(TypedEngineCore):
         #: called with each batch's stats (the process wrapper turns them into metrics)
         self.on_typed_stats: Callable[[TypedBatchStats], None] | None = None
         self._rows_seen = self.features.counts()  # feature reads per type at the last batch
+        #: the graph changed since the device copies were made: the CPU path serves (``follow``)
+        self.device_stale = False
 
     def route(self, node_type: str, num_seeds: int, exact: bool) -> tuple[Route, float]:
         """Where a batch samples, and its predicted sampled nodes (exact: the whole
@@ -105,9 +108,23 @@ class TypedGpuEngineCore(TypedEngineCore):
                                  quiver_size=int(psgs), waiting_batches=float(len(self.waiting)))
         return self.router.decide(state).route, psgs
 
+    def follow(self) -> list[Reply]:
+        """The living graph's step (``TypedEngineCore.follow``); once it has changed the
+        graph, batches sample on the CPU over the updated host graph and the model reads host
+        rows (its device copies are not patched in place; decision 0050): answers stay those of
+        the updated graph."""
+        version = self.sync.version if self.sync is not None else None
+        replies = super().follow()
+        if self.sync is not None and self.sync.version != version and not self.device_stale:
+            self.device_stale = True
+            self.served.gather = None
+            log.info("engine %d: typed graph updated (version %d): batches sample on the CPU "
+                     "and read host rows from now on", self.index, self.sync.version)
+        return replies
+
     @torch.no_grad()
     def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:
-        if seeds.numel() == 0 or (exact and self.exact_rows is not None):
+        if seeds.numel() == 0 or (exact and self.exact_rows is not None) or self.device_stale:
             return super().rows(node_type, seeds, exact, seed)
         route, _ = self.route(node_type, int(seeds.numel()), exact)
         with torch.cuda.stream(self._stream) if self._stream is not None \

@@ -22,6 +22,8 @@ from quiver_serve.graph import living
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.graph.state import ACKED, COMPACT_WANTED, NUM_NODES, GraphState
+from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.graph.writer import GraphWriter
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,15 @@ class GraphOwner:
     """See the module docstring."""
 
     def __init__(self, cfg: ServeConfig, graph: GraphData, base_version: int,
-                 log_dir: str | None) -> None:
+                 log_dir: str | None, typed_graph: TypedGraph | None = None) -> None:
+        #: the typed graph the writer updates (a typed config; loaded at ``open`` when None)
+        self.typed_graph = typed_graph
         directory = _log_dir(cfg, graph, log_dir)
         self.graph, base_version = _newest_on_disk(directory, graph, base_version)
         self.cfg = cfg
         self.living = living_graph_args(cfg, self.graph, base_version, directory)
         self.state = GraphState(self.living.state)
-        self.writer: GraphWriter | None = None
+        self.writer: GraphWriter | TypedGraphWriter | None = None
         self.read_only_reason: str | None = None
         self._readers: Callable[[], list[tuple[str, int]]] = list
         self._stop = threading.Event()
@@ -55,13 +59,11 @@ class GraphOwner:
         ``readers``: (role, index) of the live processes that apply updates."""
         self._readers = readers
         from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
-
-        if config_is_typed(self.cfg):  # the engine cores serve a graph this writer does not hold
-            self.read_only_reason = ("graph updates of a typed graph are not served yet "
-                                     '(docs/architecture.md, "Typed graphs")')
-            self.state.set(NUM_NODES, self.graph.num_nodes)
-            return
         from quiver_serve.graph.update_log import LogLockedError, UpdateLog
+
+        if config_is_typed(self.cfg):
+            self._open_typed()
+            return
 
         g = self.cfg.graph
         update_log = UpdateLog(Path(self.living.log_dir), g.fsync, g.group_commit_ms)
@@ -96,6 +98,33 @@ class GraphOwner:
         self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
                                            name="quiver-compactor", daemon=True)
         self._compactor.start()
+
+    def _open_typed(self) -> None:
+        """The typed writer over the update log, the log replayed (docs/architecture.md, "Typed
+        graphs"); read-only when another daemon holds the log."""
+        from quiver_serve.graph.typed_load import load_typed_graph
+        from quiver_serve.graph.update_log import LogLockedError, UpdateLog
+
+        g = self.cfg.graph
+        update_log = UpdateLog(Path(self.living.log_dir), g.fsync, g.group_commit_ms)
+        try:
+            update_log.open()
+        except LogLockedError as exc:
+            self.read_only_reason = f"graph updates are taken by another daemon ({exc})"
+            log.warning("%s; this one serves the graph read-only", self.read_only_reason)
+            self._replay_read_only()
+            return
+        graph = self.typed_graph if self.typed_graph is not None else load_typed_graph(g)
+        self.typed_graph = None  # the writer's copy from here on
+        writer = TypedGraphWriter(g, graph, update_log, self.state)
+        from quiver_serve.metrics.prometheus import GraphWriterMetrics
+
+        writer.on_update = GraphWriterMetrics().on_update  # versions, update counts, durations
+        replayed = writer.replay()
+        if replayed:
+            log.info("update log %s: %d typed update(s) replayed (now version %d)",
+                     self.living.log_dir, replayed, writer.acked)
+        self.writer = writer
 
     def _compact_when_due(self, writer: GraphWriter) -> None:
         """Compact when the overlay passed ``graph.compact_at_fill`` (the writer asks) or

@@ -32,6 +32,8 @@ import zmq
 
 from quiver_serve import errors
 from quiver_serve.engine.procs.control import bind_fresh
+from quiver_serve.graph.typed import HOMOGENEOUS_NODE_TYPE, HOMOGENEOUS_RELATION
+from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.wire import (
     Decoders,
     GraphError,
@@ -67,6 +69,37 @@ def plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def typed_params(edge_type: Any = None, node_type: Any = None) -> dict[str, Any]:
+    """An update call's type parameters (``GraphCall.params``): those given."""
+    params: dict[str, Any] = {}
+    if edge_type is not None:
+        params["edge_type"] = [str(t) for t in edge_type] \
+            if isinstance(edge_type, list | tuple) else str(edge_type)
+    if node_type is not None:
+        params["node_type"] = str(node_type)
+    return params
+
+
+ONE_RELATION = [HOMOGENEOUS_NODE_TYPE, HOMOGENEOUS_RELATION, HOMOGENEOUS_NODE_TYPE]
+
+
+def type_args(writer: Any, op: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The writer's type arguments of an update call: a typed writer takes ``edge_type`` /
+    ``node_type``; an untyped graph takes none or its one type (``node``, ``node-to-node``),
+    another is a 400 naming what it has."""
+    key = "edge_type" if op == "add_edges" else "node_type"
+    value = params.get(key)
+    if isinstance(writer, TypedGraphWriter):
+        return {key: value}
+    one = ONE_RELATION if key == "edge_type" else HOMOGENEOUS_NODE_TYPE
+    if value not in (None, "", one, "__".join(ONE_RELATION)):
+        shown = [str(v)[:64] for v in value[:3]] if isinstance(value, list) else str(value)[:128]
+        raise errors.ServeError(f"invalid_{key}", f"unknown {key} {shown!r}: this "
+                                f"daemon serves an untyped graph (its one {key.replace('_', ' ')} "
+                                f"is {one}); leave {key} out", 400)
+    return {}
 
 
 def unavailable(reason: str | None = None) -> errors.ServeError:
@@ -133,20 +166,22 @@ class WriterCalls:
             raise errors.ServeError("deadline_exceeded", f"{op}: the caller stopped "
                                     "waiting before it started; nothing was changed", 504)
         writer = self.writer
+        params = params or {}
         try:
             if op.startswith("model_"):
                 if self.models is None:
                     raise errors.ServeError("model_repository_unavailable",
                                             "this daemon has no model manager", 400)
-                result = self.models.call(op, params or {})
+                result = self.models.call(op, params)
             elif writer is None:
                 raise unavailable(self.read_only_reason)
             elif op == "add_edges":
-                result = writer.add_edges(arrays[0], arrays[1])
+                result = writer.add_edges(arrays[0], arrays[1], **type_args(writer, op, params))
             elif op == "add_nodes":
-                result = writer.add_nodes(arrays[0])
+                result = writer.add_nodes(arrays[0], **type_args(writer, op, params))
             elif op == "put_features":
-                result = writer.put_features(arrays[0], arrays[1])
+                result = writer.put_features(arrays[0], arrays[1],
+                                             **type_args(writer, op, params))
             elif op == "info":
                 result = writer.info(self.num_engines)
             elif op == "compact":

@@ -44,6 +44,8 @@ from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
 from quiver_serve.engine.procs.typed_engine_proc import config_is_typed, typed_engine_main
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import handed
+from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.graph.writer import GraphWriter
 from quiver_serve.wire import RunAddresses
 
@@ -294,9 +296,10 @@ class Supervisor:
 
     def __init__(self, cfg: ServeConfig, graph: GraphData, hang_timeout_s: float = HANG_TIMEOUT_S,
                  on_restart: Callable[[str], None] | None = None, base_version: int = 0,
-                 log_dir: str | None = None) -> None:
-        #: the living graph: update log, writer, compactor, shared counters (``graph_owner.py``)
-        self.owner = GraphOwner(cfg, graph, base_version, log_dir)
+                 log_dir: str | None = None, typed_graph: TypedGraph | None = None) -> None:
+        #: the living graph: update log, writer, compactor, shared counters (``graph_owner.py``);
+        #: ``typed_graph``: the typed graph of a typed config, for its writer
+        self.owner = GraphOwner(cfg, graph, base_version, log_dir, typed_graph)
         self.cfg, self.graph = cfg, self.owner.graph
         graph = self.graph
         self.living = self.owner.living
@@ -309,11 +312,13 @@ class Supervisor:
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(self.addrs.control)
         given = handed(graph)  # a mapped graph goes as its folder: each child maps the files
+        # a typed graph's engine cores load it themselves and sample in-process
+        # (docs/architecture.md, "Typed graphs")
+        typed = config_is_typed(cfg)
         self.samplers = [Child("sampler", j, sampler_main,
                                (j, cfg, given, self.addrs, self.living))
-                         for j in range(cfg.sampling.num_cpu_workers)]
-        # a typed graph's engine cores load it themselves (docs/architecture.md, "Typed graphs")
-        engine_main = typed_engine_main if config_is_typed(cfg) else engine_core_main
+                         for j in range(0 if typed else cfg.sampling.num_cpu_workers)]
+        engine_main = typed_engine_main if typed else engine_core_main
         self.engines = [Child("engine", i, engine_main,
                               (i, cfg, given, self.addrs, self.living))
                         for i in range(num_inference_workers(cfg))]
@@ -393,7 +398,7 @@ class Supervisor:
                                        f"{self.cfg.server.start_timeout_s:.0f} s")
 
     @property
-    def graph_writer(self) -> GraphWriter | None:
+    def graph_writer(self) -> GraphWriter | TypedGraphWriter | None:
         """Validates, logs and acknowledges updates (``start()`` opens it); None when another
         daemon holds the update log (this one then serves its graph read-only)."""
         return self.owner.writer

@@ -2,7 +2,8 @@
 graph loaded here from ``cfg.graph`` (``graph/typed_load.py``), a ``TypedEngineCore``, and the
 homogeneous loop's decoding and replies (``engine_proc.EngineLoop``) around it. The main
 process and its clients are those of the homogeneous daemon; the engine core checks each
-request's node type and ids per type."""
+request's node type and ids per type. The core follows the update log (``typed_sync.py``): the
+log is replayed onto the graph before the model and the exact table are built."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ import zmq
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.typed_core import TypedEngineCore, build_typed_core
+from quiver_serve.engine.core.typed_sync import TypedSync
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, EngineLoop
 from quiver_serve.engine.procs.process import parent_alive
+from quiver_serve.graph.living import LiveGraphArgs
+from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_load import load_typed_graph
 from quiver_serve.wire import RunAddresses
 
@@ -26,21 +31,23 @@ log = logging.getLogger(__name__)
 
 def config_is_typed(cfg: ServeConfig) -> bool:
     """Whether ``cfg`` serves a typed graph: a model made typed (``model.to_hetero``), words as
-    nodes (``graph.words_as_nodes``) or a typed synthetic preset. (A typed file format is read
-    by ``load_typed_graph`` but not told apart here before it is read.)"""
+    nodes (``graph.words_as_nodes``), a typed synthetic preset, or a ``graph.path`` holding a
+    typed graph (``holds_typed_graph``: a saved ``HeteroData``, a typed npz)."""
+    from quiver_serve.graph.typed_load import holds_typed_graph
     from quiver_serve.graph.typed_synthetic import TYPED_PRESETS
 
     g = cfg.graph
     return cfg.model.to_hetero is not None or bool(g.words_as_nodes) or \
-        (g.format == "synthetic" and g.synthetic_preset in TYPED_PRESETS)
+        (g.format == "synthetic" and g.synthetic_preset in TYPED_PRESETS) or \
+        holds_typed_graph(g)
 
 
 def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAddresses,
                       live: object = None) -> None:
     """Entry point of typed engine core ``index`` (spawned, the arguments of
     ``engine_proc.engine_core_main``): the typed graph loaded here from ``cfg.graph`` (``given``,
-    the main process's one-type graph, and ``live`` are not read: typed updates are not served
-    yet), build, report ready, serve until the parent goes."""
+    the main process's stand-in, is not read) with the update log in ``live`` replayed onto it,
+    build, report ready, serve until the parent goes."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
@@ -48,7 +55,16 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()
     try:
-        core = build_engine_core(cfg, index)
+        graph = load_typed_graph(cfg.graph)
+        sync = None
+        if isinstance(live, LiveGraphArgs):
+            sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges), index)
+            replayed = sync.catch_up()
+            if replayed:
+                log.info("engine %d: %d typed update(s) replayed (version %d)", index, replayed,
+                         sync.version)
+        core = build_engine_core(cfg, graph, index)
+        core.sync = sync
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.RCVHWM, 0)
@@ -65,10 +81,9 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     TypedEngineLoop(core, front, poller, reporter).run()
 
 
-def build_engine_core(cfg: ServeConfig, index: int) -> TypedEngineCore:
-    """The typed graph loaded from ``cfg.graph`` and engine core ``index`` over it: on a GPU
-    when the core's device is one (``engine/core/typed_gpu.py``), else on the CPU."""
-    graph = load_typed_graph(cfg.graph)
+def build_engine_core(cfg: ServeConfig, graph: TypedGraph, index: int) -> TypedEngineCore:
+    """Engine core ``index`` over ``graph``: on a GPU when the core's device is one
+    (``engine/core/typed_gpu.py``), else on the CPU."""
     if worker_device(cfg, index).type == "cuda":
         from quiver_serve.engine.core.typed_gpu import build_typed_gpu_core
 
@@ -96,7 +111,8 @@ class TypedEngineLoop(EngineLoop):
                 if not parent_alive():
                     return
                 next_check_s = now_s + PARENT_CHECK_S
-            events = dict(self.poller.poll(0 if core.busy() else IDLE_POLL_MS))
+            wait_ms = 0 if core.busy() else (1 if core.parked else IDLE_POLL_MS)
+            events = dict(self.poller.poll(wait_ms))
             replies = self._take_input() if events.get(self.front) else []
             replies += core.step()
             if replies:

@@ -121,3 +121,89 @@ def test_a_malformed_micro_batch_is_refused(core_and_graph) -> None:
     reply = core.add(bad)
     assert reply is not None and reply.done.errors[0].status == 400
     assert "malformed" in reply.done.errors[0].message
+
+
+def test_updates_from_the_log_reach_the_core_and_min_version_waits(tmp_path: Path) -> None:
+    """A typed core following a real update log: a micro-batch asking for a version not
+    applied yet (or a node just added) waits in ``parked``; the step that applies the record
+    answers it on the updated graph; one whose deadline passes first is a 504."""
+    from quiver_serve.engine.core.typed_sync import TypedSync
+    from quiver_serve.graph.living import LiveGraphArgs, capacities
+    from quiver_serve.graph.state import GraphState
+    from quiver_serve.graph.typed_living import TypedLiveGraph
+    from quiver_serve.graph.typed_writer import TypedGraphWriter
+    from quiver_serve.graph.update_log import UpdateLog
+
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.exact.materialize = "off"
+    graph = load_typed_graph(cfg.graph)
+    core = build_typed_core(cfg, graph)
+    state = GraphState()
+    log = UpdateLog(tmp_path / "log", "none")
+    log.open()
+    writer = TypedGraphWriter(cfg.graph, load_typed_graph(cfg.graph), log, state)
+    live = LiveGraphArgs(str(tmp_path / "log"), 0, capacities(cfg.graph, 1, 1), state.tensor)
+    core.sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges))
+    waiting = _mb(1, [1433], "word", exact=True)
+    waiting.min_version = 2
+    late = _mb(2, [0], "paper")
+    late.min_version = 3
+    late.deadlines_s[:] = time.time() + 0.2
+    assert core.add(waiting) is None and core.add(late) is None
+    assert len(core.parked) == 2 and core.step() == []
+    assert writer.add_nodes(np.zeros((1, 0), np.float32), "word")["node_ids"] == [1433]
+    assert writer.add_edges([[7, 1433]], None, ["paper", "has_word", "word"])["version"] == 2
+    time.sleep(0.25)
+    replies = core.step()
+    while core.busy():
+        replies += core.step()
+    by_seq = {r.done.seq: r for r in replies}
+    assert by_seq[2].done.errors[0].status == 504
+    assert not by_seq[1].done.errors and core.sync.version == 2
+    has, rev = (graph.relations[("paper", "has_word", "word")],
+                graph.relations[("word", "rev_has_word", "paper")])
+    assert graph.num_nodes["word"] == 1434
+    assert has.indices[int(has.indptr[1433]):].tolist() == [7]
+    assert 1433 in rev.indices[int(rev.indptr[7]):int(rev.indptr[8])].tolist()
+    full = TypedLayerwise(core.served).run(chunk_nodes=500)  # the updated graph, layer by layer
+    np.testing.assert_allclose(by_seq[1].rows, full["word"][[1433]].numpy(), rtol=0, atol=1e-5)
+    log.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_gpu_core_answers_the_updated_graph(tmp_path: Path, device: str) -> None:
+    """The typed GPU core (its torch twins on a CPU) following a log: after an update its
+    seeded and exact answers are those of the updated graph (CPU sampling over the host graph
+    and host rows from then on)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from quiver_serve.engine.core.typed_gpu import build_typed_gpu_core
+    from quiver_serve.engine.core.typed_sync import TypedSync
+    from quiver_serve.graph.living import LiveGraphArgs, capacities
+    from quiver_serve.graph.state import GraphState
+    from quiver_serve.graph.typed_living import TypedLiveGraph
+    from quiver_serve.graph.typed_writer import TypedGraphWriter
+    from quiver_serve.graph.update_log import UpdateLog
+
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.exact.materialize = "off"
+    graph = load_typed_graph(cfg.graph)
+    core = build_typed_gpu_core(cfg, graph, device=torch.device(device))
+    state = GraphState()
+    log = UpdateLog(tmp_path / "log", "none")
+    log.open()
+    writer = TypedGraphWriter(cfg.graph, load_typed_graph(cfg.graph), log, state)
+    live = LiveGraphArgs(str(tmp_path / "log"), 0, capacities(cfg.graph, 1, 1), state.tensor)
+    core.sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges))
+    writer.add_edges([[7, 3], [7, 9]], [[int(graph.relations[("paper", "cites", "paper")]
+                                            .indices[0]), 0]], ["paper", "cites", "paper"])
+    core.step()
+    assert core.sync.version == 1 and core.device_stale
+    seeded = _answer(core, _mb(1, [0, 3, 7], "paper", seed=5))
+    out = TypedReferenceSampler(graph).sample("paper", torch.tensor([0, 3, 7]),
+                                              cfg.sampling.fanouts, seed=5)
+    np.testing.assert_allclose(seeded.rows, core.served(out).float().cpu().numpy(), atol=1e-5)
+    exact = _answer(core, _mb(2, [0, 3, 7], "paper", exact=True))
+    full = TypedLayerwise(core.served).run(chunk_nodes=500)
+    np.testing.assert_allclose(exact.rows, full["paper"][[0, 3, 7]].cpu().numpy(), atol=1e-5)
+    log.close()
