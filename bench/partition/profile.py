@@ -125,7 +125,7 @@ def servers(cfg: Any, parts: Path, clock: Clock) -> list[Any]:
     caller.features.gather = clock.wrap("gather", caller.features.gather)
     caller.peers.rows = clock.wrap("gather.remote_wait", caller.peers.rows)
     caller.features.remote = caller.peers.rows
-    caller._forward = clock.wrap("forward", caller._forward)
+    caller.forward = clock.wrap("forward", caller.forward)
     return made
 
 

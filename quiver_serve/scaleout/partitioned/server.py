@@ -202,9 +202,10 @@ class PartitionServer:
         sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
                                             else seed)
         x = await self.features.gather(sampled.n_id)
-        return await asyncio.to_thread(self._forward, x, sampled, exact)
+        return await asyncio.to_thread(self.forward, x, sampled, exact)
 
-    def _forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
+    def forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
+        """The model over a gathered batch on this server's device: float32 rows of its seeds."""
         dev = self.device
         out = self.model(x.to(dev, self.storage_dtype), sampled.n_id.to(dev), sampled.edge_index.to(dev),
                          sampled.num_sampled_nodes, sampled.num_sampled_edges, exact)
