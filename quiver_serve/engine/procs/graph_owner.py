@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.graph import living
@@ -25,6 +26,9 @@ from quiver_serve.graph.state import ACKED, COMPACT_WANTED, NUM_NODES, GraphStat
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.graph.writer import GraphWriter
+
+if TYPE_CHECKING:
+    from quiver_serve.graph.update_log import UpdateLog
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +63,14 @@ class GraphOwner:
         ``readers``: (role, index) of the live processes that apply updates."""
         self._readers = readers
         from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
-        from quiver_serve.graph.update_log import LogLockedError, UpdateLog
 
         if config_is_typed(self.cfg):
             self._open_typed()
             return
 
         g = self.cfg.graph
-        update_log = UpdateLog(Path(self.living.log_dir), g.fsync, g.group_commit_ms)
-        try:
-            update_log.open()
-        except LogLockedError as exc:
-            self.read_only_reason = f"graph updates are taken by another daemon ({exc})"
-            log.warning("%s; this one serves the graph read-only", self.read_only_reason)
-            self._replay_read_only()
+        update_log = self._open_log()
+        if update_log is None:
             return
         writer = GraphWriter(g, self.graph, self.living.base_version, update_log,
                              self.state, self.cfg.server.retry_after_s)
@@ -99,10 +97,9 @@ class GraphOwner:
                                            name="quiver-compactor", daemon=True)
         self._compactor.start()
 
-    def _open_typed(self) -> None:
-        """The typed writer over the update log, the log replayed (docs/architecture.md, "Typed
-        graphs"); read-only when another daemon holds the log."""
-        from quiver_serve.graph.typed_load import load_typed_graph
+    def _open_log(self) -> UpdateLog | None:
+        """The update log opened for writing; None (read-only, the log replayed) when another
+        daemon holds it."""
         from quiver_serve.graph.update_log import LogLockedError, UpdateLog
 
         g = self.cfg.graph
@@ -113,6 +110,17 @@ class GraphOwner:
             self.read_only_reason = f"graph updates are taken by another daemon ({exc})"
             log.warning("%s; this one serves the graph read-only", self.read_only_reason)
             self._replay_read_only()
+            return None
+        return update_log
+
+    def _open_typed(self) -> None:
+        """The typed writer over the update log, the log replayed (docs/architecture.md, "Typed
+        graphs"); read-only when another daemon holds the log."""
+        from quiver_serve.graph.typed_load import load_typed_graph
+
+        g = self.cfg.graph
+        update_log = self._open_log()
+        if update_log is None:
             return
         graph = self.typed_graph if self.typed_graph is not None else load_typed_graph(g)
         self.typed_graph = None  # the writer's copy from here on
