@@ -108,9 +108,11 @@ def edges_args(raw: bytes) -> tuple[np.ndarray, np.ndarray, Any]:
             edge_type)
 
 
-def nodes_args(raw: bytes, width: int | None) -> tuple[np.ndarray, str | None]:
+def nodes_args(raw: bytes, width: int | None,
+               max_rows: int) -> tuple[np.ndarray, str | None]:
     """(feature rows, node_type or None); on a typed graph the writer checks the width, and a
-    type without features takes ``count`` (rows of no values)."""
+    type without features takes ``count`` (rows of no values), at most ``max_rows``
+    (``graph.max_update_edges``, checked here before anything is allocated)."""
     body = decode(raw, _Nodes, GraphNodesBody)
     if body.node_type is not None:
         width = None
@@ -118,6 +120,9 @@ def nodes_args(raw: bytes, width: int | None) -> tuple[np.ndarray, str | None]:
         if body.features is not None or body.count < 1:
             raise errors.ServeError("invalid_request", "give features (one row per new node) "
                                     "or count (a type without features) >= 1, not both", 422)
+        if body.count > max_rows:
+            raise errors.ServeError("too_many_updates", f"{body.count} nodes in one call; the "
+                                    f"limit is {max_rows} (graph.max_update_edges)", 413)
         return np.zeros((body.count, 0), np.float32), body.node_type
     if body.features is None:
         raise errors.ServeError("invalid_request", "features is required (one row per new "
@@ -165,7 +170,8 @@ def add_graph_routes(app: FastAPI, state: Any, responses: dict[int | str, Any]) 
               openapi_extra=_body_doc(GraphNodesBody),
               summary="Append nodes with their feature rows (ids follow the node count)" + _ADMIN)
     async def nodes(request: Request) -> Response:
-        rows, node_type = nodes_args(await request.body(), state.pipeline.num_features)
+        rows, node_type = nodes_args(await request.body(), state.pipeline.num_features,
+                                     state.cfg.graph.max_update_edges)
         return _json(await _graph_ops(state).add_nodes(rows, node_type))
 
     @app.put(GRAPH_PATH + "/features", response_model=GraphVersionResponse, responses=responses,
