@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -227,24 +228,30 @@ async def attack_on_schedule(host: str, port: int, kind: str, connections: int,
 
 
 def start_attackers(grpc_port: int, kind: str, connections: int,
-                    schedule: Schedule) -> subprocess.Popen[str]:
-    """The attacking process (``python -m loadtest.h2_flood attack``) on ``schedule``."""
-    return subprocess.Popen(
+                    schedule: Schedule, nice: int = 0) -> subprocess.Popen[str]:
+    """The attacking process (``python -m loadtest.h2_flood attack``) on ``schedule``, at
+    scheduling priority ``nice`` (``os.setpriority``: an attacker on another machine does not take the
+    daemon's CPU; one beside it on a small box does, whatever the daemon does about it)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "loadtest.h2_flood", "attack", "--grpc-port", str(grpc_port),
          "--kind", kind, "--attackers", str(connections), "--start-at", repr(schedule.start_at),
          "--quiet-s", str(schedule.quiet_s), "--flood-s", str(schedule.flood_s),
          "--rounds", str(schedule.rounds)],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    if nice:  # before its first window: the schedule starts after its imports
+        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+    return proc
 
 
 def under_attack(url: str, grpc_port: int, kind: str = "rapid_reset", connections: int = 2,
-                 quiet_s: float = 1.5, flood_s: float = 1.5, rounds: int = 4
+                 quiet_s: float = 1.5, flood_s: float = 1.5, rounds: int = 4,
+                 attacker_nice: int = 0,
                  ) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int], list[AttackResult]]:
     """Single-id HTTP latency (``latency_window``) over a :class:`Schedule` whose flood windows
-    another process fills (``start_attackers``): (latencies, failed) of the quiet windows and
-    of the flood windows, and the attacking connections."""
+    another process fills (``start_attackers``, at ``attacker_nice``): (latencies, failed) of
+    the quiet windows and of the flood windows, and the attacking connections."""
     schedule = Schedule(time.time() + 1.5, quiet_s, flood_s, rounds)  # the attacker's imports
-    proc = start_attackers(grpc_port, kind, connections, schedule)
+    proc = start_attackers(grpc_port, kind, connections, schedule, attacker_nice)
     try:
         asyncio.run(asyncio.sleep(max(0.0, schedule.start_at - time.time())))
         started, lat, failed_at = asyncio.run(latency_window(url,
