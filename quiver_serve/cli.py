@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
     if args.host:
         cfg.server.host = args.host
     if args.port is not None:

@@ -16,6 +16,7 @@ at the same address, and the sender learns of the loss from a socket monitor eve
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -137,6 +138,9 @@ def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGrap
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
+    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
+    log.info("engine %d: interpreter switch interval %.3g ms", index,
+             sys.getswitchinterval() * 1e3)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()

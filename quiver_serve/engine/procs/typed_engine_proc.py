@@ -8,6 +8,7 @@ log is replayed onto the graph before the model and the exact table are built.""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -51,6 +52,9 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.inference.torch_threads)
+    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
+    log.info("engine %d: interpreter switch interval %.3g ms", index,
+             sys.getswitchinterval() * 1e3)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()

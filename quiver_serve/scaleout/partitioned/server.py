@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ class PartitionServer:
         self.cfg = cfg = ServeConfig.model_validate(cfg_dict)
         self.args = args
         torch.set_num_threads(cfg.inference.torch_threads)
+        sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
         data = load_partition(Path(args.data_dir), args.part, mmap=True)
         book = data.book
         self.num_nodes, self.num_parts = int(book.num_nodes), int(book.num_parts)
