@@ -5,8 +5,16 @@ The same contract as ``graph/writer.py``: an update is checked (the relation or 
 names, ids in those types' ranges, widths, finite values, its size), appended to the update log
 and synced per ``graph.fsync``, applied to the writer's copy of the graph (counts and relations,
 no feature rows), and acknowledged once durable; the version it returns survives kill -9. The
-engine cores follow the log (``engine/core/typed_sync.py``). The log is never compacted: a start
-replays it over the graph loaded from the dataset.
+engine cores follow the log (``engine/core/typed_sync.py``).
+
+Compaction (decision 0059) writes the graph at the acknowledged version as a typed base of the
+log's folder (``typed_base.py``) and drops the log it covers, once every engine core has applied
+that version; a start loads the newest base and replays only the log after it. Updates wait only
+while the relations (never changed in place: an update builds a relation's next CSC) and the
+feature rows written since the base are listed; the feature matrices are built and written beside
+them. It runs when asked, every ``graph.compact_interval_s`` with updates since, and when the edge
+entries changed since the base pass ``graph.compact_at_fill`` of the overlay budget an untyped
+graph of the same size would have (``living.capacities``): the replay a start pays stays bounded.
 """
 
 from __future__ import annotations
@@ -17,12 +25,18 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from quiver_serve import errors
 from quiver_serve.config import GraphConfig
-from quiver_serve.graph import living
+from quiver_serve.graph import living, typed_base
 from quiver_serve.graph import state as slots
-from quiver_serve.graph.records import TypedRecord
+from quiver_serve.graph.records import (
+    TypedEdgeRecord,
+    TypedFeatureRecord,
+    TypedNodeRecord,
+    TypedRecord,
+)
 from quiver_serve.graph.state import GraphState
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph, check_log_meta
@@ -30,11 +44,23 @@ from quiver_serve.graph.update_log import UpdateLog
 
 log = logging.getLogger(__name__)
 
+#: longest wait of a compaction for the engine cores to apply its version
+READERS_WAIT_S = 30.0
 
-def no_compaction() -> errors.ServeError:
-    return errors.ServeError("compaction_unavailable", "the update log of a typed graph is not "
-                             "compacted; a start replays it over the dataset "
-                             '(docs/architecture.md, "Typed graphs")', 501)
+
+def rows_at(base: torch.Tensor, count: int, appended: list[tuple[int, np.ndarray]],
+            written: dict[int, tuple[int, np.ndarray]]) -> np.ndarray:
+    """A type's ``count`` feature rows: the base's, the appended ones after them, the written
+    ones over both."""
+    rows = np.empty((count, base.size(1)), np.float32)
+    rows[:base.size(0)] = base.numpy()
+    at = base.size(0)
+    for _, block in appended:
+        rows[at:at + len(block)] = block
+        at += len(block)
+    for i, (_, row) in written.items():
+        rows[i] = row
+    return rows
 
 
 class TypedGraphWriter:
@@ -43,12 +69,29 @@ class TypedGraphWriter:
     def __init__(self, cfg: GraphConfig, graph: TypedGraph, update_log: UpdateLog,
                  state: GraphState | None = None) -> None:
         self.cfg, self.log = cfg, update_log
+        check_log_meta(update_log.directory,
+                       TypedLiveGraph(graph, cfg.add_reverse_edges).describe())  # the dataset's
+        graph, self.base_version = typed_base.newest_base(update_log.directory, graph)
+        #: keeps no feature rows: ``graph.x`` stays the base's, the rows since are kept apart
         self.live = TypedLiveGraph(graph, cfg.add_reverse_edges, keep_features=False)
-        check_log_meta(update_log.directory, self.live.describe())
         self.state = state or GraphState()
         self.lock = threading.Lock()  # versions and the graph: one update at a time
         self._ack_lock = threading.Lock()
-        self.base_version = self.version = self.acked = 0
+        self._compact_lock = threading.Lock()
+        self.version = self.acked = self.base_version
+        #: feature rows since the base, per type: appended [(version, rows)], written
+        #: {id: (version, row)}
+        self.appended: dict[str, list[tuple[int, np.ndarray]]] = {t: [] for t in graph.x}
+        self.written: dict[str, dict[int, tuple[int, np.ndarray]]] = {t: {} for t in graph.x}
+        #: edge entries logged since the base, and how many ask for a compaction
+        self.changed_entries = 0
+        self.compact_entries = int(cfg.compact_at_fill * living.capacities(
+            cfg, sum(graph.num_nodes.values()),
+            sum(r.num_edges for r in graph.relations.values())).edge_capacity)
+        #: versions the engine cores have applied (the owner sets it; none: nobody to wait for)
+        self.reader_versions: Any = list
+        #: called after each compaction with its seconds
+        self.on_compaction: Any = None
         self.updates_by_kind = {"edges": 0, "nodes": 0, "features": 0}
         self.last_update_s = 0.0
         #: called after each acknowledged update: (kind, seconds, record version)
@@ -64,6 +107,7 @@ class TypedGraphWriter:
         count = 0
         for record in self.log.records_after(self.version):
             self.live.apply(record)  # type: ignore[arg-type]
+            self._remember(record)  # type: ignore[arg-type]
             self.version = self.acked = record.version
             count += 1
         self.publish()
@@ -113,8 +157,25 @@ class TypedGraphWriter:
         """Append ``record`` to the log and apply it here (the lock held): the call's answer."""
         self.log.write(record)
         result = self.live.apply(record)
+        self._remember(record)
         self.version = record.version
         return {"version": record.version, **result}
+
+    def _remember(self, record: TypedRecord) -> None:
+        """What the next base needs beyond the live graph: feature rows, and edge entries
+        changed (the compaction trigger)."""
+        if isinstance(record, TypedEdgeRecord):
+            self.changed_entries += len(record.add) + len(record.remove)
+            return
+        node_type = self.live.node_types[int(record.type_key[0])]
+        if node_type not in self.appended:
+            return  # a type without features
+        if isinstance(record, TypedNodeRecord):
+            self.appended[node_type].append((record.version, record.features))
+        elif isinstance(record, TypedFeatureRecord):
+            rows = self.written[node_type]
+            for i, row in zip(record.node_ids.tolist(), record.features, strict=True):
+                rows[i] = (record.version, row)
 
     def _acknowledge(self, done: dict[str, Any], kind: str, t0: float) -> dict[str, Any]:
         """Wait (outside the lock, so concurrent calls share a group commit) until the record
@@ -128,6 +189,8 @@ class TypedGraphWriter:
             self.publish()
         if self.on_update is not None:
             self.on_update(kind, time.perf_counter() - t0, version)
+        if self.changed_entries >= self.compact_entries:
+            self.request_compaction()
         return done
 
     # ---- state -----------------------------------------------------------------------------------
@@ -139,19 +202,96 @@ class TypedGraphWriter:
         s.set(slots.ACKED, self.acked)  # last: readers that see it see the counts
 
     def request_compaction(self, explicit: bool = False) -> None:
-        raise no_compaction()
+        """Ask the background compactor: by the entries changed, or at once when ``explicit``."""
+        self.state.set(slots.COMPACT_WANTED, max(self.state.get(slots.COMPACT_WANTED),
+                                                 2 if explicit else 1))
 
+    def maybe_rebase(self) -> bool:
+        """Nothing to move: the writer's graph is the live one (the compactor asks each turn)."""
+        return False
+
+    # ---- compaction --------------------------------------------------------------------------------
     def compact(self) -> dict[str, Any]:
-        raise no_compaction()
+        """The graph at the acknowledged version as the log's new base; see the module
+        docstring."""
+        with self._compact_lock:
+            t0 = time.perf_counter()
+            with self.lock:  # held only to list what the base is made of
+                version = self.version
+                if version == self.base_version:
+                    self.state.set(slots.COMPACT_WANTED, 0)
+                    return {"version": version, "compacted": False, "reason": "nothing new"}
+                self.log.wait_durable(version)
+                g = self.live.graph
+                name, num_nodes, base_x = g.name, dict(g.num_nodes), dict(g.x)
+                relations, labels = dict(g.relations), dict(g.y)
+                appended = {t: list(rows) for t, rows in self.appended.items()}
+                written = {t: dict(rows) for t, rows in self.written.items()}
+                changed = self.changed_entries
+            if not self._readers_reach(version):
+                return {"version": version, "compacted": False,
+                        "reason": "an engine core has not applied the updates up to this version "
+                                  "yet; the next compaction retries"}
+            x = {t: rows_at(base_x[t], num_nodes[t], appended[t], written[t]) for t in appended}
+            graph = TypedGraph(name, num_nodes, {t: torch.from_numpy(r) for t, r in x.items()},
+                               relations, labels)
+            arrays, meta = typed_base.base_arrays(graph)
+            self.log.write_base(version, arrays, meta)
+            with self.lock:
+                self._forget(version, x, changed)
+            seconds = time.perf_counter() - t0
+            self._compacted(version, seconds)
+            if self.on_compaction is not None:
+                self.on_compaction(seconds)
+            log.info("compacted the typed graph at version %d in %.2f s (%s nodes)", version,
+                     seconds, dict(graph.num_nodes))
+            return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
+
+    def _forget(self, version: int, x: dict[str, np.ndarray], changed: int) -> None:
+        """The new base in force (the lock held): its rows are the writer's, and what came
+        after it is kept."""
+        g = self.live.graph
+        for t, rows in x.items():
+            g.x[t] = torch.from_numpy(rows)
+            self.appended[t] = [(v, r) for v, r in self.appended[t] if v > version]
+            self.written[t] = {i: (v, r) for i, (v, r) in self.written[t].items() if v > version}
+        self.changed_entries -= changed
+        self.base_version = version
+
+    def _readers_reach(self, version: int) -> bool:
+        """Wait (``READERS_WAIT_S`` at most) until every engine core applied ``version``: the
+        log it has not read must stay until then."""
+        deadline = time.monotonic() + READERS_WAIT_S
+        while any(v < version for v in self.reader_versions()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _compacted(self, version: int, seconds: float) -> None:
+        s = self.state
+        s.set(slots.COMPACTIONS, s.get(slots.COMPACTIONS) + 1)
+        s.set(slots.COMPACT_VERSION, version)
+        s.set(slots.COMPACT_AT_S, time.time())
+        s.set(slots.COMPACT_S, seconds)
+        s.set(slots.COMPACT_WANTED, 0)
+        s.set(slots.BASE_VERSION, version)
 
     def info(self, num_engines: int) -> dict[str, Any]:
-        engines = self.state.engines(num_engines)
+        s = self.state
+        engines = s.engines(num_engines)
         g = self.live.graph
+        compaction = None
+        if s.get(slots.COMPACTIONS):
+            compaction = {"version": s.get(slots.COMPACT_VERSION),
+                          "at_s": float(s.tensor[slots.COMPACT_AT_S]),
+                          "duration_s": float(s.tensor[slots.COMPACT_S]),
+                          "count": s.get(slots.COMPACTIONS)}
         return {
             "version": self.acked, "base_version": self.base_version,
             "num_nodes": dict(g.num_nodes),
             "num_edges": {"__".join(et): rel.num_edges for et, rel in g.relations.items()},
             "engines": engines,
             "staleness_s": max((e["staleness_s"] for e in engines), default=0.0),
-            "overlay": None, "last_compaction": None,
+            "overlay": None, "last_compaction": compaction,
         }

@@ -3,13 +3,14 @@ graph saved in the test (papers, authors, fields without features; reverse relat
 adds and removals per relation, typed new nodes and feature writes over HTTP (a real server on
 a free port) and through the queue API; exact answers equal PyG's full-graph
 ``model(x_dict, edge_index_dict)[type][ids]`` of the updated graph for to_hetero(GraphSAGE) and
-RGCN, and still do after kill -9 and a restart on the same folders; bad updates are 4xx naming
-what was wrong."""
+RGCN, and still do after a compaction, kill -9 and a restart on the same folders; bad updates
+are 4xx naming what was wrong."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,7 +123,23 @@ def start(path: Path, tmp: Path, name: str) -> ServerProcess:
     return srv
 
 
-def test_http_updates_are_exact_and_survive_kill_9(tmp_path: Path) -> None:
+def compact(url: str, version: int) -> None:
+    """``POST /v1/graph/compact``, then wait until ``GET /v1/graph`` shows the base."""
+    r = httpx.post(url + "/v1/graph/compact", timeout=60)
+    assert r.status_code in (200, 202), r.text
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = httpx.get(url + "/v1/graph", timeout=30).json()
+        if info["base_version"] == version:
+            assert info["last_compaction"]["version"] == version
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no compaction at version {version}: {info}")
+
+
+def test_http_updates_are_exact_and_survive_a_compaction_and_kill_9(tmp_path: Path) -> None:
+    """The updates, a compaction half way (decision 0059: the log before it is dropped), the
+    rest; exact answers equal PyG's, and again after kill -9 and a start from the base."""
     cfg, served, model = typed_setup(tmp_path, SAGE)
     path = tmp_path / "config.yaml"
     path.write_text(_to_yaml(cfg))
@@ -135,6 +152,8 @@ def test_http_updates_are_exact_and_survive_kill_9(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
             assert r.json()["version"] == version + 1
             version += 1
+            if version == 5:
+                compact(srv.url, 5)
         assert r.json()["version"] == 8
         assert_bad_updates_named(srv.url)
 
@@ -154,7 +173,8 @@ def test_http_updates_are_exact_and_survive_kill_9(tmp_path: Path) -> None:
     srv = start(path, tmp_path, "again")
     try:
         info = httpx.get(srv.url + "/v1/graph", timeout=30).json()
-        assert info["version"] == 8
+        assert info["version"] == 8 and info["base_version"] == 5
+        assert "3 typed update(s) replayed over base version 5" in srv.log(200_000)
         assert info["num_nodes"] == {"paper": 62, "author": 35, "field": 9}
         assert_exact(embed, want)  # served from the exact table built over the replayed log
     finally:

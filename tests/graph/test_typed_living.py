@@ -162,3 +162,86 @@ def test_the_writer_replays_its_log_and_refuses_another_graphs(tmp_path: Path) -
     with pytest.raises(errors.ServeError) as info:
         check_log_meta(tmp_path / "log", TypedLiveGraph(served_graph(5), True).describe())
     assert "another typed graph" in info.value.info.message
+
+
+def typed_round(w: TypedGraphWriter, model: UpdateModel, rng: np.random.Generator) -> None:
+    """One update of each kind through ``w``, the same the plain way on ``model``."""
+    n = w.num_nodes
+    adds = {WRITES: np.stack([rng.integers(0, n["author"], 4), rng.integers(0, n["paper"], 4)], 1),
+            CITES: np.stack([rng.integers(0, n["paper"], 3), rng.integers(0, n["paper"], 3)], 1)}
+    for et, add in adds.items():
+        ei = model.data[et].edge_index
+        remove = ei[:, rng.integers(0, ei.size(1), 2)].t().numpy()
+        w.add_edges(add, remove, list(et))
+        model.remove(et, remove)
+        model.add(et, add)
+    rows = rng.standard_normal((2, 6)).astype(np.float32)
+    w.add_nodes(rows, "paper")
+    model.add_nodes("paper", rows)
+    w.add_nodes(np.zeros((1, 0), np.float32), "field")
+    model.add_nodes("field", np.zeros((1, 0), np.float32))
+    ids = [int(rng.integers(0, w.num_nodes["paper"])), w.num_nodes["paper"] - 1]
+    rows = rng.standard_normal((2, 6)).astype(np.float32)
+    w.put_features(ids, rows, "paper")
+    model.put_features("paper", ids, rows)
+
+
+def test_a_compacted_log_starts_from_its_base_and_replays_only_the_rest(tmp_path: Path) -> None:
+    """Compaction writes the graph at the acknowledged version as the log's base (decision
+    0059) and drops the records it covers; a start loads the dataset's description, the newest
+    base and only the records after it, and gets the graph of the whole stream (features
+    included), again after a second compaction on the restarted writer."""
+    from quiver_serve.graph.log_reader import LogCompactedError
+    from quiver_serve.graph.typed_base import newest_base
+    from quiver_serve.graph.update_log import LogFollower
+
+    rng = np.random.default_rng(3)
+    model = UpdateModel(random_papers(0))
+    w = writer(tmp_path)
+    for _ in range(2):
+        typed_round(w, model, rng)
+    assert w.compact() == {"version": 10, "compacted": True,
+                           "duration_s": pytest.approx(0, abs=30)}
+    assert w.compact()["compacted"] is False  # nothing new
+    typed_round(w, model, rng)
+    w.log.close()
+
+    def started() -> TypedGraph:  # what an engine core does
+        graph, base = newest_base(tmp_path / "log", served_graph())
+        live = TypedLiveGraph(graph, True)
+        follower = LogFollower(tmp_path / "log", base)
+        while records := follower.poll(64):
+            for record in records:
+                live.apply(record)  # type: ignore[arg-type]
+        return live.graph
+
+    assert_same_graph(started(), model.served())
+    again = writer(tmp_path)
+    assert again.base_version == 10 and again.replay() == 5 and again.acked == 15
+    assert again.num_nodes == model.served().num_nodes
+    typed_round(again, model, rng)
+    assert again.compact()["version"] == 20 and again.changed_entries == 0
+    again.log.close()
+    graph, base = newest_base(tmp_path / "log", served_graph())
+    assert base == 20
+    assert_same_graph(graph, model.served())
+    with pytest.raises(LogCompactedError):  # the records before it are gone
+        LogFollower(tmp_path / "log", 0).poll(64)
+    assert_same_graph(started(), model.served())
+
+
+def test_a_compaction_waits_for_the_engine_cores(tmp_path: Path) -> None:
+    """The log an engine core has not read stays: a compaction whose version a reader has not
+    applied within the wait writes nothing."""
+    from quiver_serve.graph import typed_writer
+
+    w = writer(tmp_path)
+    typed_round(w, UpdateModel(random_papers(0)), np.random.default_rng(1))
+    w.reader_versions = lambda: [w.acked, 0]
+    typed_writer.READERS_WAIT_S = 0.05
+    try:
+        result = w.compact()
+    finally:
+        typed_writer.READERS_WAIT_S = 30.0
+    assert result["compacted"] is False and "engine core" in result["reason"]
+    assert w.base_version == 0 and not list((tmp_path / "log").glob("base-*"))

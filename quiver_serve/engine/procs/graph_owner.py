@@ -24,6 +24,7 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.graph.state import ACKED, COMPACT_WANTED, NUM_NODES, GraphState
 from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_base import is_typed
 from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.graph.writer import GraphWriter
 
@@ -127,14 +128,21 @@ class GraphOwner:
         writer = TypedGraphWriter(g, graph, update_log, self.state)
         from quiver_serve.metrics.prometheus import GraphWriterMetrics
 
-        writer.on_update = GraphWriterMetrics().on_update  # versions, update counts, durations
+        metrics = GraphWriterMetrics()
+        writer.on_update = metrics.on_update  # versions, update counts, durations
+        writer.on_compaction = metrics.on_compaction
         replayed = writer.replay()
-        if replayed:
-            log.info("update log %s: %d typed update(s) replayed (now version %d)",
-                     self.living.log_dir, replayed, writer.acked)
+        if replayed or writer.base_version:
+            log.info("update log %s: %d typed update(s) replayed over base version %d (now "
+                     "version %d)", self.living.log_dir, replayed, writer.base_version,
+                     writer.acked)
+        writer.reader_versions = self._reader_versions
         self.writer = writer
+        self._compactor = threading.Thread(target=self._compact_when_due, args=(writer,),
+                                           name="quiver-compactor", daemon=True)
+        self._compactor.start()
 
-    def _compact_when_due(self, writer: GraphWriter) -> None:
+    def _compact_when_due(self, writer: GraphWriter | TypedGraphWriter) -> None:
         """Compact when the overlay passed ``graph.compact_at_fill`` (the writer asks) or
         ``graph.compact_interval_s`` after the last compaction with updates since; at most one
         compaction per ``COMPACT_MIN_GAP_S``."""
@@ -191,8 +199,8 @@ def _newest_on_disk(directory: str, graph: GraphData, base_version: int,
     from quiver_serve.graph.update_log import load_base
 
     found = load_base(Path(directory)) if Path(directory).exists() else None
-    if found is None or found[0] <= base_version:
-        return graph, base_version
+    if found is None or found[0] <= base_version or is_typed(found[2]):
+        return graph, base_version  # a typed base: the typed writer and engine cores load it
     version, arrays, meta = found
     log.info("serving the compacted base of version %d from %s", version, directory)
     # mapped, not copied: every process maps the same files (``living.MappedGraph``)

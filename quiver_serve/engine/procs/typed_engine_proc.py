@@ -7,9 +7,11 @@ log is replayed onto the graph before the model and the exact table are built.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 import zmq
@@ -23,6 +25,7 @@ from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, 
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_base import newest_base
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_load import load_typed_graph
 from quiver_serve.wire import RunAddresses
@@ -61,7 +64,9 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     try:
         graph = load_typed_graph(cfg.graph)
         sync = None
-        if isinstance(live, LiveGraphArgs):
+        if isinstance(live, LiveGraphArgs):  # the newest typed base, then the log after it
+            graph, base_version = newest_base(Path(live.log_dir), graph)
+            live = dataclasses.replace(live, base_version=base_version)
             sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges), index)
             replayed = sync.catch_up()
             if replayed:
