@@ -67,11 +67,14 @@ class TypedGraphWriter:
     """Validates, logs and acknowledges typed updates; see the module docstring."""
 
     def __init__(self, cfg: GraphConfig, graph: TypedGraph, update_log: UpdateLog,
-                 state: GraphState | None = None) -> None:
-        self.cfg, self.log = cfg, update_log
-        check_log_meta(update_log.directory,
-                       TypedLiveGraph(graph, cfg.add_reverse_edges).describe())  # the dataset's
-        graph, self.base_version = typed_base.newest_base(update_log.directory, graph)
+                 state: GraphState | None = None, base_version: int = 0) -> None:
+        """``graph``: the dataset, or the log's base of ``base_version``
+        (``typed_base.typed_graph_at_start``)."""
+        self.cfg, self.log, self.base_version = cfg, update_log, base_version
+        if base_version == 0:  # the dataset: the graph the log's records were made on
+            check_log_meta(update_log.directory,
+                           TypedLiveGraph(graph, cfg.add_reverse_edges).describe())
+        self.stamp = typed_base.typed_stamp(cfg)
         #: keeps no feature rows: ``graph.x`` stays the base's, the rows since are kept apart
         self.live = TypedLiveGraph(graph, cfg.add_reverse_edges, keep_features=False)
         self.state = state or GraphState()
@@ -235,7 +238,7 @@ class TypedGraphWriter:
             x = {t: rows_at(base_x[t], num_nodes[t], appended[t], written[t]) for t in appended}
             graph = TypedGraph(name, num_nodes, {t: torch.from_numpy(r) for t, r in x.items()},
                                relations, labels)
-            arrays, meta = typed_base.base_arrays(graph)
+            arrays, meta = typed_base.base_arrays(graph, self.stamp)
             self.log.write_base(version, arrays, meta)
             with self.lock:
                 self._forget(version, x, changed)

@@ -111,10 +111,14 @@ def test_samplers_stay_bit_identical_after_updates() -> None:
 
 
 def writer(tmp_path: Path, graph: TypedGraph | None = None) -> TypedGraphWriter:
+    """A writer over the log in ``tmp_path``, on its newest typed base when it has one."""
+    from quiver_serve.graph.typed_base import newest_base
+
     log = UpdateLog(tmp_path / "log", "none")
     log.open()
     cfg = GraphConfig(add_reverse_edges=True, max_update_edges=100)
-    return TypedGraphWriter(cfg, graph or served_graph(), log)
+    start, version = newest_base(tmp_path / "log", graph or served_graph())
+    return TypedGraphWriter(cfg, start, log, base_version=version)
 
 
 def status_and_message(call) -> tuple[int, str]:  # noqa: ANN001
@@ -245,3 +249,41 @@ def test_a_compaction_waits_for_the_engine_cores(tmp_path: Path) -> None:
         typed_writer.READERS_WAIT_S = 30.0
     assert result["compacted"] is False and "engine core" in result["reason"]
     assert w.base_version == 0 and not list((tmp_path / "log").glob("base-*"))
+
+
+def test_a_typed_start_is_a_map_of_its_newest_base(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first start writes the dataset as the base of version 0; later starts load the
+    newest typed base without the dataset (decision 0059); a source changed since is refused."""
+    from quiver_serve.graph import typed_load
+    from quiver_serve.graph.typed_base import typed_graph_at_start
+    from quiver_serve.graph.update_log import LogFollower
+
+    torch.save(random_papers(0), tmp_path / "papers.pt")
+    cfg = GraphConfig(format="pyg", path=str(tmp_path / "papers.pt"), name="papers",
+                      add_reverse_edges=True)
+    first, version = typed_graph_at_start(cfg, tmp_path / "log", write_snapshot=True)
+    assert version == 0 and list((tmp_path / "log").glob("base-*"))
+    log = UpdateLog(tmp_path / "log", "none")
+    log.open()
+    w = TypedGraphWriter(cfg, first, log)
+    model = UpdateModel(random_papers(0))
+    typed_round(w, model, np.random.default_rng(4))
+    assert w.compact()["version"] == 5
+    typed_round(w, model, np.random.default_rng(5))
+    log.close()
+
+    def no_dataset(_cfg: GraphConfig) -> TypedGraph:
+        raise AssertionError("the dataset was loaded")
+
+    monkeypatch.setattr(typed_load, "load_typed_graph", no_dataset)
+    graph, version = typed_graph_at_start(cfg, tmp_path / "log")
+    assert version == 5
+    live = TypedLiveGraph(graph, True)
+    for record in LogFollower(tmp_path / "log", 5).poll(64):
+        live.apply(record)  # type: ignore[arg-type]
+    assert_same_graph(live.graph, model.served())
+    cfg.add_reverse_edges = False  # another graph from the same file
+    with pytest.raises(errors.ServeError) as info:
+        typed_graph_at_start(cfg, tmp_path / "log")
+    assert info.value.info.code == "dataset_changed"

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ from quiver_serve.engine.procs.typed_engine_proc import config_is_typed
 from quiver_serve.graph import state as slots
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.typed import stand_in
-from quiver_serve.graph.typed_load import load_typed_graph
+from quiver_serve.graph.typed_base import typed_graph_at_start
 from quiver_serve.graph.typed_writer import TypedGraphWriter
 from quiver_serve.messages import EmbedRequest, EmbedResult
 from quiver_serve.metrics.observer import PipelineObserver
@@ -113,7 +114,8 @@ class Pipeline(ClientFacade):
 
             log_dir = str(config_log_dir(self.cfg.graph))
             if config_is_typed(self.cfg):  # docs/architecture.md, "Typed graphs"
-                typed = load_typed_graph(self.cfg.graph)
+                typed, base_version = typed_graph_at_start(self.cfg.graph, Path(log_dir),
+                                                           write_snapshot=True)
                 self.graph = stand_in(typed)
             else:
                 self.graph, base_version = load_serving_graph(self.cfg.graph)

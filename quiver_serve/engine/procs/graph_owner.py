@@ -117,15 +117,18 @@ class GraphOwner:
     def _open_typed(self) -> None:
         """The typed writer over the update log, the log replayed (docs/architecture.md, "Typed
         graphs"); read-only when another daemon holds the log."""
-        from quiver_serve.graph.typed_load import load_typed_graph
+        from quiver_serve.graph.typed_base import typed_graph_at_start
 
         g = self.cfg.graph
         update_log = self._open_log()
         if update_log is None:
             return
-        graph = self.typed_graph if self.typed_graph is not None else load_typed_graph(g)
+        if self.typed_graph is not None:  # the caller's start (``typed_graph_at_start``)
+            graph, base_version = self.typed_graph, self.living.base_version
+        else:
+            graph, base_version = typed_graph_at_start(g, Path(self.living.log_dir))
         self.typed_graph = None  # the writer's copy from here on
-        writer = TypedGraphWriter(g, graph, update_log, self.state)
+        writer = TypedGraphWriter(g, graph, update_log, self.state, base_version)
         from quiver_serve.metrics.prometheus import GraphWriterMetrics
 
         metrics = GraphWriterMetrics()

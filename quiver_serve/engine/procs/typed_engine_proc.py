@@ -25,7 +25,7 @@ from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, 
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.graph.typed import TypedGraph
-from quiver_serve.graph.typed_base import newest_base
+from quiver_serve.graph.typed_base import typed_graph_at_start
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_load import load_typed_graph
 from quiver_serve.wire import RunAddresses
@@ -62,10 +62,11 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()
     try:
-        graph = load_typed_graph(cfg.graph)
         sync = None
-        if isinstance(live, LiveGraphArgs):  # the newest typed base, then the log after it
-            graph, base_version = newest_base(Path(live.log_dir), graph)
+        if not isinstance(live, LiveGraphArgs):
+            graph = load_typed_graph(cfg.graph)
+        else:  # the newest typed base, then the log after it
+            graph, base_version = typed_graph_at_start(cfg.graph, Path(live.log_dir))
             live = dataclasses.replace(live, base_version=base_version)
             sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges), index)
             replayed = sync.catch_up()
