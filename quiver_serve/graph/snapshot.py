@@ -82,23 +82,31 @@ def graph_arrays(graph: GraphData) -> dict[str, np.ndarray]:
 def write_first_snapshot(directory: Path, graph: GraphData, stamp: str) -> bool:
     """``graph`` as the base of version 0 of the update log in ``directory``, when it has no
     base yet and no other daemon holds it; returns whether it was written."""
+    return write_first_base(directory, graph_arrays(graph),
+                            {"name": graph.name, "version": 0, "source": stamp}, "graph")
+
+
+def write_first_base(directory: Path, arrays: dict[str, np.ndarray], meta: dict,
+                     what: str) -> bool:
+    """``arrays`` and ``meta`` as the base of version 0 of the update log in ``directory``
+    (a first start's snapshot of ``what`` it loaded), when the folder has no base yet and no
+    other daemon holds its log; returns whether it was written."""
     from quiver_serve.graph.update_log import LogLockedError, UpdateLog
 
     update_log = UpdateLog(directory, "always")
     try:
         update_log.open()
     except LogLockedError as exc:
-        log.info("graph snapshot not written: %s", exc)
+        log.info("%s snapshot not written: %s", what, exc)
         return False
     try:
         if update_log.base_version is not None:
             return False
         t0 = time.perf_counter()
-        update_log.write_base(0, graph_arrays(graph), {"name": graph.name, "version": 0,
-                                                        "source": stamp})
-        nbytes = sum(a.nbytes for a in graph_arrays(graph).values())
-        log.info("graph snapshot written to %s: %.2f GB in %.1f s (later starts map it)",
-                 directory, nbytes / 1e9, time.perf_counter() - t0)
+        update_log.write_base(0, arrays, meta)
+        log.info("%s snapshot written to %s: %.2f GB in %.1f s (later starts load it)", what,
+                 directory, sum(a.nbytes for a in arrays.values()) / 1e9,
+                 time.perf_counter() - t0)
         return True
     finally:
         update_log.close()

@@ -97,6 +97,26 @@ class GraphState:
             return ENGINE_BASE + ENGINE_SLOTS * index + 3
         return SAMPLER_BASE + SAMPLER_SLOTS * index
 
+    def record_compaction(self, version: int, seconds: float) -> None:
+        """A compaction wrote the base of ``version`` in ``seconds``."""
+        self.set(COMPACTIONS, self.get(COMPACTIONS) + 1)
+        self.set(COMPACT_VERSION, version)
+        self.set(COMPACT_AT_S, time.time())
+        self.set(COMPACT_S, seconds)
+        self.set(COMPACT_WANTED, 0)
+
+    def last_compaction(self) -> dict[str, Any] | None:
+        """``GET /v1/graph``'s ``last_compaction`` (None before the first)."""
+        if not self.get(COMPACTIONS):
+            return None
+        return {"version": self.get(COMPACT_VERSION), "at_s": float(self._a[COMPACT_AT_S]),
+                "duration_s": float(self._a[COMPACT_S]), "count": self.get(COMPACTIONS)}
+
+    def want_compaction(self, explicit: bool) -> None:
+        """Ask the background compactor: by fill (at most one per its minimum gap) or, when
+        ``explicit`` (an operator's call), at its next check."""
+        self.set(COMPACT_WANTED, max(self.get(COMPACT_WANTED), 2 if explicit else 1))
+
     def engines(self, count: int) -> list[dict[str, Any]]:
         """Per engine core: version visible there, and its staleness now (0 when current)."""
         now, acked = time.time(), self._a[ACKED]
@@ -110,3 +130,15 @@ class GraphState:
                          "last_apply_staleness_s": round(float(self._a[at + 1]), 6),
                          "exact_table": self.table(i)})
         return rows
+
+
+def readers_reach(reader_versions: Any, version: int, wait_s: float) -> bool:
+    """Wait (``wait_s`` at most) until every reader (``reader_versions()``: the version each
+    live process that applies the log has applied) reached ``version``: the log a reader has
+    not read must stay until then."""
+    deadline = time.monotonic() + wait_s
+    while any(v < version for v in reader_versions()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

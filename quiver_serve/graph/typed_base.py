@@ -150,30 +150,7 @@ def typed_graph_at_start(cfg: GraphConfig, directory: Path,
     check_log_meta(directory, TypedLiveGraph(dataset, cfg.add_reverse_edges).describe())
     graph, version = newest_base(directory, dataset)
     if version == 0 and write_snapshot and cfg.snapshot and found is None:
-        write_first_typed_snapshot(directory, dataset, stamp)
+        from quiver_serve.graph.snapshot import write_first_base
+
+        write_first_base(directory, *base_arrays(dataset, stamp), "typed graph")
     return graph, version
-
-
-def write_first_typed_snapshot(directory: Path, graph: TypedGraph, stamp: str) -> bool:
-    """``graph`` as the base of version 0 of the update log in ``directory`` (no base there
-    yet, no other daemon holding it); returns whether it was written."""
-    from quiver_serve.graph.update_log import LogLockedError, UpdateLog
-
-    update_log = UpdateLog(directory, "always")
-    try:
-        update_log.open()
-    except LogLockedError as exc:
-        log.info("typed graph snapshot not written: %s", exc)
-        return False
-    try:
-        if update_log.base_version is not None:
-            return False
-        t0 = time.perf_counter()
-        arrays, meta = base_arrays(graph, stamp)
-        update_log.write_base(0, arrays, meta)
-        log.info("typed graph snapshot written to %s: %.2f GB in %.1f s (later starts load it)",
-                 directory, sum(a.nbytes for a in arrays.values()) / 1e9,
-                 time.perf_counter() - t0)
-        return True
-    finally:
-        update_log.close()

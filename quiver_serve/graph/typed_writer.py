@@ -37,7 +37,7 @@ from quiver_serve.graph.records import (
     TypedNodeRecord,
     TypedRecord,
 )
-from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.state import GraphState, readers_reach
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph, check_log_meta
 from quiver_serve.graph.update_log import UpdateLog
@@ -206,8 +206,7 @@ class TypedGraphWriter:
 
     def request_compaction(self, explicit: bool = False) -> None:
         """Ask the background compactor: by the entries changed, or at once when ``explicit``."""
-        self.state.set(slots.COMPACT_WANTED, max(self.state.get(slots.COMPACT_WANTED),
-                                                 2 if explicit else 1))
+        self.state.want_compaction(explicit)
 
     def maybe_rebase(self) -> bool:
         """Nothing to move: the writer's graph is the live one (the compactor asks each turn)."""
@@ -243,7 +242,8 @@ class TypedGraphWriter:
             with self.lock:
                 self._forget(version, x, changed)
             seconds = time.perf_counter() - t0
-            self._compacted(version, seconds)
+            self.state.record_compaction(version, seconds)
+            self.state.set(slots.BASE_VERSION, version)
             if self.on_compaction is not None:
                 self.on_compaction(seconds)
             log.info("compacted the typed graph at version %d in %.2f s (%s nodes)", version,
@@ -262,34 +262,13 @@ class TypedGraphWriter:
         self.base_version = version
 
     def _readers_reach(self, version: int) -> bool:
-        """Wait (``READERS_WAIT_S`` at most) until every engine core applied ``version``: the
-        log it has not read must stay until then."""
-        deadline = time.monotonic() + READERS_WAIT_S
-        while any(v < version for v in self.reader_versions()):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def _compacted(self, version: int, seconds: float) -> None:
-        s = self.state
-        s.set(slots.COMPACTIONS, s.get(slots.COMPACTIONS) + 1)
-        s.set(slots.COMPACT_VERSION, version)
-        s.set(slots.COMPACT_AT_S, time.time())
-        s.set(slots.COMPACT_S, seconds)
-        s.set(slots.COMPACT_WANTED, 0)
-        s.set(slots.BASE_VERSION, version)
+        """Every engine core applied ``version`` (``READERS_WAIT_S`` at most)."""
+        return readers_reach(self.reader_versions, version, READERS_WAIT_S)
 
     def info(self, num_engines: int) -> dict[str, Any]:
-        s = self.state
-        engines = s.engines(num_engines)
+        engines = self.state.engines(num_engines)
         g = self.live.graph
-        compaction = None
-        if s.get(slots.COMPACTIONS):
-            compaction = {"version": s.get(slots.COMPACT_VERSION),
-                          "at_s": float(s.tensor[slots.COMPACT_AT_S]),
-                          "duration_s": float(s.tensor[slots.COMPACT_S]),
-                          "count": s.get(slots.COMPACTIONS)}
+        compaction = self.state.last_compaction()
         return {
             "version": self.acked, "base_version": self.base_version,
             "num_nodes": dict(g.num_nodes),

@@ -29,7 +29,7 @@ from quiver_serve.graph.overlay import (
     plan_record,
 )
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord
-from quiver_serve.graph.state import GraphState
+from quiver_serve.graph.state import GraphState, readers_reach
 from quiver_serve.graph.update_log import UpdateLog, load_base
 
 log = logging.getLogger(__name__)
@@ -260,13 +260,8 @@ class GraphWriter:
             arrays = self._base_arrays(indptr.numpy(), indices.numpy(), touched, appended, written)
             self.log.write_base(version, arrays, {"name": self.base.name, "version": version})
             seconds = time.perf_counter() - t0
-            s = self.state
-            s.set(slots.COMPACTIONS, s.get(slots.COMPACTIONS) + 1)
-            s.set(slots.COMPACT_VERSION, version)
-            s.set(slots.COMPACT_AT_S, time.time())
-            s.set(slots.COMPACT_S, seconds)
-            s.set(slots.COMPACT_WANTED, 0)
-            s.set(slots.NEWEST_BASE, version)  # the samplers move to it; then this writer
+            self.state.record_compaction(version, seconds)
+            self.state.set(slots.NEWEST_BASE, version)  # the samplers move to it; then here
             if self.on_compaction is not None:
                 self.on_compaction(seconds)
             log.info("compacted the graph at version %d in %.2f s (%d nodes, %d edges)", version,
@@ -274,14 +269,8 @@ class GraphWriter:
             return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
 
     def _readers_reach(self, version: int) -> bool:
-        """Wait (``READERS_WAIT_S`` at most) until every process that samples applied
-        ``version``: the log it has not read must stay until then."""
-        deadline = time.monotonic() + READERS_WAIT_S
-        while any(v < version for v in self.reader_versions()):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        """Every process that samples applied ``version`` (``READERS_WAIT_S`` at most)."""
+        return readers_reach(self.reader_versions, version, READERS_WAIT_S)
 
     def _base_arrays(self, indptr: np.ndarray, indices: np.ndarray, touched: np.ndarray,
                      appended: list[np.ndarray], written: dict[int, np.ndarray],
@@ -348,18 +337,11 @@ class GraphWriter:
     def request_compaction(self, explicit: bool = False) -> None:
         """Ask the background compactor: by fill (at most one per its minimum gap) or, when
         ``explicit`` (an operator's call), at its next check."""
-        self.state.set(slots.COMPACT_WANTED, max(self.state.get(slots.COMPACT_WANTED),
-                                                 2 if explicit else 1))
+        self.state.want_compaction(explicit)
 
     def info(self, num_engines: int) -> dict[str, Any]:
-        s = self.state
-        compaction = None
-        if s.get(slots.COMPACTIONS):
-            compaction = {"version": s.get(slots.COMPACT_VERSION),
-                          "at_s": float(s.tensor[slots.COMPACT_AT_S]),
-                          "duration_s": float(s.tensor[slots.COMPACT_S]),
-                          "count": s.get(slots.COMPACTIONS)}
-        engines = s.engines(num_engines)
+        engines = self.state.engines(num_engines)
+        compaction = self.state.last_compaction()
         return {
             "version": self.acked, "base_version": self.base_version,
             "num_nodes": self.overlay.num_nodes, "num_edges": self.overlay.num_edges,
