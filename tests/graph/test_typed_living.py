@@ -287,3 +287,47 @@ def test_a_typed_start_is_a_map_of_its_newest_base(tmp_path: Path,
     with pytest.raises(errors.ServeError) as info:
         typed_graph_at_start(cfg, tmp_path / "log")
     assert info.value.info.code == "dataset_changed"
+
+
+@pytest.mark.parametrize("crash_at", ["base.mkdir", "base.array", "base.meta", "base.synced",
+                                      "current.renamed", "rotate.sealed", "drop.segment",
+                                      "drop.base"])
+def test_a_crash_anywhere_in_a_typed_compaction_keeps_every_acknowledged_update(
+        tmp_path: Path, crash_at: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typed compaction killed at any of its steps (``update_log._crash_hook``): the restarted
+    writer, and an engine core's start, have every acknowledged update; the next compaction
+    works."""
+    from quiver_serve.graph import update_log
+    from quiver_serve.graph.typed_base import newest_base
+    from quiver_serve.graph.update_log import LogFollower
+
+    class Crash(Exception):
+        pass
+
+    def hook(name: str) -> None:
+        if name == crash_at:
+            raise Crash(name)
+
+    rng = np.random.default_rng(7)
+    model = UpdateModel(random_papers(0))
+    w = writer(tmp_path)
+    typed_round(w, model, rng)
+    w.compact()  # a base in force before the one that crashes
+    typed_round(w, model, rng)
+    monkeypatch.setattr(update_log, "_crash_hook", hook)
+    with pytest.raises(Crash):
+        w.compact()
+    monkeypatch.setattr(update_log, "_crash_hook", None)
+    w.log.close()
+    again = writer(tmp_path)  # the daemon restarted
+    again.replay()
+    assert again.acked == 10 and again.num_nodes == model.served().num_nodes
+    typed_round(again, model, rng)
+    assert again.compact()["compacted"]
+    again.log.close()
+    graph, base = newest_base(tmp_path / "log", served_graph())
+    live = TypedLiveGraph(graph, True)
+    for record in LogFollower(tmp_path / "log", base).poll(64):
+        live.apply(record)  # type: ignore[arg-type]
+    assert base == 15
+    assert_same_graph(live.graph, model.served())
