@@ -157,3 +157,37 @@ def test_a_book_record_round_trips_and_a_bad_one_is_refused() -> None:
     for head, feats in (([900, 2], rows), ([900, 3, 1], rows), ([-1, 2, 1], rows)):
         with pytest.raises(ValueError, match="first id, count, owner"):
             BookNodesRecord(4, 1.5, head, feats)
+
+
+def test_a_full_partition_says_so_and_a_larger_headroom_takes_the_update(
+        data_dir: Path, tmp_path: Path) -> None:
+    """A partition's log is not compacted: once its overlay is full an update is refused 507
+    (not a 503 to retry) naming the remedy, nothing is written, and a server restarted with a
+    larger ``graph.overlay_capacity_edges`` replays the log and takes the update."""
+    book = load_partition(data_dir, 1).book
+    mine, theirs = book.global_ids(1), book.global_ids(0)
+    data = load_partition(data_dir, 1)
+
+    def start(capacity: int) -> PartitionLive:
+        return PartitionLive(tmp_path / "log", GraphConfig(fsync="always",
+                                                           overlay_capacity_edges=capacity),
+                             1, load_partition(data_dir, 1).book, as_tensor(data.indptr),
+                             as_tensor(data.indices), int(data.features.shape[1]))
+
+    live = start(1024)
+    pairs = [[int(theirs[i % theirs.size]), int(mine[i % mine.size])] for i in range(50)]
+    for _ in range(200):  # until the overlay is full
+        try:
+            live.add_edges(pairs, [])
+        except errors.ServeError as exc:
+            info = exc.info
+            break
+    else:
+        raise AssertionError("the overlay never filled")
+    assert info.status == 507 and info.code == "overlay_full", info
+    assert "graph.overlay_capacity_edges" in info.message and "compaction frees" not in info.message
+    acked = live.version
+    live.close()
+    live = start(1 << 16)  # the operator's remedy
+    assert live.replayed == acked and live.add_edges(pairs, [])["version"] == acked + 1
+    live.close()

@@ -47,6 +47,16 @@ from quiver_serve.scaleout.partitioned.sampling import as_tensor
 HOT_DROPPED = "hot_dropped.npy"
 
 
+def partition_full(part: int, detail: str) -> errors.ServeError:
+    """A partition's overlay or node headroom is used up. A partition's log is not compacted
+    (docs/architecture.md, "The living graph across partitions"), so waiting does not help: 507
+    (no Retry-After) naming the remedy; the update is not written."""
+    return errors.ServeError(
+        "overlay_full", f"partition {part}: {detail}; partition logs are not compacted: raise "
+        "graph.overlay_capacity_edges (edges) or graph.max_new_nodes (nodes) and restart the "
+        "partition servers, which replay their logs into the larger headroom", 507)
+
+
 def log_folder(data_dir: Path, configured: str | None, part: int) -> Path:
     """Partition ``part``'s update-log folder: ``<graph.update_log_dir>/part-<p>`` when set,
     else ``<data_dir>/updates/part-<p>`` beside the partitions."""
@@ -173,7 +183,7 @@ class PartitionLive:
             result, _ = self.overlay.apply_edges(
                 record.add, record.remove, before_commit=lambda _r, _p: log.write(record))
         except OverlayFull as exc:
-            raise living.overlay_full(f"partition {self.part}: {exc}", 1) from None
+            raise partition_full(self.part, str(exc).split(";")[0]) from None
         self.version = version
         log.wait_durable(version)
         return {"version": version, "added": result.added, "removed": result.removed,
@@ -208,8 +218,8 @@ class PartitionLive:
                 raise errors.ServeError("invalid_features", f"{count} new nodes but "
                                         f"{len(rows)} feature rows", 422)
             if self.overlay.num_nodes + count > self.overlay.node_capacity:
-                raise living.overlay_full(f"partition {self.part}: node capacity "
-                                          f"{self.overlay.node_capacity} reached", 1)
+                raise partition_full(self.part, f"node capacity {self.overlay.node_capacity} "
+                                     "reached")
         if self._holds(first_id, count, owner):
             return {"version": self.version}
         if first_id != self.book.num_nodes:
