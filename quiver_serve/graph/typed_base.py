@@ -108,6 +108,12 @@ def newest_base(directory: Path, like: TypedGraph) -> tuple[TypedGraph, int]:
     from quiver_serve.graph.update_log import load_base
 
     found = load_base(directory) if Path(directory).exists() else None
+    return _from_found(found, like, Path(directory))
+
+
+def _from_found(found: tuple[int, dict[str, np.ndarray], dict[str, Any]] | None,
+                like: TypedGraph, directory: Path) -> tuple[TypedGraph, int]:
+    """``newest_base`` over a base already read (``load_base``'s answer)."""
     if found is None:
         return like, 0
     version, arrays, meta = found
@@ -116,7 +122,7 @@ def newest_base(directory: Path, like: TypedGraph) -> tuple[TypedGraph, int]:
             "dataset_changed", f"the update-log folder {directory} holds the base of a graph of "
             "one type; this config serves a typed graph: point graph.update_log_dir elsewhere",
             500)
-    return graph_from_base(arrays, meta, like, Path(directory)), version
+    return graph_from_base(arrays, meta, like, directory), version
 
 
 def typed_graph_at_start(cfg: GraphConfig, directory: Path,
@@ -148,7 +154,7 @@ def typed_graph_at_start(cfg: GraphConfig, directory: Path,
         return graph, version
     dataset = load_typed_graph(cfg)
     check_log_meta(directory, TypedLiveGraph(dataset, cfg.add_reverse_edges).describe())
-    graph, version = newest_base(directory, dataset)
+    graph, version = _from_found(found, dataset, directory)
     if version == 0 and write_snapshot and cfg.snapshot and found is None:
         from quiver_serve.graph.snapshot import write_first_base
 

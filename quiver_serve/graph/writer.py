@@ -56,7 +56,7 @@ def sort_lists(indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray,
     ip, ix = torch.from_numpy(indptr), torch.from_numpy(indices)
     n = max(1, indptr.size - 1)  # every id is below it
     counts = ip[1:] - ip[:-1]
-    sizes = np.cumsum((indptr[1:] - indptr[:-1])[nodes])
+    sizes = np.cumsum(counts.numpy()[nodes])
     lo = 0
     while lo < nodes.size:
         done = sizes[lo - 1] if lo else 0

@@ -131,16 +131,22 @@ class ZmqSamplerPool(SamplerPool):
 
 
 # ---- engine core process ----------------------------------------------------------------------------
+def engine_process_setup(cfg: ServeConfig, index: int) -> None:
+    """What every engine core process (typed or not) sets first: logging, torch's intra-op
+    threads, and the interpreter's switch interval (decision 0058), which it logs."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.inference.torch_threads)
+    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)
+    log.info("engine %d: interpreter switch interval %.3g ms", index,
+             sys.getswitchinterval() * 1e3)
+
+
 def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,
                      addrs: RunAddresses, live: LiveGraphArgs | None = None) -> None:
     """Entry point of engine core ``index`` (spawned); ``given``: the graph, or the folder it
     is mapped from (``living.handed``); ``live``: follow the graph's updates."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    torch.set_num_threads(cfg.inference.torch_threads)
-    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
-    log.info("engine %d: interpreter switch interval %.3g ms", index,
-             sys.getswitchinterval() * 1e3)
+    engine_process_setup(cfg, index)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()

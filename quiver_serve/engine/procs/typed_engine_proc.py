@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from pathlib import Path
 
-import torch
 import zmq
 
 from quiver_serve.config import ServeConfig
@@ -21,7 +19,12 @@ from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.typed_core import TypedEngineCore, build_typed_core
 from quiver_serve.engine.core.typed_sync import TypedSync
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
-from quiver_serve.engine.procs.engine_proc import IDLE_POLL_MS, PARENT_CHECK_S, EngineLoop
+from quiver_serve.engine.procs.engine_proc import (
+    IDLE_POLL_MS,
+    PARENT_CHECK_S,
+    EngineLoop,
+    engine_process_setup,
+)
 from quiver_serve.engine.procs.process import parent_alive
 from quiver_serve.graph.living import LiveGraphArgs
 from quiver_serve.graph.typed import TypedGraph
@@ -52,12 +55,7 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
     ``engine_proc.engine_core_main``): the typed graph loaded here from ``cfg.graph`` (``given``,
     the main process's stand-in, is not read) with the update log in ``live`` replayed onto it,
     build, report ready, serve until the parent goes."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    torch.set_num_threads(cfg.inference.torch_threads)
-    sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
-    log.info("engine %d: interpreter switch interval %.3g ms", index,
-             sys.getswitchinterval() * 1e3)
+    engine_process_setup(cfg, index)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "engine", index)
     poller = zmq.Poller()
