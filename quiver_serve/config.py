@@ -219,7 +219,7 @@ class InferenceConfig(_Section):
     num_workers: int = Field(0, ge=0, description="inference processes; 0 = one per GPU, or one on CPU")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per inference worker")
     startup_threads: int = Field(0, ge=0, description="intra-op threads of an engine core's start-up (feature copies and placement, PSGS, FAP); 0 = every core the process may run on; serving then uses torch_threads")
-    switch_interval_ms: float = Field(0.5, gt=0, le=100, description="the interpreter's switch interval (sys.setswitchinterval) in engine cores and the daemon's main process: how long a thread back from a wait (a socket, a CUDA stream, an fsync) may wait for the interpreter lock while another thread runs Python (the refresh, the update planner, the compactor); Python's default is 5")
+    switch_interval_ms: float = Field(5.0, gt=0, le=100, description="the interpreter's switch interval (sys.setswitchinterval) in engine cores and the daemon's main process: how long a thread back from a wait (a socket, a CUDA stream, an fsync) may wait for the interpreter lock while another thread runs Python (the refresh, the update planner, the compactor); 5 is CPython's default, and 0.5 measured 15-20% less capacity on the H200 (docs/decisions/0058-switch-interval.md)")
     gpu_cache_bytes: int = Field(
         4 << 30, ge=0,
         description="GPU memory for node features per GPU (rows and location map): the hottest rows by features.placement go there, the rest are read from pinned host memory",

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_capacity_options(ap, [16, 32, 64, 128, 256, 512])
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window of each step")
     ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--load-req-per-s", type=float, default=0.0,
+                    help="open-loop req/s of every window (0: --load-fraction of the capacity); "
+                         "a fixed load compares settings across runs")
     ap.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
                     help="the windows after the steady one, in this order")
     ap.add_argument("--update-rates", type=float, nargs="+", default=[10_000, 50_000, 100_000],
@@ -114,7 +117,8 @@ class Run(updates.Run):
         self.steady: dict[str, Any] | None = None
 
     def rate(self) -> float:
-        return self.args.load_fraction * self.capacity["req_per_s"]
+        a = self.args
+        return a.load_req_per_s or a.load_fraction * self.capacity["req_per_s"]
 
 
 def window(run: Run, name: str, seconds: float, rate: float = 0.0,
@@ -266,7 +270,8 @@ def meta(args: argparse.Namespace, cfg: Any, facts: dict) -> dict[str, Any]:
     return results.run_meta(
         args, cfg, graph=facts["graph"], protocol="http-npy",
         workload=f"b ({args.ids_per_request} ids uniform over every node)",
-        load_fraction=args.load_fraction, seconds=args.seconds, warmup_s=args.warmup,
+        load_fraction=args.load_fraction, load_req_per_s=args.load_req_per_s or None,
+        seconds=args.seconds, warmup_s=args.warmup,
         events=args.events, edges_per_call=args.edges_per_call,
         remove_fraction=args.remove_fraction, degree_bias=args.degree_bias,
         update_procs=args.update_procs, update_inflight=args.update_inflight,
@@ -288,8 +293,8 @@ def finish(run: Run | None, info: dict, out: Path, skipped: list[str], t0: float
     results.write_result(out, result)
     results.print_head(result, info, "(b) http-npy")
     if run is not None and capacity:
-        print(f"{capacity_text(capacity)}; windows at {run.args.load_fraction:g} of it "
-              f"({run.rate():,.0f} req/s)")
+        share = run.rate() / capacity["req_per_s"]
+        print(f"{capacity_text(capacity)}; windows at {share:.2g} of it ({run.rate():,.0f} req/s)")
     print(report.targets_line(result["targets"]))
     print(report.TABLE_HEADER)
     for r in rows:
