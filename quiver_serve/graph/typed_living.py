@@ -14,10 +14,16 @@ graph reads the new relations, counts and rows at its next batch:
 * new nodes of a type take the type's next ids; feature rows are given when the type has
   features, none (a count) when it has none.
 * records carry the relation's or type's position in the graph (``TypedEdgeRecord`` ...).
+
+A reader that keeps rows derived from the graph (an engine core's exact table) asks for
+``watch_changes()``: every record applied after it adds, per node type, the nodes whose inputs
+changed (feature rows written, nodes added) and the destinations whose in-edges changed (along
+either direction a record changes), which ``take_changes()`` hands over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -60,6 +66,26 @@ def reverse_pairs(graph: TypedGraph) -> dict[EdgeType, EdgeType]:
     return mirror
 
 
+@dataclasses.dataclass
+class TypedChanges:
+    """What records changed since the last ``take_changes`` (module docstring): per node type,
+    ids whose input rows changed and ids whose in-edges changed (repeats allowed)."""
+
+    inputs: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
+    in_edges: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
+
+    def add(self, kind: dict[str, list[Tensor]], node_type: str, ids: Tensor) -> None:
+        if ids.numel():
+            kind.setdefault(node_type, []).append(ids.reshape(-1).to(torch.int64))
+
+    def ids(self, kind: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+        """Each type's ids of ``kind`` (``inputs`` or ``in_edges``), unique."""
+        return {t: torch.unique(torch.cat(parts)) for t, parts in kind.items()}
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.in_edges)
+
+
 class TypedLiveGraph:
     """A typed graph that takes updates; see the module docstring."""
 
@@ -73,6 +99,21 @@ class TypedLiveGraph:
             if add_reverse_edges else set()
         self.widths = {t: graph.feature_width(t) for t in self.node_types}
         self._rows: dict[str, Tensor] = {}  # feature storage with headroom per type
+        #: what records changed, for a reader keeping derived rows (None: not kept)
+        self.changes: TypedChanges | None = None
+
+    def watch_changes(self) -> None:
+        """Keep what records change from now on (``take_changes``)."""
+        if self.changes is None:
+            self.changes = TypedChanges()
+
+    def take_changes(self) -> TypedChanges:
+        """What records changed since the last call (or ``watch_changes``; nothing when no one
+        watches)."""
+        if self.changes is None:
+            return TypedChanges()
+        out, self.changes = self.changes, TypedChanges()
+        return out
 
     # ---- what an update names ------------------------------------------------------------------
     def edge_type_of(self, value: Any) -> EdgeType:
@@ -151,9 +192,11 @@ class TypedLiveGraph:
         if isinstance(record, TypedNodeRecord):
             return {"node_type": node_type, "node_ids": self.add_nodes(node_type,
                                                                        record.features)}
+        ids = torch.from_numpy(record.node_ids)
         if self.keep_features:
-            self.features(node_type)[torch.from_numpy(record.node_ids)] = \
-                torch.from_numpy(record.features)
+            self.features(node_type)[ids] = torch.from_numpy(record.features)
+        if self.changes is not None:
+            self.changes.add(self.changes.inputs, node_type, ids)
         return {"node_type": node_type}
 
     def apply_edges(self, et: EdgeType, add: Tensor, remove: Tensor) -> dict[str, Any]:
@@ -165,6 +208,11 @@ class TypedLiveGraph:
         if rev is not None:
             g.relations[rev], _ = splice(g.relations[rev], g.num_nodes[rev[0]], add.flip(1),
                                          remove.flip(1))
+        if self.changes is not None:
+            pairs = torch.cat([add.reshape(-1, 2), remove.reshape(-1, 2)])
+            self.changes.add(self.changes.in_edges, et[2], pairs[:, 1])
+            if rev is not None:
+                self.changes.add(self.changes.in_edges, et[0], pairs[:, 0])
         return {"edge_type": list(et), "added": done.added, "removed": done.removed,
                 "missing": done.missing}
 
@@ -177,6 +225,8 @@ class TypedLiveGraph:
             if et[2] == node_type:
                 g.relations[et] = grow_destinations(rel, count)
         g.num_nodes[node_type] = first + count
+        if self.changes is not None:
+            self.changes.add(self.changes.inputs, node_type, torch.arange(first, first + count))
         return list(range(first, first + count))
 
     def features(self, node_type: str) -> Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
+from quiver_serve.graph.typed_splice import range_positions
 from quiver_serve.models.typed_served import TypedServedModel
 from quiver_serve.sampling.reference import unique_first
 from quiver_serve.sampling.typed import TypedSamplerOutput
@@ -78,27 +79,53 @@ class TypedLayerwise:
 
     @torch.no_grad()
     def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
-        """Every node's output, per node type that the model gives rows for."""
-        graph, dev = self.served.graph, self.served.device
+        """Every node's output, per node type that the model gives rows for (on the model's
+        device)."""
+        return self.run_layers(chunk_nodes, keep=False)[-1]
+
+    @torch.no_grad()
+    def run_layers(self, chunk_nodes: int = DEFAULT_CHUNK_NODES, keep: bool = True,
+                   ) -> list[dict[str, Tensor]]:
+        """Every layer's output per node type, layers 1 .. L: with ``keep`` each copied to host
+        memory as float32 (the exact table's layers), else only the last, on the model's
+        device. A type the model gives no rows for at a layer is left out of it."""
+        graph = self.served.graph
         h = self.served.inputs({t: torch.arange(n) for t, n in graph.num_nodes.items()})
+        layers = []
         for i in range(self.num_layers):
             nxt: dict[str, Tensor] = {}
             for t, count in graph.num_nodes.items():
                 parts = []
                 for lo in range(0, count, chunk_nodes):
                     hi = min(count, lo + chunk_nodes)
-                    node, edge_index, e_id = one_hop(graph, t, lo, hi)
-                    node = {s: ids.to(dev) for s, ids in node.items()}
-                    x = {s: h[s][ids] for s, ids in node.items() if s in h}
-                    ei = {et: e.to(dev) for et, e in edge_index.items() if et[0] in x}
-                    out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node)
-                    if out.get(t) is None:
+                    out = self.layer_rows(i, t, torch.arange(lo, hi), h, span=(lo, hi))
+                    if out is None:
                         break
-                    parts.append(out[t][:hi - lo])
+                    parts.append(out)
                 if count and len(parts) == -(-count // chunk_nodes):
                     nxt[t] = torch.cat(parts)
             h = nxt
-        return h
+            if keep:
+                layers.append({t: v.float().cpu() for t, v in h.items()})
+        return layers if keep else [h]
+
+    @torch.no_grad()
+    def layer_rows(self, i: int, node_type: str, targets: Tensor, h: dict[str, Tensor] | None,
+                   span: tuple[int, int] | None = None) -> Tensor | None:
+        """Layer ``i``'s rows of ``targets`` (ids of ``node_type``) from ``h``, layer ``i - 1``'s
+        rows of every node per type (None: the inputs), over every in-edge of the targets;
+        ``span``: the targets are ``range(*span)``. None when the model gives the type no rows
+        at this layer."""
+        dev = self.served.device
+        node, edge_index, e_id = one_hop(self.served.graph, node_type, targets, span)
+        node = {s: ids.to(dev) for s, ids in node.items()}
+        if h is None:
+            x = self.served.inputs(node)
+        else:
+            x = {s: h[s][ids.to(h[s].device)].to(dev) for s, ids in node.items() if s in h}
+        ei = {et: e.to(dev) for et, e in edge_index.items() if et[0] in x}
+        out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node).get(node_type)
+        return None if out is None else out[:targets.numel()]
 
     @torch.no_grad()
     def sampled(self, out: TypedSamplerOutput) -> Tensor:
@@ -189,23 +216,30 @@ def combine(parts: list[Tensor], aggr: str) -> Tensor:
     return out / len(parts) if aggr == "mean" and len(parts) > 1 else out
 
 
-def one_hop(graph: TypedGraph, node_type: str, lo: int, hi: int) -> tuple[
+def one_hop(graph: TypedGraph, node_type: str, targets: Tensor,
+            span: tuple[int, int] | None = None) -> tuple[
         dict[str, Tensor], dict[EdgeType, Tensor], dict[EdgeType, Tensor]]:
-    """The subgraph of targets ``lo .. hi - 1`` of ``node_type``: global ids per type (the
-    targets first in their type), every in-edge of every target per relation into the type as a
-    local ``edge_index``, and those edges' ids."""
+    """The subgraph of ``targets`` (ids of ``node_type``; ``span``: they are ``range(*span)``,
+    read as slices): global ids per type (the targets first in their type), every in-edge of
+    every target per relation into the type as a local ``edge_index``, and those edges' ids."""
     parts: dict[str, list[Tensor]] = {t: [] for t in graph.node_types}
-    parts[node_type].append(torch.arange(lo, hi))
+    parts[node_type].append(targets)
     picked = {}
     for et, rel in graph.relations.items():
         if et[2] != node_type:
             continue
-        start, stop = int(rel.indptr[lo]), int(rel.indptr[hi])
-        src = rel.indices[start:stop]
-        dst = torch.repeat_interleave(torch.arange(hi - lo), rel.degree()[lo:hi])
+        if span is not None:
+            start, stop = int(rel.indptr[span[0]]), int(rel.indptr[span[1]])
+            src, ids = rel.indices[start:stop], rel.edge_ids_at(start, stop)
+            deg = rel.degree()[span[0]:span[1]]
+        else:
+            deg = rel.indptr[targets + 1] - rel.indptr[targets]
+            pos = range_positions(rel.indptr[targets], deg)
+            src, ids = rel.indices[pos], (pos if rel.edge_id is None else rel.edge_id[pos])
+        dst = torch.repeat_interleave(torch.arange(targets.numel()), deg)
         offset = sum(p.numel() for p in parts[et[0]])  # where src lands in its type's list
         parts[et[0]].append(src)
-        picked[et] = (offset, src.numel(), dst, rel.edge_ids_at(start, stop))
+        picked[et] = (offset, src.numel(), dst, ids)
     node, inverse = {}, {}
     for t, pieces in parts.items():
         if pieces:

@@ -12,8 +12,10 @@ requests read a per-type table of every node's layer-wise output (``TypedLayerwi
 With the living graph (``sync``, ``typed_sync.py``) each step first applies new updates; a
 micro-batch whose ``min_version`` is not applied here yet, or that names an id past its type's
 applied count while updates are pending, waits in ``parked`` until they are (504 at its
-deadline). The exact table holds the rows of the version it was built on: the first update
-applied drops it, and exact requests are then computed from a sample with every fanout -1.
+deadline). The exact table (``typed_table.py``) follows the updates: each step marks the rows
+what it applied made stale and refreshes marked rows within ``graph.apply_budget_ms`` while
+requests wait (longer when none does); an exact request's marked rows are computed from a
+sample with every fanout -1 until the refresh reaches them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from quiver_serve.engine.core.micro_batch import (
     split_rows,
 )
 from quiver_serve.engine.core.typed_sync import TypedSync
+from quiver_serve.engine.core.typed_table import TypedExactTable, rows_or_none
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
@@ -71,6 +74,16 @@ class TypedSettings:
     materialize: bool
     #: time a step may spend applying updates while requests wait (``graph.apply_budget_ms``)
     apply_budget_s: float = 0.005
+    #: time a step may spend refreshing the exact table when no request waits
+    idle_refresh_s: float = 0.05
+    #: in-edges per exact-table refresh chunk (``exact.refresh_chunk_edges``)
+    refresh_chunk_edges: int = 1 << 20
+
+    @classmethod
+    def of(cls, cfg: ServeConfig) -> TypedSettings:
+        return cls(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
+                   cfg.exact.materialize != "off", cfg.graph.apply_budget_ms / 1000.0,
+                   refresh_chunk_edges=cfg.exact.refresh_chunk_edges)
 
 
 class TypedEngineCore:
@@ -83,8 +96,9 @@ class TypedEngineCore:
         self.all_fanouts = {et: [-1] * len(f) for et, f in self.fanouts.items()}
         self.settings, self.index = settings, index
         self.layerwise = TypedLayerwise(served) if unsupported(served) is None else None
-        #: every node's exact rows per node type (None: exact requests computed on the fly)
-        self.exact_rows: dict[str, Tensor] | None = None
+        #: every node's exact rows per layer and node type (None: exact requests computed on
+        #: the fly)
+        self.table: TypedExactTable | None = None
         self.waiting: deque[MicroBatch] = deque()
         self.out_dims = dict(served.out_dims)
         #: sends replies at once (the process loop's socket); None: ``step()`` returns them
@@ -109,9 +123,11 @@ class TypedEngineCore:
                         "requests are computed on the fly", self.index)
             return
         t0 = time.perf_counter()
-        self.exact_rows = {t: rows.float().cpu() for t, rows in self.layerwise.run().items()}
-        log.info("engine %d: typed exact table of %s in %.2f s", self.index,
-                 {t: tuple(r.shape) for t, r in self.exact_rows.items()}, time.perf_counter() - t0)
+        self.table = TypedExactTable(self.layerwise, self.settings.refresh_chunk_edges)
+        log.info("engine %d: typed exact table of %d layer(s), final rows %s, in %.2f s",
+                 self.index, self.table.num_layers,
+                 {t: tuple(r.shape) for t, r in self.table.layer(-1).items()},
+                 time.perf_counter() - t0)
 
     def resolve_type(self, node_type: str) -> str | None:
         """The node type a request names ("" is the only type of a one-type graph); None when
@@ -146,6 +162,10 @@ class TypedEngineCore:
     def busy(self) -> bool:
         return bool(self.waiting)
 
+    def refreshing(self) -> bool:
+        """The exact table has rows to recompute (the loop keeps stepping)."""
+        return self.table is not None and self.table.stale_count() > 0
+
     def _must_wait(self, mb: MicroBatch) -> bool:
         sync = self.sync
         if sync is None:
@@ -161,11 +181,15 @@ class TypedEngineCore:
         if self.sync is None:
             return []
         budget_s = self.settings.apply_budget_s if self.waiting else float("inf")
-        if self.sync.step(budget_s) and self.exact_rows is not None:
-            self.exact_rows = None
-            log.info("engine %d: graph updated (version %d): the typed exact table is dropped; "
-                     "exact requests are computed from full-fanout samples", self.index,
-                     self.sync.version)
+        table = self.table
+        if table is not None and self.sync.live.changes is None:
+            self.sync.live.watch_changes()  # the table holds the graph as it is now
+            table.follow_reverse(self.sync.live)
+        if self.sync.step(budget_s) and table is not None:
+            table.mark(self.sync.live.take_changes())
+        if table is not None and table.stale_count():
+            table.refresh(self.settings.apply_budget_s if self.waiting
+                          else self.settings.idle_refresh_s)
         replies: list[Reply] = []
         now_s = time.time()
         pending, self.parked = self.parked, deque()
@@ -228,10 +252,17 @@ class TypedEngineCore:
         sample drawn with ``seed``."""
         if seeds.numel() == 0:
             return np.zeros((0, self.out_dims.get(node_type, 0)), np.float32)
-        if exact and self.exact_rows is not None:
-            if node_type not in self.exact_rows:
+        if exact and self.table is not None:
+            if node_type not in self.table.types():
                 raise ValueError(f"the model gives no rows for node type {node_type!r}")
-            return self.exact_rows[node_type][seeds].numpy()
+            rows, stale = rows_or_none(self.table, node_type, seeds)
+            if rows is not None and bool(stale.any()):  # the refresh has not reached them
+                rows[stale.numpy()] = self.sampled_rows(node_type, seeds[stale], True, seed)
+            return rows
+        return self.sampled_rows(node_type, seeds, exact, seed)
+
+    def sampled_rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:
+        """The rows of ``seeds`` from a sample drawn with ``seed`` (exact: every fanout -1)."""
         out = self.sampler.sample(node_type, seeds, self.all_fanouts if exact else self.fanouts,
                                   seed)
         result = self.layerwise.sampled(out) if self.layerwise is not None else self.served(out)
@@ -248,8 +279,7 @@ def build_typed_core(cfg: ServeConfig, graph: TypedGraph, index: int = 0,
     sampler_cls = TypedReferenceSampler if cfg.sampling.implementation == "reference" \
         else TypedCppSampler
     fanouts = cfg.sampling.fanouts if spec.fanouts is None else spec.fanouts
-    settings = TypedSettings(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
-                             cfg.exact.materialize != "off", cfg.graph.apply_budget_ms / 1000.0)
+    settings = TypedSettings.of(cfg)
     core = TypedEngineCore(served, fanouts, sampler_cls(graph), settings, index=index)
     if settings.materialize:
         core.build_table()

@@ -124,7 +124,7 @@ class TypedGpuEngineCore(TypedEngineCore):
 
     @torch.no_grad()
     def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:
-        if seeds.numel() == 0 or (exact and self.exact_rows is not None) or self.device_stale:
+        if seeds.numel() == 0 or (exact and self.table is not None) or self.device_stale:
             return super().rows(node_type, seeds, exact, seed)
         route, _ = self.route(node_type, int(seeds.numel()), exact)
         with torch.cuda.stream(self._stream) if self._stream is not None \
@@ -263,8 +263,7 @@ def build_typed_gpu_core(cfg: ServeConfig, graph: TypedGraph, index: int = 0,
     psgs = measure_typed_psgs(local, graph.num_nodes, fanouts, seed_types)
     router = EngineRouter(cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold)
     parts = TypedGpuParts(device, typed_gpu_sampler(cfg, graph, device), features, psgs, router)
-    settings = TypedSettings(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
-                             cfg.exact.materialize != "off")
+    settings = TypedSettings.of(cfg)
     core = TypedGpuEngineCore(served, fanouts, local, settings, parts, index=index)
     core.warm_up(seed_types)
     log.info("engine %d: typed core on %s, GPU sampler %s, PSGS per seed %s", index, device,

@@ -119,7 +119,8 @@ class TypedEngineLoop(EngineLoop):
                 if not parent_alive():
                     return
                 next_check_s = now_s + PARENT_CHECK_S
-            wait_ms = 0 if core.busy() else (1 if core.parked else IDLE_POLL_MS)
+            stepping = core.parked or core.refreshing()
+            wait_ms = 0 if core.busy() else (1 if stepping else IDLE_POLL_MS)
             events = dict(self.poller.poll(wait_ms))
             replies = self._take_input() if events.get(self.front) else []
             replies += core.step()

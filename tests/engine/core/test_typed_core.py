@@ -57,19 +57,19 @@ def test_the_config_is_typed(core_and_graph) -> None:
 
 def test_exact_rows_are_the_layerwise_rows_of_each_type(core_and_graph) -> None:
     core, graph, _ = core_and_graph
-    assert core.exact_rows is not None
+    assert core.table is not None
     full = TypedLayerwise(core.served).run(chunk_nodes=500)
     ids = [0, 5, 2707, 5]
     reply = _answer(core, _mb(1, ids, "paper", exact=True))
     assert not reply.done.errors and reply.done.dim == 64
     np.testing.assert_allclose(reply.rows, full["paper"][ids].numpy(), rtol=0, atol=1e-5)
     # on the fly (no table): a sample with every fanout -1 is the same rows
-    rows = core.exact_rows
-    core.exact_rows = None
+    table = core.table
+    core.table = None
     try:
         again = _answer(core, _mb(2, ids, "paper", exact=True))
     finally:
-        core.exact_rows = rows
+        core.table = table
     np.testing.assert_allclose(again.rows, full["paper"][ids].numpy(), rtol=0, atol=1e-5)
 
 
