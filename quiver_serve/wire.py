@@ -99,6 +99,9 @@ class MicroBatchHeader(msgspec.Struct, array_like=True, frozen=True):
     requests: int = 0
     #: the node type of every request's ids (typed graphs; "": the graph's only type)
     node_type: str = ""
+    #: typed inductive nodes: the relations their in-neighbour words name by index
+    #: (``InductiveNodes.relations``)
+    new_relations: tuple[str, ...] = ()
 
 
 def pack_requests(ids: list[np.ndarray], deadlines_s: list[float]) -> np.ndarray:
@@ -130,6 +133,8 @@ def unpack_requests(frame: Any, requests: int) -> tuple[np.ndarray, np.ndarray, 
 
 #: frames an inductive micro-batch carries after its requests
 INDUCTIVE_FRAMES = 3
+#: a typed inductive neighbour word: the relation's index from this bit up, the source id below
+RELATION_SHIFT = 48
 
 
 class InductiveNodes(NamedTuple):
@@ -139,6 +144,9 @@ class InductiveNodes(NamedTuple):
     features: np.ndarray  # float32 [m, F]
     offsets: np.ndarray  # int64 [m + 1]: node i's in-neighbours are neighbors[offsets[i]:offsets[i+1]]
     neighbors: np.ndarray  # int64 [nnz], ids of existing nodes
+    #: typed graphs: the relations (as the request named them) each neighbour word names by
+    #: index in its bits from ``RELATION_SHIFT`` up, the source id below (); untyped: ()
+    relations: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:

@@ -27,7 +27,7 @@ from quiver_serve.frontend.schemas import EmbedBody
 
 class _NewNode(msgspec.Struct, forbid_unknown_fields=True):
     features: list[float]
-    in_neighbors: list[int] = []
+    in_neighbors: list[int] | dict[str, list[int]] = []
 
 
 class _Embed(msgspec.Struct, forbid_unknown_fields=True):

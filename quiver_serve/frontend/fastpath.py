@@ -35,6 +35,7 @@ from quiver_serve.engine.client.checks import (
     check_typed_request,
     inductive_nodes,
     names_a_type,
+    typed_inductive_nodes,
 )
 from quiver_serve.frontend import kserve
 from quiver_serve.frontend.bodies import npy_header, parse_embed
@@ -146,16 +147,22 @@ def submit_ids(state: Any, ids: np.ndarray, exact: bool, seed: int | None,
         raise pipeline.refusal()
     num_nodes, capacity = pipeline.num_nodes, pipeline.node_capacity
     node_types = getattr(pipeline, "node_types", None)
-    if names_a_type(node_type, node_types):  # docs/architecture.md, "Typed graphs"
+    typed = names_a_type(node_type, node_types)  # docs/architecture.md, "Typed graphs"
+    if typed:
         if hasattr(pipeline, "node_types"):  # else the engine core checks type and ids
-            check_typed_request(ids, node_type, node_types, new_nodes and new_nodes[0], limit)
+            check_typed_request(ids, node_type, node_types, limit, num_new)
     else:
         check_ids_at_door(ids, num_nodes, capacity)
     check_min_version(min_version)
     view = state.views.current(cached=True)
     target_model, target_version = view.submit_target(model, version)
-    inductive = None if not num_new else inductive_nodes(
-        new_nodes[0], new_nodes[1], pipeline.num_features or 0, num_nodes, capacity)  # type: ignore[index]
+    if not num_new:
+        inductive = None
+    elif typed:  # the engine core checks the type's width, the relations and id ranges
+        inductive = typed_inductive_nodes(new_nodes[0], new_nodes[1])  # type: ignore[index]
+    else:
+        inductive = inductive_nodes(new_nodes[0], new_nodes[1], pipeline.num_features or 0,  # type: ignore[index]
+                                    num_nodes, capacity)
     timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
     request_id, future = pipeline.submit_ids_async(ids, exact, seed, timeout_s, min_version,
                                                    inductive, target_model, target_version,

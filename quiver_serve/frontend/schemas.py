@@ -28,9 +28,13 @@ class _Body(BaseModel):
 class NewNode(_Body):
     """A node embedded as if it were added with these in-edges (it is not added)."""
 
-    features: list[Number] = Field(..., description="its feature row (the graph's feature width)")
-    in_neighbors: list[StrictInt] = Field(
-        [], description="ids of existing nodes with an edge into it (repeats are repeated edges)")
+    features: list[Number] = Field(..., description="its feature row (the graph's feature width; "
+                                   "on a typed graph the request's node_type's, [] for a type "
+                                   "without features)")
+    in_neighbors: list[StrictInt] | dict[str, list[StrictInt]] = Field(
+        [], description="ids of existing nodes with an edge into it (repeats are repeated "
+        "edges); on a typed graph a map from each relation into its type (\"src__rel__dst\", or "
+        "rel when one relation of that name enters the type) to source ids in their own type")
 
 
 class EmbedBody(_Body):

@@ -187,6 +187,8 @@ class TypedServedModel:
         #: (node type, global ids) -> that type's feature rows on the model's device, float32
         #: (a placed store, ``features/typed.py``); None: rows read from ``graph.x``
         self.gather: Callable[[str, Tensor], Tensor] | None = None
+        #: an inductive request's new nodes: node type -> (their first id, their feature rows)
+        self.virtual_rows: dict[str, tuple[int, Tensor]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -203,11 +205,26 @@ class TypedServedModel:
         dev, out = self.device, {}
         for t, ids in node.items():
             x = self.graph.x.get(t)
+            virtual = self.virtual_rows.get(t)
+            if x is not None and virtual is not None and ids.numel() \
+                    and int(ids.max()) >= virtual[0]:
+                out[t] = self._with_virtual(t, ids, *virtual)
+                continue
             if x is not None and self.gather is not None:
                 out[t] = self.gather(t, ids)
                 continue
             out[t] = x[ids.to(x.device)].to(dev) if x is not None else torch.full(
                 (ids.numel(), 1), float(self.spec.featureless_value), device=dev)
+        return out
+
+    def _with_virtual(self, t: str, ids: Tensor, first: int, rows: Tensor) -> Tensor:
+        """Input rows of ``ids`` where those from ``first`` on are an inductive request's."""
+        new = ids >= first
+        known = self.inputs({t: ids[~new]})[t]
+        out = torch.empty((ids.numel(), known.size(1)), dtype=known.dtype, device=self.device)
+        out[~new.to(self.device)] = known
+        out[new.to(self.device)] = rows[(ids[new] - first).to(rows.device)].to(
+            self.device, known.dtype)
         return out
 
     def edge_attrs(self, e_id: dict[EdgeType, Tensor]) -> dict[EdgeType, Tensor]:

@@ -85,3 +85,18 @@ def test_a_wrong_type_or_id_is_a_400_naming_it(pipeline: Pipeline) -> None:
     with pytest.raises(errors.ServeError) as info:
         pipeline.embed([1433], node_type="word")
     assert info.value.info.status == 400 and "0..1432" in info.value.info.message
+
+
+def test_new_nodes_through_the_queue_api(pipeline: Pipeline, library) -> None:
+    """``embed(new_nodes=..., node_type=...)``: a new word with in-neighbours along its one
+    relation (a list is enough) answers the rows of the graph with it added."""
+    from tests.engine.core.test_typed_inductive import added
+    from tests.models.test_typed_models import full_graph
+
+    graph, served, _, _ = library
+    new = [({"has_word": [0, 9, 2000]}, [])]
+    rows = pipeline.embed(None, exact=True, node_type="word",
+                          new_nodes=[{"features": [], "in_neighbors": [0, 9, 2000]}])
+    other, first = added(graph, "word", new)
+    torch.testing.assert_close(rows, full_graph(served, other)["word"][first], rtol=0,
+                               atol=1e-5)

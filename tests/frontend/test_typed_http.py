@@ -146,3 +146,29 @@ def test_front_ends_in_their_own_processes_serve_typed_requests(
         assert r.status_code == 200 and r.json()["node_type"] == "word", r.text
     finally:
         srv.stop()
+
+
+def test_new_nodes_of_a_type_are_embedded_as_if_added(server: ServerProcess, library) -> None:
+    """A typed inductive request: a new paper with in-neighbours per relation (its reverses
+    derived as an update's) answers PyG's full-graph rows of the graph with it added; a relation
+    that does not enter the type is a 400, a wrong width a 422, both named."""
+    from tests.engine.core.test_typed_inductive import added
+    from tests.models.test_typed_models import full_graph
+
+    graph, served, _, _ = library
+    feats = [0.0] * graph.feature_width("paper")
+    feats[3] = feats[40] = 1.0
+    new = [({"cites": [3, 5], "word__rev_has_word__paper": [0, 17]}, feats)]
+    body = {"node_type": "paper", "node_ids": [3], "exact": True,
+            "new_nodes": [{"features": f, "in_neighbors": n} for n, f in new]}
+    r = httpx.post(server.url + "/v1/embed", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    other, first = added(graph, "paper", new)
+    want = full_graph(served, other)["paper"][[3, *first]]
+    np.testing.assert_allclose(r.json()["embeddings"], want.numpy(), atol=1e-5)
+    body["new_nodes"][0]["in_neighbors"] = {"writes": [1]}
+    r = httpx.post(server.url + "/v1/embed", json=body, timeout=60)
+    assert r.status_code == 400 and "paper__cites__paper" in r.json()["error"]["message"]
+    body["new_nodes"] = [{"features": [1.0], "in_neighbors": {"cites": [1]}}]
+    r = httpx.post(server.url + "/v1/embed", json=body, timeout=60)
+    assert r.status_code == 422, r.text

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from quiver_serve import errors
 from quiver_serve.graph.typed import HOMOGENEOUS_NODE_TYPE
-from quiver_serve.wire import InductiveNodes
+from quiver_serve.wire import RELATION_SHIFT, InductiveNodes
 
 
 def check_ids_at_door(ids: np.ndarray, num_nodes: int, node_capacity: int,
@@ -97,6 +98,10 @@ def inductive_nodes(features: Sequence[Sequence[float]], in_neighbors: Sequence[
         return None
     if len(in_neighbors) != len(features):
         raise _bad(f"{len(features)} feature rows but {len(in_neighbors)} neighbour lists", 422)
+    for i, given in enumerate(in_neighbors):
+        if isinstance(given, dict):
+            raise _bad(f"new_nodes[{i}].in_neighbors maps relations, which only a typed graph "
+                       "has; give a list of node ids", 422)
     feats = _feature_rows(features, num_features)
     offsets, neighbors = _neighbors(in_neighbors, num_nodes, node_capacity)
     return InductiveNodes(feats, offsets, neighbors)
@@ -107,13 +112,18 @@ def inductive_from_dicts(new_nodes: Sequence[dict], num_features: int, num_nodes
                          node_capacity: int) -> InductiveNodes | None:
     """``[{"features": [...], "in_neighbors": [...]}, ...]`` (the HTTP body's form, which the
     queue API takes too) as :func:`inductive_nodes` checks it."""
+    return inductive_nodes(*split_new_nodes(new_nodes), num_features, num_nodes, node_capacity)
+
+
+def split_new_nodes(new_nodes: Sequence[dict]) -> tuple[list[Any], list[Any]]:  # type: ignore[type-arg]
+    """The feature rows and in-neighbours of ``[{"features", "in_neighbors"}, ...]``."""
     try:
         features = [node["features"] for node in new_nodes]
         neighbors = [node.get("in_neighbors", []) for node in new_nodes]
     except (TypeError, KeyError, AttributeError):
         raise _bad('new_nodes must be a list of {"features": [...], "in_neighbors": [...]}',
                    422) from None
-    return inductive_nodes(features, neighbors, num_features, num_nodes, node_capacity)
+    return features, neighbors
 
 
 #: the largest graph version a request may ask for (the wire carries it as a signed 64-bit int)
@@ -137,12 +147,49 @@ def names_a_type(node_type: str, node_types: dict[str, int] | None) -> bool:
     return node_types is not None or node_type not in ("", HOMOGENEOUS_NODE_TYPE)
 
 
+def typed_inductive_nodes(features: Sequence[Sequence[float]], in_neighbors: Sequence[Any],
+                          ) -> InductiveNodes | None:
+    """A typed graph's new nodes as the engine core takes them (None when there are none):
+    ``in_neighbors[i]`` maps relations (``"src__rel__dst"``, or ``rel`` when one relation of that
+    name enters the type) to source ids, or is a list when the type has one relation into it.
+    Checked here: numbers, one width for every row, ids in [0, 2^48); the type's width, the
+    relations and each source type's range in the engine core, which knows the graph."""
+    if len(features) == 0:
+        return None
+    if len(in_neighbors) != len(features):
+        raise _bad(f"{len(features)} feature rows but {len(in_neighbors)} neighbour lists", 422)
+    widths = {len(row) if isinstance(row, Sequence) else -1 for row in features}
+    if len(widths) != 1:
+        raise _bad("new_nodes[].features must be lists of numbers of one length (the node type's "
+                   "feature width; [] for a type without features)", 422)
+    feats = _feature_rows(features, widths.pop())
+    names: list[str] = []
+    lists, rels = [], []
+    for i, given in enumerate(in_neighbors):
+        groups = given.items() if isinstance(given, dict) else [("", given)]
+        ids_i: list[Any] = []
+        rel_i: list[int] = []
+        for name, ids in groups:
+            if not isinstance(name, str) or len(name) > 256 or not isinstance(ids, list):
+                raise _bad(f"new_nodes[{i}].in_neighbors must map relation names to lists of "
+                           "node ids", 422)
+            if name not in names:
+                names.append(name)
+            ids_i += ids
+            rel_i += [names.index(name)] * len(ids)
+        lists.append(ids_i)
+        rels.append(rel_i)
+    offsets, neighbors = _neighbors(lists, 1 << RELATION_SHIFT, 1 << RELATION_SHIFT)
+    words = np.fromiter(itertools.chain.from_iterable(rels), np.int64, neighbors.size)
+    return InductiveNodes(feats, offsets, (words << RELATION_SHIFT) | neighbors, tuple(names))
+
+
 def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, int] | None,
-                        new_nodes: object, max_request_nodes: int) -> None:
+                        max_request_nodes: int, new_nodes: int = 0) -> None:
     """The checks of a request naming a node type (docs/architecture.md, "Typed graphs"): 400
     for a type the graph lacks (naming the known types), a missing type when there are several,
-    a type on a graph of one type it is not, ``new_nodes`` (not served on a typed graph yet) and
-    ids out of the type's range; the usual shape and count checks first."""
+    a type on a graph of one type it is not, and ids out of the type's range (none may be
+    given with ``new_nodes``)."""
     if node_types is None:
         raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: this "
                                 f"daemon serves an untyped graph (its one type is "
@@ -155,7 +202,6 @@ def check_typed_request(ids: np.ndarray, node_type: str, node_types: dict[str, i
     if node_type not in node_types:
         raise errors.ServeError("invalid_node_type", f"unknown node_type {node_type[:NAME_SHOWN]!r}: the "
                                 f"graph's node types are {sorted(node_types)}", 400)
-    if new_nodes is not None and len(new_nodes):  # type: ignore[arg-type]
-        raise errors.ServeError("invalid_request", "new_nodes are not served on a typed graph",
-                                400)
-    errors.check_node_ids(ids, node_types[node_type], max_request_nodes)
+    if ids.size or not new_nodes:
+        errors.check_node_ids(ids, node_types[node_type], max_request_nodes)
+    check_rows(int(ids.size), new_nodes, max_request_nodes)

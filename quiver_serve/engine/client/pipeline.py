@@ -34,6 +34,8 @@ from quiver_serve.engine.client.checks import (
     check_typed_request,
     inductive_from_dicts,
     names_a_type,
+    split_new_nodes,
+    typed_inductive_nodes,
 )
 from quiver_serve.engine.client.client import EngineClient, EngineEndpoints
 from quiver_serve.engine.client.facade import ClientFacade
@@ -214,9 +216,12 @@ class Pipeline(ClientFacade):
         ids = node_ids.numpy() if isinstance(node_ids, Tensor) else np.asarray(node_ids)
         limit = self.cfg.server.max_request_nodes
         if names_a_type(node_type, self.node_types):
-            check_typed_request(ids, node_type, self.node_types, new_nodes, limit)
+            inductive = typed_inductive_nodes(*split_new_nodes(new_nodes or []))
+            check_typed_request(ids, node_type, self.node_types, limit,
+                                inductive.count if inductive is not None else 0)
             errors.check_seed(seed)
-            return None
+            check_min_version(min_version)
+            return inductive
         inductive = None
         if new_nodes is not None and len(new_nodes):
             num_nodes = self.num_nodes

@@ -133,7 +133,8 @@ class MicroBatchSender:
         self.sent[engine] += 1
         head = MicroBatchHeader(seq, exact, seed, self._share(engine), min_version,
                                 inductive.count if inductive is not None else 0,
-                                reqs[0].model, reqs[0].version, len(reqs), reqs[0].node_type)
+                                reqs[0].model, reqs[0].version, len(reqs), reqs[0].node_type,
+                                inductive.relations if inductive is not None else ())
         frames: list[Any] = [encode(head), body]
         if inductive is not None:
             frames += inductive.frames()

@@ -48,6 +48,8 @@ class MicroBatch:
     new_features: np.ndarray | None = None
     new_offsets: np.ndarray | None = None
     new_neighbors: np.ndarray | None = None
+    #: typed graphs: the relations the neighbour words name by index (``wire.RELATION_SHIFT``)
+    new_relations: tuple[str, ...] = ()
     #: the model asked for ("": the default) and its version (0: by the traffic split)
     model: str = ""
     version: int = 0

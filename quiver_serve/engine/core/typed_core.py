@@ -44,12 +44,14 @@ from quiver_serve.engine.core.micro_batch import (
 from quiver_serve.engine.core.typed_sync import TypedSync
 from quiver_serve.engine.core.typed_table import TypedExactTable, rows_or_none
 from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed_living import TypedLiveGraph
+from quiver_serve.graph.typed_virtual import in_edges, virtual_nodes
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
 from quiver_serve.models.typed_served import TypedServedModel, build_typed_model
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.sampling.typed import TypedCppSampler, TypedReferenceSampler, typed_fanouts
-from quiver_serve.wire import NO_SEED, MicroBatchDone
+from quiver_serve.wire import NO_SEED, RELATION_SHIFT, MicroBatchDone
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +80,16 @@ class TypedSettings:
     idle_refresh_s: float = 0.05
     #: in-edges per exact-table refresh chunk (``exact.refresh_chunk_edges``)
     refresh_chunk_edges: int = 1 << 20
+    #: the graph keeps reverse relations (``graph.add_reverse_edges``): new nodes' in-edges
+    #: derive their reverse as updates do
+    add_reverse_edges: bool = False
 
     @classmethod
     def of(cls, cfg: ServeConfig) -> TypedSettings:
         return cls(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
                    cfg.exact.materialize != "off", cfg.graph.apply_budget_ms / 1000.0,
-                   refresh_chunk_edges=cfg.exact.refresh_chunk_edges)
+                   refresh_chunk_edges=cfg.exact.refresh_chunk_edges,
+                   add_reverse_edges=cfg.graph.add_reverse_edges)
 
 
 class TypedEngineCore:
@@ -107,6 +113,8 @@ class TypedEngineCore:
         self.sync: TypedSync | None = None
         #: micro-batches waiting for a version (``min_version``, ids of nodes not applied yet)
         self.parked: deque[MicroBatch] = deque()
+        #: the living graph's rules (reverse relations) for inductive requests' new nodes
+        self.rules = TypedLiveGraph(self.graph, settings.add_reverse_edges, keep_features=False)
 
     def ids_in_hand(self) -> int:
         """Ids waiting here from every client (the clients spread load by it)."""
@@ -214,11 +222,12 @@ class TypedEngineCore:
         first = self.waiting.popleft()
         group = [first]
         total = first.num_ids
-        if first.seed == NO_SEED:
+        if first.seed == NO_SEED and not first.num_new_nodes:  # those travel alone
             keep: deque[MicroBatch] = deque()
             while self.waiting:
                 mb = self.waiting.popleft()
                 if (mb.node_type, mb.exact, mb.seed) == (first.node_type, first.exact, NO_SEED) \
+                        and not mb.num_new_nodes \
                         and total + mb.num_ids <= self.settings.max_batch_nodes:
                     group.append(mb)
                     total += mb.num_ids
@@ -228,6 +237,8 @@ class TypedEngineCore:
         return parked + self._run(group)
 
     def _run(self, group: list[MicroBatch]) -> list[Reply]:
+        if group[0].num_new_nodes:
+            return [self._run_inductive(group[0])]
         parts = [prune(mb, time.time()) for mb in group]
         ids = [p.alive_ids() for p in parts]
         node_type, exact = group[0].node_type, group[0].exact
@@ -245,6 +256,39 @@ class TypedEngineCore:
                 part.mb.seq, dim, part.errors, model=self.served.spec.name,
                 version=self.served.spec.version), chunk if dim else None))
         return replies
+
+    def _run_inductive(self, mb: MicroBatch) -> Reply:
+        """Rows of ``mb``'s ids and then of its new nodes, on the graph with those nodes added
+        for this batch only (``graph/typed_virtual.py``; decision 0061): sampled, or exact from
+        full-fanout samples (the table holds the graph without them)."""
+        if mb.errors:
+            first = mb.errors[0]
+            return refused_whole(mb, first.code, first.message, first.status)
+        if float(mb.deadlines_s.max()) <= time.time():
+            return refused_whole(mb, *errors.DEADLINE)
+        assert mb.new_features is not None and mb.new_offsets is not None \
+            and mb.new_neighbors is not None
+        node_type, count = mb.node_type, mb.num_new_nodes
+        seed = mb.seed if mb.seed != NO_SEED else new_batch_seed()
+        try:
+            rows = torch.from_numpy(self.rules.check_rows(node_type, mb.new_features))
+            words = mb.new_neighbors
+            edges = in_edges(self.rules, node_type, mb.new_offsets, words >> RELATION_SHIFT,
+                             words & ((1 << RELATION_SHIFT) - 1), mb.new_relations)
+            with virtual_nodes(self.rules, node_type, count, edges) as new_ids:
+                self.served.virtual_rows = {node_type: (int(new_ids[0]), rows)}
+                seeds = torch.cat([torch.from_numpy(mb.ids.astype(np.int64)), new_ids])
+                out = self.sampled_rows(node_type, seeds, mb.exact, seed)
+        except errors.ServeError as exc:
+            return refused_whole(mb, exc.info.code, exc.info.message, exc.info.status)
+        except IndexError as exc:  # a model reading per-node parameters (an embedding table)
+            return refused_whole(mb, "invalid_new_nodes", f"the model cannot embed new nodes of "
+                                 f"type {node_type!r}: {exc}", 422)
+        finally:
+            self.served.virtual_rows = {}
+        done = MicroBatchDone(mb.seq, int(out.shape[1]), [], model=self.served.spec.name,
+                              version=self.served.spec.version)
+        return Reply(mb.client, done, out)
 
     @torch.no_grad()
     def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:

@@ -291,7 +291,9 @@ class EngineLoop:
             if getattr(head, "new_nodes", 0):
                 from quiver_serve.wire import decode_inductive
 
-                mb.new_features, mb.new_offsets, mb.new_neighbors = decode_inductive(frames)
+                new = decode_inductive(frames)
+                mb.new_features, mb.new_offsets, mb.new_neighbors = new[:3]
+                mb.new_relations = tuple(getattr(head, "new_relations", ()))
             return mb
         except Exception as exc:  # noqa: BLE001 - answered, and logged: never dropped silently
             log.error("engine %d: unreadable micro-batch from client %s: %s", self.core.index,

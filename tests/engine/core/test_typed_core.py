@@ -123,10 +123,9 @@ def test_a_malformed_micro_batch_is_refused(core_and_graph) -> None:
     assert "malformed" in reply.done.errors[0].message
 
 
-def test_updates_from_the_log_reach_the_core_and_min_version_waits(tmp_path: Path) -> None:
-    """A typed core following a real update log: a micro-batch asking for a version not
-    applied yet (or a node just added) waits in ``parked``; the step that applies the record
-    answers it on the updated graph; one whose deadline passes first is a 504."""
+def follow_a_log(core, cfg: ServeConfig, graph, tmp_path: Path):  # noqa: ANN001, ANN201
+    """A typed graph writer on a fresh update log, and ``core`` following that log: (writer,
+    log); the caller closes the log."""
     from quiver_serve.engine.core.typed_sync import TypedSync
     from quiver_serve.graph.living import LiveGraphArgs, capacities
     from quiver_serve.graph.state import GraphState
@@ -134,16 +133,24 @@ def test_updates_from_the_log_reach_the_core_and_min_version_waits(tmp_path: Pat
     from quiver_serve.graph.typed_writer import TypedGraphWriter
     from quiver_serve.graph.update_log import UpdateLog
 
-    cfg = ServeConfig.from_yaml(CONFIG)
-    cfg.exact.materialize = "off"
-    graph = load_typed_graph(cfg.graph)
-    core = build_typed_core(cfg, graph)
     state = GraphState()
     log = UpdateLog(tmp_path / "log", "none")
     log.open()
     writer = TypedGraphWriter(cfg.graph, load_typed_graph(cfg.graph), log, state)
     live = LiveGraphArgs(str(tmp_path / "log"), 0, capacities(cfg.graph, 1, 1), state.tensor)
     core.sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges))
+    return writer, log
+
+
+def test_updates_from_the_log_reach_the_core_and_min_version_waits(tmp_path: Path) -> None:
+    """A typed core following a real update log: a micro-batch asking for a version not
+    applied yet (or a node just added) waits in ``parked``; the step that applies the record
+    answers it on the updated graph; one whose deadline passes first is a 504."""
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.exact.materialize = "off"
+    graph = load_typed_graph(cfg.graph)
+    core = build_typed_core(cfg, graph)
+    writer, log = follow_a_log(core, cfg, graph, tmp_path)
     waiting = _mb(1, [1433], "word", exact=True)
     waiting.min_version = 2
     late = _mb(2, [0], "paper")
@@ -178,23 +185,11 @@ def test_the_gpu_core_answers_the_updated_graph(tmp_path: Path, device: str) -> 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from quiver_serve.engine.core.typed_gpu import build_typed_gpu_core
-    from quiver_serve.engine.core.typed_sync import TypedSync
-    from quiver_serve.graph.living import LiveGraphArgs, capacities
-    from quiver_serve.graph.state import GraphState
-    from quiver_serve.graph.typed_living import TypedLiveGraph
-    from quiver_serve.graph.typed_writer import TypedGraphWriter
-    from quiver_serve.graph.update_log import UpdateLog
-
     cfg = ServeConfig.from_yaml(CONFIG)
     cfg.exact.materialize = "off"
     graph = load_typed_graph(cfg.graph)
     core = build_typed_gpu_core(cfg, graph, device=torch.device(device))
-    state = GraphState()
-    log = UpdateLog(tmp_path / "log", "none")
-    log.open()
-    writer = TypedGraphWriter(cfg.graph, load_typed_graph(cfg.graph), log, state)
-    live = LiveGraphArgs(str(tmp_path / "log"), 0, capacities(cfg.graph, 1, 1), state.tensor)
-    core.sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges))
+    writer, log = follow_a_log(core, cfg, graph, tmp_path)
     writer.add_edges([[7, 3], [7, 9]], [[int(graph.relations[("paper", "cites", "paper")]
                                             .indices[0]), 0]], ["paper", "cites", "paper"])
     core.step()

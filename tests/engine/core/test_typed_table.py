@@ -20,7 +20,7 @@ from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_load import load_typed_graph
 from quiver_serve.models.typed_layerwise import TypedLayerwise
 from quiver_serve.models.typed_served import build_typed_model
-from tests.engine.core.test_typed_core import CONFIG, _answer, _mb
+from tests.engine.core.test_typed_core import CONFIG, _answer, _mb, follow_a_log
 from tests.models.test_typed_models import TYPED_MODELS, full_graph, shop_graph, spec
 
 TOL = 1e-5
@@ -114,23 +114,12 @@ def test_the_core_keeps_its_table_through_logged_updates(tmp_path: Path) -> None
     """The typed core following a real log keeps its table: while the refresh is behind, exact
     answers of stale rows are computed on the fly; once it is done they come from the table;
     both equal a fresh layer-wise run of the updated graph."""
-    from quiver_serve.engine.core.typed_sync import TypedSync
-    from quiver_serve.graph.living import LiveGraphArgs, capacities
-    from quiver_serve.graph.state import GraphState
-    from quiver_serve.graph.typed_writer import TypedGraphWriter
-    from quiver_serve.graph.update_log import UpdateLog
-
     cfg = ServeConfig.from_yaml(CONFIG)
     graph = load_typed_graph(cfg.graph)
     core = build_typed_core(cfg, graph)
     core.settings.apply_budget_s = core.settings.idle_refresh_s = 0.0  # one chunk per step
     core.table.chunk_edges = 2000
-    state = GraphState()
-    log = UpdateLog(tmp_path / "log", "none")
-    log.open()
-    writer = TypedGraphWriter(cfg.graph, load_typed_graph(cfg.graph), log, state)
-    live = LiveGraphArgs(str(tmp_path / "log"), 0, capacities(cfg.graph, 1, 1), state.tensor)
-    core.sync = TypedSync(live, TypedLiveGraph(graph, cfg.graph.add_reverse_edges))
+    writer, log = follow_a_log(core, cfg, graph, tmp_path)
     core.step()  # the core starts watching the graph it built its table on
     writer.add_edges([[7, 3], [7, 9]], [[int(graph.relations[("paper", "cites", "paper")]
                                             .indices[0]), 0]], ["paper", "cites", "paper"])
