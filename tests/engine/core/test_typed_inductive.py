@@ -16,7 +16,7 @@ from quiver_serve.engine.client.checks import typed_inductive_nodes
 from quiver_serve.engine.core.typed_core import build_typed_core
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from tests.engine.core.test_typed_core import _answer, _mb
-from tests.engine.core.test_typed_gpu_core import shop_config
+from tests.engine.core.test_typed_gpu_core import DEVICES, shop_config
 from tests.models.test_typed_models import TYPED_MODELS, full_graph, shop_graph, spec
 
 TOL = 1e-5
@@ -111,3 +111,25 @@ def test_a_wrong_relation_source_width_or_edge_features_is_refused_by_name() -> 
                 "add_self_loops": False, "heads": 2}, {"aggr": "sum"}))
     err = _answer(with_attrs, inductive_mb(9, [1], "item", NEW_ITEMS)).done.errors[0]
     assert err.status == 422 and "edge features" in err.message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_gpu_core_embeds_new_nodes_from_its_placed_rows(device: str) -> None:
+    """The typed GPU core (its torch twins on a CPU): feature rows come from the placed store,
+    the new nodes' from the request; exact rows equal PyG's on the graph with them added."""
+    from quiver_serve.engine.core.typed_gpu import build_typed_gpu_core
+
+    graph = shop_graph(seed=14, edge_dim=None)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
+    cfg = shop_config(1000)
+    cfg.graph.add_reverse_edges = True
+    torch.manual_seed(0)
+    core = build_typed_gpu_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero),
+                                device=torch.device(device))
+    assert core.served.gather is not None
+    other, first = added(graph, "user", NEW_USERS)
+    want = full_graph(core.served.to("cpu"), other)["user"]
+    core.served.to(device)
+    reply = _answer(core, inductive_mb(1, [3, 8], "user", NEW_USERS))
+    assert not reply.done.errors, reply.done.errors
+    np.testing.assert_allclose(reply.rows, want[[3, 8, *first]].numpy(), rtol=0, atol=TOL)
