@@ -12,8 +12,9 @@ records changed (``graph/typed_living.py``, ``TypedChanges``) makes stale:
   destinations again.
 
 ``refresh`` recomputes stale rows chunk by chunk (``TypedLayerwise.layer_rows``; a chunk holds
-at most ``chunk_edges`` in-edges, as the untyped table's ``exact.refresh_chunk_edges``, and
-``chunk_nodes`` targets), the lowest layer first and a layer only once the one below it is clean, so every row it writes is that of
+at most ``chunk_edges`` in-edges, as the untyped table's ``exact.refresh_chunk_edges``, fewer
+when the step's budget at the measured rate allows fewer, and ``chunk_nodes`` targets), the
+lowest layer first and a layer only once the one below it is clean, so every row it writes is that of
 the current graph; records applied between two calls only add marks. A final-layer row that is
 not marked is exact; the core answers marked rows on the fly until the refresh reaches them.
 
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: most targets per refresh chunk (their in-edges bound it first: ``chunk_edges``)
 REFRESH_CHUNK_NODES = 16384
+#: fewest in-edges a chunk sized to a short budget holds (its fixed costs stay small beside)
+MIN_CHUNK_EDGES = 4096
 
 
 class TypedExactTable:
@@ -59,6 +62,8 @@ class TypedExactTable:
         #: (relation -> relation whose CSC holds its out-edges as in-edges), from ``reverse_of``
         self.reverse: dict[EdgeType, EdgeType] = {}
         self.rows_refreshed = 0
+        #: in-edges refreshed per second, measured (sizes a chunk to a step's budget)
+        self.edges_per_s = 1e6
 
     @property
     def num_layers(self) -> int:
@@ -156,7 +161,8 @@ class TypedExactTable:
     @torch.no_grad()
     def refresh(self, budget_s: float) -> int:
         """Recompute stale rows, the lowest layer first, until none is left or ``budget_s`` has
-        passed (at least one chunk); rows recomputed."""
+        passed (at least one chunk, sized to the budget by the in-edges per second measured so
+        far); rows recomputed."""
         t0 = time.perf_counter()
         done = 0
         for i in range(self.num_layers):
@@ -166,38 +172,53 @@ class TypedExactTable:
                     continue
                 stale = self._stale[i][t]
                 ids = torch.nonzero(stale[:self.counts[t]]).flatten()
-                for chunk in self.chunks(t, ids):
-                    rows = self.layerwise.layer_rows(i, t, chunk, prev)
-                    if rows is None:
-                        raise ValueError(f"the model gave no rows for node type {t!r} at layer "
-                                         f"{i + 1} while refreshing the typed exact table")
-                    self._bufs[i][t][chunk] = rows.float().cpu()
-                    stale[chunk] = False
-                    self.pending[i][t] -= chunk.numel()
+                ends = torch.cumsum(self.costs(t, ids), 0)
+                start = 0
+                while start < ids.numel():
+                    left_s = budget_s - (time.perf_counter() - t0)
+                    stop = self.chunk_end(ends, start, left_s)
+                    chunk = ids[start:stop]
+                    self._refresh_chunk(i, t, chunk, prev, int(ends[stop - 1]) - (
+                        int(ends[start - 1]) if start else 0))
                     done += chunk.numel()
+                    start = stop
                     if time.perf_counter() - t0 >= budget_s:
                         self.rows_refreshed += done
                         return done
         self.rows_refreshed += done
         return done
 
+    def _refresh_chunk(self, i: int, t: str, chunk: Tensor, prev: dict[str, Tensor] | None,
+                       edges: int) -> None:
+        t0 = time.perf_counter()
+        rows = self.layerwise.layer_rows(i, t, chunk, prev)
+        if rows is None:
+            raise ValueError(f"the model gave no rows for node type {t!r} at layer {i + 1} "
+                             "while refreshing the typed exact table")
+        self._bufs[i][t][chunk] = rows.float().cpu()
+        self._stale[i][t][chunk] = False
+        self.pending[i][t] -= chunk.numel()
+        took_s = max(time.perf_counter() - t0, 1e-6)
+        self.edges_per_s = 0.7 * self.edges_per_s + 0.3 * edges / took_s
 
-    def chunks(self, node_type: str, ids: Tensor) -> list[Tensor]:
-        """``ids`` in pieces of at most ``chunk_edges`` in-edges along every relation into the
-        type (a target counts one more) and ``chunk_nodes`` targets; at least one target each."""
+    def costs(self, node_type: str, ids: Tensor) -> Tensor:
+        """Per target, its in-edges along every relation into the type, plus one."""
         cost = torch.ones(ids.numel(), dtype=torch.int64)
         for et, rel in self.graph.relations.items():
             if et[2] == node_type:
                 cost += rel.indptr[ids + 1] - rel.indptr[ids]
-        ends = torch.cumsum(cost, 0)
-        out, start = [], 0
-        while start < ids.numel():
-            before = int(ends[start - 1]) if start else 0
-            stop = int(torch.searchsorted(ends, before + self.chunk_edges, right=True))
-            stop = min(max(stop, start + 1), start + self.chunk_nodes)
-            out.append(ids[start:stop])
-            start = stop
-        return out
+        return cost
+
+    def chunk_end(self, ends: Tensor, start: int, left_s: float) -> int:
+        """Where the chunk from ``start`` ends: at most ``chunk_edges`` in-edges (fewer when
+        ``left_s`` at the measured rate allows fewer, ``MIN_CHUNK_EDGES`` at least) and
+        ``chunk_nodes`` targets; one target at least."""
+        limit = self.chunk_edges
+        if left_s != float("inf"):
+            limit = int(min(limit, max(MIN_CHUNK_EDGES, left_s * self.edges_per_s)))
+        before = int(ends[start - 1]) if start else 0
+        stop = int(torch.searchsorted(ends, before + limit, right=True))
+        return min(max(stop, start + 1), start + self.chunk_nodes, ends.numel())
 
 
 def rows_or_none(table: TypedExactTable | None, node_type: str, ids: Tensor,

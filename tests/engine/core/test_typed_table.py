@@ -143,3 +143,16 @@ def test_the_core_keeps_its_table_through_logged_updates(tmp_path: Path) -> None
         np.testing.assert_allclose(reply.rows, full[node_type][some].numpy(), rtol=0, atol=TOL)
         assert bool(core.table.clean(node_type, torch.tensor(some)).all())
     log.close()
+
+
+def test_a_chunk_is_sized_to_the_steps_budget() -> None:
+    """At the measured in-edges per second a chunk fits what is left of the budget (4,096
+    in-edges at least), ``chunk_edges`` and ``chunk_nodes`` at most, one target at least."""
+    table = TypedExactTable.__new__(TypedExactTable)
+    table.chunk_edges, table.chunk_nodes, table.edges_per_s = 1 << 20, 16384, 1e6
+    ends = torch.arange(1, 1_000_001) * 10  # every target 10 in-edges (with itself)
+    assert table.chunk_end(ends, 0, float("inf")) == 16384
+    assert table.chunk_end(ends, 0, 0.01) == 1000
+    assert table.chunk_end(ends, 5, 0.0) == 5 + 409
+    heavy = torch.cumsum(torch.tensor([5_000_000, 1]), 0)
+    assert table.chunk_end(heavy, 0, 0.0) == 1 and table.chunk_end(heavy, 1, 0.0) == 2
