@@ -46,10 +46,11 @@ def in_relation(live: TypedLiveGraph, node_type: str, name: str) -> EdgeType:
 
 
 def in_edges(live: TypedLiveGraph, node_type: str, offsets: np.ndarray, rel_index: np.ndarray,
-             sources: np.ndarray, names: tuple[str, ...]) -> dict[EdgeType, tuple[Tensor, Tensor]]:
+             sources: np.ndarray, names: tuple[str, ...], check_ranges: bool = True,
+             ) -> dict[EdgeType, tuple[Tensor, Tensor]]:
     """Per relation, (source ids, new node index) of new nodes' in-neighbours: node i's are
     entries ``offsets[i]:offsets[i + 1]``, each a source id and the index of its relation's name
-    in ``names``; a 400 naming a relation or a source out of range."""
+    in ``names``; a 400 naming a relation or (``check_ranges``) a source out of range."""
     owner = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
     if rel_index.size and int(rel_index.max()) >= max(len(names), 1):
         raise _bad("new_nodes in_neighbors name a relation the request does not list")
@@ -57,8 +58,9 @@ def in_edges(live: TypedLiveGraph, node_type: str, offsets: np.ndarray, rel_inde
     for k in np.unique(rel_index).tolist():
         et = in_relation(live, node_type, names[k] if names else "")
         pick = rel_index == k
-        living.check_ids(sources[pick], live.graph.num_nodes[et[0]],
-                         f"new_nodes in_neighbors ({NAME_JOINER.join(et)})")
+        if check_ranges:
+            living.check_ids(sources[pick], live.graph.num_nodes[et[0]],
+                             f"new_nodes in_neighbors ({NAME_JOINER.join(et)})")
         for rel in (et, live.mirror.get(et), live.derived.get(et)):
             if rel is not None and live.graph.relations[rel].edge_attr is not None:
                 raise _bad(f"relation {list(rel)} carries edge features; new nodes' edges along "

@@ -180,8 +180,25 @@ class TypedEngineCore:
             return False
         if mb.min_version > sync.version:
             return True
-        return bool(sync.behind() and mb.ids.size
-                    and int(mb.ids.max()) >= self.graph.num_nodes[mb.node_type])
+        if not sync.behind():
+            return False
+        if mb.ids.size and int(mb.ids.max()) >= self.graph.num_nodes[mb.node_type]:
+            return True
+        return bool(mb.num_new_nodes) and self._sources_ahead(mb)
+
+    def _sources_ahead(self, mb: MicroBatch) -> bool:
+        """An inductive micro-batch names a source past its type's applied count (a node an
+        acknowledged update added that this core has not applied yet)."""
+        assert mb.new_neighbors is not None and mb.new_offsets is not None
+        words = mb.new_neighbors
+        try:
+            edges = in_edges(self.rules, mb.node_type, mb.new_offsets, words >> RELATION_SHIFT,
+                             words & ((1 << RELATION_SHIFT) - 1), mb.new_relations,
+                             check_ranges=False)
+        except errors.ServeError:
+            return False  # refused by name when it runs
+        return any(src.numel() and int(src.max()) >= self.graph.num_nodes[et[0]]
+                   for et, (src, _) in edges.items())
 
     def follow(self) -> list[Reply]:
         """Apply new updates (see the module docstring), then move on the parked micro-batches

@@ -133,3 +133,29 @@ def test_the_gpu_core_embeds_new_nodes_from_its_placed_rows(device: str) -> None
     reply = _answer(core, inductive_mb(1, [3, 8], "user", NEW_USERS))
     assert not reply.done.errors, reply.done.errors
     np.testing.assert_allclose(reply.rows, want[[3, 8, *first]].numpy(), rtol=0, atol=TOL)
+
+
+def test_a_source_an_update_just_added_is_waited_for(tmp_path) -> None:  # noqa: ANN001
+    """A new node naming, as in-neighbour, a node an acknowledged update added that the core
+    has not applied yet waits for it (as plain ids do), then answers on the updated graph."""
+    from quiver_serve.config import ServeConfig
+    from quiver_serve.graph.typed_load import load_typed_graph
+    from tests.engine.core.test_typed_core import CONFIG, follow_a_log
+
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.exact.materialize = "off"
+    graph = load_typed_graph(cfg.graph)
+    core = build_typed_core(cfg, graph)
+    writer, log = follow_a_log(core, cfg, graph, tmp_path)
+    width = graph.feature_width("paper")
+    assert writer.add_nodes(np.ones((1, width), np.float32), "paper")["node_ids"] == [2708]
+    new = [({"cites": [2708, 4]}, [0.0] * width)]
+    assert core.add(inductive_mb(1, [4], "paper", new)) is None and len(core.parked) == 1
+    replies = []
+    while core.parked or core.busy():
+        replies += core.step()
+    assert len(replies) == 1 and not replies[0].done.errors, replies[0].done.errors
+    other, first = added(graph, "paper", new)
+    want = full_graph(core.served, other)["paper"][[4, *first]]
+    np.testing.assert_allclose(replies[0].rows, want.numpy(), rtol=0, atol=TOL)
+    log.close()
