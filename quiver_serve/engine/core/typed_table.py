@@ -55,11 +55,11 @@ class TypedExactTable:
         self.graph: TypedGraph = layerwise.served.graph
         built = layerwise.run_layers()
         self._bufs = [dict(layer) for layer in built]  # storage with headroom per type
-        self.counts = {t: n for t, n in self.graph.num_nodes.items()}
+        self.counts = dict(self.graph.num_nodes)
         self._stale = [{t: torch.zeros(rows.size(0), dtype=torch.bool)
                         for t, rows in layer.items()} for layer in built]
         self.pending = [dict.fromkeys(layer, 0) for layer in built]
-        #: (relation -> relation whose CSC holds its out-edges as in-edges), from ``reverse_of``
+        #: relation -> the relation whose CSC holds its out-edges as in-edges (``follow_reverse``)
         self.reverse: dict[EdgeType, EdgeType] = {}
         self.rows_refreshed = 0
         #: in-edges refreshed per second, measured (sizes a chunk to a step's budget)
