@@ -29,7 +29,7 @@ from quiver_serve.engine.core.micro_batch import MicroBatch
 from quiver_serve.engine.core.typed_core import build_typed_core
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_load import load_typed_graph
-from quiver_serve.wire import NO_SEED
+from quiver_serve.wire import NO_SEED, RELATION_SHIFT
 
 NONE = torch.zeros((0, 2), dtype=torch.int64)
 
@@ -61,8 +61,8 @@ def as_update(core, live: TypedLiveGraph, mb: MicroBatch) -> None:  # noqa: ANN0
     """The baseline: the new paper added for real, then the 48 ids asked."""
     g = core.graph
     nid = live.add_nodes("paper", np.asarray(mb.new_features))[0]
-    words = mb.new_neighbors & ((1 << 48) - 1)
-    kind = mb.new_neighbors >> 48
+    words = mb.new_neighbors & ((1 << RELATION_SHIFT) - 1)
+    kind = mb.new_neighbors >> RELATION_SHIFT
     for k, name in enumerate(mb.new_relations):
         et = next(e for e in g.edge_types if e[1] == name and e[2] == "paper")
         pairs = torch.tensor([[int(s), nid] for s in words[kind == k]])

@@ -189,12 +189,8 @@ class TypedEngineCore:
     def _sources_ahead(self, mb: MicroBatch) -> bool:
         """An inductive micro-batch names a source past its type's applied count (a node an
         acknowledged update added that this core has not applied yet)."""
-        assert mb.new_neighbors is not None and mb.new_offsets is not None
-        words = mb.new_neighbors
         try:
-            edges = in_edges(self.rules, mb.node_type, mb.new_offsets, words >> RELATION_SHIFT,
-                             words & ((1 << RELATION_SHIFT) - 1), mb.new_relations,
-                             check_ranges=False)
+            edges = self._new_in_edges(mb, check_ranges=False)
         except errors.ServeError:
             return False  # refused by name when it runs
         return any(src.numel() and int(src.max()) >= self.graph.num_nodes[et[0]]
@@ -274,6 +270,14 @@ class TypedEngineCore:
                 version=self.served.spec.version), chunk if dim else None))
         return replies
 
+    def _new_in_edges(self, mb: MicroBatch, check_ranges: bool = True) -> dict:
+        """Per relation, (sources, new node index) of ``mb``'s new nodes: each neighbour word
+        holds its relation's index from ``RELATION_SHIFT`` up and the source id below."""
+        words = mb.new_neighbors
+        assert words is not None and mb.new_offsets is not None
+        return in_edges(self.rules, mb.node_type, mb.new_offsets, words >> RELATION_SHIFT,
+                        words & ((1 << RELATION_SHIFT) - 1), mb.new_relations, check_ranges)
+
     def _run_inductive(self, mb: MicroBatch) -> Reply:
         """Rows of ``mb``'s ids and then of its new nodes, on the graph with those nodes added
         for this batch only (``graph/typed_virtual.py``; decision 0061): sampled, or exact from
@@ -289,9 +293,7 @@ class TypedEngineCore:
         seed = mb.seed if mb.seed != NO_SEED else new_batch_seed()
         try:
             rows = torch.from_numpy(self.rules.check_rows(node_type, mb.new_features))
-            words = mb.new_neighbors
-            edges = in_edges(self.rules, node_type, mb.new_offsets, words >> RELATION_SHIFT,
-                             words & ((1 << RELATION_SHIFT) - 1), mb.new_relations)
+            edges = self._new_in_edges(mb)
             with virtual_nodes(self.rules, node_type, count, edges) as new_ids:
                 self.served.virtual_rows = {node_type: (int(new_ids[0]), rows)}
                 seeds = torch.cat([torch.from_numpy(mb.ids.astype(np.int64)), new_ids])
