@@ -74,7 +74,71 @@ def step_batch(core: Any, ids: np.ndarray) -> None:
         raise RuntimeError(f"the engine core failed the batch: {replies[0].done.errors}")
 
 
-def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator) -> dict[str, Any]:
+def batch_sizes(core: Any, sizes: list[int], batches: int, gen: torch.Generator) -> list[dict]:
+    """Per-batch time through the GPU path at each batch size (seeds): sampling, and the
+    rest (features, model, copy back), from the core's own per-batch stats."""
+    from quiver_serve.routing.router import Route
+
+    count = core.graph.num_nodes[SEED_TYPE]
+    route = Route.GPU if getattr(core, "gpu_sampler", None) is not None else Route.LOCAL
+    out = []
+    for size in sizes:
+        samples, computes, walls = [], [], []
+        for i in range(batches + 2):
+            ids = torch.randint(0, count, (size,), generator=gen)
+            before = core.type_stats.get((SEED_TYPE, str(route)))
+            s0, c0 = (before.sample_s, before.compute_s) if before else (0.0, 0.0)
+            t = time.perf_counter()
+            core.rows_on(route, SEED_TYPE, ids, False, i)
+            wall = time.perf_counter() - t
+            now = core.type_stats[(SEED_TYPE, str(route))]
+            if i >= 2:
+                walls.append(wall)
+                samples.append(now.sample_s - s0)
+                computes.append(now.compute_s - c0)
+        point = {"seeds": size, **percentiles_ms(walls),
+                 "sample_p50_ms": statistics.median(samples) * 1e3,
+                 "compute_p50_ms": statistics.median(computes) * 1e3,
+                 "seeds_per_s": size * len(walls) / sum(walls)}
+        print(f"  batch of {size}: p50 {point['p50_ms']:.2f} ms (sample "
+              f"{point['sample_p50_ms']:.2f}, rest {point['compute_p50_ms']:.2f}), "
+              f"{point['seeds_per_s']:.0f} seeds/s", flush=True)
+        out.append(point)
+    return out
+
+
+def profile_batch(core: Any, size: int, gen: torch.Generator) -> dict[str, list[dict]]:
+    """Where one batch of ``size`` seeds through the GPU path spends its time (torch's
+    profiler, five batches): the whole batch and the GPU sampler alone, each op by self CPU
+    time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from quiver_serve.routing.router import Route
+
+    ids = torch.randint(0, core.graph.num_nodes[SEED_TYPE], (size,), generator=gen)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                           else [])
+    runs = {"batch": lambda i: core.rows_on(Route.GPU, SEED_TYPE, ids, False, i),
+            "sampler": lambda i: core.gpu_sampler.sample(SEED_TYPE, ids, core.fanouts, i)}
+    out = {}
+    for name, run in runs.items():
+        with profile(activities=activities) as prof:
+            for i in range(5):
+                run(i)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        for key, attr in (("cpu", "self_cpu_time_total"), ("device", "self_device_time_total")):
+            top = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:20]
+            out[f"{name}_by_{key}"] = [
+                {"op": e.key, "calls": e.count / 5, "self_cpu_us": round(e.self_cpu_time_total / 5, 1),
+                 "device_us": round(getattr(e, "self_device_time_total", 0.0) / 5, 1)}
+                for e in top]
+    return out
+
+
+def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator,
+               sizes: list[int] | None = None, profile_size: int = 0) -> dict[str, Any]:
     """Step 1 of the module docstring."""
     from quiver_serve.engine.core.typed_core import build_typed_core
     from quiver_serve.graph.typed_load import load_typed_graph
@@ -107,6 +171,10 @@ def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator) -> dict[str
         result["by_type"] = core.stats_by_type()
         result["features"] = core.features.describe()
         result["samplers"] = sampler_times(core, graph, min(batches, 100), gen)
+        if sizes:
+            result["batch_sizes"] = batch_sizes(core, sizes, min(batches, 50), gen)
+        if profile_size and getattr(core, "gpu_sampler", None) is not None:
+            result["profile"] = profile_batch(core, profile_size, gen)
     del core
     gc.collect()
     if torch.cuda.is_available():
@@ -167,10 +235,14 @@ def queue_point(pipe: Any, requests: np.ndarray, callers: int, seconds: float) -
             "status": {str(k): v for k, v in res["status"].items()}}
 
 
-def drive_queue(cfg: ServeConfig, args: argparse.Namespace, count: int) -> dict[str, Any]:
-    """Step 2 of the module docstring."""
+def drive_queue(cfg: ServeConfig, args: argparse.Namespace, count: int,
+                workers: int = 1) -> dict[str, Any]:
+    """Step 2 of the module docstring, with ``workers`` engine cores (on one GPU they share it:
+    each has its own host thread launching kernels)."""
     from quiver_serve.engine.client.pipeline import Pipeline
 
+    cfg = cfg.model_copy(deep=True)
+    cfg.inference.num_workers = workers
     rng = np.random.default_rng(0)
     requests = rng.integers(0, count, (4096, SEEDS_PER_REQUEST))
     singles = rng.integers(0, count, (4096, 1))
@@ -182,7 +254,7 @@ def drive_queue(cfg: ServeConfig, args: argparse.Namespace, count: int) -> dict[
         pipe.stop()
     within = [p for p in points if p["p99_ms"] <= args.p99_ms and p["requests"]]
     best = max(within, key=lambda p: p["seeds_per_s"], default=None)
-    return {"points": points, "best_within_p99": best,
+    return {"workers": workers, "points": points, "best_within_p99": best,
             "seeds_per_s_at_p99": best["seeds_per_s"] if best else 0.0,
             "single_id_p50_ms": single["p50_ms"], "single_id": single}
 
@@ -200,27 +272,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-cache-bytes", type=int, default=None,
                     help="inference.gpu_cache_bytes (default: the config's; below the feature "
                          "rows' size the hottest rows of every type by FAP go to the GPU)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 48, 256, 1024, 2048, 4096],
+                    help="seeds per batch driven through the GPU path, one after another")
+    ap.add_argument("--profile-seeds", type=int, default=48,
+                    help="profile a batch of this many seeds (0: none)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="engine cores behind the queue API, one run per value")
     ap.add_argument("--smoke", action="store_true", help="a few batches and short points")
     ap.add_argument("--out", help="result file (default: results/typed_mag_<machine>_<date>.json)")
     add_result_options(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.batches, args.callers, args.seconds = 5, [1, 2], 1.0
+        args.batch_sizes = [1, 48]
     cfg = mag_config(args.scale, args.device, args.hidden, args.fanouts)
     if args.gpu_cache_bytes is not None:
         cfg.inference.gpu_cache_bytes = args.gpu_cache_bytes
     torch.set_num_threads(cfg.inference.torch_threads)  # as the engine process does
-    core = drive_core(cfg, args.batches, torch.Generator().manual_seed(0))
+    core = drive_core(cfg, args.batches, torch.Generator().manual_seed(0), args.batch_sizes,
+                      args.profile_seeds)
     print(f"engine core: {core['seeds_per_s']:.0f} seeds/s, p50 {core['p50_ms']:.2f} ms, "
           f"p99 {core['p99_ms']:.2f} ms, {core['sampled_nodes_per_seed']:.1f} nodes and "
           f"{core['sampled_edges_per_seed']:.1f} edges per seed", flush=True)
-    queue = drive_queue(cfg, args, core["num_papers"])
-    ratio = queue["seeds_per_s_at_p99"] / core["seeds_per_s"] if core["seeds_per_s"] else None
-    print(f"queue API: {queue['seeds_per_s_at_p99']:.0f} seeds/s at p99 <= {args.p99_ms} ms "
-          f"(ratio to the core {ratio if ratio is None else round(ratio, 3)}), single id p50 "
-          f"{queue['single_id_p50_ms']:.2f} ms", flush=True)
+    queues = []
+    for workers in args.workers:
+        queue = drive_queue(cfg, args, core["num_papers"], workers)
+        ratio = queue["seeds_per_s_at_p99"] / core["seeds_per_s"] if core["seeds_per_s"] else None
+        queue["over_core"] = ratio
+        print(f"queue API, {workers} engine core(s): {queue['seeds_per_s_at_p99']:.0f} seeds/s at "
+              f"p99 <= {args.p99_ms} ms (ratio to one core driven directly "
+              f"{ratio if ratio is None else round(ratio, 3)}), single id p50 "
+              f"{queue['single_id_p50_ms']:.2f} ms", flush=True)
+        queues.append(queue)
     result = {"meta": run_meta(args, cfg, scale=args.scale, seeds_per_request=SEEDS_PER_REQUEST),
-              "engine_core": core, "queue_api": queue, "queue_over_core": ratio}
+              "engine_core": core, "queue_api": queues[0], "queue_over_core": queues[0]["over_core"],
+              "queue_api_by_workers": queues}
     write_result(result_path("typed_mag", args), result)
     return 0
 

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
 from quiver_serve.graph.typed_splice import range_positions
+from quiver_serve.models.direct_convs import direct_conv
 from quiver_serve.models.typed_served import TypedServedModel
 from quiver_serve.sampling.reference import unique_first
 from quiver_serve.sampling.typed import TypedSamplerOutput
@@ -76,6 +77,9 @@ class TypedLayerwise:
         else:
             self.num_layers = len(model.convs)
             self.layer = self._to_hetero_layer
+            #: per layer and relation, the conv's direct form where it has one
+            self.direct = [{name: direct_conv(conv) for name, conv in layer.items()}
+                           for layer in model.convs]
 
     @torch.no_grad()
     def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
@@ -177,11 +181,14 @@ class TypedLayerwise:
         per_dst: dict[str, list[Tensor]] = {}
         for et, ei in edge_index.items():
             src, _, dst = et
-            conv = model.convs[i][NAME_JOINER.join(et)]
+            name = NAME_JOINER.join(et)
             inputs = x[src] if src == dst else (x[src], x[dst])
             kwargs = {"edge_attr": edge_attr[et]} if et in edge_attr and \
                 self.served.edge_attr_arg else {}
-            per_dst.setdefault(dst, []).append(conv(inputs, ei, **kwargs))
+            direct = None if kwargs else self.direct[i][name]
+            per_dst.setdefault(dst, []).append(
+                direct(inputs, ei) if direct is not None else model.convs[i][name](inputs, ei,
+                                                                                   **kwargs))
         out = {t: combine(parts, aggr) for t, parts in per_dst.items()}
         if i == self.num_layers - 1:
             return out

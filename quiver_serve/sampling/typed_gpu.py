@@ -1,11 +1,10 @@
-"""The typed sampler on a GPU (docs/architecture.md, "Typed graphs"; decision 0050).
+"""The typed sampler on a GPU (docs/architecture.md, "Typed graphs"; decisions 0050, 0062).
 
-``TypedGpuSampler`` is ``TypedReferenceSampler`` with each (relation, hop) drawn by the CUDA
-kernels of ``csrc/typed_hop.cu`` (compiled by NVRTC through CuPy) instead of the reference's
-dozen small torch kernels: one kernel counts the reads of every frontier node, torch scans the
-counts, and one kernel writes the neighbours' ids and edge ids, warp per frontier node, with
-Floyd's draws on the relation's salted base. The bookkeeping between hops (new nodes per type in
-order of first occurrence) stays in torch on the GPU. Bit for bit the reference's output.
+``TypedGpuSampler`` is ``TypedReferenceSampler`` with each batch drawn by the CUDA kernels of
+``csrc/typed_hop.cu`` (compiled by NVRTC through CuPy; ``sampling/typed_gpu_batch.py`` drives
+them): a hop of every relation is a fixed handful of launches and one host synchronisation,
+duplicates found through a per-node state array as in the homogeneous GPU sampler. Bit for bit
+the reference's output.
 
 Where the relations are: ``"device"`` (copied into GPU memory once) or ``"uva"`` (left in host
 memory, pinned in place and read by the kernels over the bus), as the homogeneous GPU sampler
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from quiver_serve.graph.typed import Relation, TypedGraph
-from quiver_serve.sampling.typed import TypedReferenceSampler
+from quiver_serve.sampling.base import check_seed_range
+from quiver_serve.sampling.typed import (
+    TypedFanouts,
+    TypedReferenceSampler,
+    TypedSamplerOutput,
+    typed_fanouts,
+)
+from quiver_serve.sampling.typed_gpu_batch import TypedKernelBatch
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,14 @@ GPU_MODES = ("device", "uva")
 
 
 class TypedHopKernels:
-    """The two kernels of ``csrc/typed_hop.cu`` compiled for one device; launched on torch's
-    current stream."""
+    """The kernels of ``csrc/typed_hop.cu`` compiled for one device; ``launch`` runs one on
+    torch's current stream with enough threads for ``items`` (a warp per item for
+    ``typed_draw``)."""
+
+    NAMES = ("typed_count", "typed_draw", "typed_propose", "typed_mark", "typed_assign",
+             "typed_relabel", "typed_reset")
+    #: kernels that give each item a warp
+    PER_WARP = frozenset({"typed_draw"})
 
     def __init__(self, device: torch.device) -> None:
         import cupy
@@ -51,28 +64,16 @@ class TypedHopKernels:
         major, minor = torch.cuda.get_device_capability(device)
         with cupy.cuda.Device(device.index):
             module, _ = compile_module(cupy, KERNEL_SOURCE.read_text(), major * 10 + minor)
-            self._count = module.get_function("typed_hop_count").kernel
-            self._draw = module.get_function("typed_hop_draw").kernel
+            self._functions = {name: module.get_function(name).kernel for name in self.NAMES}
 
-    def _launch(self, function, blocks: int, args: tuple[int, ...]) -> None:
+    def launch(self, name: str, items: int, args: tuple[int, ...]) -> None:
         from quiver_serve.ops.cuda import StreamHandle
 
+        per_block = WARPS_PER_BLOCK if name in self.PER_WARP else THREADS_PER_BLOCK
+        blocks = min(MAX_BLOCKS, max(1, -(-items // per_block)))
         stream = StreamHandle(torch.cuda.current_stream(self.device).cuda_stream)
-        function((max(1, blocks),), (THREADS_PER_BLOCK,), tuple(np.int64(a) for a in args), 0,
-                 stream, False)
-
-    def count(self, indptr_addr: int, frontier: Tensor, k: int, out: Tensor) -> None:
-        n = frontier.numel()
-        blocks = min(MAX_BLOCKS, -(-n // THREADS_PER_BLOCK))
-        self._launch(self._count, blocks, (indptr_addr, frontier.data_ptr(), n, k,
-                                           out.data_ptr()))
-
-    def draw(self, csc_addrs: tuple[int, int, int], frontier: Tensor, k: int, base: int,
-             hop: int, offset: Tensor, nbr: Tensor, eid: Tensor) -> None:
-        n = frontier.numel()
-        blocks = min(MAX_BLOCKS, -(-n // WARPS_PER_BLOCK))
-        self._launch(self._draw, blocks, (*csc_addrs, frontier.data_ptr(), n, k, base, hop,
-                                          offset.data_ptr(), nbr.data_ptr(), eid.data_ptr()))
+        self._functions[name]((blocks,), (THREADS_PER_BLOCK,), tuple(np.int64(a) for a in args),
+                              0, stream, False)
 
 
 @functools.cache
@@ -87,8 +88,8 @@ class TypedGpuSampler(TypedReferenceSampler):
 
     def __init__(self, graph: TypedGraph, device: torch.device, mode: str = "device",
                  kernels: bool = True, hop_kernels: Any = None) -> None:
-        """``hop_kernels``: launches ``count`` and ``draw`` as ``TypedHopKernels`` does, used
-        instead of the compiled kernels (the kernels' source built for the CPU, in tests)."""
+        """``hop_kernels``: launches the kernels as ``TypedHopKernels`` does, used instead of
+        the compiled ones (the kernels' source built for the CPU, in tests)."""
         if mode not in GPU_MODES:
             raise ValueError(f"typed GPU sampler mode must be one of {GPU_MODES}, got {mode!r}")
         if mode == "uva" and (device.type != "cuda" or not kernels) and hop_kernels is None:
@@ -103,8 +104,10 @@ class TypedGpuSampler(TypedReferenceSampler):
         self.kernels: Any = hop_kernels
         if self.kernels is None and kernels and device.type == "cuda":
             self.kernels = kernels_for(device.index)
+        self._lock = threading.Lock()
         if self.kernels is not None:
             self._addrs = [self._addresses(rel) for rel in placed.relations.values()]
+            self._batch = TypedKernelBatch(placed, device, self.kernels, self._addrs)
 
     def _addresses(self, rel: Relation) -> tuple[int, int, int]:
         tensors = [rel.indptr, rel.indices, rel.edge_id]
@@ -127,25 +130,31 @@ class TypedGpuSampler(TypedReferenceSampler):
         return tuple(0 if t is None or t.numel() == 0 else t.data_ptr()  # type: ignore[return-value]
                      for t in tensors)
 
-    def hop_edges(self, number: int, rel: Relation, frontier: Tensor, k: int, hop: int,
-                  base: int) -> tuple[Tensor, Tensor, Tensor]:
+    def sample(self, seed_type: str, seeds: Tensor, fanouts: TypedFanouts,
+               seed: int) -> TypedSamplerOutput:
         if self.kernels is None:
-            return super().hop_edges(number, rel, frontier, k, hop, base)
-        frontier = frontier.contiguous()
-        n, dev = frontier.numel(), self.device
-        count = torch.empty(n, dtype=torch.int64, device=dev)
-        if n == 0:
-            empty = torch.empty(0, dtype=torch.int64, device=dev)
-            return empty, empty.clone(), count
-        addrs = self._addrs[number]
-        self.kernels.count(addrs[0], frontier, k, count)
-        end = torch.cumsum(count, 0)
-        total = int(end[-1])  # the hop's one host synchronisation (the output's size)
-        nbr = torch.empty(total, dtype=torch.int64, device=dev)
-        eid = torch.empty(total, dtype=torch.int64, device=dev)
-        if total:
-            self.kernels.draw(addrs, frontier, k, base, hop, end - count, nbr, eid)
-        return nbr, eid, count
+            return super().sample(seed_type, seeds, fanouts, seed)
+        graph = self.graph
+        graph.check_node_type(seed_type)
+        per_rel = typed_fanouts(graph, fanouts)
+        num_layers = len(next(iter(per_rel.values()), []))
+        seeds = seeds.to(device=self.device, dtype=torch.int64).contiguous()
+        check_seed_range(seeds, graph.num_nodes[seed_type])
+        with self._lock:
+            st, seed_index, num_nodes, num_edges = self._batch.sample(
+                seed_type, seeds, per_rel, num_layers, seed)
+        dev = self.device
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+
+        def cat(pieces: list[Tensor] | None) -> Tensor:
+            return empty if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+        return TypedSamplerOutput(
+            seed_type, {t: cat(st.pieces.get(t)) for t in graph.node_types},
+            {et: torch.stack([cat(st.rows.get(et)), cat(st.cols.get(et))])
+             for et in graph.edge_types},
+            {et: cat(st.eids.get(et)) for et in graph.edge_types},
+            seed_index, num_nodes, num_edges)
 
     def close(self) -> None:
         """Unpin host-memory relations (uva); the sampler must not be used afterwards."""

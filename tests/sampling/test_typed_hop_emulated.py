@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from quiver_serve.sampling.typed import TypedReferenceSampler
-from quiver_serve.sampling.typed_gpu import KERNEL_SOURCE, TypedGpuSampler
+from quiver_serve.sampling.typed_gpu import KERNEL_SOURCE, TypedGpuSampler, TypedHopKernels
+from quiver_serve.sampling.typed_gpu_batch import STATE_EMPTY
 from tests.sampling.test_typed_sampler import small_typed
 
 # The CUDA features typed_hop.cu uses, as host C++.
 EMU_HEAD = r"""
+#include <atomic>
 #include <barrier>
 #include <memory>
 #include <thread>
@@ -40,6 +41,12 @@ template <class T> T __shfl_sync(unsigned, T x, int s) {
   const T r = (T)emu_warp->vals[s & 31];
   emu_warp->bar.arrive_and_wait();
   return r;
+}
+inline int atomicMin(int* p, int v) {
+  std::atomic_ref<int> a(*p);
+  int old = a.load();
+  while (v < old && !a.compare_exchange_weak(old, v)) {}
+  return old;
 }
 inline unsigned __ballot_sync(unsigned, bool pred) {
   emu_warp->vals[threadIdx.x & 31] = pred;
@@ -65,41 +72,35 @@ template <class F> void emu_grid(int blocks, int threads, F body) {
       });
   for (auto& th : all) th.join();
 }
-extern "C" void emu_count(int blocks, int threads, const long long* a) {
-  emu_grid(blocks, threads, [a] { typed_hop_count(a[0], a[1], a[2], a[3], a[4]); });
-}
-extern "C" void emu_draw(int blocks, int threads, const long long* a) {
-  emu_grid(blocks, threads, [a] {
-    typed_hop_draw(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]);
-  });
-}
+#define EMU_KERNEL(name, ...)                                                 \
+  extern "C" void emu_##name(int blocks, int threads, const long long* a) {   \
+    emu_grid(blocks, threads, [a] { name(__VA_ARGS__); });                    \
+  }
+EMU_KERNEL(typed_count, a[0], a[1], a[2], a[3])
+EMU_KERNEL(typed_draw, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10])
+EMU_KERNEL(typed_propose, a[0], a[1], a[2])
+EMU_KERNEL(typed_mark, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
+EMU_KERNEL(typed_assign, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
+EMU_KERNEL(typed_relabel, a[0], a[1], a[2], a[3])
+EMU_KERNEL(typed_reset, a[0], a[1], a[2])
 """
 
 
 class EmulatedHopKernels:
-    """``TypedHopKernels``'s two launches, run by the CPU build of the kernels (small grids:
-    the grid-stride loops cover every frontier node)."""
+    """``TypedHopKernels.launch`` run by the CPU build of the kernels (small grids: the
+    grid-stride loops cover every item)."""
 
     blocks, threads = 2, 64
 
     def __init__(self, library: Path) -> None:
         self._lib = ctypes.CDLL(str(library))
-        for name in ("emu_count", "emu_draw"):
-            getattr(self._lib, name).argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        for name in TypedHopKernels.NAMES:
+            getattr(self._lib, f"emu_{name}").argtypes = [ctypes.c_int, ctypes.c_int,
+                                                          ctypes.c_void_p]
 
-    def _run(self, name: str, args: tuple[int, ...]) -> None:
+    def launch(self, name: str, items: int, args: tuple[int, ...]) -> None:
         block = (ctypes.c_longlong * len(args))(*args)
-        getattr(self._lib, name)(self.blocks, self.threads, block)
-
-    def count(self, indptr_addr: int, frontier: Tensor, k: int, out: Tensor) -> None:
-        self._run("emu_count", (indptr_addr, frontier.data_ptr(), frontier.numel(), k,
-                                out.data_ptr()))
-
-    def draw(self, csc_addrs: tuple[int, int, int], frontier: Tensor, k: int, base: int,
-             hop: int, offset: Tensor, nbr: Tensor, eid: Tensor) -> None:
-        offset = offset.contiguous()
-        self._run("emu_draw", (*csc_addrs, frontier.data_ptr(), frontier.numel(), k, base, hop,
-                               offset.data_ptr(), nbr.data_ptr(), eid.data_ptr()))
+        getattr(self._lib, f"emu_{name}")(self.blocks, self.threads, block)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,8 @@ def test_the_kernels_sample_the_references_subgraph(emulated, mode: str,
                     ref.sample("paper", seeds, fanouts, seed))
         assert_same(sampler.sample("venue", seeds[seeds < 5], fanouts, seed),
                     ref.sample("venue", seeds[seeds < 5], fanouts, seed))
+    # every batch puts back the per-node state it used (the next batch starts clean)
+    assert bool((sampler._batch.state == STATE_EMPTY).all())
 
 
 def test_long_lists_draw_past_a_warp(emulated) -> None:

@@ -1,0 +1,71 @@
+"""PyG convolutions run as their plain tensor operations, without ``MessagePassing.propagate``
+(docs/architecture.md, "Typed graphs"; decision 0062).
+
+A typed batch runs one conv per relation and layer (12 on ogbn-mag with reverse relations), and
+``propagate``'s bookkeeping (collecting arguments, hooks, size checks) costs more host time per
+call than a sampled batch's arithmetic on a GPU. ``direct_conv(conv)`` returns, for the convs it
+knows, a function computing exactly what ``conv(x, edge_index)`` computes, with the same
+operations in the same order; for any other conv (or one with hooks, explain mode or
+decomposed layers, or a subclass) it returns None and the conv is called as it is.
+
+Known: ``SAGEConv`` with mean aggregation, without ``project`` (``normalize`` and
+``root_weight`` either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: (x or (x_src, x_dst), edge_index [2, E]) -> the conv's output rows of the destinations
+DirectConv = Callable[[Tensor | tuple[Tensor, Tensor], Tensor], Tensor]
+
+
+def _plain(conv: nn.Module) -> bool:
+    """No hooks or modes that make ``propagate`` do more than message, aggregate, update."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_propagate_forward_hooks",
+             "_propagate_forward_pre_hooks", "_message_forward_hooks",
+             "_message_forward_pre_hooks", "_aggregate_forward_hooks",
+             "_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+             "_message_and_aggregate_forward_pre_hooks", "_edge_update_forward_hooks",
+             "_edge_update_forward_pre_hooks")
+    if any(getattr(conv, h, None) for h in hooks):
+        return False
+    return not getattr(conv, "explain", False) and getattr(conv, "decomposed_layers", 1) == 1
+
+
+def direct_conv(conv: nn.Module) -> DirectConv | None:
+    """The conv's direct form (module docstring), or None."""
+    from torch_geometric.nn import SAGEConv
+    from torch_geometric.nn.aggr import MeanAggregation
+
+    if type(conv) is SAGEConv and type(conv.aggr_module) is MeanAggregation \
+            and not conv.project and _plain(conv):
+        return lambda x, edge_index: sage_mean(conv, x, edge_index)
+    return None
+
+
+def mean_rows(x_src: Tensor, edge_index: Tensor, num_dst: int) -> Tensor:
+    """Per destination the mean of its sources' rows (0 without any), as PyG's ``scatter``
+    with ``reduce="mean"`` computes it."""
+    src, dst = edge_index[0], edge_index[1]
+    msg = x_src.index_select(0, src)
+    count = msg.new_zeros(num_dst)
+    count.scatter_add_(0, dst, msg.new_ones(dst.numel()))
+    out = msg.new_zeros((num_dst, msg.size(1)))
+    out.index_add_(0, dst, msg)
+    return out / count.clamp_(min=1).unsqueeze(1)
+
+
+def sage_mean(conv: nn.Module, x: Tensor | tuple[Tensor, Tensor], edge_index: Tensor) -> Tensor:
+    """``SAGEConv.forward`` (mean aggregation, no projection) without ``propagate``."""
+    x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+    out = mean_rows(x_src, edge_index, x_dst.size(0))
+    out = F.linear(out, conv.lin_l.weight, conv.lin_l.bias)
+    if conv.root_weight:
+        out = out + F.linear(x_dst, conv.lin_r.weight, conv.lin_r.bias)
+    if conv.normalize:
+        out = F.normalize(out, p=2., dim=-1)
+    return out
