@@ -21,6 +21,7 @@ import torch
 from quiver_serve import envs, errors
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.log_reader import load_base
 
 #: the least node headroom (ids and feature rows preallocated for appended nodes)
 MIN_NEW_NODES = 1024
@@ -44,17 +45,45 @@ def capacities(cfg: GraphConfig, base_nodes: int, base_edges: int) -> Capacities
     return Capacities(base_nodes + new_nodes, entries)
 
 
+#: the meta ``kind`` of a typed base (``graph/typed_base.py``, which imports this module)
+TYPED_BASE_KIND = "typed"
+#: settings that make a dataset another (typed) graph: part of the folder's key when set
+TYPED_KEY_FIELDS = ("words_as_nodes", "add_reverse_edges")
+
+
 def log_dir(cfg: GraphConfig) -> Path:
     """``graph.update_log_dir``, or a folder keyed by the dataset's config (not its content,
-    which compaction changes) under ``$QUIVER_SERVE_GRAPH_STATE``."""
+    which compaction changes) under ``$QUIVER_SERVE_GRAPH_STATE``. The typed settings of
+    ``TYPED_KEY_FIELDS`` join the key when set, so Cora and Cora served as a typed graph get
+    folders of their own; a typed graph whose log is already in the folder of the key without
+    them (written before they were keyed) stays there."""
     if cfg.update_log_dir is not None:
         return Path(cfg.update_log_dir).expanduser()
     keyed = {k: v for k, v in cfg.model_dump().items()
              if k.startswith("synthetic") or k in ("format", "path", "name")}
     if cfg.path is not None:
         keyed["path"] = str(Path(cfg.path).expanduser().resolve())
+    legacy = _keyed_folder(cfg.name, keyed)
+    typed = {k: getattr(cfg, k) for k in TYPED_KEY_FIELDS if getattr(cfg, k)}
+    if not typed:
+        return legacy
+    folder = _keyed_folder(cfg.name, {**keyed, **typed})
+    if not folder.exists() and _holds_typed_base(legacy):
+        return legacy
+    return folder
+
+
+def _keyed_folder(name: str, keyed: dict[str, Any]) -> Path:
     digest = hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
-    return envs.QUIVER_SERVE_GRAPH_STATE / f"{cfg.name}-{digest}"
+    return envs.QUIVER_SERVE_GRAPH_STATE / f"{name}-{digest}"
+
+
+def _holds_typed_base(folder: Path) -> bool:
+    try:
+        found = load_base(folder) if folder.exists() else None
+    except (OSError, ValueError):
+        return False
+    return found is not None and found[2].get("kind") == TYPED_BASE_KIND
 
 
 def log_dir_for_graph(graph: GraphData) -> Path:

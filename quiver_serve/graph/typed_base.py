@@ -27,11 +27,12 @@ import torch
 
 from quiver_serve import errors
 from quiver_serve.config import GraphConfig
+from quiver_serve.graph.living import TYPED_BASE_KIND
 from quiver_serve.graph.typed import EdgeType, Relation, TypedGraph
 
 log = logging.getLogger(__name__)
 
-KIND = "typed"
+KIND = TYPED_BASE_KIND
 
 
 def typed_stamp(cfg: GraphConfig) -> str:

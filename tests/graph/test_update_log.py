@@ -488,3 +488,31 @@ def test_default_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     for bad in ("../x", "a/b", ".."):
         with pytest.raises(ValueError, match="one file name"):
             default_log_dir(tmp_path, bad)
+
+
+def test_a_typed_dataset_gets_its_own_default_folder(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cora and Cora served as papers and words keep their logs apart (the second start used
+    to find the other's base and refuse); a typed log already in the folder of the key without
+    the typed settings stays where it is."""
+    from quiver_serve.config import GraphConfig
+    from quiver_serve.graph.living import log_dir
+
+    monkeypatch.setenv("QUIVER_SERVE_GRAPH_STATE", str(tmp_path))
+    plain = GraphConfig()
+    typed = GraphConfig(words_as_nodes=True, add_reverse_edges=True)
+    assert log_dir(plain) != log_dir(typed)
+    assert log_dir(plain).parent == log_dir(typed).parent == tmp_path
+    assert log_dir(plain) == log_dir(GraphConfig())  # the key of an untyped graph is unchanged
+    # an untyped base in the legacy folder: the typed graph takes its own
+    with UpdateLog(log_dir(plain)) as log:
+        log.write_base(0, {"x": np.zeros(2)}, {"kind": "untyped"})
+    own = log_dir(typed)
+    assert own != log_dir(plain)
+    # a typed base there (written before the typed settings were keyed): it stays there
+    shutil.rmtree(log_dir(plain))
+    with UpdateLog(log_dir(plain)) as log:
+        log.write_base(0, {"x": np.zeros(2)}, {"kind": "typed"})
+    assert log_dir(typed) == log_dir(plain)
+    own.mkdir(parents=True)  # ... unless its own folder exists already
+    assert log_dir(typed) == own
