@@ -138,7 +138,8 @@ def profile_batch(core: Any, size: int, gen: torch.Generator) -> dict[str, list[
 
 
 def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator,
-               sizes: list[int] | None = None, profile_size: int = 0) -> dict[str, Any]:
+               sizes: list[int] | None = None, profile_sizes: list[int] | None = None
+               ) -> dict[str, Any]:
     """Step 1 of the module docstring."""
     from quiver_serve.engine.core.typed_core import build_typed_core
     from quiver_serve.graph.typed_load import load_typed_graph
@@ -173,8 +174,8 @@ def drive_core(cfg: ServeConfig, batches: int, gen: torch.Generator,
         result["samplers"] = sampler_times(core, graph, min(batches, 100), gen)
         if sizes:
             result["batch_sizes"] = batch_sizes(core, sizes, min(batches, 50), gen)
-        if profile_size and getattr(core, "gpu_sampler", None) is not None:
-            result["profile"] = profile_batch(core, profile_size, gen)
+        if profile_sizes and getattr(core, "gpu_sampler", None) is not None:
+            result["profile"] = {str(n): profile_batch(core, n, gen) for n in profile_sizes}
     del core
     gc.collect()
     if torch.cuda.is_available():
@@ -274,10 +275,11 @@ def main(argv: list[str] | None = None) -> int:
                          "rows' size the hottest rows of every type by FAP go to the GPU)")
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 48, 256, 1024, 2048, 4096],
                     help="seeds per batch driven through the GPU path, one after another")
-    ap.add_argument("--profile-seeds", type=int, default=48,
-                    help="profile a batch of this many seeds (0: none)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1],
-                    help="engine cores behind the queue API, one run per value")
+    ap.add_argument("--profile-seeds", type=int, nargs="*", default=[48],
+                    help="profile a batch of each of these many seeds")
+    ap.add_argument("--workers", type=int, nargs="*", default=[1],
+                    help="engine cores behind the queue API, one run per value (none: the "
+                         "engine core alone)")
     ap.add_argument("--smoke", action="store_true", help="a few batches and short points")
     ap.add_argument("--out", help="result file (default: results/typed_mag_<machine>_<date>.json)")
     add_result_options(ap)
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{queue['single_id_p50_ms']:.2f} ms", flush=True)
         queues.append(queue)
     result = {"meta": run_meta(args, cfg, scale=args.scale, seeds_per_request=SEEDS_PER_REQUEST),
-              "engine_core": core, "queue_api": queues[0], "queue_over_core": queues[0]["over_core"],
+              "engine_core": core, "queue_api": queues[0] if queues else None,
+              "queue_over_core": queues[0]["over_core"] if queues else None,
               "queue_api_by_workers": queues}
     write_result(result_path("typed_mag", args), result)
     return 0

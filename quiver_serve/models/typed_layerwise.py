@@ -39,9 +39,10 @@ from quiver_serve.sampling.typed import TypedSamplerOutput
 
 #: targets per chunk of one layer (bounds the subgraph a chunk builds)
 DEFAULT_CHUNK_NODES = 1 << 16
-#: layer i of (inputs per type, edge_index, edge features, global ids per type)
+#: layer i of (inputs per type, edge_index, edge features, global ids per type, and the rows
+#: per type the caller reads of its output: the first ones, or None for all)
 LayerFn = Callable[[int, dict[str, Tensor], dict[EdgeType, Tensor], dict[EdgeType, Tensor],
-                    dict[str, Tensor]], dict[str, Tensor]]
+                    dict[str, Tensor], dict[str, int] | None], dict[str, Tensor]]
 
 
 def unsupported(served: TypedServedModel) -> str | None:
@@ -58,6 +59,8 @@ def unsupported(served: TypedServedModel) -> str | None:
         return "to_hetero of a module without BasicGNN's convs"
     if hasattr(model, "lin") or hasattr(model, "jk"):
         return "jumping knowledge / an output head"
+    if not rowwise_norms(model):
+        return "a norm over all nodes of a graph between layers (layer_norm in graph mode, ...)"
     return None
 
 
@@ -80,6 +83,9 @@ class TypedLayerwise:
             #: per layer and relation, the conv's direct form where it has one
             self.direct = [{name: direct_conv(conv) for name, conv in layer.items()}
                            for layer in model.convs]
+            #: direct convs compute only the rows the next layer reads (``unsupported``: the
+            #: norms between layers, if any, treat rows one by one)
+            self.trim_rows = True
 
     @torch.no_grad()
     def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
@@ -128,7 +134,8 @@ class TypedLayerwise:
         else:
             x = {s: h[s][ids.to(h[s].device)].to(dev) for s, ids in node.items() if s in h}
         ei = {et: e.to(dev) for et, e in edge_index.items() if et[0] in x}
-        out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node).get(node_type)
+        out = self.layer(i, x, ei, self.served.edge_attrs(e_id), node,
+                         {node_type: targets.numel()}).get(node_type)
         return None if out is None else out[:targets.numel()]
 
     @torch.no_grad()
@@ -157,12 +164,13 @@ class TypedLayerwise:
                     ei[et] = edges[:, :num]
                     if et in attrs:
                         ea[et] = attrs[et][:num]
-            h = self.layer(i, x, ei, ea, {t: node[t][:keep[t]] for t in x})
+            reads = {t: sum(c[:num_layers - i]) for t, c in out.num_sampled_nodes.items()}
+            h = self.layer(i, x, ei, ea, {t: node[t][:keep[t]] for t in x}, reads)
         return h[out.seed_type][out.seed_index.to(dev)]
 
     def _module_layer(self, i: int, x: dict[str, Tensor], edge_index: dict[EdgeType, Tensor],
-                      edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor]
-                      ) -> dict[str, Tensor]:
+                      edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor],
+                      out_rows: dict[str, int] | None = None) -> dict[str, Tensor]:
         """The module's own ``forward_layer``, given edge features and global ids when it names
         ``edge_attr_dict`` / ``n_id_dict``."""
         kwargs: dict[str, object] = {}
@@ -173,22 +181,29 @@ class TypedLayerwise:
         return self.served.model.forward_layer(i, x, edge_index, **kwargs)
 
     def _to_hetero_layer(self, i: int, x: dict[str, Tensor], edge_index: dict[EdgeType, Tensor],
-                         edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor]
-                         ) -> dict[str, Tensor]:
-        """Layer ``i`` of ``to_hetero(BasicGNN)`` (module docstring)."""
+                         edge_attr: dict[EdgeType, Tensor], node: dict[str, Tensor],
+                         out_rows: dict[str, int] | None = None) -> dict[str, Tensor]:
+        """Layer ``i`` of ``to_hetero(BasicGNN)`` (module docstring). With ``out_rows`` the
+        output of type ``t`` has at least its first ``out_rows[t]`` rows (every edge's
+        destination must be among them): direct convs compute only those, and the others'
+        outputs are cut to them before the relations are combined."""
         model = self.served.model
         aggr = (self.served.spec.to_hetero or {}).get("aggr", "sum")
         per_dst: dict[str, list[Tensor]] = {}
         for et, ei in edge_index.items():
             src, _, dst = et
             name = NAME_JOINER.join(et)
-            inputs = x[src] if src == dst else (x[src], x[dst])
             kwargs = {"edge_attr": edge_attr[et]} if et in edge_attr and \
                 self.served.edge_attr_arg else {}
             direct = None if kwargs else self.direct[i][name]
-            per_dst.setdefault(dst, []).append(
-                direct(inputs, ei) if direct is not None else model.convs[i][name](inputs, ei,
-                                                                                   **kwargs))
+            rows = out_rows.get(dst) if out_rows is not None and self.trim_rows else None
+            if direct is not None:
+                part = direct((x[src], x[dst] if rows is None else x[dst][:rows]), ei)
+            else:
+                part = model.convs[i][name](x[src] if src == dst else (x[src], x[dst]), ei,
+                                            **kwargs)
+                part = part if rows is None else part[:rows]
+            per_dst.setdefault(dst, []).append(part)
         out = {t: combine(parts, aggr) for t, parts in per_dst.items()}
         if i == self.num_layers - 1:
             return out
@@ -208,6 +223,24 @@ class TypedLayerwise:
         if act is not None and not act_first:
             x = act(x)
         return x
+
+
+def rowwise_norms(model: nn.Module) -> bool:
+    """Whether every norm between the layers of a ``to_hetero(BasicGNN)`` treats rows one by
+    one in eval mode (none, identity, batch norm, layer norm per node), so a node's rows do not
+    depend on which other nodes a forward holds: what layer-wise inference needs."""
+    from torch_geometric.nn.norm import BatchNorm, LayerNorm
+
+    norms = getattr(model, "norms", None)
+    if norms is None:
+        return True
+
+    def rowwise(m: nn.Module) -> bool:
+        return isinstance(m, (nn.Identity, nn.BatchNorm1d, BatchNorm, nn.LayerNorm)) or \
+            (isinstance(m, LayerNorm) and m.mode == "node")
+
+    return all(rowwise(m) for layer in norms
+               for m in (layer.values() if isinstance(layer, nn.ModuleDict) else [layer]))
 
 
 def combine(parts: list[Tensor], aggr: str) -> Tensor:

@@ -66,6 +66,15 @@ TYPED_MODELS = {
                                          "out_channels": 8}, {"aggr": "sum"}),
     "to_hetero_sage_mean": ("GraphSAGE", {"hidden_channels": 16, "num_layers": 2,
                                           "out_channels": 8, "act_first": True}, {"aggr": "mean"}),
+    # norms between layers that treat rows one by one (a layer computes only the rows the next
+    # layer reads)
+    "to_hetero_sage_batch_norm": ("GraphSAGE", {"hidden_channels": 16, "num_layers": 2,
+                                                "out_channels": 8, "norm": "batch_norm"},
+                                  {"aggr": "sum"}),
+    "to_hetero_sage_layer_norm": ("GraphSAGE", {"hidden_channels": 16, "num_layers": 2,
+                                                "out_channels": 8, "norm": "layer_norm",
+                                                "norm_kwargs": {"mode": "node"}},
+                                  {"aggr": "sum"}),
     "to_hetero_sage_max": ("GraphSAGE", {"hidden_channels": 16, "num_layers": 2,
                                          "out_channels": 8}, {"aggr": "max"}),
     "to_hetero_gat_edges": ("GAT", {"hidden_channels": 8, "num_layers": 2, "out_channels": 4,
@@ -108,6 +117,16 @@ def test_exact_answers_equal_pyg_full_graph(name: str, tmp_path: Path) -> None:
             torch.testing.assert_close(layerwise.sampled(out), served(out), rtol=0, atol=TOL)
     else:
         assert name == "custom_edge_attr", unsupported(served)
+
+
+def test_a_graph_wide_norm_is_not_served_layer_by_layer() -> None:
+    """A layer norm over all nodes of a graph makes every row depend on every node: no
+    layer-wise (or trimmed) inference for it."""
+    graph = shop_graph(seed=2)
+    served = build_typed_model(spec("GraphSAGE", {"hidden_channels": 16, "num_layers": 2,
+                                                  "out_channels": 8, "norm": "layer_norm"},
+                                    {"aggr": "sum"}), graph)
+    assert "norm over all nodes" in (unsupported(served) or "")
 
 
 def test_sampled_answers_are_the_model_on_the_sample() -> None:
