@@ -9,13 +9,15 @@ operations in the same order; for any other conv (or one with hooks, explain mod
 decomposed layers, or a subclass) it returns None and the conv is called as it is.
 
 Known: ``SAGEConv`` with mean aggregation, without ``project`` (``normalize`` and
-``root_weight`` either way).
+``root_weight`` either way). ``SageSum`` adds up such convs of several relations into one node
+type (``to_hetero``'s ``sum`` and ``mean``) in two matrix products.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -69,3 +71,50 @@ def sage_mean(conv: nn.Module, x: Tensor | tuple[Tensor, Tensor], edge_index: Te
     if conv.normalize:
         out = F.normalize(out, p=2., dim=-1)
     return out
+
+
+def sage_group(convs: list[nn.Module]) -> SageSum | None:
+    """``SageSum`` of the convs of the relations into one node type, when every one has a
+    direct form and is not normalised (a sum of normalised outputs is not linear)."""
+    if not convs or any(direct_conv(c) is None or c.normalize for c in convs):
+        return None
+    return SageSum(convs)
+
+
+class SageSum:
+    """The sum over relations of ``SAGEConv_r((x_src_r, x_dst), edge_index_r)`` into one node
+    type, as two matrix products: the relations' mean rows side by side times their ``lin_l``
+    weights side by side (biases summed), plus ``x_dst`` times the sum of their ``lin_r``
+    weights. The same sum as the convs one by one, added in another order (float rounding).
+    The stacked weights are rebuilt when a parameter changes (a load in place)."""
+
+    def __init__(self, convs: list[nn.Module]) -> None:
+        self.convs = convs
+        self._key: tuple = ()
+        self._w_l: Tensor | None = None
+        self._bias: Tensor | None = None
+        self._w_root: Tensor | None = None
+
+    def _weights(self) -> None:
+        params = [p for c in self.convs for p in (c.lin_l.weight, c.lin_l.bias,
+                                                   c.lin_r.weight if c.root_weight else None)
+                  if p is not None]
+        key = tuple((id(p), p._version, p.device) for p in params)
+        if key == self._key:
+            return
+        self._w_l = torch.cat([c.lin_l.weight for c in self.convs], dim=1)
+        biases = [c.lin_l.bias for c in self.convs if c.lin_l.bias is not None]
+        self._bias = torch.stack(biases).sum(0) if biases else None
+        roots = [c.lin_r.weight for c in self.convs if c.root_weight]
+        self._w_root = torch.stack(roots).sum(0) if roots else None
+        self._key = key
+
+    def __call__(self, sources: list[tuple[Tensor, Tensor]], x_dst: Tensor) -> Tensor:
+        """``sources``: per conv, in order, (its source rows, its edge_index)."""
+        self._weights()
+        means = [mean_rows(x_src, ei, x_dst.size(0)) for x_src, ei in sources]
+        out = F.linear(means[0] if len(means) == 1 else torch.cat(means, dim=1), self._w_l,
+                       self._bias)
+        if self._w_root is not None:
+            out = out + F.linear(x_dst, self._w_root)
+        return out

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
 from quiver_serve.graph.typed_splice import range_positions
-from quiver_serve.models.direct_convs import direct_conv
+from quiver_serve.models.direct_convs import SageSum, direct_conv, sage_group
 from quiver_serve.models.typed_served import TypedServedModel
 from quiver_serve.sampling.reference import unique_first
 from quiver_serve.sampling.typed import TypedSamplerOutput
@@ -83,9 +83,8 @@ class TypedLayerwise:
             #: per layer and relation, the conv's direct form where it has one
             self.direct = [{name: direct_conv(conv) for name, conv in layer.items()}
                            for layer in model.convs]
-            #: direct convs compute only the rows the next layer reads (``unsupported``: the
-            #: norms between layers, if any, treat rows one by one)
-            self.trim_rows = True
+            #: (layer, relation names into one type) -> their SAGE convs summed, or None
+            self.groups: dict[tuple[int, tuple[str, ...]], SageSum | None] = {}
 
     @torch.no_grad()
     def run(self, chunk_nodes: int = DEFAULT_CHUNK_NODES) -> dict[str, Tensor]:
@@ -186,28 +185,46 @@ class TypedLayerwise:
         """Layer ``i`` of ``to_hetero(BasicGNN)`` (module docstring). With ``out_rows`` the
         output of type ``t`` has at least its first ``out_rows[t]`` rows (every edge's
         destination must be among them): direct convs compute only those, and the others'
-        outputs are cut to them before the relations are combined."""
+        outputs are cut to them before the relations are combined. SAGE convs of every
+        relation into a type, summed or averaged, run as one ``SageSum``."""
         model = self.served.model
         aggr = (self.served.spec.to_hetero or {}).get("aggr", "sum")
-        per_dst: dict[str, list[Tensor]] = {}
-        for et, ei in edge_index.items():
-            src, _, dst = et
-            name = NAME_JOINER.join(et)
-            kwargs = {"edge_attr": edge_attr[et]} if et in edge_attr and \
-                self.served.edge_attr_arg else {}
-            direct = None if kwargs else self.direct[i][name]
-            rows = out_rows.get(dst) if out_rows is not None and self.trim_rows else None
-            if direct is not None:
-                part = direct((x[src], x[dst] if rows is None else x[dst][:rows]), ei)
-            else:
-                part = model.convs[i][name](x[src] if src == dst else (x[src], x[dst]), ei,
-                                            **kwargs)
-                part = part if rows is None else part[:rows]
-            per_dst.setdefault(dst, []).append(part)
-        out = {t: combine(parts, aggr) for t, parts in per_dst.items()}
+        into: dict[str, list[EdgeType]] = {}
+        for et in edge_index:
+            into.setdefault(et[2], []).append(et)
+        out: dict[str, Tensor] = {}
+        for dst, ets in into.items():
+            rows = None if out_rows is None else out_rows.get(dst)
+            x_dst = x[dst] if rows is None else x[dst][:rows]
+            group = self._group(i, ets) if aggr in ("sum", "mean") and \
+                not any(et in edge_attr for et in ets) else None
+            if group is not None:
+                out[dst] = group([(x[et[0]], edge_index[et]) for et in ets], x_dst)
+                out[dst] = out[dst] / len(ets) if aggr == "mean" and len(ets) > 1 else out[dst]
+                continue
+            parts = []
+            for et in ets:
+                name = NAME_JOINER.join(et)
+                kwargs = {"edge_attr": edge_attr[et]} if et in edge_attr and \
+                    self.served.edge_attr_arg else {}
+                direct = None if kwargs else self.direct[i][name]
+                if direct is not None:
+                    parts.append(direct((x[et[0]], x_dst), edge_index[et]))
+                    continue
+                part = model.convs[i][name](x[et[0]] if et[0] == dst else (x[et[0]], x[dst]),
+                                            edge_index[et], **kwargs)
+                parts.append(part if rows is None else part[:rows])
+            out[dst] = combine(parts, aggr)
         if i == self.num_layers - 1:
             return out
         return {t: self._post(i, t, v) for t, v in out.items()}
+
+    def _group(self, i: int, ets: list[EdgeType]) -> SageSum | None:
+        names = tuple(NAME_JOINER.join(et) for et in ets)
+        if (i, names) not in self.groups:
+            convs = self.served.model.convs[i]
+            self.groups[(i, names)] = sage_group([convs[n] for n in names])
+        return self.groups[(i, names)]
 
     def _post(self, i: int, t: str, x: Tensor) -> Tensor:
         """BasicGNN's work between layers (eval mode) for node type ``t``."""

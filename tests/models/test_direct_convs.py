@@ -49,3 +49,28 @@ def test_other_convs_and_hooked_or_other_aggregations_stay_with_pyg() -> None:
         pass
 
     assert direct_conv(Mine(4, 4)) is None
+
+
+def test_sage_sum_is_the_convs_one_by_one_and_follows_a_load_in_place() -> None:
+    from quiver_serve.models.direct_convs import sage_group
+
+    torch.manual_seed(1)
+    convs = [SAGEConv((12, 7), 9).eval(), SAGEConv((3, 7), 9, bias=False).eval(),
+             SAGEConv((7, 7), 9, root_weight=False).eval()]
+    g = torch.Generator().manual_seed(3)
+    x_dst = torch.randn(25, 7, generator=g)
+    sources = [(torch.randn(40, 12, generator=g), _graph(40, 25, 300, 4)[0]),
+               (torch.randn(5, 3, generator=g), _graph(5, 25, 30, 5)[0]),
+               (x_dst, _graph(25, 25, 60, 6)[0])]
+    group = sage_group(convs)
+    assert group is not None
+
+    def one_by_one() -> torch.Tensor:
+        return sum(c((xs, x_dst), ei) for c, (xs, ei) in zip(convs, sources, strict=True))
+
+    with torch.no_grad():
+        assert torch.allclose(group(sources, x_dst), one_by_one(), atol=1e-5)
+        convs[0].lin_l.weight.mul_(2.0)  # a load in place: the stacked weights follow
+        assert torch.allclose(group(sources, x_dst), one_by_one(), atol=1e-5)
+    assert sage_group([SAGEConv(4, 4, normalize=True)]) is None
+    assert sage_group([SAGEConv(4, 4), GATConv(4, 4)]) is None
