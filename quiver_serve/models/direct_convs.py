@@ -99,7 +99,7 @@ class SageSum:
         params = [p for c in self.convs for p in (c.lin_l.weight, c.lin_l.bias,
                                                    c.lin_r.weight if c.root_weight else None)
                   if p is not None]
-        key = tuple((id(p), p._version, p.device) for p in params)
+        key = tuple((id(p), p.data_ptr()) for p in params)
         if key == self._key:
             return
         self._w_l = torch.cat([c.lin_l.weight for c in self.convs], dim=1)

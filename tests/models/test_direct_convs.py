@@ -51,7 +51,7 @@ def test_other_convs_and_hooked_or_other_aggregations_stay_with_pyg() -> None:
     assert direct_conv(Mine(4, 4)) is None
 
 
-def test_sage_sum_is_the_convs_one_by_one_and_follows_a_load_in_place() -> None:
+def test_sage_sum_is_the_convs_one_by_one_and_follows_a_replaced_weight() -> None:
     from quiver_serve.models.direct_convs import sage_group
 
     torch.manual_seed(1)
@@ -70,7 +70,8 @@ def test_sage_sum_is_the_convs_one_by_one_and_follows_a_load_in_place() -> None:
 
     with torch.no_grad():
         assert torch.allclose(group(sources, x_dst), one_by_one(), atol=1e-5)
-        convs[0].lin_l.weight.mul_(2.0)  # a load in place: the stacked weights follow
+        # a replaced parameter: the stacked weights follow
+        convs[0].lin_l.weight = torch.nn.Parameter(convs[0].lin_l.weight * 2.0)
         assert torch.allclose(group(sources, x_dst), one_by_one(), atol=1e-5)
     assert sage_group([SAGEConv(4, 4, normalize=True)]) is None
     assert sage_group([SAGEConv(4, 4), GATConv(4, 4)]) is None
