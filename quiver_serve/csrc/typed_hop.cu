@@ -245,3 +245,31 @@ extern "C" __global__ void typed_reset(i64 total_addr, i64 key_addr, i64 state_a
          p += (i64)gridDim.x * blockDim.x)
         state[key[p]] = STATE_EMPTY;
 }
+
+// The batch's output from its hop buffers in one launch: segment s copies len_s int64 values
+// from src_s to dst_s; table = [first_0, src_0, dst_0, first_1, ...] with first_s the index of
+// the segment's first value among all n values (segments in order).
+extern "C" __global__ void typed_gather_segments(i64 table_addr, i64 num_segments, i64 n) {
+    const i64* table = (const i64*)table_addr;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        i64 lo = 0, hi = num_segments - 1;
+        while (lo < hi) {
+            const i64 mid = (lo + hi + 1) >> 1;
+            if (table[mid * 3] <= i) lo = mid; else hi = mid - 1;
+        }
+        const i64* seg = table + lo * 3;
+        ((i64*)seg[2])[i - seg[0]] = ((const i64*)seg[1])[i - seg[0]];
+    }
+}
+
+// Seeds de-duplicated by the host (hop 0 without a host synchronisation): unique seed i, of
+// state key key[i], gets local id i.
+extern "C" __global__ void typed_claim(i64 total_addr, i64 key_addr, i64 state_addr) {
+    const i64 total = *(const i64*)total_addr;
+    const i64* key = (const i64*)key_addr;
+    int* state = (int*)state_addr;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x)
+        state[key[i]] = (int)(-i - 1);
+}

@@ -51,7 +51,7 @@ class TypedHopKernels:
     ``typed_draw``)."""
 
     NAMES = ("typed_count", "typed_draw", "typed_propose", "typed_mark", "typed_assign",
-             "typed_relabel", "typed_reset")
+             "typed_relabel", "typed_reset", "typed_gather_segments", "typed_claim")
     #: kernels that give each item a warp
     PER_WARP = frozenset({"typed_draw"})
 
@@ -138,23 +138,15 @@ class TypedGpuSampler(TypedReferenceSampler):
         graph.check_node_type(seed_type)
         per_rel = typed_fanouts(graph, fanouts)
         num_layers = len(next(iter(per_rel.values()), []))
-        seeds = seeds.to(device=self.device, dtype=torch.int64).contiguous()
+        # seeds in host memory stay there: the batch de-duplicates them without a sync
+        seeds = seeds.to(dtype=torch.int64).contiguous()
         check_seed_range(seeds, graph.num_nodes[seed_type])
         with self._lock:
             st, seed_index, num_nodes, num_edges = self._batch.sample(
                 seed_type, seeds, per_rel, num_layers, seed)
-        dev = self.device
-        empty = torch.empty(0, dtype=torch.int64, device=dev)
-
-        def cat(pieces: list[Tensor] | None) -> Tensor:
-            return empty if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-        return TypedSamplerOutput(
-            seed_type, {t: cat(st.pieces.get(t)) for t in graph.node_types},
-            {et: torch.stack([cat(st.rows.get(et)), cat(st.cols.get(et))])
-             for et in graph.edge_types},
-            {et: cat(st.eids.get(et)) for et in graph.edge_types},
-            seed_index, num_nodes, num_edges)
+            node, edge_index, e_id = self._batch.assemble(st)
+        return TypedSamplerOutput(seed_type, node, edge_index, e_id, seed_index, num_nodes,
+                                  num_edges)
 
     def close(self) -> None:
         """Unpin host-memory relations (uva); the sampler must not be used afterwards."""

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from quiver_serve.graph.typed import EdgeType, TypedGraph
 from quiver_serve.sampling.base import relation_base, seed_base
+from quiver_serve.sampling.reference import unique_first
 
 #: an empty state entry (``STATE_EMPTY`` of the kernels)
 STATE_EMPTY = 0x7FFFFFFF
@@ -74,9 +75,9 @@ class TypedKernelBatch:
         self.order = sorted(range(len(self.edge_types)),
                             key=lambda r: (self.type_index[self.edge_types[r][0]], r))
 
-    def upload(self, values: list[int]) -> Tensor:
+    def upload(self, values: list[int] | Tensor) -> Tensor:
         """A small int64 table on the device (one host-to-device copy)."""
-        host = torch.tensor(values, dtype=torch.int64)
+        host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.int64)
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
@@ -86,7 +87,8 @@ class TypedKernelBatch:
         """The batch's draws: its state, the seeds' rows, nodes per type and hop, edges per
         relation and hop."""
         try:
-            st, seed_index, unique = self.seed_hop(seed_type, seeds)
+            hop0 = self.seed_hop_host if seeds.device.type == "cpu" else self.seed_hop
+            st, seed_index, unique = hop0(seed_type, seeds)
             num_nodes = {t: [unique if t == seed_type else 0] for t in self.types}
             num_edges: dict[EdgeType, list[int]] = {et: [] for et in self.edge_types}
             base = seed_base(seed)
@@ -137,6 +139,20 @@ class TypedKernelBatch:
                         {seed_type: [new_ids[:unique]]},
                         resets=[(end, keys, n)])
         return st, rows, unique
+
+    def seed_hop_host(self, seed_type: str, seeds: Tensor) -> tuple[BatchState, Tensor, int]:
+        """Hop 0 of seeds in host memory: de-duplicated here (their number known without a
+        synchronisation), then one upload and one launch give them their local ids."""
+        uniq, seed_index = unique_first(seeds.to(torch.int64))
+        n = int(uniq.numel())
+        meta = self.upload(torch.cat([torch.tensor([n]), uniq + self.offset[seed_type], uniq,
+                                      seed_index]))
+        total, keys, ids = meta[:1], meta[1:n + 1], meta[n + 1:2 * n + 1]
+        self.kernels.launch("typed_claim", n, (total.data_ptr(), keys.data_ptr(),
+                                               self.state.data_ptr()))
+        st = BatchState({seed_type: ids}, {seed_type: n}, {seed_type: [ids]},
+                        resets=[(total, keys, n)])
+        return st, meta[2 * n + 1:], n
 
     def plan(self, st: BatchState, per_rel: dict[EdgeType, list[int]], hop: int,
              base: int) -> HopPlan:
@@ -237,3 +253,41 @@ class TypedKernelBatch:
             if cap:
                 self.kernels.launch("typed_reset", cap, (total.data_ptr(), keys.data_ptr(),
                                                          self.state.data_ptr()))
+
+    def assemble(self, st: BatchState) -> tuple[dict[str, Tensor], dict[EdgeType, Tensor],
+                                                dict[EdgeType, Tensor]]:
+        """The batch's nodes per type, ``edge_index`` and ``e_id`` per relation, copied out of
+        the hop buffers in one launch (``typed_gather_segments``) into one allocation."""
+        sizes = {t: sum(int(p.numel()) for p in st.pieces.get(t, [])) for t in self.types}
+        edges = {et: sum(int(p.numel()) for p in st.rows.get(et, [])) for et in self.edge_types}
+        flat = torch.empty(sum(sizes.values()) + 3 * sum(edges.values()), dtype=torch.int64,
+                           device=self.device)
+        table: list[int] = []
+        copied = 0
+
+        def copy(pieces: list[Tensor], at: int) -> None:
+            nonlocal copied
+            for piece in pieces:
+                n = int(piece.numel())
+                if n:
+                    table.extend((copied, piece.data_ptr(), flat.data_ptr() + 8 * at))
+                    copied, at = copied + n, at + n
+
+        node, edge_index, e_id, at = {}, {}, {}, 0
+        for t in self.types:
+            node[t] = flat[at:at + sizes[t]]
+            copy(st.pieces.get(t, []), at)
+            at += sizes[t]
+        for et in self.edge_types:
+            e = edges[et]
+            edge_index[et] = flat[at:at + 2 * e].view(2, e)
+            e_id[et] = flat[at + 2 * e:at + 3 * e]
+            for part, pieces in enumerate((st.rows.get(et, []), st.cols.get(et, []),
+                                           st.eids.get(et, []))):
+                copy(pieces, at + part * e)
+            at += 3 * e
+        if copied:
+            segments = self.upload(table)
+            self.kernels.launch("typed_gather_segments", copied,
+                                (segments.data_ptr(), len(table) // 3, copied))
+        return node, edge_index, e_id

@@ -83,6 +83,8 @@ EMU_KERNEL(typed_mark, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
 EMU_KERNEL(typed_assign, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
 EMU_KERNEL(typed_relabel, a[0], a[1], a[2], a[3])
 EMU_KERNEL(typed_reset, a[0], a[1], a[2])
+EMU_KERNEL(typed_gather_segments, a[0], a[1], a[2])
+EMU_KERNEL(typed_claim, a[0], a[1], a[2])
 """
 
 
@@ -169,3 +171,21 @@ def test_long_lists_draw_past_a_warp(emulated) -> None:
     for fanouts in ([70, 3], [-1, 2], [1000, 1]):
         seeds = torch.tensor([0, 1, 2, 3])
         assert_same(sampler.sample("b", seeds, fanouts, 5), ref.sample("b", seeds, fanouts, 5))
+
+
+def test_seeds_on_the_device_and_in_host_memory_get_the_same_rows(emulated) -> None:
+    """Hop 0 by the kernels (seeds already on the device) and by the host (seeds in host
+    memory, no sync): the same unique seeds, rows and state."""
+    graph = small_typed(seed=3)
+    batch = TypedGpuSampler(graph, torch.device("cpu"), hop_kernels=emulated)._batch
+    for ids in ([4, 4, 1, 9, 1, 0], [7], list(range(30)) * 2):
+        seeds = torch.tensor(ids)
+        by_kernels, rows_k, n_k = batch.seed_hop("paper", seeds)
+        state_k = batch.state.clone()
+        batch.reset(by_kernels)
+        by_host, rows_h, n_h = batch.seed_hop_host("paper", seeds)
+        assert n_k == n_h == len(dict.fromkeys(ids))
+        assert torch.equal(by_kernels.frontier["paper"], by_host.frontier["paper"])
+        assert torch.equal(rows_k, rows_h) and torch.equal(batch.state, state_k)
+        batch.reset(by_host)
+        assert bool((batch.state == STATE_EMPTY).all())

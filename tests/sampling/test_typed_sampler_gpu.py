@@ -63,6 +63,9 @@ def test_kernels_sample_the_references_subgraph(mode: str, fanouts: list[int]) -
                     ref.sample("paper", seeds, fanouts, seed))
         assert_same(gpu.sample("author", seeds[seeds < 45], fanouts, seed),
                     ref.sample("author", seeds[seeds < 45], fanouts, seed))
+        # seeds already on the device: hop 0 by the kernels, not the host
+        assert_same(gpu.sample("paper", seeds.cuda(), fanouts, seed),
+                    ref.sample("paper", seeds, fanouts, seed))
     gpu.close()
 
 
