@@ -233,7 +233,11 @@ class InferenceConfig(_Section):
         description="sampled batches up to this many seeds replay a CUDA graph of gather + model (0: always eager)",
     )
     fast_model: bool = Field(
-        True, description="serve GraphSAGE/GCN/GAT with the fast layers (CSR aggregation, transform-then-aggregate, per-layer trimming); false: PyG's own layers",
+        True, description="serve GraphSAGE/GCN/GAT with the fast layers (CSR aggregation, transform-then-aggregate, per-layer trimming; on a typed graph, SAGEConv without propagate and the relations into a type in one product); false: PyG's own layers",
+    )
+    typed_cpu_max_seeds: int = Field(
+        -1, ge=-1,
+        description="typed graphs on a GPU: sampled batches of up to this many seeds are sampled and computed wholly on the CPU (a copy of the model there), where a small batch costs less host time than the GPU path's launches; -1: the largest warm-up batch size the CPU measured faster at start; 0: never",
     )
     precision: Literal["fp32", "tf32", "bf16", "fp16"] = Field(
         "fp32", description="sampled-mode compute precision (weights and activations; tf32: TF32 matmuls); exact mode always runs fp32",

@@ -67,7 +67,9 @@ def unsupported(served: TypedServedModel) -> str | None:
 class TypedLayerwise:
     """The served model's layers over the full typed graph (module docstring)."""
 
-    def __init__(self, served: TypedServedModel) -> None:
+    def __init__(self, served: TypedServedModel, direct: bool = True) -> None:
+        """``direct``: SAGE convs run without ``propagate`` (``inference.fast_model``); off,
+        every conv is PyG's own."""
         why = unsupported(served)
         if why is not None:
             raise ValueError(f"layer-wise inference cannot serve this model: {why}")
@@ -81,8 +83,9 @@ class TypedLayerwise:
             self.num_layers = len(model.convs)
             self.layer = self._to_hetero_layer
             #: per layer and relation, the conv's direct form where it has one
-            self.direct = [{name: direct_conv(conv) for name, conv in layer.items()}
-                           for layer in model.convs]
+            self.direct = [{name: direct_conv(conv) if direct else None
+                            for name, conv in layer.items()} for layer in model.convs]
+            self.use_groups = direct
             #: (layer, relation names into one type) -> their SAGE convs summed, or None
             self.groups: dict[tuple[int, tuple[str, ...]], SageSum | None] = {}
 
@@ -196,7 +199,7 @@ class TypedLayerwise:
         for dst, ets in into.items():
             rows = None if out_rows is None else out_rows.get(dst)
             x_dst = x[dst] if rows is None else x[dst][:rows]
-            group = self._group(i, ets) if aggr in ("sum", "mean") and \
+            group = self._group(i, ets) if self.use_groups and aggr in ("sum", "mean") and \
                 not any(et in edge_attr for et in ets) else None
             if group is not None:
                 out[dst] = group([(x[et[0]], edge_index[et]) for et in ets], x_dst)

@@ -19,6 +19,7 @@ Node types without features get one column of ``spec.featureless_value``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from collections.abc import Callable
@@ -199,6 +200,14 @@ class TypedServedModel:
     def to(self, device: torch.device | str) -> TypedServedModel:
         self.model.to(device)
         return self
+
+    def copy_on(self, device: torch.device | str) -> TypedServedModel:
+        """A twin with its own copy of the model's weights on ``device``, reading input rows
+        from ``graph.x`` (no placed store): the same answers computed there."""
+        twin = TypedServedModel(copy.deepcopy(self.model).to(device), self.graph, self.spec,
+                                edge_features=self.edge_attr_arg is not None)
+        twin.out_dims = dict(self.out_dims)
+        return twin
 
     def inputs(self, node: dict[str, Tensor]) -> dict[str, Tensor]:
         """The input rows of the nodes ``node`` (global ids per type), on the model's device."""

@@ -119,6 +119,19 @@ def test_exact_answers_equal_pyg_full_graph(name: str, tmp_path: Path) -> None:
         assert name == "custom_edge_attr", unsupported(served)
 
 
+def test_pyg_own_layers_when_the_fast_model_is_off() -> None:
+    """``inference.fast_model: false``: every conv is PyG's (no direct SAGE, no SageSum), with
+    the same answers."""
+    graph = shop_graph(seed=6)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
+    served = build_typed_model(spec(pyg_class, kwargs, to_hetero), graph)
+    fast, own = TypedLayerwise(served), TypedLayerwise(served, direct=False)
+    assert all(f is None for layer in own.direct for f in layer.values()) and not own.use_groups
+    assert any(f is not None for layer in fast.direct for f in layer.values())
+    out = TypedReferenceSampler(graph).sample("user", torch.tensor([2, 9, 2]), [3, 2], seed=4)
+    torch.testing.assert_close(own.sampled(out), fast.sampled(out), rtol=0, atol=TOL)
+
+
 def test_a_graph_wide_norm_is_not_served_layer_by_layer() -> None:
     """A layer norm over all nodes of a graph makes every row depend on every node: no
     layer-wise (or trimmed) inference for it."""

@@ -83,13 +83,20 @@ class TypedSettings:
     #: the graph keeps reverse relations (``graph.add_reverse_edges``): new nodes' in-edges
     #: derive their reverse as updates do
     add_reverse_edges: bool = False
+    #: SAGE convs without ``propagate`` (``inference.fast_model``)
+    fast_model: bool = True
+    #: sampled batches up to this many seeds run wholly on the CPU in a GPU core
+    #: (``inference.typed_cpu_max_seeds``; -1: measured at start)
+    cpu_max_seeds: int = -1
 
     @classmethod
     def of(cls, cfg: ServeConfig) -> TypedSettings:
         return cls(cfg.batching.max_batch_nodes, cfg.batching.queue_capacity,
                    cfg.exact.materialize != "off", cfg.graph.apply_budget_ms / 1000.0,
                    refresh_chunk_edges=cfg.exact.refresh_chunk_edges,
-                   add_reverse_edges=cfg.graph.add_reverse_edges)
+                   add_reverse_edges=cfg.graph.add_reverse_edges,
+                   fast_model=cfg.inference.fast_model,
+                   cpu_max_seeds=cfg.inference.typed_cpu_max_seeds)
 
 
 class TypedEngineCore:
@@ -101,7 +108,8 @@ class TypedEngineCore:
         self.fanouts = typed_fanouts(self.graph, fanouts)
         self.all_fanouts = {et: [-1] * len(f) for et, f in self.fanouts.items()}
         self.settings, self.index = settings, index
-        self.layerwise = TypedLayerwise(served) if unsupported(served) is None else None
+        self.layerwise = TypedLayerwise(served, settings.fast_model) \
+            if unsupported(served) is None else None
         #: every node's exact rows per layer and node type (None: exact requests computed on
         #: the fly)
         self.table: TypedExactTable | None = None

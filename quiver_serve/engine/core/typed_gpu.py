@@ -40,6 +40,7 @@ from quiver_serve.features.typed import TypedFeatures, plan_typed_placement, typ
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.metrics.typed import TypedBatchStats
 from quiver_serve.models.spec import ModelSpec
+from quiver_serve.models.typed_layerwise import TypedLayerwise
 from quiver_serve.models.typed_served import build_typed_model
 from quiver_serve.routing.router import EngineRouter, EngineRouteState, Route
 from quiver_serve.routing.typed_psgs import TypedPsgs, measure_typed_psgs
@@ -95,6 +96,14 @@ class TypedGpuEngineCore(TypedEngineCore):
         self._rows_seen = self.features.counts()  # feature reads per type at the last batch
         #: the graph changed since the device copies were made: the CPU path serves (``follow``)
         self.device_stale = False
+        #: small sampled batches run wholly on the CPU: the model's twin there, its layers, and
+        #: the most seeds such a batch has (``inference.typed_cpu_max_seeds``; resolved by the
+        #: warm-up when -1)
+        wanted = settings.cpu_max_seeds > 0 or (self.on_gpu and settings.cpu_max_seeds == -1)
+        self.cpu_twin = served.copy_on("cpu") if wanted else None
+        self.cpu_layerwise = TypedLayerwise(self.cpu_twin, settings.fast_model) \
+            if self.cpu_twin is not None and self.layerwise is not None else None
+        self.cpu_max_seeds = max(0, settings.cpu_max_seeds) if self.cpu_twin is not None else 0
 
     def route(self, node_type: str, num_seeds: int, exact: bool) -> tuple[Route, float]:
         """Where a batch samples, and its predicted sampled nodes (exact: the whole
@@ -126,6 +135,8 @@ class TypedGpuEngineCore(TypedEngineCore):
     def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:
         if seeds.numel() == 0 or (exact and self.table is not None) or self.device_stale:
             return super().rows(node_type, seeds, exact, seed)
+        if not exact and int(seeds.numel()) <= self.cpu_max_seeds:
+            return self.rows_on_cpu(node_type, seeds, seed)
         route, _ = self.route(node_type, int(seeds.numel()), exact)
         with torch.cuda.stream(self._stream) if self._stream is not None \
                 else contextlib.nullcontext():
@@ -152,6 +163,47 @@ class TypedGpuEngineCore(TypedEngineCore):
                                 out.num_edges, sample_s, compute_s)
         self.record(batch)
         return rows
+
+    def rows_on_cpu(self, node_type: str, seeds: Tensor, seed: int) -> np.ndarray:
+        """A sampled batch wholly on the CPU: the C++ sampler and the model's twin there, over
+        the host graph (the same answers as the GPU path)."""
+        assert self.cpu_twin is not None
+        t0 = time.perf_counter()
+        out = self.sampler.sample(node_type, seeds, self.fanouts, seed)
+        sample_s = time.perf_counter() - t0
+        result = self.cpu_layerwise.sampled(out) if self.cpu_layerwise is not None \
+            else self.cpu_twin(out)
+        rows = result.float().numpy()
+        self.record(TypedBatchStats(node_type, str(Route.CPU), int(seeds.numel()), out.num_nodes,
+                                    out.num_edges, sample_s,
+                                    time.perf_counter() - t0 - sample_s))
+        return rows
+
+    def calibrate_cpu_path(self, seed_types: list[str], gen: torch.Generator) -> None:
+        """``cpu_max_seeds`` when configured -1: the largest warm-up batch size whose batches
+        the CPU path ran faster than the GPU path (best of three each; 0: none)."""
+        if self.cpu_twin is None or self.settings.cpu_max_seeds != -1:
+            return
+        faster = 0
+        for b in WARM_BATCH_SEEDS:
+            best = {"cpu": float("inf"), "gpu": float("inf")}
+            for _ in range(3):
+                t = seed_types[0]
+                ids = torch.randint(0, self.graph.num_nodes[t], (b,), generator=gen)
+                for path in best:
+                    t0 = time.perf_counter()
+                    if path == "cpu":
+                        self.rows_on_cpu(t, ids, b)
+                    else:
+                        self.rows_on(Route.GPU, t, ids, False, b)
+                    best[path] = min(best[path], time.perf_counter() - t0)
+            if best["cpu"] < best["gpu"]:
+                faster = b
+            log.info("engine %d: a batch of %d seeds, CPU path %.2f ms, GPU path %.2f ms",
+                     self.index, b, best["cpu"] * 1e3, best["gpu"] * 1e3)
+        self.cpu_max_seeds = faster
+        log.info("engine %d: sampled batches of up to %d seeds run on the CPU", self.index,
+                 faster)
 
     def record(self, batch: TypedBatchStats) -> None:
         """Add a batch to ``type_stats`` and hand it to ``on_typed_stats`` with the feature
@@ -186,6 +238,8 @@ class TypedGpuEngineCore(TypedEngineCore):
                     for path in paths:
                         self.rows_on(path, t, ids, False, b)
         self.learn_costs = True
+        if self.gpu_sampler is not None:
+            self.calibrate_cpu_path(seed_types, gen)
         self.type_stats.clear()
         self.features.reset_counts()  # the warm-up's rows are no requests' hits or misses
         self._rows_seen = self.features.counts()

@@ -59,6 +59,37 @@ def test_seeded_answers_are_the_cpu_cores_on_both_paths(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_small_batches_on_the_cpu_answer_as_the_gpu_path(device: str) -> None:
+    """``inference.typed_cpu_max_seeds``: batches up to that many seeds are sampled and
+    computed on the CPU (the model's twin there); the same rows as the GPU path and the CPU
+    core; larger batches stay on the GPU path; -1 on a GPU measures the limit at start."""
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.exact.materialize = "off"
+    cfg.inference.typed_cpu_max_seeds = 3
+    from quiver_serve.graph.typed_load import load_typed_graph
+
+    graph = load_typed_graph(cfg.graph)
+    cpu = build_typed_core(cfg, graph)
+    core = build_typed_gpu_core(cfg, graph, device=torch.device(device))
+    assert core.cpu_max_seeds == 3 and core.cpu_twin is not None
+    assert next(core.cpu_twin.model.parameters()).device.type == "cpu"
+    for ids in ([3, 17, 3], [5], [3, 17, 3, 1000, 2707]):
+        seeds = torch.tensor(ids)
+        want = cpu.rows("paper", seeds, False, 7)
+        np.testing.assert_allclose(core.rows("paper", seeds, False, 7), want, rtol=0, atol=TOL)
+        np.testing.assert_allclose(core.rows_on(Route.GPU, "paper", seeds, False, 7), want,
+                                   rtol=0, atol=TOL)
+    paths = core.stats_by_type()["paper"]
+    assert paths[str(Route.CPU)]["batches"] == 2 and paths[str(Route.CPU)]["seeds"] == 4
+    cfg.inference.typed_cpu_max_seeds = 0
+    assert build_typed_gpu_core(cfg, graph, device=torch.device(device)).cpu_twin is None
+    if device == "cuda":
+        cfg.inference.typed_cpu_max_seeds = -1
+        measured = build_typed_gpu_core(cfg, graph, device=torch.device(device))
+        assert measured.cpu_max_seeds in (0, 1, 48, 256)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "materialize"), [("to_hetero_sage_sum", "off"),
                                                    ("to_hetero_sage_sum", "on"),
                                                    ("rgcn", "off"), ("hgt", "on")])
