@@ -47,7 +47,7 @@ from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_virtual import in_edges, virtual_nodes
 from quiver_serve.models.spec import ModelSpec
-from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
+from quiver_serve.models.typed_layerwise import TypedLayerwise, rowwise_norms, unsupported
 from quiver_serve.models.typed_served import TypedServedModel, build_typed_model
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.sampling.typed import TypedCppSampler, TypedReferenceSampler, typed_fanouts
@@ -110,6 +110,13 @@ class TypedEngineCore:
         self.settings, self.index = settings, index
         self.layerwise = TypedLayerwise(served, settings.fast_model) \
             if unsupported(served) is None else None
+        #: why exact answers cannot be given (a norm over every node of a graph makes a row
+        #: depend on the whole graph, not on its L-hop neighbourhood), or None
+        self.no_exact = None if rowwise_norms(served.model) else (
+            f"{served.spec.label} normalises over all nodes of a graph between layers "
+            "(layer_norm in graph mode, ...): a node's row depends on the whole graph, not on "
+            "its neighbourhood, so exact answers are not served; ask sampled ones, or use a "
+            "norm per node")
         #: every node's exact rows per layer and node type (None: exact requests computed on
         #: the fly)
         self.table: TypedExactTable | None = None
@@ -165,6 +172,8 @@ class TypedEngineCore:
             return refused_whole(mb, "invalid_node_type", msg, 400)
         if len(self.waiting) + len(self.parked) >= self.settings.max_waiting:
             return refused_whole(mb, "overloaded", "engine queue is full; retry later", 503)
+        if mb.exact and self.no_exact is not None:
+            return refused_whole(mb, "exact_unsupported", self.no_exact, 422)
         mb.node_type = node_type
         if self._must_wait(mb):
             self.parked.append(mb)

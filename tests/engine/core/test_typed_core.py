@@ -202,3 +202,17 @@ def test_the_gpu_core_answers_the_updated_graph(tmp_path: Path, device: str) -> 
     full = TypedLayerwise(core.served).run(chunk_nodes=500)
     np.testing.assert_allclose(exact.rows, full["paper"][[0, 3, 7]].cpu().numpy(), atol=1e-5)
     log.close()
+
+
+def test_a_graph_wide_norm_answers_exact_requests_with_422_and_sampled_ones() -> None:
+    """A layer norm over all nodes of a graph makes a row depend on the whole graph: exact
+    requests are refused by name (never a wrong "exact" answer); sampled ones are served."""
+    cfg = ServeConfig.from_yaml(CONFIG)
+    cfg.model.weights = None
+    cfg.model.kwargs = {**cfg.model.kwargs, "norm": "layer_norm"}
+    cfg.exact.materialize = "off"
+    core = build_typed_core(cfg, load_typed_graph(cfg.graph))
+    (err,) = _answer(core, _mb(1, [3, 4], "paper", exact=True)).done.errors
+    assert err.status == 422 and "normalises over all nodes" in err.message
+    reply = _answer(core, _mb(2, [3, 4], "paper"))
+    assert not reply.done.errors and reply.rows.shape == (2, 64)
