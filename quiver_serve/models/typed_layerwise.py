@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from quiver_serve.graph.typed import NAME_JOINER, EdgeType, TypedGraph
 from quiver_serve.graph.typed_splice import range_positions
 from quiver_serve.models.direct_convs import SageSum, direct_conv, sage_group
+from quiver_serve.models.norms import rowwise_norms
 from quiver_serve.models.typed_served import TypedServedModel
 from quiver_serve.sampling.reference import unique_first
 from quiver_serve.sampling.typed import TypedSamplerOutput
@@ -243,24 +244,6 @@ class TypedLayerwise:
         if act is not None and not act_first:
             x = act(x)
         return x
-
-
-def rowwise_norms(model: nn.Module) -> bool:
-    """Whether every norm between the layers of a ``to_hetero(BasicGNN)`` treats rows one by
-    one in eval mode (none, identity, batch norm, layer norm per node), so a node's rows do not
-    depend on which other nodes a forward holds: what layer-wise inference needs."""
-    from torch_geometric.nn.norm import BatchNorm, LayerNorm
-
-    norms = getattr(model, "norms", None)
-    if norms is None:
-        return True
-
-    def rowwise(m: nn.Module) -> bool:
-        return isinstance(m, (nn.Identity, nn.BatchNorm1d, BatchNorm, nn.LayerNorm)) or \
-            (isinstance(m, LayerNorm) and m.mode == "node")
-
-    return all(rowwise(m) for layer in norms
-               for m in (layer.values() if isinstance(layer, nn.ModuleDict) else [layer]))
 
 
 def combine(parts: list[Tensor], aggr: str) -> Tensor:

@@ -234,7 +234,11 @@ def _warm_batches(core: EngineCore, exact_only: bool = False) -> None:
     for exact in (True,) if exact_only else (False, True):
         mb = MicroBatch(b"", -1, exact, NO_SEED, np.zeros(1, np.int64), np.ones(1, np.int64),
                         np.array([time.time() + 60.0]))
-        core.add(mb)
+        refused = core.add(mb)
+        if refused is not None:
+            if exact and refused.done.errors[0].code == "exact_unsupported":
+                continue  # the model gives no exact answers (a graph-wide norm)
+            raise RuntimeError(f"warm-up batch refused: {refused.done.errors}")
         deadline = time.monotonic() + 60
         replies: list[Reply] = []
         while not replies and time.monotonic() < deadline:

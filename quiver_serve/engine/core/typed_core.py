@@ -46,8 +46,9 @@ from quiver_serve.engine.core.typed_table import TypedExactTable, rows_or_none
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_virtual import in_edges, virtual_nodes
+from quiver_serve.models.norms import exact_refusal
 from quiver_serve.models.spec import ModelSpec
-from quiver_serve.models.typed_layerwise import TypedLayerwise, rowwise_norms, unsupported
+from quiver_serve.models.typed_layerwise import TypedLayerwise, unsupported
 from quiver_serve.models.typed_served import TypedServedModel, build_typed_model
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.sampling.typed import TypedCppSampler, TypedReferenceSampler, typed_fanouts
@@ -112,11 +113,7 @@ class TypedEngineCore:
             if unsupported(served) is None else None
         #: why exact answers cannot be given (a norm over every node of a graph makes a row
         #: depend on the whole graph, not on its L-hop neighbourhood), or None
-        self.no_exact = None if rowwise_norms(served.model) else (
-            f"{served.spec.label} normalises over all nodes of a graph between layers "
-            "(layer_norm in graph mode, ...): a node's row depends on the whole graph, not on "
-            "its neighbourhood, so exact answers are not served; ask sampled ones, or use a "
-            "norm per node")
+        self.no_exact = exact_refusal(served.spec.label, served.model)
         #: every node's exact rows per layer and node type (None: exact requests computed on
         #: the fly)
         self.table: TypedExactTable | None = None

@@ -463,3 +463,19 @@ def test_an_untyped_core_takes_its_one_type_and_refuses_others(cora: GraphData) 
     assert not replies[1].done.errors and replies[1].rows is not None
     (err,) = replies[2].done.errors
     assert err.status == 400 and "'paper'" in err.message and "'node'" in err.message
+
+
+def test_a_graph_wide_norm_answers_exact_requests_with_422(cora: GraphData) -> None:
+    """A layer norm over all nodes of a graph makes every row depend on the whole graph: exact
+    requests are refused by name, never answered from a subgraph as if exact; sampled ones are
+    served. A per-node layer norm keeps exact answers."""
+    cfg = small_config(model__weights=None, exact__materialize="off")
+    cfg.model.kwargs = {**cfg.model.kwargs, "norm": "layer_norm"}
+    core = build_core(cfg, cora, 0, None)
+    replies = run(core, mb(1, [[3, 4]], exact=True), mb(2, [[3, 4]]))
+    (err,) = replies[1].done.errors
+    assert err.status == 422 and err.code == "exact_unsupported" and "LayerNorm" in err.message
+    assert not replies[2].done.errors
+    cfg.model.kwargs["norm_kwargs"] = {"mode": "node"}
+    per_node = build_core(cfg, cora, 0, None)
+    assert not run(per_node, mb(3, [[3, 4]], exact=True))[3].done.errors
