@@ -47,7 +47,6 @@ from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.typed import HOMOGENEOUS_NODE_TYPE
 from quiver_serve.messages import BatchStats
 from quiver_serve.models.graphed import GraphedForward
-from quiver_serve.models.norms import exact_refusal
 from quiver_serve.models.served import ServedModel
 from quiver_serve.models.spec import ModelSpec
 from quiver_serve.routing.cost import CostModel, LatencyModel
@@ -174,8 +173,8 @@ class EngineCore:
             mb.slot = slot
         if mb.node_type and (refused := untyped_refusal(mb, HOMOGENEOUS_NODE_TYPE)) is not None:
             return refused
-        if mb.exact and (why := exact_refusal(mb.slot.spec.label, mb.slot.served.model)):
-            return refused_whole(mb, "exact_unsupported", why, 422)
+        if mb.exact and mb.slot.no_exact is not None:
+            return refused_whole(mb, "exact_unsupported", mb.slot.no_exact, 422)
         if self.graph_sync is not None and versions.must_wait(self, mb):
             return versions.park(self, mb)
         n_req = mb.num_requests

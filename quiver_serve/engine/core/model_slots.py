@@ -21,12 +21,14 @@ A slot's states: ``READY`` (serving; takes unpinned requests when its weight is 
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from quiver_serve.engine.core.exact_table import ExactTable
 from quiver_serve.models.graphed import GraphedForward
+from quiver_serve.models.norms import exact_refusal
 from quiver_serve.models.served import ServedModel
 from quiver_serve.models.spec import ModelSpec
 
@@ -68,6 +70,11 @@ class ModelSlot:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @functools.cached_property
+    def no_exact(self) -> str | None:
+        """Why this model gives no exact answers (a graph-wide norm), or None; found once."""
+        return exact_refusal(self.spec.label, self.served.model)
 
     @property
     def version(self) -> int:

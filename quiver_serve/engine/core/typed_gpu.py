@@ -184,11 +184,10 @@ class TypedGpuEngineCore(TypedEngineCore):
         the CPU path ran faster than the GPU path (best of three each; 0: none)."""
         if self.cpu_twin is None or self.settings.cpu_max_seeds != -1:
             return
-        faster = 0
+        faster, t = 0, seed_types[0]
         for b in WARM_BATCH_SEEDS:
             best = {"cpu": float("inf"), "gpu": float("inf")}
             for _ in range(3):
-                t = seed_types[0]
                 ids = torch.randint(0, self.graph.num_nodes[t], (b,), generator=gen)
                 for path in best:
                     t0 = time.perf_counter()
