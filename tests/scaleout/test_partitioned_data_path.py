@@ -166,7 +166,8 @@ def test_a_call_to_a_peer_that_dies_fails_at_once() -> None:
                 return address
 
             link = WireLink(address_of)
-            assert (await link.call(0, 0, "rows", np.arange(4))).tolist() == [0, 2, 4, 6]
+            first = await asyncio.wait_for(link.call(0, 0, "rows", np.arange(4)), 60.0)
+            assert first.tolist() == [0, 2, 4, 6]
             waiting = asyncio.ensure_future(link.call(0, 0, "embed", np.arange(4), False, None,
                                                       None))
             await asyncio.sleep(0.3)
