@@ -47,14 +47,15 @@ SORT_CHUNK_EDGES = 1 << 20
 
 
 def sort_lists(indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray,
-               edges_per_chunk: int = SORT_CHUNK_EDGES) -> None:
+               edges_per_chunk: int = SORT_CHUNK_EDGES, id_bound: int | None = None) -> None:
     """Sort the lists of ``nodes`` (ascending ids) by id, in place, a group of about
     ``edges_per_chunk`` entries at a time. In torch, whose operations leave the interpreter lock
     while they run: NumPy's ``lexsort`` and fancy indexing hold it, and a compaction's sort
     beside the writer stalled update calls for 60 ms a group (decision 0057). One sort of a
-    key (the list's place in the group, then the id) orders every list of a group at once."""
+    key (the list's place in the group, then the id) orders every list of a group at once.
+    Every id is below ``id_bound`` (None: the number of lists, as in a whole graph's CSC)."""
     ip, ix = torch.from_numpy(indptr), torch.from_numpy(indices)
-    n = max(1, indptr.size - 1)  # every id is below it
+    n = max(1, indptr.size - 1 if id_bound is None else id_bound)
     counts = ip[1:] - ip[:-1]
     sizes = np.cumsum(counts.numpy()[nodes])
     lo = 0

@@ -161,9 +161,10 @@ def test_a_book_record_round_trips_and_a_bad_one_is_refused() -> None:
 
 def test_a_full_partition_says_so_and_a_larger_headroom_takes_the_update(
         data_dir: Path, tmp_path: Path) -> None:
-    """A partition's log is not compacted: once its overlay is full an update is refused 507
-    (not a 503 to retry) naming the remedy, nothing is written, and a server restarted with a
-    larger ``graph.overlay_capacity_edges`` replays the log and takes the update."""
+    """Once a partition's overlay is full an update is refused 503 ``overlay_full`` with
+    Retry-After (the compaction its server starts frees room: test_partition_compaction.py),
+    nothing is written, and a server restarted with a larger ``graph.overlay_capacity_edges``
+    replays the log and takes the update."""
     book = load_partition(data_dir, 1).book
     mine, theirs = book.global_ids(1), book.global_ids(0)
     data = load_partition(data_dir, 1)
@@ -179,14 +180,16 @@ def test_a_full_partition_says_so_and_a_larger_headroom_takes_the_update(
     for _ in range(200):  # until the overlay is full
         try:
             live.add_edges(pairs, [])
-        except errors.ServeError as exc:
-            info = exc.info
+        except errors.ServeError as refused:
+            exc, info = refused, refused.info
             break
     else:
         raise AssertionError("the overlay never filled")
-    assert info.status == 507 and info.code == "overlay_full", info
-    assert "graph.overlay_capacity_edges" in info.message and "compaction frees" not in info.message
+    assert info.status == 503 and info.code == "overlay_full", info
+    assert "partition 1" in info.message and "retry after compaction" in info.message
+    assert getattr(exc, "retry_after_s", None) == 1
     acked = live.version
+    assert live.replay_until(None) == 0 and live.version == acked, "nothing was written"
     live.close()
     live = start(1 << 16)  # the operator's remedy
     assert live.replayed == acked and live.add_edges(pairs, [])["version"] == acked + 1

@@ -5,8 +5,11 @@ on the updated graph equal one machine's on that graph.
 * Edges added and removed across two partitions, feature rows written (replicated hot copies
   among them): seeded answers equal ``LocalEngine`` over the updated whole graph, exact answers
   PyG's full-graph output over it.
-* A partition server killed (SIGKILL) after acknowledged updates: Ray restarts it, it replays
-  its log over its snapshot and the answers are still those of the updated graph.
+* ``POST /v1/graph/compact`` folds every partition's updates into a base of its log (lists
+  sorted by id, as the daemon's compaction leaves them); answers then equal one machine's on the
+  sorted graph.
+* A partition server killed (SIGKILL) after acknowledged updates: Ray restarts it, it maps its
+  log's base and the answers are still those of the updated graph.
 * The contract: a numeric or unknown-partition ``min_version`` is a 400 naming it, a version
   never reached a 504 within the request's deadline, bad ids a 400, new nodes of the wrong width
   a 422.
@@ -53,6 +56,15 @@ def updated(base: GraphData, add: list[list[int]], remove: list[list[int]],
         x[v] = torch.tensor(row)
     return GraphData("blocks-updated", torch.from_numpy(indptr.astype(np.int64)),
                      torch.tensor([u for nbrs in lists for u in nbrs], dtype=torch.int64), x)
+
+
+def sorted_lists(graph: GraphData) -> GraphData:
+    """``graph`` with every in-list sorted by id (what a compaction makes of it)."""
+    indices = graph.indices.clone()
+    for v in range(graph.num_nodes):
+        lo, hi = int(graph.indptr[v]), int(graph.indptr[v + 1])
+        indices[lo:hi] = torch.sort(indices[lo:hi]).values
+    return GraphData(graph.name, graph.indptr, indices, graph.x)
 
 
 def check_updated(served: Served, new: GraphData, token: dict[str, int]) -> None:
@@ -105,6 +117,15 @@ def test_updates_across_partitions_survive_a_killed_server(
 
         contract(served, token)
 
+        # a compaction of every partition's log: its lists sorted by id, as the daemon's
+        compacted = served.client.post(served.url + "/v1/graph/compact")
+        assert compacted.status_code == 200, compacted.text
+        answers = compacted.json()["partitions"]
+        assert {p: a["version"] for p, a in answers.items()} == token
+        assert all(a["compacted"] for a in answers.values())
+        new = sorted_lists(new)
+        check_updated(served, new, token)
+
         pid = served.client.get(served.url + "/v1/graph").json()["partitions"][1]["servers"][0]
         os.kill(pid["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 60.0
@@ -122,6 +143,7 @@ def test_updates_across_partitions_survive_a_killed_server(
             time.sleep(0.5)
         listed = served.client.get(served.url + "/v1/graph").json()["partitions"]
         assert [p["servers"][0]["version"] for p in listed] == [token["0"], token["1"]]
+        assert [p["servers"][0]["base_version"] for p in listed] == [token["0"], token["1"]]
         check_updated(served, new, token)
     finally:
         served.close()

@@ -16,6 +16,8 @@ from quiver_serve.scaleout.partitioned.sampling import as_tensor
 
 #: (partition, global ids it owns) -> float32 rows [len(ids), F]
 RemoteRows = Callable[[int, np.ndarray], Awaitable[np.ndarray]]
+#: local rows -> (which were written since the base: bool mask, their float32 rows)
+WrittenRows = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -42,13 +44,31 @@ class PartitionFeatures:
                  hot_ids: Tensor, hot_features: Tensor, num_parts: int,
                  remote: RemoteRows) -> None:
         self.part, self.owner, self.local, self.num_parts = part, owner, local, num_parts
-        self.features, self.remote = features, remote
+        self.remote = remote
+        #: the own rows and the rows written since their base (``live.PartitionLive.written``,
+        #: when live), one attribute so a move to a new base swaps both at once
+        self._own_state: tuple[Tensor, WrittenRows | None] = (features, None)
         self.hot_rows = hot_features
         self.hot_slot = torch.full((owner.numel(),), -1, dtype=torch.int32)
         self.hot_slot[hot_ids.to(torch.int64)] = torch.arange(hot_ids.numel(), dtype=torch.int32)
         self.counts = RowCounts()
-        #: the rows written since the snapshot (``live.PartitionLive.written``), when live
-        self.written: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def features(self) -> Tensor:
+        return self._own_state[0]
+
+    @property
+    def written(self) -> WrittenRows | None:
+        return self._own_state[1]
+
+    @written.setter
+    def written(self, written: WrittenRows | None) -> None:
+        self._own_state = (self._own_state[0], written)
+
+    def rebase(self, features: Tensor, written: WrittenRows | None) -> None:
+        """Serve ``features`` as the own rows and ``written`` as the rows written since them
+        (a move to a new base), both at once."""
+        self._own_state = (features, written)
 
     @property
     def device(self) -> torch.device:
@@ -65,10 +85,25 @@ class PartitionFeatures:
         if hot_bytes > budget_bytes:
             return placed
         self.hot_rows, placed = self.hot_rows.to(device), hot_bytes
-        own_bytes = self.features.numel() * self.features.element_size()
-        if placed + own_bytes <= budget_bytes:
-            self.features, placed = self.features.to(device), placed + own_bytes
-        return placed
+        own, own_bytes = self.own_rows_on(self.features, device, budget_bytes - placed)
+        self._own_state = (own, self.written)
+        return placed + own_bytes
+
+    @property
+    def hot_bytes(self) -> int:
+        """Bytes of the hot rows on a device (0 while they are in host memory)."""
+        if self.hot_rows.device.type == "cpu":
+            return 0
+        return self.hot_rows.numel() * self.hot_rows.element_size()
+
+    def own_rows_on(self, rows: Tensor, device: torch.device,
+                    budget_bytes: int) -> tuple[Tensor, int]:
+        """``rows`` (own rows) on ``device`` when the hot rows are there and they fit in
+        ``budget_bytes``, else as they are; and the bytes placed."""
+        nbytes = rows.numel() * rows.element_size()
+        if device.type == "cpu" or self.hot_rows.device != device or nbytes > budget_bytes:
+            return rows, 0
+        return rows.to(device), nbytes
 
     def grow(self, owner: Tensor, local: Tensor) -> None:
         """The book grew (new nodes, ``live.PartitionLive``): its owner and local rows from
@@ -92,19 +127,19 @@ class PartitionFeatures:
         """float32 rows of this partition's local rows on the own rows' device, written rows
         included (a node added since the snapshot, past the mapped rows, has only a written
         row)."""
-        n_mapped = int(self.features.size(0))
-        idx = rows_local.to(self.device)
+        features, written = self._own_state
+        n_mapped, device = int(features.size(0)), features.device
+        idx = rows_local.to(device)
         if rows_local.numel() and int(rows_local.max()) >= n_mapped:
-            out = torch.zeros((rows_local.numel(), self.dim), dtype=torch.float32,
-                              device=self.device)
+            out = torch.zeros((rows_local.numel(), self.dim), dtype=torch.float32, device=device)
             mapped = idx < n_mapped
-            out[mapped] = self.features.index_select(0, idx[mapped]).to(torch.float32)
+            out[mapped] = features.index_select(0, idx[mapped]).to(torch.float32)
         else:
-            out = self.features.index_select(0, idx).to(torch.float32)
-        if self.written is not None:
-            mask, rows = self.written(rows_local)
+            out = features.index_select(0, idx).to(torch.float32)
+        if written is not None:
+            mask, rows = written(rows_local)
             if bool(mask.any()):
-                out[mask.to(self.device)] = rows.to(self.device)
+                out[mask.to(device)] = rows.to(device)
         return out
 
     @property

@@ -56,6 +56,9 @@ from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S, Replicas
 PROBE_S = 2.0
 #: beyond the request's own deadline, how long the ingress waits for a partition server
 MARGIN_S = 1.0
+#: how long ``POST /v1/graph/compact`` waits for a partition's compaction (a fold and a base
+#: written, then the move to it)
+COMPACT_TIMEOUT_S = 600.0
 
 APP = FastAPI(title="quiver-serve, partitioned, on Ray Serve",
               description="the daemon's /v1/embed and KServe v2 infer over partition servers")
@@ -190,6 +193,32 @@ class PartitionedIngress:
         self.counts.observe(200, time.perf_counter() - t0)
         return JSONResponse(answer)
 
+    @APP.post("/v1/graph/compact", summary="Fold every partition's updates into a new base of "
+              "its log now (admin; each also compacts by itself at graph.compact_at_fill)")
+    async def compact(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            self._admin(request)
+            answers = await asyncio.gather(*(self._compact_one(p)
+                                             for p in range(self.book.num_parts)))
+        except errors.ServeError as exc:
+            return self._refuse(exc, t0, request.url.path)
+        self.counts.observe(200, time.perf_counter() - t0)
+        return JSONResponse({"partitions": {str(p): a for p, a in enumerate(answers)}})
+
+    async def _compact_one(self, part: int) -> dict[str, Any]:
+        from ray.exceptions import RayError
+
+        self._check_up(part)
+        try:
+            out: dict[str, Any] = await asyncio.wait_for(
+                self.servers[part][0].compact.remote(), COMPACT_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError) as exc:
+            raise Unavailable(part, type(exc).__name__) from None
+        if "code" in out:
+            self._refused(out)
+        return out
+
     @APP.get("/v2/health/live", summary="Liveness")
     async def live(self) -> dict[str, bool]:
         return {"live": True}
@@ -209,7 +238,7 @@ class PartitionedIngress:
     async def graph(self) -> JSONResponse:
         infos = await self._infos()
         shown = ("replica", "pid", "nodes", "graph_nodes", "edges", "device", "transport", "requests",
-                 "hot_hit_rate", "version")
+                 "hot_hit_rate", "version", "base_version", "compaction")
         parts = [{"partition": p, "servers": [
             {"down": bool(s.get("down")), **{k: s.get(k) for k in shown}}
             for s in infos if s["partition"] == p]} for p in range(self.book.num_parts)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from quiver_serve import errors
 from quiver_serve.config import GraphConfig
 from quiver_serve.graph import living
 from quiver_serve.graph.base_files import fsync_dir
+from quiver_serve.graph.log_reader import LogCompactedError
 from quiver_serve.graph.overlay import Overlay, OverlayFull
 from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.graph.records import BookNodesRecord, EdgeRecord, FeatureRecord, Record
@@ -48,13 +50,22 @@ HOT_DROPPED = "hot_dropped.npy"
 
 
 def partition_full(part: int, detail: str) -> errors.ServeError:
-    """A partition's overlay or node headroom is used up. A partition's log is not compacted
-    (docs/architecture.md, "The living graph across partitions"), so waiting does not help: 507
-    (no Retry-After) naming the remedy; the update is not written."""
-    return errors.ServeError(
-        "overlay_full", f"partition {part}: {detail}; partition logs are not compacted: raise "
-        "graph.overlay_capacity_edges (edges) or graph.max_new_nodes (nodes) and restart the "
-        "partition servers, which replay their logs into the larger headroom", 507)
+    """A partition's overlay or node headroom is used up until the compaction that the update
+    started folds it into a new base (``compaction.py``): 503 with Retry-After; nothing was
+    written."""
+    return living.overlay_full(f"partition {part}: {detail}", 1)
+
+
+@dataclass(frozen=True)
+class LiveBase:
+    """The base a :class:`PartitionLive` starts over: the partition's snapshot (version 0, no
+    growth of the book) or a base its log holds (``compaction.py``)."""
+
+    version: int = 0
+    #: the book's growth up to ``version``, ``[first id, count, owner]`` per call
+    entries: tuple[tuple[int, int, int], ...] = ()
+    #: a primary moving to a new base passes its open log (nothing is replayed at start)
+    log: UpdateLog | None = None
 
 
 def log_folder(data_dir: Path, configured: str | None, part: int) -> Path:
@@ -72,44 +83,83 @@ class PartitionLive:
 
     def __init__(self, directory: Path, gcfg: GraphConfig, part: int, book: PartitionBook,
                  indptr: torch.Tensor, indices: torch.Tensor, num_features: int,
-                 follow: bool = False) -> None:
+                 follow: bool = False, base: LiveBase | None = None) -> None:
         self.directory, self.cfg, self.part = Path(directory), gcfg, part
         self.book, self.num_features = book, num_features
         self.owner, self.local = as_tensor(book.owner), as_tensor(book.local)
+        base = base or LiveBase()
         n_local, edges = int(indptr.numel() - 1), int(indices.numel())
         caps = living.capacities(gcfg, n_local, edges)
-        self.overlay = Overlay(indptr, indices, caps.node_capacity, caps.edge_capacity, 0)
+        self.overlay = Overlay(indptr, indices, caps.node_capacity, caps.edge_capacity,
+                               base.version)
         self.rows_written: dict[int, np.ndarray] = {}  # local row -> float32 [F]
         #: the book's growth since the snapshot: ``[first id, count, owner]`` per call, id order
-        self.entries: list[list[int]] = []
+        self.entries: list[list[int]] = [list(e) for e in base.entries]
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # ``written``'s
+        #: records a follower read but could not apply (its overlay full): applied first next
+        #: time, or dropped by a move to a newer base (``compaction.py``)
+        self._pending: list[Record] = []
+        self._behind_base = False  # the next records were compacted away before it read them
         self.log: UpdateLog | None = None
         self.follower: LogFollower | None = None
+        #: the version of the base under the overlay: 0 is the partition's snapshot, a larger
+        #: one a base its log holds (``compaction.py``)
+        self.base_version = self.version = base.version
         if follow:
-            self.follower = LogFollower(self.directory, 0)
+            self.follower = LogFollower(self.directory, base.version)
+        elif base.log is not None:  # a primary moving to a new base: its log, replayed later
+            self.log = base.log
         else:
             self.log = UpdateLog(self.directory, gcfg.fsync, gcfg.group_commit_ms)
             self.log.open()
-        self.version = 0
-        self.replayed = self.catch_up() if follow else self._replay()
+        self.replayed = self.catch_up() if follow else 0 if base.log is not None \
+            else self.replay_until(None)
 
-    def _replay(self) -> int:
+    def replay_until(self, version: int | None) -> int:
+        """A primary: apply its log's records after this overlay's version, up to ``version``
+        (None: all); how many."""
         assert self.log is not None
         count = 0
-        for record in self.log.records_after(0):
+        for record in self.log.records_after(self.version):
+            if version is not None and record.version > version:
+                break
             self._apply(record)
             count += 1
         return count
 
     def catch_up(self) -> int:
         """A follower: apply every record the primary logged since the last call (one
-        ``fstat`` when there is none); how many."""
+        ``fstat`` when there is none); how many. A record that does not fit the overlay stops
+        it (``stalled``): the follower needs the newer base its primary wrote."""
         if self.follower is None:
             return 0
-        records = self.follower.poll()
-        for record in records:
-            self._apply(record)
+        try:
+            records = self._pending + self.follower.poll()
+        except LogCompactedError:  # what comes next was folded into a base: a move reads it
+            self._behind_base = True
+            return 0
+        for i, record in enumerate(records):
+            try:
+                self._apply(record)
+            except OverlayFull:
+                self._pending = records[i:]
+                return i
+        self._pending = []
         return len(records)
+
+    @property
+    def stalled(self) -> bool:
+        """A follower whose overlay cannot take the next record, or whose next records were
+        folded into a base before it read them: a move to the newer base takes them."""
+        return bool(self._pending) or self._behind_base
+
+    def wants_compaction(self) -> bool:
+        """A primary whose overlay or node headroom is ``graph.compact_at_fill`` used."""
+        ov, fill = self.overlay, self.cfg.compact_at_fill
+        nodes_room = ov.node_capacity - ov.n_base
+        return self.log is not None and (
+            ov.top >= fill * ov.edge_capacity
+            or (nodes_room > 0 and ov.num_nodes - ov.n_base >= fill * nodes_room))
 
     def _apply(self, record: Record) -> None:
         if isinstance(record, EdgeRecord):

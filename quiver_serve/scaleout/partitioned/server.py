@@ -32,11 +32,23 @@ from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.features.build import DTYPES
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.startup import start_plan
+from quiver_serve.partition.data import load_partition
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.scaleout.partitioned.batching import Coalescer
+from quiver_serve.scaleout.partitioned.compaction import (
+    BASE_CHECK_S,
+    Moves,
+    ServingBase,
+    base_in_force,
+    base_meta,
+    fold,
+    grown_book,
+    serving_base,
+)
 from quiver_serve.scaleout.partitioned.features import PartitionFeatures
 from quiver_serve.scaleout.partitioned.links import WireService
 from quiver_serve.scaleout.partitioned.live import (
+    LiveBase,
     PartitionLive,
     load_dropped,
     log_folder,
@@ -74,16 +86,16 @@ class PartitionServer:
 
     def __init__(self, cfg_dict: dict[str, Any], args: ServerArgs,
                  degrees: dict[str, Any] | None = None) -> None:
-        from quiver_serve.partition.data import load_partition
-
         self.cfg = cfg = ServeConfig.model_validate(cfg_dict)
         self.args = args
         torch.set_num_threads(cfg.inference.torch_threads)
         sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)  # decision 0058
         data = load_partition(Path(args.data_dir), args.part, mmap=True)
-        book = data.book
+        folder = log_folder(Path(args.data_dir), cfg.graph.update_log_dir, args.part)
+        base = serving_base(folder, data)  # the snapshot, or the newest base of its log
+        book = grown_book(Path(args.data_dir), base.entries) if base.entries else data.book
         self.num_nodes, self.num_parts = int(book.num_nodes), int(book.num_parts)
-        self.owned, self.edges = int(data.global_ids.size), int(data.indices.size)
+        self.owned, self.edges = int(base.features.shape[0]), int(base.indices.size)
         owner, local = as_tensor(book.owner), as_tensor(book.local)
         pc = cfg.partitioned
         self.peers = Peers(args.part, PeerSettings(
@@ -91,13 +103,16 @@ class PartitionServer:
             timeout_s=pc.remote_timeout_s, delay_s=pc.transport_delay_ms / 1e3,
             transport=pc.transport, down_s=pc.down_s))
         self.wire = WireService(self._answer_wire)
-        self.graph = LocalGraph(args.part, owner, local, as_tensor(data.indptr),
-                                as_tensor(data.indices))
+        self.graph = LocalGraph(args.part, owner, local, as_tensor(base.indptr),
+                                as_tensor(base.indices))
         self.sampler = PartitionSampler(self.graph, self.num_parts, self.peers.sample_hop)
         self.features = PartitionFeatures(
-            args.part, owner, local, as_tensor(data.features), as_tensor(data.hot_ids),
+            args.part, owner, local, as_tensor(base.features), as_tensor(data.hot_ids),
             as_tensor(data.hot_features), self.num_parts, self.peers.rows)
-        self.live = self._open_live(data, args.data_dir)
+        #: the own rows of the base in force, in host memory (what a compaction folds)
+        self.base_x = base.features
+        self.moves = Moves()
+        self.live = self._open_live(folder, book, base)
         self.device = worker_device(cfg, 0)
         self.device_bytes = self._place()
         self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
@@ -120,27 +135,28 @@ class PartitionServer:
         placed = self.graph.place(self.device, budget)
         return placed + self.features.place(self.device, budget - placed)
 
-    def _open_live(self, data: Any, data_dir: str) -> PartitionLive:
-        """The partition's living graph over its update log, replayed: replica 0 writes the
-        log, the others follow it (decision 0053); its written rows and dropped hot copies
-        shown to the feature source, its grown book and overlay to the sampler."""
-        folder = log_folder(Path(data_dir), self.cfg.graph.update_log_dir, self.args.part)
-        live = PartitionLive(folder, self.cfg.graph, self.args.part, data.book,
-                             self.graph.indptr, self.graph.indices, int(data.features.shape[1]),
-                             follow=self.args.replica != 0)
+    def _open_live(self, folder: Path, book: Any, base: ServingBase) -> PartitionLive:
+        """The partition's living graph over its update log, replayed after ``base``: replica
+        0 writes the log, the others follow it (decision 0053); its written rows and dropped
+        hot copies shown to the feature source, its grown book and overlay to the sampler."""
+        live = PartitionLive(folder, self.cfg.graph, self.args.part, book, self.graph.indptr,
+                             self.graph.indices, self.features.dim,
+                             follow=self.args.replica != 0,
+                             base=LiveBase(base.version, base.entries))
         self.features.written = live.written
         self.features.drop_hot(load_dropped(folder))
         self.live = live
         self._refresh()
-        log.info("partition %d replica %d: %d updates replayed from %s (version %d)",
-                 self.args.part, self.args.replica, live.replayed, folder, live.version)
+        log.info("partition %d replica %d: %d updates replayed from %s over the base of version "
+                 "%d (version %d)", self.args.part, self.args.replica, live.replayed, folder,
+                 base.version, live.version)
         return live
 
-    def _refresh(self) -> None:
+    def _refresh(self, moved: bool = False) -> None:
         """Show the living graph's state to the sampler and the feature source: the grown
-        book's owner and local rows, the overlay's current view."""
+        book's owner and local rows (always after a move: a new book), the overlay's view."""
         live = self.live
-        if self.graph.owner.numel() != live.owner.numel():
+        if moved or self.graph.owner.numel() != live.owner.numel():
             self.graph.owner, self.graph.local = live.owner, live.local
             self.features.grow(live.owner, live.local)
             self.num_nodes = int(live.owner.numel())
@@ -148,9 +164,19 @@ class PartitionServer:
 
     def _follow(self) -> None:
         """A replica other than 0 applies what its partition's primary logged since its last
-        read, before it reads (one ``fstat`` when nothing is new; decision 0053)."""
-        if self.live.catch_up():
+        read, before it reads (one ``fstat`` when nothing is new; decision 0053), and moves to
+        a newer base its primary wrote (``compaction.py``). On the event loop only."""
+        live = self.live
+        if live.follower is None:
+            return
+        if live.catch_up():
             self._refresh()
+        now = time.monotonic()
+        if self.moves.running is None and (live.stalled or now >= self.moves.checked_s
+                                           + BASE_CHECK_S):
+            self.moves.checked_s = now
+            if base_in_force(live.directory) > live.base_version:
+                self.moves.start(self._move_to_newest())
 
     def _model(self, in_channels: int, degrees: dict[str, Any] | None,
                ) -> tuple[ServedModel, list[int]]:
@@ -231,11 +257,93 @@ class PartitionServer:
             else:
                 out = self.live.put_features(first, second)
             self._refresh()
+            if self.live.wants_compaction():
+                self._start_compaction()
             return out
         except errors.ServeError as exc:
+            if exc.info.code == "overlay_full":
+                self._start_compaction()
             return refusal(exc)
         except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
             return refusal(errors.internal_error(exc, f"partition {self.args.part} update", log))
+
+    # ---- compaction (``compaction.py``) -------------------------------------------------------
+    async def compact(self) -> dict[str, Any]:
+        """Fold this partition's updates into a new base now (replica 0; ``POST
+        /v1/graph/compact``): ``{version, compacted, ...}`` once it serves from it."""
+        if self.live.log is None:
+            return refusal(errors.ServeError("not_primary", f"partition {self.args.part}: "
+                                             "replica 0 compacts its log", 400))
+        if self.moves.running is not None:
+            await asyncio.shield(self.moves.running)
+        return await self._start_compaction()
+
+    def _start_compaction(self) -> asyncio.Future[Any]:
+        running = self.moves.running
+        return running if running is not None else self.moves.start(self._compact())
+
+    async def _compact(self) -> dict[str, Any]:
+        """The fold (beside the loop, on a frozen overlay), the base written, the move."""
+        live, t0 = self.live, time.perf_counter()
+        version = live.version
+        if version == live.base_version:
+            return {"version": version, "compacted": False, "reason": "nothing new"}
+        frozen = live.overlay.freeze()
+        written, entries = dict(live.rows_written), [list(e) for e in live.entries]
+        try:
+            arrays = await asyncio.to_thread(fold, frozen, self.base_x, written, entries,
+                                             self.num_nodes)
+        finally:
+            live.overlay.thaw()
+        assert live.log is not None
+        await asyncio.to_thread(live.log.write_base, version, arrays,
+                                base_meta(self.args.part, self.num_parts, version))
+        del arrays
+        await self._move_to_newest()
+        seconds = time.perf_counter() - t0
+        self.moves.compactions += 1
+        self.moves.last_compaction_s = seconds
+        log.info("partition %d: compacted at version %d in %.2f s", self.args.part, version,
+                 seconds)
+        return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
+
+    async def _move_to_newest(self) -> None:
+        """Serve from the newest base of the log: built beside the loop (mapped, the records
+        after it replayed, placed on the device), then the last records and the swap on it."""
+        old, args = self.live, self.args
+
+        def build() -> tuple[PartitionLive, LocalGraph, Any, ServingBase]:
+            data = load_partition(Path(args.data_dir), args.part, mmap=True)
+            base = serving_base(old.directory, data)
+            book = grown_book(Path(args.data_dir), base.entries)
+            graph = LocalGraph(args.part, as_tensor(book.owner), as_tensor(book.local),
+                               as_tensor(base.indptr), as_tensor(base.indices))
+            live = PartitionLive(old.directory, self.cfg.graph, args.part, book, graph.indptr,
+                                 graph.indices, self.features.dim, follow=old.log is None,
+                                 base=LiveBase(base.version, base.entries, old.log))
+            if live.log is not None:
+                live.replay_until(old.version)
+            budget = self.cfg.partitioned.device_bytes
+            placed = graph.place(self.device, budget)
+            own, _ = self.features.own_rows_on(as_tensor(base.features), self.device,
+                                               budget - placed - self.features.hot_bytes)
+            return live, graph, own, base
+
+        live, graph, own, base = await asyncio.to_thread(build)
+        if live.base_version <= old.base_version:
+            return
+        if live.log is not None:  # the records logged while it was built
+            live.replay_until(self.live.version)
+        else:
+            live.catch_up()
+        self.graph = self.sampler.graph = graph  # a batch under way keeps the old one
+        self.features.rebase(own, live.written)
+        self.live, self.base_x = live, base.features
+        self.owned, self.edges = int(base.features.shape[0]), int(base.indices.size)
+        self._refresh(moved=True)
+        self.moves.moves += 1
+        log.info("partition %d replica %d: serving from the base of version %d (version %d)",
+                 args.part, args.replica, live.base_version, live.version)
 
     def drop_hot(self, ids: np.ndarray) -> int:
         """Drop the replicated copies of global ``ids`` held here, durably (a feature write to
@@ -271,6 +379,10 @@ class PartitionServer:
                    base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
         """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id)."""
         self._follow()
+        return self._hop(ids, k, hop, base)
+
+    def _hop(self, ids: np.ndarray, k: int, hop: int,
+             base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
         try:
             nbr, count = local_hop(self.graph, torch.from_numpy(np.asarray(ids, np.int64)), k,
                                    hop, base)
@@ -281,6 +393,9 @@ class PartitionServer:
     def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         """Feature rows of the global ``ids`` this partition owns."""
         self._follow()
+        return self._rows(ids)
+
+    def _rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         try:
             return self.features.own_rows(ids)
         except ValueError as exc:
@@ -290,9 +405,10 @@ class PartitionServer:
         if method == "embed":  # the ingress (decision 0054)
             exact, seed, timeout_s = args
             return await self.embed(ids, bool(exact), seed, timeout_s)
+        self._follow()  # on the loop; the work may go to a thread
         if method == "sample_hop":
-            return await off_loop(self.sample_hop, int(ids.size), ids, *args)
-        return await off_loop(self.rows, int(ids.size), ids)
+            return await off_loop(self._hop, int(ids.size), ids, *args)
+        return await off_loop(self._rows, int(ids.size), ids)
 
     async def wire_address(self) -> str:
         """Where this server answers peers over the wire (bound on the first ask)."""
@@ -317,8 +433,13 @@ class PartitionServer:
                 "transport": self.peers.settings.transport,
                 "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
-                "version": self.graph_version(),
+                "version": self.graph_version(), "base_version": self.live.base_version,
+                "overlay": self.live.overlay.usage(), "compaction": self.moves.snapshot(),
                 "time_s": time.time()}
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Release the partition's log (a server started again in this process takes it)."""
+        self.live.close()
