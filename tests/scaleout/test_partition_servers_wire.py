@@ -1,7 +1,7 @@
 """Two partition servers in one process, without Ray: each reaches the other over the wire, and a
 caller sends ``embed`` over the wire as the ingress does (decision 0054). Seeded answers equal
 the single-machine engine's, whichever server draws them; concurrent exact requests share
-batches and equal PyG's full-graph output."""
+batches and equal PyG's full-graph output; a request's own new nodes are embedded as if added."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from quiver_serve.engine.client.local import LocalEngine
 from quiver_serve.models.served import build_model
 from quiver_serve.scaleout.partitioned.links import WireLink
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
-from tests.scaleout.test_partitioned import block_graph, config, partitions
+from tests.scaleout.test_partitioned import block_graph, config, partitions, with_nodes
 
 pytestmark = [pytest.mark.slow]
 
@@ -62,5 +62,48 @@ def test_servers_over_the_wire_answer_as_one_machine(tmp_path: Path) -> None:
         assert 0 < servers[0].exact_batches.batches < len(exact_ids), "exact requests merge"
         unknown = await link.call(0, 0, "drop_hot", ids)
         assert isinstance(unknown, dict) and unknown["status"] == 400
+
+    asyncio.run(run())
+
+
+def test_a_requests_own_new_nodes_are_embedded_as_if_added(tmp_path: Path) -> None:
+    """Inductive requests on a partition server: seeded rows equal one machine's on the graph
+    with the nodes added, exact rows PyG's full-graph output on it, from either server (the
+    in-neighbours owned by one partition, by both, or none); bad rows and ids refused."""
+    graph = block_graph()
+    data_dir = partitions(graph, 2, tmp_path)
+    n = graph.num_nodes
+    rng = np.random.default_rng(8)
+    features = rng.standard_normal((3, graph.num_features)).astype(np.float32)
+    # more in-neighbours than the first fanout (25): the draws hash the new node's id
+    lists = [[5, 7, 650, 5] + rng.integers(0, n, 40).tolist(), [], [301, 302, 899]]
+    bigger = with_nodes(graph, features, lists)
+    ids = np.array([3, 650, 301])
+    asked = np.concatenate([ids, np.arange(n, n + 3)])
+    engine = LocalEngine(config(), bigger)
+    try:
+        want = engine.embed(asked, seed=4)
+    finally:
+        engine.stop()
+    model = build_model(config().model, graph.num_features)
+    with torch.no_grad():
+        full = model(bigger.x, bigger.edge_index()).numpy()
+    offsets = np.cumsum([0] + [len(x) for x in lists]).astype(np.int64)
+    neighbors = np.array([u for x in lists for u in x], np.int64)
+
+    async def run() -> None:
+        servers, _ = wired(data_dir)
+        for s in servers:
+            got = await s.embed_new(ids, False, 4, 10.0, features, offsets, neighbors)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+            exact = await s.embed_new(ids[:0], True, None, 10.0, features, offsets, neighbors)
+            np.testing.assert_allclose(exact, full[n:], atol=1e-4, rtol=0)
+        narrow = await servers[0].embed_new(ids, False, 4, 10.0, features[:, :3], offsets,
+                                            neighbors)
+        assert (narrow["status"], narrow["code"]) == (422, "invalid_new_nodes")
+        outside = await servers[1].embed_new(ids, False, 4, 10.0, features, offsets,
+                                             np.array([1, 2, 3, 4, n, 6, 7], np.int64))
+        assert outside["status"] == 400 and str(n) in outside["message"]
+        assert servers[0].num_nodes == n, "nothing was added"
 
     asyncio.run(run())

@@ -188,6 +188,7 @@ def test_two_partitions_answer_as_one_machine(cluster: int, graph: GraphData, en
         assert served.embed("x").status_code == 422  # type: ignore[arg-type]
         living = served.embed([1], min_version=3)
         assert living.status_code == 400 and living.json()["error"]["code"] == "invalid_min_version"
+        check_new_nodes(served, graph)
         listed = served.client.get(served.url + "/v1/graph").json()
         assert listed["num_parts"] == 2 and listed["num_nodes"] == graph.num_nodes
         assert sum(p["servers"][0]["nodes"] for p in listed["partitions"]) == graph.num_nodes
@@ -198,6 +199,47 @@ def test_two_partitions_answer_as_one_machine(cluster: int, graph: GraphData, en
         assert served.client.get(served.url + "/v2/health/ready").status_code == 200
     finally:
         served.close()
+
+
+def with_nodes(graph: GraphData, features: np.ndarray, lists: list[list[int]]) -> GraphData:
+    """``graph`` with nodes ``n, n + 1, ...`` added (these rows and in-lists)."""
+    indptr = torch.cat([graph.indptr, graph.indptr[-1] + torch.cumsum(
+        torch.tensor([len(x) for x in lists]), 0)])
+    indices = torch.cat([graph.indices, torch.tensor([u for x in lists for u in x],
+                                                     dtype=torch.int64)])
+    return GraphData("with-nodes", indptr, indices, torch.cat([graph.x,
+                                                               torch.from_numpy(features)]))
+
+
+def check_new_nodes(served: Served, graph: GraphData) -> None:
+    """A request's own new nodes over HTTP: exact rows equal PyG's full-graph output on the
+    graph with them added; their rows follow the ids'; bad ones refused, naming them."""
+    rng = np.random.default_rng(12)
+    rows = rng.standard_normal((2, graph.num_features)).round(3).astype(np.float32)
+    lists = [[4, 601, 4], [899]]
+    bigger = with_nodes(graph, rows, lists)
+    model = build_model(config().model, graph.num_features)
+    with torch.no_grad():
+        full = model(bigger.x, bigger.edge_index()).numpy()
+    new = [{"features": r.tolist(), "in_neighbors": x} for r, x in zip(rows, lists, strict=True)]
+    got = served.client.post(served.url + "/v1/embed", json={
+        "node_ids": [3, 700], "new_nodes": new, "exact": True})
+    assert got.status_code == 200, got.text
+    np.testing.assert_allclose(np.asarray(got.json()["embeddings"], np.float32),
+                               full[[3, 700, graph.num_nodes, graph.num_nodes + 1]], atol=1e-4,
+                               rtol=0)
+    only = served.client.post(served.url + "/v1/embed", json={"new_nodes": new[:1],
+                                                               "exact": True})
+    assert only.status_code == 200, only.text
+    np.testing.assert_allclose(np.asarray(only.json()["embeddings"], np.float32),
+                               full[[graph.num_nodes]], atol=1e-4, rtol=0)
+    for bad, status, named in (
+            ([{"features": [1.0], "in_neighbors": [1]}], 422, "features"),
+            ([{"features": rows[0].tolist(), "in_neighbors": [1, 99999]}], 400, "99999"),
+            ([{"features": rows[0].tolist(), "in_neighbors": {"cites": [1]}}], 422, "typed")):
+        r = served.client.post(served.url + "/v1/embed", json={"node_ids": [1],
+                                                                "new_nodes": bad})
+        assert r.status_code == status and named in r.json()["error"]["message"], r.text
 
 
 def hop_closure(graph: GraphData, ids: np.ndarray, hops: int) -> np.ndarray:

@@ -38,6 +38,7 @@ class Deployment:
     placement_group: Any
     data_dir: Path
     dim: int
+    num_features: int = 0
 
     def kill(self) -> None:
         """End every server and free the placement group (for a clean shutdown or a test)."""
@@ -131,6 +132,7 @@ def start_servers(cfg: ServeConfig, data_dir: Path, replicas: int, reservations:
         raise StartError(f"the partition servers did not start within {timeout_s:g} s "
                          f"({type(exc).__name__}: {exc})") from exc
     deployment.dim = int(infos[0]["dim"])
+    deployment.num_features = int(infos[0]["features"])
     return deployment
 
 
@@ -169,4 +171,5 @@ def ingress_app(cfg: ServeConfig, deployment: Deployment, ingress_cpus: float,
     ingress = serve.deployment(PartitionedIngress, name="ingress").options(
         ray_actor_options={"num_cpus": ingress_cpus}, num_replicas=replicas,
         max_ongoing_requests=cfg.server.max_pending_requests)
-    return ingress.bind(deployment.servers, book, cfg.model_dump(mode="json"), deployment.dim)
+    return ingress.bind(deployment.servers, book, cfg.model_dump(mode="json"), deployment.dim,
+                        deployment.num_features)

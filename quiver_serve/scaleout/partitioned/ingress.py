@@ -44,13 +44,16 @@ from quiver_serve.scaleout.partitioned.live_routes import (
     PartitionedEmbedBody,
     adopt,
     choose_owner,
+    inductive_server,
     merge_answers,
     merge_growth,
+    new_nodes_of,
     parse_token,
     split_edges,
     split_rows,
 )
 from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S, Replicas
+from quiver_serve.wire import InductiveNodes
 
 #: how long a readiness or status probe waits for a partition server
 PROBE_S = 2.0
@@ -92,7 +95,7 @@ class PartitionedIngress:
     handles, valid across restarts)."""
 
     def __init__(self, servers: list[list[Any]], book: dict[str, Any], cfg_dict: dict[str, Any],
-                 dim: int) -> None:
+                 dim: int, num_features: int) -> None:
         import ray
 
         self.servers = servers
@@ -100,7 +103,7 @@ class PartitionedIngress:
         self.book = PartitionBook(arrays["owner"], arrays["local"], arrays["num_parts"],
                                   arrays["method"])
         self.cfg = ServeConfig.model_validate(cfg_dict)
-        self.dim = dim
+        self.dim, self.num_features = dim, num_features
         self.down_until = [0.0] * len(servers)
         self.counts = IngressCounts()
         self.replicas = Replicas(max(len(r) for r in servers), self.cfg.partitioned.down_s)
@@ -117,12 +120,14 @@ class PartitionedIngress:
     async def embed(self, body: PartitionedEmbedBody, request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            ids = await self._check(np.asarray(body.node_ids, dtype=np.int64), 0,
-                                    bool(body.new_nodes), body.seed)
+            ids = await self._check(np.asarray(body.node_ids, dtype=np.int64), 0, body.seed,
+                                    bool(body.new_nodes))
+            new = new_nodes_of(body, ids, self.num_features, self.book,
+                               self.cfg.server.max_request_nodes)
             timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
             await self._wait_versions(parse_token(body.min_version, self.book.num_parts),
                                       timeout_s)
-            rows = await self.rows(ids, body.exact, body.seed, timeout_s)
+            rows = await self.rows(ids, body.exact, body.seed, timeout_s, new)
         except errors.ServeError as exc:
             return self._refuse(exc, t0)
         content, media_type = embed_answer(self.cfg.model.name, rows,
@@ -140,7 +145,7 @@ class PartitionedIngress:
                                         f"deployment serves {self.cfg.model.name!r}", 404)
             req = kserve.parse_infer(await request.body(),
                                      request.headers.get(kserve.HEADER_LENGTH))
-            ids = await self._check(req.node_ids, req.min_version, False, req.seed)
+            ids = await self._check(req.node_ids, req.min_version, req.seed)
             timeout_s = None if req.timeout_ms is None else req.timeout_ms / 1000.0
             rows = await self.rows(ids, req.exact, req.seed, timeout_s)
         except errors.ServeError as exc:
@@ -253,26 +258,30 @@ class PartitionedIngress:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- the work ------------------------------------------------------------------------------
-    async def _check(self, ids: np.ndarray, min_version: int, new_nodes: bool,
-                     seed: int | None) -> np.ndarray:
-        """The daemon's checks of one request (``errors.check_node_ids``, the seed's range,
-        after learning the book's growth when an id is past it); a request's own new nodes are
-        refused, and a plain ``min_version`` (KServe's parameter: /v1/embed takes the version
-        token instead, ``live_routes.py``)."""
-        if min_version or new_nodes:
-            raise errors.ServeError("unsupported_on_ray", "a request's own new_nodes and a "
-                                    "numeric min_version are not supported on a partitioned "
-                                    "graph; POST /v1/graph/nodes adds nodes, and /v1/embed takes "
-                                    "the version token an update answered as min_version", 400)
-        if not self.synced or (ids.size and int(ids.max()) >= self.book.num_nodes):
+    async def _check(self, ids: np.ndarray, min_version: int, seed: int | None,
+                     new_nodes: bool = False) -> np.ndarray:
+        """The daemon's checks of one request (``errors.check_node_ids``, none when only
+        ``new_nodes`` are asked, the seed's range, after learning the book's growth when an id
+        is past it); a plain ``min_version`` is refused (KServe's parameter: /v1/embed takes
+        the version token instead, ``live_routes.py``)."""
+        if min_version:
+            raise errors.ServeError("unsupported_on_ray", "a numeric min_version is not "
+                                    "supported on a partitioned graph; /v1/embed takes the "
+                                    "version token an update answered as min_version", 400)
+        if not self.synced or (ids.size and int(ids.max()) >= self.book.num_nodes) or new_nodes:
             await self._learn_book(force=True)
-        errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
+        if ids.size or not new_nodes:
+            errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)
         errors.check_seed(seed)
         return ids
 
     async def rows(self, ids: np.ndarray, exact: bool, seed: int | None,
-                   timeout_s: float | None) -> np.ndarray:
-        """float32 [len(ids), dim] in request order; :class:`errors.ServeError` otherwise."""
+                   timeout_s: float | None, new: InductiveNodes | None = None) -> np.ndarray:
+        """float32 [len(ids), dim] in request order (then a row per new node);
+        :class:`errors.ServeError` otherwise."""
+        if new is not None:  # one server holds the new nodes for the request
+            return await self._call(inductive_server(self.book, new, ids), ids, exact, seed,
+                                    timeout_s, new)
         if seed is not None and not exact:  # one server draws the whole request's subgraph
             owner = int(self.book.owners(ids[:1])[0])
             return await self._call(owner, ids, exact, seed, timeout_s)
@@ -434,9 +443,10 @@ class PartitionedIngress:
             raise Unavailable(part, "it failed moments ago")
 
     async def _call(self, part: int, ids: np.ndarray, exact: bool, seed: int | None,
-                    timeout_s: float | None) -> np.ndarray:
-        """Partition ``part``'s answer for ``ids``: the next replica, then (if that one is
-        lost) another; a refusal naming a partition marks that partition down."""
+                    timeout_s: float | None, new: InductiveNodes | None = None) -> np.ndarray:
+        """Partition ``part``'s answer for ``ids`` (and ``new`` nodes, through Ray): the next
+        replica, then (if that one is lost) another; a refusal naming a partition marks that
+        partition down."""
         from ray.exceptions import RayError
 
         self._check_up(part)
@@ -445,7 +455,9 @@ class PartitionedIngress:
         reason = "no replica"
         for replica in self.replicas.order(part)[:2]:
             try:
-                call = replicas[replica].embed.remote(ids, exact, seed, timeout_s) \
+                call = replicas[replica].embed_new.remote(ids, exact, seed, timeout_s,
+                                                          *new.frames()) if new else \
+                    replicas[replica].embed.remote(ids, exact, seed, timeout_s) \
                     if self.link is None else \
                     self.link.call(part, replica, "embed", ids, exact, seed, timeout_s)
                 out = await asyncio.wait_for(call, wait_s)

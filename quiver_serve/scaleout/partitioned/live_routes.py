@@ -16,9 +16,11 @@ import numpy as np
 from pydantic import StrictInt
 
 from quiver_serve import errors
+from quiver_serve.engine.client.checks import inductive_from_dicts
 from quiver_serve.frontend.schemas import EmbedBody
 from quiver_serve.graph import living
 from quiver_serve.partition.book import PartitionBook
+from quiver_serve.wire import InductiveNodes
 
 
 class PartitionedEmbedBody(EmbedBody):
@@ -115,3 +117,27 @@ def adopt(book: PartitionBook, entries: list[list[int]]) -> None:
             raise errors.ServeError("book_conflict", f"new nodes from {first}, the ingress's "
                                     f"book has {book.num_nodes} nodes", 409)
         book.add_nodes(count, owner)
+
+
+def new_nodes_of(body: EmbedBody, ids: np.ndarray, num_features: int, book: PartitionBook,
+                 max_request_nodes: int) -> InductiveNodes | None:
+    """A request's own new nodes (inductive), checked as the daemon checks them (their
+    in-neighbours against ``book``), or None; 413 when they and ``ids`` pass the request limit."""
+    if not body.new_nodes:
+        return None
+    new = inductive_from_dicts([n.model_dump() for n in body.new_nodes], num_features,
+                               book.num_nodes, book.num_nodes)
+    assert new is not None
+    if ids.size + new.count > max_request_nodes:
+        raise errors.too_large(int(ids.size) + new.count, max_request_nodes)
+    return new
+
+
+def inductive_server(book: PartitionBook, new: InductiveNodes, ids: np.ndarray) -> int:
+    """The partition whose server embeds an inductive request (all of it: the new nodes are
+    drawn from by the server that holds them): the one owning most of their in-neighbours (the
+    lowest among equals), so their first hop stays local; without any, the first id's owner,
+    else partition 0."""
+    if new.neighbors.size:
+        return int(np.argmax(np.bincount(book.owners(new.neighbors), minlength=book.num_parts)))
+    return int(book.owners(ids[:1])[0]) if ids.size else 0

@@ -131,6 +131,30 @@ def _place(frontier_size: int, parts: list[tuple[Tensor, Tensor, Tensor]]) -> tu
     return nbr, owner
 
 
+@dataclass(frozen=True)
+class VirtualNodes:
+    """A request's own new nodes (``new_nodes``, inductive): ids ``first, first + 1, ...`` past
+    the graph's nodes, each with its in-neighbours (global ids of existing nodes, in the order
+    given) and its feature row. Embedded as if added, nothing written; no list holds them, so
+    they are drawn from only as seeds, by the server the request went to (as the daemon's
+    overlay draws them: ``hop_edge_positions`` over their lists, hashing their ids)."""
+
+    first: int
+    indptr: Tensor  # int64 [m + 1]
+    neighbors: Tensor  # int64 [nnz]
+    features: Tensor  # float32 [m, F]
+
+    @property
+    def count(self) -> int:
+        return int(self.indptr.numel() - 1)
+
+    def hop(self, ids: Tensor, k: int, hop: int, base: int) -> tuple[Tensor, Tensor]:
+        """Hop ``hop`` of virtual ``ids``: (their drawn neighbours in id order, count per id)."""
+        edge_pos, count = hop_edge_positions(self.indptr, ids - self.first, k, hop, base, None,
+                                             ids)
+        return read_positions(self.neighbors, edge_pos, None), count
+
+
 class PartitionSampler:
     """``ReferenceSampler.sample`` over a partitioned graph (see the module docstring);
     ``remote`` draws a hop of the ids another partition owns (a Ray call in a deployment, the
@@ -141,10 +165,17 @@ class PartitionSampler:
     def __init__(self, graph: LocalGraph, num_parts: int, remote: RemoteHop) -> None:
         self.graph, self.num_parts, self.remote = graph, num_parts, remote
 
-    async def hop(self, frontier: Tensor, k: int, hop: int, base: int) -> tuple[Tensor, Tensor]:
+    async def hop(self, frontier: Tensor, k: int, hop: int, base: int,
+                  virtual: VirtualNodes | None = None) -> tuple[Tensor, Tensor]:
         """One hop of ``frontier`` (global ids): remote calls sent first, then the local draws,
-        then the remote answers awaited (one call per other partition holding frontier nodes)."""
-        owners = self.graph.owner[frontier].to(torch.int64)
+        then the remote answers awaited (one call per other partition holding frontier nodes).
+        Ids of ``virtual`` nodes are drawn here from their own lists."""
+        if virtual is None:
+            owners = self.graph.owner[frontier].to(torch.int64)
+        else:
+            real = frontier < virtual.first
+            owners = torch.full_like(frontier, -1)
+            owners[real] = self.graph.owner[frontier[real]].to(torch.int64)
         calls: list[tuple[Tensor, Awaitable[tuple[np.ndarray, np.ndarray]]]] = []
         for q in range(self.num_parts):
             if q == self.graph.part:
@@ -154,6 +185,8 @@ class PartitionSampler:
                 ids = frontier[pos].numpy()
                 calls.append((pos, asyncio.ensure_future(self.remote(q, ids, k, hop, base))))
         answers: list[tuple[Tensor, Tensor, Tensor]] = []
+        if virtual is not None and (pos := (owners < 0).nonzero().flatten()).numel():
+            answers.append((pos, *virtual.hop(frontier[pos], k, hop, base)))
         mine = (owners == self.graph.part).nonzero().flatten()
         if mine.numel():
             got, cnt = await off_loop(local_hop, int(mine.numel()), self.graph, frontier[mine],
@@ -170,13 +203,16 @@ class PartitionSampler:
                             as_tensor(np.asarray(cnt, np.int64))))
         return _place(int(frontier.numel()), answers)
 
-    async def sample(self, seeds: Tensor, fanouts: list[int], seed: int) -> SamplerOutput:
-        """The ``len(fanouts)``-hop subgraph of global ``seeds`` with batch seed ``seed``; the
-        same tensors ``ReferenceSampler.sample`` gives on the whole graph."""
+    async def sample(self, seeds: Tensor, fanouts: list[int], seed: int,
+                     virtual: VirtualNodes | None = None) -> SamplerOutput:
+        """The ``len(fanouts)``-hop subgraph of global ``seeds`` (``virtual`` nodes' ids among
+        them) with batch seed ``seed``; the same tensors ``ReferenceSampler.sample`` gives on
+        the whole graph (with the virtual nodes added)."""
         base = seed_base(seed)
         seeds = seeds.to(torch.int64)
-        check_seed_range(seeds, self.graph.num_nodes)
+        bound = self.graph.num_nodes if virtual is None else virtual.first + virtual.count
+        check_seed_range(seeds, bound)
         sub = SubgraphBuilder(seeds)
         for hop, k in enumerate(fanouts, start=1):
-            sub.add_hop(*await self.hop(sub.frontier, k, hop, base))
+            sub.add_hop(*await self.hop(sub.frontier, k, hop, base, virtual))
         return sub.output()

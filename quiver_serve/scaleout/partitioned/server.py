@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers,
 from quiver_serve.scaleout.partitioned.sampling import (
     LocalGraph,
     PartitionSampler,
+    VirtualNodes,
     as_tensor,
     local_hop,
     off_loop,
@@ -201,6 +203,45 @@ class PartitionServer:
         """float32 rows of global ``node_ids`` (the subgraph drawn with ``seed``, or a fresh
         batch seed; every neighbour per hop when ``exact``), or a refusal: 503 with the
         partition that did not answer, 503 overloaded, 504 past ``timeout_s``."""
+        def work() -> Awaitable[np.ndarray]:
+            return self.exact_batches.submit(node_ids) if exact else \
+                self.batches.submit(node_ids) if seed is None else \
+                self._embed(node_ids, exact, seed)
+
+        return await self._admitted(work, timeout_s, "embed")
+
+    async def embed_new(self, node_ids: np.ndarray, exact: bool, seed: int | None,
+                        timeout_s: float | None, features: np.ndarray, offsets: np.ndarray,
+                        neighbors: np.ndarray) -> np.ndarray | dict[str, Any]:
+        """``embed`` of ``node_ids`` and of a request's own new nodes (inductive: feature rows
+        and in-neighbours as CSR ``offsets``/``neighbors``, checked by the ingress), whose rows
+        follow; they take the next free ids and run alone. A GCN is refused (its exact norm
+        uses the snapshot's in-degrees)."""
+        if self.model.gcn_norm is not None:
+            return refusal(errors.ServeError("unsupported_on_ray", "a request's own new_nodes "
+                                             "are not supported on a partitioned graph serving "
+                                             "a GCN", 400))
+
+        def work() -> Awaitable[np.ndarray]:
+            feats = np.asarray(features, np.float32)
+            if feats.ndim != 2 or feats.shape[1] != self.features.dim:
+                raise errors.ServeError("invalid_new_nodes", f"new_nodes[].features must have "
+                                        f"{self.features.dim} numbers each", 422)
+            virtual = VirtualNodes(self.num_nodes, torch.from_numpy(np.asarray(offsets, np.int64)),
+                                   torch.from_numpy(np.asarray(neighbors, np.int64)),
+                                   torch.from_numpy(feats))
+            if virtual.neighbors.numel():
+                errors.check_id_range(virtual.neighbors.numpy(), self.num_nodes)
+            ids = np.concatenate([np.asarray(node_ids, np.int64),
+                                  np.arange(virtual.first, virtual.first + virtual.count)])
+            return self._embed(ids, exact, seed, virtual)
+
+        return await self._admitted(work, timeout_s, "embed_new")
+
+    async def _admitted(self, work: Callable[[], Awaitable[np.ndarray]], timeout_s: float | None,
+                        what: str) -> np.ndarray | dict[str, Any]:
+        """``work()``'s rows within ``timeout_s`` (the server's default when None) and the
+        ongoing-request limit, or the refusal (module docstring)."""
         if self.ongoing >= self.cfg.partitioned.max_ongoing_requests:
             self.refused += 1
             return refusal(errors.overloaded("the partition server is at its ongoing-request "
@@ -210,26 +251,34 @@ class PartitionServer:
         self.requests += 1
         try:
             self._follow()
-            work = self.exact_batches.submit(node_ids) if exact else \
-                self.batches.submit(node_ids) if seed is None else \
-                self._embed(node_ids, exact, seed)
-            return await asyncio.wait_for(work, timeout_s)
+            return await asyncio.wait_for(work(), timeout_s)
         except PartitionUnavailable as exc:
             return {**refusal(errors.unavailable("partition_unavailable", str(exc))),
                     "partition": exc.part}
+        except errors.ServeError as exc:
+            return refusal(exc)
         except asyncio.TimeoutError:
             return refusal(errors.deadline())
         except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
-            return refusal(errors.internal_error(exc, f"partition {self.args.part} embed", log))
+            return refusal(errors.internal_error(exc, f"partition {self.args.part} {what}", log))
         finally:
             self.ongoing -= 1
 
-    async def _embed(self, node_ids: np.ndarray, exact: bool, seed: int | None) -> np.ndarray:
+    async def _embed(self, node_ids: np.ndarray, exact: bool, seed: int | None,
+                     virtual: VirtualNodes | None = None) -> np.ndarray:
         ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
         fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
         sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
-                                            else seed)
-        x = await self.features.gather(sampled.n_id)
+                                            else seed, virtual)
+        if virtual is None:
+            x = await self.features.gather(sampled.n_id)
+        else:  # the virtual nodes' rows are the request's
+            real = sampled.n_id < virtual.first
+            x = torch.empty((sampled.n_id.numel(), self.features.dim), dtype=torch.float32,
+                            device=self.features.device)
+            x[real.to(x.device)] = await self.features.gather(sampled.n_id[real])
+            x[(~real).to(x.device)] = virtual.features[sampled.n_id[~real] - virtual.first].to(
+                x.device)
         return await asyncio.to_thread(self.forward, x, sampled, exact)
 
     def forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
@@ -427,7 +476,7 @@ class PartitionServer:
         return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
                 "nodes": self.owned, "graph_nodes": self.num_nodes, "edges": self.edges,
                 "device": str(self.device),
-                "dim": self.model.out_dim,
+                "dim": self.model.out_dim, "features": self.features.dim,
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
                 "batches": self.batches.batches + self.exact_batches.batches,
                 "transport": self.peers.settings.transport,
