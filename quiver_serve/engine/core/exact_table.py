@@ -161,7 +161,7 @@ class ExactTable:
         n_id, col = self._relabel(targets, src)
         dst = torch.repeat_interleave(torch.arange(targets.numel(), device=self.device), counts,
                                       output_size=src.numel())
-        x = self._layer_input(layer, n_id)
+        x = self.layer_input(layer, n_id)
         out = self.model.forward_layer(layer, x, torch.stack([col, dst]), int(targets.numel()),
                                        n_id)
         store = self.layers[layer]
@@ -182,7 +182,9 @@ class ExactTable:
         m[n_id] = -1
         return n_id, col
 
-    def _layer_input(self, layer: int, n_id: Tensor) -> Tensor:
+    def layer_input(self, layer: int, n_id: Tensor) -> Tensor:
+        """float32 rows ``layer`` reads for global ``n_id`` (on the device): the features for
+        the first layer, the table's rows of the layer below for the others."""
         if layer == 0:
             return self.features.gather(n_id).to(self.device).float()
         store = self.layers[layer - 1]

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from quiver_serve import errors
+from quiver_serve.engine.core.inductive_table import inductive_rows
 from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
+from quiver_serve.engine.core.model_tables import ExactTables
 from quiver_serve.engine.core.samplers import SamplingCore
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.wire import NO_SEED, MicroBatchDone, RequestError
@@ -35,6 +37,7 @@ class VersionedCore(SamplingCore, Protocol):
     max_waiting: int
     parked: deque[MicroBatch]
     graph_sync: GraphSync | None
+    tables: ExactTables
 
     @property
     def sample_stream(self) -> torch.cuda.Stream | None: ...
@@ -113,6 +116,11 @@ def run_inductive(core: VersionedCore, mb: MicroBatch) -> list[Reply]:
     if problem is not None:
         return replies + [refuse_all(mb, *problem)]
     n = sync.overlay.num_nodes
+    rows = _from_table(core, mb, n)
+    if rows is not None:
+        done = MicroBatchDone(mb.seq, int(rows.shape[1]), model=mb.slot.name,
+                              version=mb.slot.version)
+        return replies + [Reply(mb.client, done, rows)]
     virtual = np.arange(n, n + mb.num_new_nodes, dtype=np.int64)
     try:
         with sync.virtual_nodes(core, virtual, mb.new_offsets, mb.new_neighbors, mb.new_features):
@@ -122,6 +130,22 @@ def run_inductive(core: VersionedCore, mb: MicroBatch) -> list[Reply]:
     done = MicroBatchDone(mb.seq, int(rows.shape[1]), model=mb.slot.name,
                           version=mb.slot.version)
     return replies + [Reply(mb.client, done, rows)]
+
+
+def _from_table(core: VersionedCore, mb: MicroBatch, first_new: int) -> np.ndarray | None:
+    """An exact inductive request's rows from the exact table, when it can give them
+    (``inductive_table.py``); None otherwise."""
+    assert mb.slot is not None
+    table = core.tables.table
+    if not mb.exact or table is None or not core.tables.serves(mb.slot.served):
+        return None
+    assert mb.new_features is not None and mb.new_offsets is not None \
+        and mb.new_neighbors is not None
+    rows = inductive_rows(table, mb.ids, mb.new_features, mb.new_offsets, mb.new_neighbors,
+                          first_new, core.features.dtype)
+    if rows is not None:
+        table.counters.from_table += 1
+    return rows
 
 
 def _check_inductive(core: VersionedCore, mb: MicroBatch) -> tuple[str, str, int] | None:
