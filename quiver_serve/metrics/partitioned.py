@@ -74,6 +74,7 @@ class _Collector:
                                 "replicated hot row answered", labels=["partition"])
         reqs = CounterMetricFamily(P + "requests", "embed calls taken, and refused overloaded",
                                    labels=["partition", "outcome"])
+        living = self._living()
         for s in self.servers:
             part, rep = str(s["partition"]), str(s["replica"])
             up.add_metric([part, rep], 0.0 if s.get("down") else 1.0)
@@ -84,7 +85,16 @@ class _Collector:
             hit.add_metric([part], float(s["hot_hit_rate"]))
             reqs.add_metric([part, "taken"], float(s["requests"]))
             reqs.add_metric([part, "refused"], float(s["refused"]))
-        yield from (up, rows, hit, reqs)
+            living.add(s)
+        yield from (up, rows, hit, reqs, *living.families())
+
+    def _living(self) -> _Living:
+        newest: dict[str, int] = {}
+        for s in self.servers:
+            if not s.get("down") and "version" in s:
+                part = str(s["partition"])
+                newest[part] = max(newest.get(part, 0), int(s["version"]))
+        return _Living(newest)
 
     def _calls(self) -> Iterator[Metric]:
         labels = ["partition", "peer", "hop"]
@@ -127,3 +137,40 @@ def exposition(servers: list[dict[str, Any]], ingress: IngressCounts,
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(servers, ingress, call_buckets_s))
     return generate_latest(registry)
+
+
+class _Living:
+    """Each partition server's living graph: versions, the lag of a replica behind the newest
+    replica of its partition, the overlay's fill and the compactions (decision 0063)."""
+
+    def __init__(self, newest: dict[str, int]) -> None:
+        labels = ["partition", "replica"]
+        self.newest = newest
+        self.version = GaugeMetricFamily(P + "graph_version", "the partition's log version this "
+                                         "server has applied", labels=labels)
+        self.lag = GaugeMetricFamily(P + "version_lag", "versions this server is behind the "
+                                     "newest replica of its partition (a follower catches up "
+                                     "before each read it answers)", labels=labels)
+        self.base = GaugeMetricFamily(P + "base_version", "the version of the base its overlay "
+                                      "is over (0: the partition's snapshot)", labels=labels)
+        self.fill = GaugeMetricFamily(P + "overlay_fill_ratio", "overlay entries used over its "
+                                      "capacity (compaction at graph.compact_at_fill)",
+                                      labels=labels)
+        self.compactions = CounterMetricFamily(P + "compactions", "compactions of the "
+                                               "partition's log by this server", labels=labels)
+
+    def add(self, s: dict[str, Any]) -> None:
+        if "version" not in s:
+            return
+        key, version = [str(s["partition"]), str(s["replica"])], int(s["version"])
+        self.version.add_metric(key, float(version))
+        self.lag.add_metric(key, float(self.newest.get(key[0], version) - version))
+        self.base.add_metric(key, float(s.get("base_version", 0)))
+        overlay = s.get("overlay") or {}
+        if overlay.get("entries_capacity"):
+            self.fill.add_metric(key, overlay["entries_used"] / overlay["entries_capacity"])
+        self.compactions.add_metric(key, float((s.get("compaction") or {}).get("compactions",
+                                                                                0)))
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.version, self.lag, self.base, self.fill, self.compactions)

@@ -69,7 +69,10 @@ def test_metrics_text_has_every_peer_and_hop_and_marks_a_silent_server_down() ->
     ingress = IngressCounts()
     ingress.observe(200, 0.004)
     ingress.observe(503, 0.001)
-    text = exposition([server, {"partition": 1, "replica": 0, "down": True}], ingress,
+    server.update({"version": 9, "base_version": 6, "compaction": {"compactions": 2},
+                   "overlay": {"entries_used": 256, "entries_capacity": 1024}})
+    follower = {**server, "replica": 1, "version": 7, "calls": []}
+    text = exposition([server, follower, {"partition": 1, "replica": 0, "down": True}], ingress,
                       CALL_BUCKETS_S).decode()
     lines = set(text.splitlines())
     assert 'quiver_serve_partition_up{partition="1",replica="0"} 0.0' in lines
@@ -82,6 +85,12 @@ def test_metrics_text_has_every_peer_and_hop_and_marks_a_silent_server_down() ->
     assert 'quiver_serve_partition_hot_hit_ratio{partition="0"} 0.75' in lines
     assert 'quiver_serve_partitioned_requests_total{status="503"} 1.0' in lines
     assert not any('partition="1"' in line for line in lines if "_rows_total" in line)
+    assert 'quiver_serve_partition_graph_version{partition="0",replica="1"} 7.0' in lines
+    assert 'quiver_serve_partition_version_lag{partition="0",replica="1"} 2.0' in lines
+    assert 'quiver_serve_partition_version_lag{partition="0",replica="0"} 0.0' in lines
+    assert 'quiver_serve_partition_base_version{partition="0",replica="0"} 6.0' in lines
+    assert 'quiver_serve_partition_overlay_fill_ratio{partition="0",replica="0"} 0.25' in lines
+    assert 'quiver_serve_partition_compactions_total{partition="0",replica="0"} 2.0' in lines
 
 
 def test_ingress_replicas_share_what_the_servers_leave_or_the_start_says_what_is_missing() -> None:
