@@ -7,7 +7,10 @@ to_hetero(GraphSAGE), random weights), the typed engine core driven in this proc
    unchanged after;
 2. baseline: the same new paper written as a typed update (``TypedLiveGraph``: the node, then
    its edges along ``cites`` and ``writes``, reverses derived) and the 48 ids asked after,
-   sampled and exact.
+   sampled and exact;
+3. exact from the typed exact table (decision 0064): the same exact requests on a second core
+   over its own copy of the graph with ``exact.materialize: on`` (``--table``), its rows
+   compared with the same core's on the fly (max abs difference).
 
 Per request p50 / p99 of each.
 
@@ -17,6 +20,7 @@ Per request p50 / p99 of each.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import numpy as np
@@ -50,11 +54,15 @@ def request(core, rng: np.random.Generator, exact: bool, seq: int) -> MicroBatch
     return mb
 
 
-def answer(core, mb: MicroBatch) -> None:  # noqa: ANN001
+def answer(core, mb: MicroBatch) -> np.ndarray:  # noqa: ANN001
     assert core.add(mb) is None
+    rows = None
     while core.busy():
         for reply in core.step():
             assert not reply.done.errors, reply.done.errors
+            rows = reply.rows
+    assert rows is not None
+    return rows
 
 
 def as_update(core, live: TypedLiveGraph, mb: MicroBatch) -> None:  # noqa: ANN001
@@ -76,19 +84,32 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--machine", default="cpu2")
+    ap.add_argument("--table", action="store_true", help="also exact requests from the table")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = mag_config(args.scale, "cpu", args.hidden, [25, 10])
     graph = load_typed_graph(cfg.graph)
     core = build_typed_core(cfg, graph)
+    tabled = None
+    if args.table:
+        with_table = cfg.model_copy(deep=True)
+        with_table.exact.materialize = "on"  # type: ignore[assignment]
+        tabled = build_typed_core(with_table, load_typed_graph(cfg.graph))
     live = TypedLiveGraph(graph, add_reverse_edges=True)
     rng = np.random.default_rng(0)
     result: dict = {"graph": graph.describe()}
     for exact in (False, True):
         key = "exact" if exact else "sampled"
-        virtual, update = [], []
+        virtual, update, table, diff = [], [], [], 0.0
         for i in range(args.requests):
             mb = request(core, rng, exact, i)
+            if exact and tabled is not None:
+                t0 = time.perf_counter()
+                got = answer(tabled, copy.copy(mb))
+                table.append(time.perf_counter() - t0)
+                saved, tabled.table = tabled.table, None  # the same core's rows on the fly
+                diff = max(diff, float(np.abs(answer(tabled, copy.copy(mb)) - got).max()))
+                tabled.table = saved
             t0 = time.perf_counter()
             answer(core, mb)
             virtual.append(time.perf_counter() - t0)
@@ -97,6 +118,8 @@ def main() -> None:
             update.append(time.perf_counter() - t0)
         result[key] = {"inductive": percentiles_ms(virtual), "update_then_ask": percentiles_ms(
             update)}
+        if table:
+            result[key].update(inductive_table=percentiles_ms(table), table_max_abs_diff=diff)
     print(result)
     if args.out:
         write_result(args.out, {"meta": run_meta(args, cfg, **vars(args)), "result": result})

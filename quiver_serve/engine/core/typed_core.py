@@ -41,9 +41,10 @@ from quiver_serve.engine.core.micro_batch import (
     refused_whole,
     split_rows,
 )
+from quiver_serve.engine.core.typed_inductive_table import changed_destinations, inductive_rows
 from quiver_serve.engine.core.typed_sync import TypedSync
 from quiver_serve.engine.core.typed_table import TypedExactTable, rows_or_none
-from quiver_serve.graph.typed import TypedGraph
+from quiver_serve.graph.typed import EdgeType, TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph
 from quiver_serve.graph.typed_virtual import in_edges, virtual_nodes
 from quiver_serve.models.norms import exact_refusal
@@ -144,6 +145,7 @@ class TypedEngineCore:
             return
         t0 = time.perf_counter()
         self.table = TypedExactTable(self.layerwise, self.settings.refresh_chunk_edges)
+        self.table.follow_reverse(self.rules)  # the reverse relations' CSCs hold out-edges
         log.info("engine %d: typed exact table of %d layer(s), final rows %s, in %.2f s",
                  self.index, self.table.num_layers,
                  {t: tuple(r.shape) for t, r in self.table.layer(-1).items()},
@@ -310,8 +312,10 @@ class TypedEngineCore:
             edges = self._new_in_edges(mb)
             with virtual_nodes(self.rules, node_type, count, edges) as new_ids:
                 self.served.virtual_rows = {node_type: (int(new_ids[0]), rows)}
-                seeds = torch.cat([torch.from_numpy(mb.ids.astype(np.int64)), new_ids])
-                out = self.sampled_rows(node_type, seeds, mb.exact, seed)
+                ids = torch.from_numpy(mb.ids.astype(np.int64))
+                out = self._inductive_from_table(mb, ids, new_ids, edges)
+                if out is None:
+                    out = self.sampled_rows(node_type, torch.cat([ids, new_ids]), mb.exact, seed)
         except errors.ServeError as exc:
             return refused_whole(mb, exc.info.code, exc.info.message, exc.info.status)
         except IndexError as exc:  # a model reading per-node parameters (an embedding table)
@@ -322,6 +326,17 @@ class TypedEngineCore:
         done = MicroBatchDone(mb.seq, int(out.shape[1]), [], model=self.served.spec.name,
                               version=self.served.spec.version)
         return Reply(mb.client, done, out)
+
+    @torch.no_grad()
+    def _inductive_from_table(self, mb: MicroBatch, ids: Tensor, new_ids: Tensor,
+                              edges: dict[EdgeType, tuple[Tensor, Tensor]]) -> np.ndarray | None:
+        """An exact inductive request's rows from the table when it can give them (decision
+        0064, ``typed_inductive_table.py``); None otherwise."""
+        if not mb.exact or self.table is None or self.layerwise is None \
+                or mb.node_type not in self.table.types():
+            return None
+        changed = changed_destinations(self.rules, mb.node_type, new_ids, edges)
+        return inductive_rows(self.table, self.layerwise, mb.node_type, ids, new_ids, changed)
 
     @torch.no_grad()
     def rows(self, node_type: str, seeds: Tensor, exact: bool, seed: int) -> np.ndarray:

@@ -89,6 +89,17 @@ class TypedExactTable:
         """bool per id: its final row is exact (not marked)."""
         return ~self._stale[-1][node_type][ids]
 
+    def clean_at(self, i: int, node_type: str, ids: Tensor) -> Tensor:
+        """bool per id: its row of layer ``i + 1`` is exact (an id past the table's rows, or
+        of a type the layer has no rows of, is not)."""
+        stale = self._stale[i].get(node_type)
+        if stale is None:
+            return torch.zeros(ids.numel(), dtype=torch.bool)
+        inside = ids < self.counts[node_type]
+        out = torch.zeros(ids.numel(), dtype=torch.bool)
+        out[inside] = ~stale[ids[inside]]
+        return out
+
     def rows(self, node_type: str, ids: Tensor) -> Tensor:
         return self._bufs[-1][node_type][ids]
 
@@ -132,7 +143,7 @@ class TypedExactTable:
                 deg = r.indptr[ids + 1] - r.indptr[ids]
                 dst = r.indices[range_positions(r.indptr[ids], deg)]
             else:
-                hit = torch.zeros(self.counts[et[0]], dtype=torch.bool)
+                hit = torch.zeros(self.graph.num_nodes[et[0]], dtype=torch.bool)
                 hit[ids] = True
                 pos = torch.nonzero(hit[rel.indices]).flatten()
                 dst = torch.searchsorted(rel.indptr, pos, right=True) - 1

@@ -77,6 +77,60 @@ def test_exact_rows_equal_pyg_on_the_graph_with_the_nodes_added(name: str, node_
                                .numpy(), rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("name", ["to_hetero_sage_sum", "hgt"])
+@pytest.mark.parametrize(("node_type", "new"), [("item", NEW_ITEMS), ("user", NEW_USERS)])
+def test_exact_rows_of_every_node_come_from_the_table_and_equal_pyg(
+        name: str, node_type: str, new: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node of the type asked beside the new nodes: the rows the new nodes' edges (and
+    their reverses) change two layers out are recomputed, the rest read from the table, and the
+    table answers (decision 0064)."""
+    from quiver_serve.engine.core import typed_core
+
+    graph = shop_graph(seed=12, edge_dim=None)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
+    torch.manual_seed(0)
+    cfg = shop_config(0, materialize="on")
+    cfg.graph.add_reverse_edges = True
+    core = build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+    other, first = added(graph, node_type, new)
+    want = full_graph(core.served, other)[node_type]
+    answered = []
+    real = typed_core.inductive_rows
+    monkeypatch.setattr(typed_core, "inductive_rows",
+                        lambda *a: answered.append(real(*a)) or answered[-1])
+    every = list(range(graph.num_nodes[node_type]))
+    reply = _answer(core, inductive_mb(1, every, node_type, new))
+    assert not reply.done.errors, reply.done.errors
+    assert answered and answered[0] is not None, "the table answered"
+    np.testing.assert_allclose(reply.rows, want[[*every, *first]].numpy(), rtol=0, atol=TOL)
+
+
+def test_rows_marked_stale_in_the_table_are_never_read() -> None:
+    """A row the table marked (its refresh not done) is not read for an inductive answer: every
+    marked row is overwritten with garbage, and the answer still equals PyG's."""
+    from quiver_serve.graph.typed_living import TypedChanges
+
+    graph = shop_graph(seed=13, edge_dim=None)
+    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
+    torch.manual_seed(0)
+    cfg = shop_config(0, materialize="on")
+    cfg.graph.add_reverse_edges = True
+    core = build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+    buys = graph.relations[("user", "buys", "item")]
+    buyer = int(buys.indices[buys.indptr[0]])  # a user who bought item 0
+    changes = TypedChanges()
+    changes.add(changes.inputs, "user", torch.tensor([buyer]))
+    assert core.table.mark(changes) > 0
+    for i in range(core.table.num_layers):
+        for t, rows in core.table.layer(i).items():
+            rows[~core.table.clean_at(i, t, torch.arange(rows.size(0)))] = 1e3
+    other, first = added(graph, "item", NEW_ITEMS)
+    want = full_graph(core.served, other)["item"]
+    every = list(range(graph.num_nodes["item"]))
+    reply = _answer(core, inductive_mb(1, every, "item", NEW_ITEMS))
+    np.testing.assert_allclose(reply.rows, want[[*every, *first]].numpy(), rtol=0, atol=TOL)
+
+
 def test_seeded_rows_are_the_cores_on_the_graph_with_the_nodes_added() -> None:
     graph = shop_graph(seed=12, edge_dim=None)
     pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
