@@ -117,6 +117,8 @@ class Moves:
     running: asyncio.Future[Any] | None = None
     #: when a follower last looked for a newer base (``time.monotonic``)
     checked_s: float = 0.0
+    #: a follower's periodic check (``PartitionServer._tick``)
+    ticker: asyncio.Future[Any] | None = None
     compactions: int = 0
     moves: int = 0
     failures: int = 0

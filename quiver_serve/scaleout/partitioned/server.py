@@ -6,7 +6,8 @@ hot rows of other partitions) mapped from disk, and the served model on its GPU 
 serving"): the partition-aware sampler (``sampling.py``: its own hops here, the other partitions'
 by one call per partition per hop), the partition-aware feature source (``features.py``) and the
 model (``models/served.py``, the engine core's). ``sample_hop`` and ``rows`` answer the other
-partition servers. Why this is not the engine core with two seams, and what that costs, is
+partition servers. Its living graph (updates, version waits, the log's compaction) is
+``server_living.py``. Why this is not the engine core with two seams, and what that costs, is
 decision 0044. Every answer that is not rows is a plain dict ``{code, message, status}``
 (exceptions would lose their status on the way through Ray).
 """
@@ -36,25 +37,10 @@ from quiver_serve.models.startup import start_plan
 from quiver_serve.partition.data import load_partition
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.scaleout.partitioned.batching import Coalescer
-from quiver_serve.scaleout.partitioned.compaction import (
-    BASE_CHECK_S,
-    Moves,
-    ServingBase,
-    base_in_force,
-    base_meta,
-    fold,
-    grown_book,
-    serving_base,
-)
+from quiver_serve.scaleout.partitioned.compaction import Moves, grown_book, serving_base
 from quiver_serve.scaleout.partitioned.features import PartitionFeatures
 from quiver_serve.scaleout.partitioned.links import WireService
-from quiver_serve.scaleout.partitioned.live import (
-    LiveBase,
-    PartitionLive,
-    load_dropped,
-    log_folder,
-    save_dropped,
-)
+from quiver_serve.scaleout.partitioned.live import log_folder
 from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers, PeerSettings
 from quiver_serve.scaleout.partitioned.sampling import (
     LocalGraph,
@@ -64,12 +50,9 @@ from quiver_serve.scaleout.partitioned.sampling import (
     local_hop,
     off_loop,
 )
+from quiver_serve.scaleout.partitioned.server_living import LivingPartition, refusal
 
 log = logging.getLogger(__name__)
-
-
-def refusal(exc: errors.ServeError) -> dict[str, Any]:
-    return {"code": exc.info.code, "message": exc.info.message, "status": exc.info.status}
 
 
 @dataclass(frozen=True)
@@ -83,7 +66,7 @@ class ServerArgs:
     replicas: int
 
 
-class PartitionServer:
+class PartitionServer(LivingPartition):
     """See the module docstring; Ray makes it an actor (``deploy.py``)."""
 
     def __init__(self, cfg_dict: dict[str, Any], args: ServerArgs,
@@ -136,49 +119,6 @@ class PartitionServer:
         budget = self.cfg.partitioned.device_bytes
         placed = self.graph.place(self.device, budget)
         return placed + self.features.place(self.device, budget - placed)
-
-    def _open_live(self, folder: Path, book: Any, base: ServingBase) -> PartitionLive:
-        """The partition's living graph over its update log, replayed after ``base``: replica
-        0 writes the log, the others follow it (decision 0053); its written rows and dropped
-        hot copies shown to the feature source, its grown book and overlay to the sampler."""
-        live = PartitionLive(folder, self.cfg.graph, self.args.part, book, self.graph.indptr,
-                             self.graph.indices, self.features.dim,
-                             follow=self.args.replica != 0,
-                             base=LiveBase(base.version, base.entries))
-        self.features.written = live.written
-        self.features.drop_hot(load_dropped(folder))
-        self.live = live
-        self._refresh()
-        log.info("partition %d replica %d: %d updates replayed from %s over the base of version "
-                 "%d (version %d)", self.args.part, self.args.replica, live.replayed, folder,
-                 base.version, live.version)
-        return live
-
-    def _refresh(self, moved: bool = False) -> None:
-        """Show the living graph's state to the sampler and the feature source: the grown
-        book's owner and local rows (always after a move: a new book), the overlay's view."""
-        live = self.live
-        if moved or self.graph.owner.numel() != live.owner.numel():
-            self.graph.owner, self.graph.local = live.owner, live.local
-            self.features.grow(live.owner, live.local)
-            self.num_nodes = int(live.owner.numel())
-        self.graph.overlay = live.view()
-
-    def _follow(self) -> None:
-        """A replica other than 0 applies what its partition's primary logged since its last
-        read, before it reads (one ``fstat`` when nothing is new; decision 0053), and moves to
-        a newer base its primary wrote (``compaction.py``). On the event loop only."""
-        live = self.live
-        if live.follower is None:
-            return
-        if live.catch_up():
-            self._refresh()
-        now = time.monotonic()
-        if self.moves.running is None and (live.stalled or now >= self.moves.checked_s
-                                           + BASE_CHECK_S):
-            self.moves.checked_s = now
-            if base_in_force(live.directory) > live.base_version:
-                self.moves.start(self._move_to_newest())
 
     def _model(self, in_channels: int, degrees: dict[str, Any] | None,
                ) -> tuple[ServedModel, list[int]]:
@@ -250,8 +190,7 @@ class PartitionServer:
         self.ongoing += 1
         self.requests += 1
         try:
-            self._follow()
-            return await asyncio.wait_for(work(), timeout_s)
+            return await asyncio.wait_for(self._current(work), timeout_s)
         except PartitionUnavailable as exc:
             return {**refusal(errors.unavailable("partition_unavailable", str(exc))),
                     "partition": exc.part}
@@ -289,140 +228,6 @@ class PartitionServer:
         rows = out.index_select(0, sampled.seed_index.to(dev)).float()
         return np.ascontiguousarray(rows.cpu().numpy())
 
-    # ---- the living graph (``live.py``) ------------------------------------------------------------
-    def update(self, kind: str, first: Any, second: Any) -> dict[str, Any]:
-        """``edges`` (add, remove) or ``features`` (node_ids, rows) of nodes this partition
-        owns, or ``nodes`` (``first``: [first id, count, owner], ``second``: their rows at the
-        owner): the durable version's answer, or a refusal. Replica 0 only (it writes the log)."""
-        if kind in ("edges", "nodes") and self.model.gcn_norm is not None:
-            return refusal(errors.ServeError(
-                "unsupported_on_ray", f"{kind} updates are not supported on a partitioned graph "
-                "serving a GCN: its exact mode uses the in-degrees of the snapshot", 400))
-        try:
-            if kind == "edges":
-                out = self.live.add_edges(first, second)
-            elif kind == "nodes":
-                out = self.live.add_nodes(*(int(v) for v in first), second)
-            else:
-                out = self.live.put_features(first, second)
-            self._refresh()
-            if self.live.wants_compaction():
-                self._start_compaction()
-            return out
-        except errors.ServeError as exc:
-            if exc.info.code == "overlay_full":
-                self._start_compaction()
-            return refusal(exc)
-        except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
-            return refusal(errors.internal_error(exc, f"partition {self.args.part} update", log))
-
-    # ---- compaction (``compaction.py``) -------------------------------------------------------
-    async def compact(self) -> dict[str, Any]:
-        """Fold this partition's updates into a new base now (replica 0; ``POST
-        /v1/graph/compact``): ``{version, compacted, ...}`` once it serves from it."""
-        if self.live.log is None:
-            return refusal(errors.ServeError("not_primary", f"partition {self.args.part}: "
-                                             "replica 0 compacts its log", 400))
-        if self.moves.running is not None:
-            await asyncio.shield(self.moves.running)
-        return await self._start_compaction()
-
-    def _start_compaction(self) -> asyncio.Future[Any]:
-        running = self.moves.running
-        return running if running is not None else self.moves.start(self._compact())
-
-    async def _compact(self) -> dict[str, Any]:
-        """The fold (beside the loop, on a frozen overlay), the base written, the move."""
-        live, t0 = self.live, time.perf_counter()
-        version = live.version
-        if version == live.base_version:
-            return {"version": version, "compacted": False, "reason": "nothing new"}
-        frozen = live.overlay.freeze()
-        written, entries = dict(live.rows_written), [list(e) for e in live.entries]
-        try:
-            arrays = await asyncio.to_thread(fold, frozen, self.base_x, written, entries,
-                                             self.num_nodes)
-        finally:
-            live.overlay.thaw()
-        assert live.log is not None
-        await asyncio.to_thread(live.log.write_base, version, arrays,
-                                base_meta(self.args.part, self.num_parts, version))
-        del arrays
-        await self._move_to_newest()
-        seconds = time.perf_counter() - t0
-        self.moves.compactions += 1
-        self.moves.last_compaction_s = seconds
-        log.info("partition %d: compacted at version %d in %.2f s", self.args.part, version,
-                 seconds)
-        return {"version": version, "compacted": True, "duration_s": round(seconds, 3)}
-
-    async def _move_to_newest(self) -> None:
-        """Serve from the newest base of the log: built beside the loop (mapped, the records
-        after it replayed, placed on the device), then the last records and the swap on it."""
-        old, args = self.live, self.args
-
-        def build() -> tuple[PartitionLive, LocalGraph, Any, ServingBase]:
-            data = load_partition(Path(args.data_dir), args.part, mmap=True)
-            base = serving_base(old.directory, data)
-            book = grown_book(Path(args.data_dir), base.entries)
-            graph = LocalGraph(args.part, as_tensor(book.owner), as_tensor(book.local),
-                               as_tensor(base.indptr), as_tensor(base.indices))
-            live = PartitionLive(old.directory, self.cfg.graph, args.part, book, graph.indptr,
-                                 graph.indices, self.features.dim, follow=old.log is None,
-                                 base=LiveBase(base.version, base.entries, old.log))
-            if live.log is not None:
-                live.replay_until(old.version)
-            budget = self.cfg.partitioned.device_bytes
-            placed = graph.place(self.device, budget)
-            own, _ = self.features.own_rows_on(as_tensor(base.features), self.device,
-                                               budget - placed - self.features.hot_bytes)
-            return live, graph, own, base
-
-        live, graph, own, base = await asyncio.to_thread(build)
-        if live.base_version <= old.base_version:
-            return
-        if live.log is not None:  # the records logged while it was built
-            live.replay_until(self.live.version)
-        else:
-            live.catch_up()
-        self.graph = self.sampler.graph = graph  # a batch under way keeps the old one
-        self.features.rebase(own, live.written)
-        self.live, self.base_x = live, base.features
-        self.owned, self.edges = int(base.features.shape[0]), int(base.indices.size)
-        self._refresh(moved=True)
-        self.moves.moves += 1
-        log.info("partition %d replica %d: serving from the base of version %d (version %d)",
-                 args.part, args.replica, live.base_version, live.version)
-
-    def drop_hot(self, ids: np.ndarray) -> int:
-        """Drop the replicated copies of global ``ids`` held here, durably (a feature write to
-        their owner follows); returns how many copies this server held."""
-        ids = np.asarray(ids, np.int64)
-        dropped = self.features.drop_hot(ids)
-        if self.live.log is not None and dropped:  # replica 0 keeps the partition's file
-            folder = self.live.directory
-            save_dropped(folder, np.union1d(load_dropped(folder), ids))
-        return dropped
-
-    async def wait_version(self, version: int, timeout_s: float) -> int:
-        """This partition's version once it reaches ``version`` (-1 past ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        self._follow()
-        while self.graph_version() < version:
-            if time.monotonic() >= deadline:
-                return -1
-            await asyncio.sleep(0.005)
-            self._follow()
-        return self.graph_version()
-
-    def graph_version(self) -> int:
-        return self.live.version
-
-    def growth(self) -> list[list[int]]:
-        """The book's entries since the snapshot, ``[first id, count, owner]`` in id order."""
-        self._follow()
-        return [list(e) for e in self.live.entries]
-
     # ---- answering the other partition servers -------------------------------------------------
     def sample_hop(self, ids: np.ndarray, k: int, hop: int,
                    base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
@@ -454,10 +259,9 @@ class PartitionServer:
         if method == "embed":  # the ingress (decision 0054)
             exact, seed, timeout_s = args
             return await self.embed(ids, bool(exact), seed, timeout_s)
-        self._follow()  # on the loop; the work may go to a thread
-        if method == "sample_hop":
-            return await off_loop(self._hop, int(ids.size), ids, *args)
-        return await off_loop(self._rows, int(ids.size), ids)
+        if method == "sample_hop":  # followed on the loop; the work may go to a thread
+            return await self._current(lambda: off_loop(self._hop, int(ids.size), ids, *args))
+        return await self._current(lambda: off_loop(self._rows, int(ids.size), ids))
 
     async def wire_address(self) -> str:
         """Where this server answers peers over the wire (bound on the first ask)."""
@@ -489,6 +293,3 @@ class PartitionServer:
     def pid(self) -> int:
         return os.getpid()
 
-    def close(self) -> None:
-        """Release the partition's log (a server started again in this process takes it)."""
-        self.live.close()
