@@ -154,6 +154,21 @@ asyncio.run(main())
 '''
 
 
+def diagnosis(proc: subprocess.Popen, address: str) -> str:
+    """What a hung first call saw (a rare hang in CI is being chased)."""
+    import os
+    import socket
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            reach = "the port accepts connections"
+    except OSError as exc:
+        reach = f"the port refuses: {exc}"
+    return (f"server exit code {proc.poll()}, {reach}, {len(os.listdir('/proc/self/fd'))} "
+            f"open fds here")
+
+
 def test_a_call_to_a_peer_that_dies_fails_at_once() -> None:
     async def run() -> float:
         proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
@@ -166,7 +181,10 @@ def test_a_call_to_a_peer_that_dies_fails_at_once() -> None:
                 return address
 
             link = WireLink(address_of)
-            first = await asyncio.wait_for(link.call(0, 0, "rows", np.arange(4)), 60.0)
+            try:
+                first = await asyncio.wait_for(link.call(0, 0, "rows", np.arange(4)), 60.0)
+            except asyncio.TimeoutError:
+                pytest.fail(f"no answer from a live peer in 60 s: {diagnosis(proc, address)}")
             assert first.tolist() == [0, 2, 4, 6]
             waiting = asyncio.ensure_future(link.call(0, 0, "embed", np.arange(4), False, None,
                                                       None))

@@ -229,11 +229,11 @@ class PartitionServer(LivingPartition):
         return np.ascontiguousarray(rows.cpu().numpy())
 
     # ---- answering the other partition servers -------------------------------------------------
-    def sample_hop(self, ids: np.ndarray, k: int, hop: int,
-                   base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
+    async def sample_hop(self, ids: np.ndarray, k: int, hop: int,
+                         base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
         """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id)."""
-        self._follow()
-        return self._hop(ids, k, hop, base)
+        return await self._current(lambda: off_loop(self._hop, int(np.size(ids)), ids, k, hop,
+                                                    base))
 
     def _hop(self, ids: np.ndarray, k: int, hop: int,
              base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
@@ -244,10 +244,9 @@ class PartitionServer(LivingPartition):
             return {"code": "not_owned", "message": str(exc), "status": 400}
         return nbr.numpy(), count.numpy()
 
-    def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
+    async def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         """Feature rows of the global ``ids`` this partition owns."""
-        self._follow()
-        return self._rows(ids)
+        return await self._current(lambda: off_loop(self._rows, int(np.size(ids)), ids))
 
     def _rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         try:
@@ -260,8 +259,8 @@ class PartitionServer(LivingPartition):
             exact, seed, timeout_s = args
             return await self.embed(ids, bool(exact), seed, timeout_s)
         if method == "sample_hop":  # followed on the loop; the work may go to a thread
-            return await self._current(lambda: off_loop(self._hop, int(ids.size), ids, *args))
-        return await self._current(lambda: off_loop(self._rows, int(ids.size), ids))
+            return await self.sample_hop(ids, *args)
+        return await self.rows(ids)
 
     async def wire_address(self) -> str:
         """Where this server answers peers over the wire (bound on the first ask)."""
