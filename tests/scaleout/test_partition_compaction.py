@@ -175,6 +175,7 @@ def test_updates_past_the_overlay_compact_and_a_restart_maps_the_base(tmp_path: 
         exact = await exact_rows(link)
         for s in servers:
             s.close()
+        link.close()
         return seeded, exact
 
     seeded, exact = asyncio.run(first_life())
@@ -197,5 +198,8 @@ def test_updates_past_the_overlay_compact_and_a_restart_maps_the_base(tmp_path: 
         assert answer["compacted"] is (pending > 0), answer
         assert servers[0].live.base_version == servers[0].live.version
         assert ok_refusal(await servers[2].compact()) == "not_primary"
+        for s in servers:
+            s.close()
+        link.close()
 
     asyncio.run(second_life())

@@ -33,6 +33,30 @@ METHODS = ("sample_hop", "rows", "embed")
 PEER_METHODS = ("sample_hop", "rows")
 
 
+#: contexts of services and links not closed yet: held here so that one is never destroyed by
+#: the garbage collector (pyzmq's ``Context.__del__`` terminates it, which can block for ever
+#: in the thread that happens to collect it, the event loop's)
+_OPEN_CONTEXTS: set[Any] = set()
+
+
+def own_context() -> Any:
+    """A ZeroMQ asyncio context of one service or link, not the process-wide instance: in a
+    test process that had run other links and Ray, sockets of the shared instance stopped
+    reaching a live peer that a fresh context reached (a hang seen in CI; cause not found).
+    Released by the owner's ``close`` (``release_context``)."""
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    _OPEN_CONTEXTS.add(ctx)
+    return ctx
+
+
+def release_context(ctx: Any) -> None:
+    """Close every socket of ``ctx`` and terminate it."""
+    _OPEN_CONTEXTS.discard(ctx)
+    ctx.destroy(linger=0)
+
+
 class LinkError(ConnectionError):
     """The peer did not answer: gone, restarting, or unreachable."""
 
@@ -50,6 +74,9 @@ class RayLink:
     def forget(self, part: int, replica: int) -> None:
         """Nothing cached beyond the handle (``handle_of``'s own cache is dropped by Peers)."""
 
+    def close(self) -> None:
+        """Nothing to release (Ray owns the connections)."""
+
 
 class WireService:
     """A partition server's side of the wire: answers ``METHODS`` on a ROUTER socket. ``answer``
@@ -64,18 +91,28 @@ class WireService:
         self.address: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(self.MAX_ANSWERING)
+        self._ctx: Any = None
 
     def start(self, host: str) -> str:
         """Bind on ``host`` (a free port) and serve from the running loop; the address."""
         if self.address is None:
             import zmq
-            import zmq.asyncio
 
-            sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+            self._ctx = own_context()
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
             port = sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
             self._task = asyncio.ensure_future(self._serve(sock))
         return self.address
+
+    def close(self) -> None:
+        """Stop answering and release the socket and its context."""
+        if self._task is not None and not self._task.get_loop().is_closed():
+            self._task.cancel()
+        if self._ctx is not None:
+            release_context(self._ctx)
+        self._task = self._ctx = None
 
     async def _serve(self, sock: Any) -> None:
         while True:
@@ -116,6 +153,7 @@ class WireLink:
     def __init__(self, address_of: Callable[[int, int], Any]) -> None:
         self.address_of = address_of
         self._peers: dict[tuple[int, int], _Dealer] = {}
+        self._ctx: Any = None
 
     async def call(self, part: int, replica: int, method: str, ids: np.ndarray,
                    *args: Any) -> Any:
@@ -125,7 +163,10 @@ class WireLink:
             self.forget(part, replica)
             peer = None
         if peer is None:
-            peer = _Dealer(await self.address_of(part, replica))
+            address = await self.address_of(part, replica)
+            if self._ctx is None:
+                self._ctx = own_context()
+            peer = _Dealer(self._ctx, address)
             self._peers[key] = peer
         return await peer.call(method, np.ascontiguousarray(ids, np.int64), list(args))
 
@@ -134,6 +175,14 @@ class WireLink:
         peer = self._peers.pop((part, replica), None)
         if peer is not None:
             peer.close()
+
+    def close(self) -> None:
+        """Drop every peer's socket and the link's context (calls waiting hear LinkError)."""
+        for key in list(self._peers):
+            self.forget(*key)
+        if self._ctx is not None:
+            release_context(self._ctx)
+            self._ctx = None
 
     def moved(self, part: int, replica: int, address: str | None) -> bool:
         """Forget the peer's socket when its address is no longer ``address`` (a restarted
@@ -149,11 +198,10 @@ class WireLink:
 class _Dealer:
     """One DEALER socket to one peer, calls matched to answers by number."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, ctx: Any, address: str) -> None:
         import zmq
-        import zmq.asyncio
 
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.address = address
@@ -214,7 +262,8 @@ class _Dealer:
                 fut.set_exception(LinkError(reason))
 
     def close(self) -> None:
-        self._reader.cancel()
-        self._watcher.cancel()
-        self._fail("the peer's socket was closed")
+        if not self._reader.get_loop().is_closed():  # else its tasks and waiters are gone
+            self._reader.cancel()
+            self._watcher.cancel()
+            self._fail("the peer's socket was closed")
         self.sock.close(0)

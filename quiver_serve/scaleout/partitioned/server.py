@@ -292,3 +292,10 @@ class PartitionServer(LivingPartition):
     def pid(self) -> int:
         return os.getpid()
 
+    def close(self) -> None:
+        """Release the partition's log, the wire's port and the links to peers (a server
+        started again in this process takes them)."""
+        super().close()
+        self.wire.close()
+        self.peers.link.close()
+
