@@ -14,7 +14,6 @@ the micro-batch; request ids never leave the front-end.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -386,20 +385,3 @@ def view(frame: Any, dtype: Any) -> np.ndarray:
     """A read-only NumPy view of one received frame (zero-copy)."""
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     return np.frombuffer(buf, dtype=dtype)
-
-
-#: how often an asyncio receive looks at its socket again while it waits. ZeroMQ's descriptor is
-#: edge-triggered: a wake-up the loop misses (pyzmq issue 2173) would leave a message unread until
-#: the next one arrives, or for ever; re-checking bounds that to this delay
-RECHECK_S = 0.25
-
-
-async def recv_frames(sock: Any, copy: bool = True) -> list[Any]:
-    """``await sock.recv_multipart(copy=copy)`` on a ``zmq.asyncio`` socket that re-checks the
-    socket every ``RECHECK_S`` (a timed-out receive is cancelled before it takes a message, so
-    nothing is lost or reordered)."""
-    while True:
-        try:
-            return await asyncio.wait_for(sock.recv_multipart(copy=copy), RECHECK_S)
-        except asyncio.TimeoutError:
-            continue

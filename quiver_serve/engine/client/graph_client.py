@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from quiver_serve import errors
 from quiver_serve.engine.procs.graph_service import WriterCalls, typed_params
-from quiver_serve.wire import Decoders, GraphCall, GraphReply, encode, graph_frames, recv_frames
+from quiver_serve.wire import Decoders, GraphCall, GraphReply, encode, graph_frames
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class GraphClient:
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                frames = await recv_frames(sock)
+                frames = await sock.recv_multipart()
                 try:
                     reply = Decoders.graph_reply.decode(frames[0])
                 except Exception as exc:  # noqa: BLE001 - cannot tell whose: that call times out

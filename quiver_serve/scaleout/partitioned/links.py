@@ -23,8 +23,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from quiver_serve.wire import recv_frames
-
 #: (method, args) the wire carries: sample_hop(ids, k, hop, base) and rows(ids) between
 #: partition servers; embed(ids, exact, seed, timeout_s) from the ingress
 METHODS = ("sample_hop", "rows", "embed")
@@ -116,7 +114,7 @@ class WireService:
 
     async def _serve(self, sock: Any) -> None:
         while True:
-            ident, head, *frames = await recv_frames(sock, copy=False)
+            ident, head, *frames = await sock.recv_multipart(copy=False)
             call_id, method, args = msgspec.msgpack.decode(head.bytes)
             slot = method in PEER_METHODS
             if slot:
@@ -227,7 +225,7 @@ class _Dealer:
     async def _read(self) -> None:
         try:
             while True:
-                head, *frames = await recv_frames(self.sock, copy=False)
+                head, *frames = await self.sock.recv_multipart(copy=False)
                 call_id, error, shapes = msgspec.msgpack.decode(head.bytes)
                 fut = self.waiting.get(call_id)
                 if fut is None or fut.done():
@@ -248,7 +246,7 @@ class _Dealer:
         socket is closed by its kernel), not only at its timeout."""
         try:
             while True:
-                await recv_frames(monitor)
+                await monitor.recv_multipart()
                 self.dropped = True
                 self._fail("the connection to the peer dropped")
         except Exception:  # noqa: BLE001 - closed with the socket
