@@ -34,6 +34,15 @@ def inductive_mb(seq: int, ids: list[int], node_type: str, new: list, exact: boo
     return mb
 
 
+def table_core(graph, name: str):  # noqa: ANN001, ANN201
+    """A typed core with the exact table and reverse relations over ``graph``, model ``name``."""
+    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
+    torch.manual_seed(0)
+    cfg = shop_config(0, materialize="on")
+    cfg.graph.add_reverse_edges = True
+    return build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+
+
 def added(graph, node_type: str, new: list):  # noqa: ANN001, ANN201
     """A copy of ``graph`` with the new nodes added for real (``TypedLiveGraph``)."""
     other = copy.deepcopy(graph)
@@ -57,11 +66,7 @@ def added(graph, node_type: str, new: list):  # noqa: ANN001, ANN201
 def test_exact_rows_equal_pyg_on_the_graph_with_the_nodes_added(name: str, node_type: str,
                                                                 new: list) -> None:
     graph = shop_graph(seed=11, edge_dim=None)
-    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
-    torch.manual_seed(0)
-    cfg = shop_config(0, materialize="on")
-    cfg.graph.add_reverse_edges = True
-    core = build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+    core = table_core(graph, name)
     before = {et: rel.indices.clone() for et, rel in graph.relations.items()}
     counts = dict(graph.num_nodes)
     other, first = added(graph, node_type, new)
@@ -87,11 +92,7 @@ def test_exact_rows_of_every_node_come_from_the_table_and_equal_pyg(
     from quiver_serve.engine.core import typed_core
 
     graph = shop_graph(seed=12, edge_dim=None)
-    pyg_class, kwargs, to_hetero = TYPED_MODELS[name]
-    torch.manual_seed(0)
-    cfg = shop_config(0, materialize="on")
-    cfg.graph.add_reverse_edges = True
-    core = build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+    core = table_core(graph, name)
     other, first = added(graph, node_type, new)
     want = full_graph(core.served, other)[node_type]
     answered = []
@@ -111,11 +112,7 @@ def test_rows_marked_stale_in_the_table_are_never_read() -> None:
     from quiver_serve.graph.typed_living import TypedChanges
 
     graph = shop_graph(seed=13, edge_dim=None)
-    pyg_class, kwargs, to_hetero = TYPED_MODELS["to_hetero_sage_sum"]
-    torch.manual_seed(0)
-    cfg = shop_config(0, materialize="on")
-    cfg.graph.add_reverse_edges = True
-    core = build_typed_core(cfg, graph, spec=spec(pyg_class, kwargs, to_hetero))
+    core = table_core(graph, "to_hetero_sage_sum")
     buys = graph.relations[("user", "buys", "item")]
     buyer = int(buys.indices[buys.indptr[0]])  # a user who bought item 0
     changes = TypedChanges()
