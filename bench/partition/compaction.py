@@ -59,7 +59,7 @@ async def stream(servers: dict[str, PartitionServer], mine: np.ndarray, n: int,
         remove = add[: args.batch // 10] if rng.random() < 0.5 else add[:0]
         for name, server in servers.items():
             t0 = time.perf_counter()
-            out = server.update("edges", add.tolist(), remove.tolist())
+            out = await server.update("edges", add.tolist(), remove.tolist())
             lat[name].append((now, time.perf_counter() - t0))
             assert "code" not in out or out["code"] == "overlay_full", out
         await asyncio.sleep(max(0.0, period_s - (time.perf_counter() - t_start - now)))

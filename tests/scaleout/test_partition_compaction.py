@@ -85,7 +85,7 @@ async def update(server: PartitionServer, kind: str, first: Any, second: Any) ->
     """One update, retried after a 503 ``overlay_full`` as a client does after Retry-After
     (the overlay filled before the compaction under way freed it)."""
     for _ in range(200):
-        answer = server.update(kind, first, second)
+        answer = await server.update(kind, first, second)
         if answer.get("code") != "overlay_full":
             break
         assert answer["status"] == 503, answer

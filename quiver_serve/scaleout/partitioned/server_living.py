@@ -109,10 +109,14 @@ class LivingPartition:
         live = self.live
         if live.follower is None:
             return
-        if self.moves.ticker is None or self.moves.ticker.done():
-            self.moves.ticker = asyncio.ensure_future(self._tick())
         if live.catch_up():
             self._refresh()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not on the loop: the next call on it starts the tasks below
+            return
+        if self.moves.ticker is None or self.moves.ticker.done():
+            self.moves.ticker = asyncio.ensure_future(self._tick())
         now = time.monotonic()
         if self.moves.running is None and (live.stalled or now >= self.moves.checked_s
                                            + BASE_CHECK_S):
@@ -131,9 +135,8 @@ class LivingPartition:
                 log.exception("partition %d replica %d: following the log failed",
                               self.args.part, self.args.replica)
 
-
     # ---- the living graph (``live.py``) ------------------------------------------------------------
-    def update(self, kind: str, first: Any, second: Any) -> dict[str, Any]:
+    async def update(self, kind: str, first: Any, second: Any) -> dict[str, Any]:
         """``edges`` (add, remove) or ``features`` (node_ids, rows) of nodes this partition
         owns, or ``nodes`` (``first``: [first id, count, owner], ``second``: their rows at the
         owner): the durable version's answer, or a refusal. Replica 0 only (it writes the log)."""
@@ -261,7 +264,7 @@ class LivingPartition:
     def graph_version(self) -> int:
         return self.live.version
 
-    def growth(self) -> list[list[int]]:
+    async def growth(self) -> list[list[int]]:
         """The book's entries since the snapshot, ``[first id, count, owner]`` in id order."""
         self._follow()
         return [list(e) for e in self.live.entries]
