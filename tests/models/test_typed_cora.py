@@ -39,8 +39,8 @@ def test_typed_cora_is_served_exactly_and_its_weights_are_trained() -> None:
     # the head trained with the weights classifies the public test split
     head = torch.nn.Linear(64, 7)
     weights = Path(str(cfg.model.weights))
-    head.load_state_dict(torch.load(weights.with_name(weights.stem + "_head.pt"),
-                                    weights_only=True))
+    head_file = weights.with_name(weights.stem + "_head.pt")
+    head.load_state_dict(torch.load(head_file, weights_only=True))
     split = read_planetoid_data(str(cfg.graph.path), "cora")
     with torch.no_grad():
         pred = head(full["paper"]).argmax(1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from quiver_serve.engine.client.local import LocalEngine
+from quiver_serve.graph.csc import GraphData
 from quiver_serve.models.served import build_model
 from quiver_serve.scaleout.partitioned.links import WireLink
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
@@ -36,18 +37,23 @@ def wired(data_dir: Path) -> tuple[list[PartitionServer], WireLink]:
     return servers, WireLink(address_of)
 
 
-def test_servers_over_the_wire_answer_as_one_machine(tmp_path: Path) -> None:
-    graph = block_graph()
-    data_dir = partitions(graph, 2, tmp_path)
+def one_machine(graph: GraphData, ids: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One engine's rows of ``ids`` drawn with ``seed``, and PyG's full-graph output."""
     engine = LocalEngine(config(), graph)
     try:
-        ids = np.array([3, 650, 301, 3, 899])
-        want = engine.embed(ids, seed=21)
+        want = engine.embed(ids, seed=seed)
     finally:
         engine.stop()
     model = build_model(config().model, graph.num_features)
     with torch.no_grad():
-        full = model(graph.x, graph.edge_index()).numpy()
+        return want, model(graph.x, graph.edge_index()).numpy()
+
+
+def test_servers_over_the_wire_answer_as_one_machine(tmp_path: Path) -> None:
+    graph = block_graph()
+    data_dir = partitions(graph, 2, tmp_path)
+    ids = np.array([3, 650, 301, 3, 899])
+    want, full = one_machine(graph, ids, 21)
     exact_ids = [np.array([i, i + 300, 7]) for i in range(0, 80, 10)]
 
     async def run() -> None:
@@ -80,14 +86,7 @@ def test_a_requests_own_new_nodes_are_embedded_as_if_added(tmp_path: Path) -> No
     bigger = with_nodes(graph, features, lists)
     ids = np.array([3, 650, 301])
     asked = np.concatenate([ids, np.arange(n, n + 3)])
-    engine = LocalEngine(config(), bigger)
-    try:
-        want = engine.embed(asked, seed=4)
-    finally:
-        engine.stop()
-    model = build_model(config().model, graph.num_features)
-    with torch.no_grad():
-        full = model(bigger.x, bigger.edge_index()).numpy()
+    want, full = one_machine(bigger, asked, 4)
     offsets = np.cumsum([0] + [len(x) for x in lists]).astype(np.int64)
     neighbors = np.array([u for x in lists for u in x], np.int64)
 

@@ -45,6 +45,7 @@ from quiver_serve.scaleout.partitioned.live_routes import (
     adopt,
     choose_owner,
     inductive_server,
+    largest_in_neighbor,
     merge_answers,
     merge_growth,
     new_nodes_of,
@@ -121,7 +122,7 @@ class PartitionedIngress:
         t0 = time.perf_counter()
         try:
             ids = await self._check(np.asarray(body.node_ids, dtype=np.int64), 0, body.seed,
-                                    bool(body.new_nodes))
+                                    bool(body.new_nodes), largest_in_neighbor(body))
             new = new_nodes_of(body, ids, self.num_features, self.book,
                                self.cfg.server.max_request_nodes)
             timeout_s = None if body.timeout_ms is None else body.timeout_ms / 1000.0
@@ -259,16 +260,18 @@ class PartitionedIngress:
 
     # ---- the work ------------------------------------------------------------------------------
     async def _check(self, ids: np.ndarray, min_version: int, seed: int | None,
-                     new_nodes: bool = False) -> np.ndarray:
+                     new_nodes: bool = False, named: int = -1) -> np.ndarray:
         """The daemon's checks of one request (``errors.check_node_ids``, none when only
         ``new_nodes`` are asked, the seed's range, after learning the book's growth when an id
-        is past it); a plain ``min_version`` is refused (KServe's parameter: /v1/embed takes
-        the version token instead, ``live_routes.py``)."""
+        or ``named``, the largest in-neighbour of its new nodes, is past it); a plain
+        ``min_version`` is refused (KServe's parameter: /v1/embed takes the version token
+        instead, ``live_routes.py``)."""
         if min_version:
             raise errors.ServeError("unsupported_on_ray", "a numeric min_version is not "
                                     "supported on a partitioned graph; /v1/embed takes the "
                                     "version token an update answered as min_version", 400)
-        if not self.synced or (ids.size and int(ids.max()) >= self.book.num_nodes) or new_nodes:
+        largest = max(int(ids.max()) if ids.size else -1, named)
+        if not self.synced or largest >= self.book.num_nodes:
             await self._learn_book(force=True)
         if ids.size or not new_nodes:
             errors.check_node_ids(ids, self.book.num_nodes, self.cfg.server.max_request_nodes)

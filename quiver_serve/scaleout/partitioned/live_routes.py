@@ -133,6 +133,14 @@ def new_nodes_of(body: EmbedBody, ids: np.ndarray, num_features: int, book: Part
     return new
 
 
+def largest_in_neighbor(body: EmbedBody) -> int:
+    """The largest id a request's new nodes name as an in-neighbour (-1: none; typed maps are
+    refused later, by ``new_nodes_of``)."""
+    named = [v for node in body.new_nodes or () if isinstance(node.in_neighbors, list)
+             for v in node.in_neighbors]
+    return max(named, default=-1)
+
+
 def inductive_server(book: PartitionBook, new: InductiveNodes, ids: np.ndarray) -> int:
     """The partition whose server embeds an inductive request (all of it: the new nodes are
     drawn from by the server that holds them): the one owning most of their in-neighbours (the
