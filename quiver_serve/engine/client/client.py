@@ -43,7 +43,13 @@ from quiver_serve.engine.client.returns import ReturnGate
 from quiver_serve.engine.client.sending import MicroBatchSender
 from quiver_serve.messages import EmbedResult, ErrorInfo
 from quiver_serve.metrics.observer import PipelineObserver
-from quiver_serve.wire import Decoders, InductiveNodes, MicroBatchDone, RunAddresses
+from quiver_serve.wire import (
+    Decoders,
+    InductiveNodes,
+    MicroBatchDone,
+    RunAddresses,
+    disconnect_monitor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +271,7 @@ class EngineClient(MicroBatchSender):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            mon = disconnect_monitor(sock)
             sock.connect(self.endpoints.addrs.engine(e))
             self._socks.append(sock)
             self._monitors.append(mon)

@@ -44,6 +44,7 @@ from quiver_serve.wire import (
     ModelReply,
     RunAddresses,
     SampleTask,
+    disconnect_monitor,
     encode,
     unpack_requests,
     view,
@@ -68,7 +69,7 @@ class ZmqSamplerPool(SamplerPool):
         for j in range(num_samplers):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = disconnect_monitor(sock)
             sock.connect(addrs.sampler(j))
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)

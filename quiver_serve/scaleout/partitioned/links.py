@@ -23,6 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from quiver_serve.wire import disconnect_monitor
+
 #: (method, args) the wire carries: sample_hop(ids, k, hop, base) and rows(ids) between
 #: partition servers; embed(ids, exact, seed, timeout_s) from the ingress
 METHODS = ("sample_hop", "rows", "embed")
@@ -209,7 +211,7 @@ class _Dealer:
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
         self._watcher = asyncio.ensure_future(
-            self._watch(self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
+            self._watch(disconnect_monitor(self.sock)))
 
     async def call(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
         call_id = next(self._ids)
