@@ -33,6 +33,8 @@ class IngressCounts:
     by_status: dict[int, int] = field(default_factory=dict)
     latency_sum_s: float = 0.0
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    #: servers restarted because their exact table could not be marked for an update
+    table_restarts: int = 0
 
     def observe(self, status: int, latency_s: float) -> None:
         self.by_status[status] = self.by_status.get(status, 0) + 1
@@ -127,7 +129,11 @@ class _Collector:
                              [])
         latency.add_metric([], _cumulative(LATENCY_BUCKETS_S, self.ingress.latency_buckets),
                            self.ingress.latency_sum_s)
-        yield from (answered, latency)
+        restarts = CounterMetricFamily(PREFIX + "partitioned_table_restarts", "partition "
+                                       "servers restarted because their exact table could not "
+                                       "be marked for an update (decision 0065)")
+        restarts.add_metric([], float(self.ingress.table_restarts))
+        yield from (answered, latency, restarts)
 
 
 def exposition(servers: list[dict[str, Any]], ingress: IngressCounts,
@@ -158,6 +164,14 @@ class _Living:
                                       labels=labels)
         self.compactions = CounterMetricFamily(P + "compactions", "compactions of the "
                                                "partition's log by this server", labels=labels)
+        self.stale = GaugeMetricFamily(P + "exact_table_stale_rows", "own rows of the exact "
+                                       "table not fresh at the last layer (answered on the fly)",
+                                       labels=labels)
+        self.computed = CounterMetricFamily(P + "exact_table_rows_computed", "layer rows the "
+                                            "exact table computed (build and refresh)",
+                                            labels=labels)
+        self.served = CounterMetricFamily(P + "exact_table_rows_served", "exact rows answered "
+                                          "from the table", labels=labels)
 
     def add(self, s: dict[str, Any]) -> None:
         if "version" not in s:
@@ -171,6 +185,12 @@ class _Living:
             self.fill.add_metric(key, overlay["entries_used"] / overlay["entries_capacity"])
         self.compactions.add_metric(key, float((s.get("compaction") or {}).get("compactions",
                                                                                 0)))
+        table = s.get("table")
+        if table:
+            self.stale.add_metric(key, float(table["stale_rows"]))
+            self.computed.add_metric(key, float(table["computed_rows"]))
+            self.served.add_metric(key, float(table["rows_from_table"]))
 
     def families(self) -> tuple[Metric, ...]:
-        return (self.version, self.lag, self.base, self.fill, self.compactions)
+        return (self.version, self.lag, self.base, self.fill, self.compactions, self.stale,
+                self.computed, self.served)

@@ -62,11 +62,11 @@ def block_graph(seed: int = 3) -> GraphData:
 
 
 def config(**overrides: Any) -> ServeConfig:
-    cfg = small_config(sampling__num_cpu_workers=0, model__weights=None,
-                       exact__materialize="off", server__request_timeout_s=5.0,
-                       partitioned__remote_timeout_s=1.0, partitioned__down_s=0.5,
-                       **overrides)
-    return cfg
+    settings: dict[str, Any] = {
+        "sampling__num_cpu_workers": 0, "model__weights": None, "exact__materialize": "off",
+        "server__request_timeout_s": 5.0, "partitioned__remote_timeout_s": 1.0,
+        "partitioned__down_s": 0.5}
+    return small_config(**{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,9 @@ class PartitionLive:
         #: the book's growth since the snapshot: ``[first id, count, owner]`` per call, id order
         self.entries: list[list[int]] = [list(e) for e in base.entries]
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # ``written``'s
+        #: edges added since the base, (global source, local row) each: the exact table's
+        #: out-edges past its base index (``table.py``)
+        self._added: list[np.ndarray] = []
         #: records a follower read but could not apply (its overlay full): applied first next
         #: time, or dropped by a move to a newer base (``compaction.py``)
         self._pending: list[Record] = []
@@ -164,6 +167,7 @@ class PartitionLive:
     def _apply(self, record: Record) -> None:
         if isinstance(record, EdgeRecord):
             self.overlay.apply_record(record)
+            self._note_added(record.add)
         elif isinstance(record, FeatureRecord):
             self._remember(record.node_ids, record.features)
         elif isinstance(record, BookNodesRecord):
@@ -183,6 +187,16 @@ class PartitionLive:
             rows_local = self.overlay.add_nodes(record.count)
             self.overlay.ensure_active()  # samplers read new nodes' (empty) lists through it
             self._remember(rows_local, record.features)
+
+    def _note_added(self, add: np.ndarray) -> None:
+        if add.size:
+            self._added.append(np.asarray(add, np.int64).reshape(-1, 2))
+
+    def added_edges(self) -> np.ndarray:
+        """int64 [a, 2]: every edge added since the base, (global source, local row)."""
+        if len(self._added) > 1:
+            self._added = [np.concatenate(self._added)]
+        return self._added[0] if self._added else np.empty((0, 2), np.int64)
 
     def close(self) -> None:
         if self.log is not None:
@@ -235,6 +249,7 @@ class PartitionLive:
         except OverlayFull as exc:
             raise partition_full(self.part, str(exc).split(";")[0]) from None
         self.version = version
+        self._note_added(record.add)
         log.wait_durable(version)
         return {"version": version, "added": result.added, "removed": result.removed,
                 "missing": result.missing}

@@ -26,6 +26,8 @@ from quiver_serve.scaleout.partitioned.links import LinkError, RayLink, WireLink
 CALL_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0)
 #: the hop label of feature calls (sampling calls carry their hop number)
 FEATURES = "features"
+#: the hop label of the exact table's calls for the layer rows of peers
+TABLE = "table"
 
 
 def server_name(app: str, part: int, replica: int) -> str:
@@ -132,6 +134,13 @@ class Peers:
         """Partition ``part``'s feature rows of the global ``ids`` it owns."""
         rows: np.ndarray = await self._call(part, FEATURES, "rows", ids)
         return rows
+
+    async def table_rows(self, part: int, layer: int,
+                         ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Partition ``part``'s exact-table rows of layer ``layer`` for the global ``ids`` it
+        owns, and their stale flags (``table.py``)."""
+        rows, stale = await self._call(part, TABLE, "table_rows", ids, layer)
+        return rows, stale
 
     async def _call(self, part: int, hop: str, method: str, ids: np.ndarray, *args: Any) -> Any:
         from ray.exceptions import RayError

@@ -32,6 +32,7 @@ from quiver_serve import errors
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.features.build import DTYPES
+from quiver_serve.models.layerwise import LayerwiseModel
 from quiver_serve.models.served import ServedModel, build_model
 from quiver_serve.models.startup import start_plan
 from quiver_serve.partition.data import load_partition
@@ -51,6 +52,7 @@ from quiver_serve.scaleout.partitioned.sampling import (
     off_loop,
 )
 from quiver_serve.scaleout.partitioned.server_living import LivingPartition, refusal
+from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable, TableSources
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +99,12 @@ class PartitionServer(LivingPartition):
         #: the own rows of the base in force, in host memory (what a compaction folds)
         self.base_x = base.features
         self.moves = Moves()
+        self.table: PartitionTable | None = None  # built once the model is (``_table``)
         self.live = self._open_live(folder, book, base)
         self.device = worker_device(cfg, 0)
         self.device_bytes = self._place()
         self.model, self.fanouts = self._model(int(data.features.shape[1]), degrees)
+        self.table = self._table()
         self.storage_dtype = DTYPES[cfg.features.storage_dtype]
         self.ongoing, self.requests, self.refused = 0, 0, 0
         self.batches = Coalescer(lambda ids: self._embed(ids, False, None),
@@ -137,6 +141,39 @@ class PartitionServer(LivingPartition):
                             precision=inf.precision, fast=inf.fast_model).to(self.device)
         return model, spec.fanouts_or(self.cfg.sampling.fanouts)
 
+    def _table(self) -> PartitionTable | None:
+        """The exact table of the own rows (``table.py``) when ``exact.materialize`` is on, or
+        auto and it fits ``exact.gpu_bytes`` (on a GPU server) or ``exact.host_bytes``."""
+        ecfg = self.cfg.exact
+        if ecfg.materialize == "off":
+            return None
+        try:
+            layerwise = LayerwiseModel(self.model)
+        except ValueError as exc:
+            log.info("partition %d: no exact table: %s", self.args.part, exc)
+            return None
+        nbytes = self.owned * sum(layerwise.out_dims()) * 4
+        device = self.device if self.device.type != "cpu" and nbytes <= ecfg.gpu_bytes \
+            else torch.device("cpu")
+        if ecfg.materialize == "auto" and device.type == "cpu" and nbytes > ecfg.host_bytes:
+            log.info("partition %d: no exact table: %d bytes past exact.host_bytes",
+                     self.args.part, nbytes)
+            return None
+        table = PartitionTable(ecfg, layerwise, self.args.part, device, self.peers.table_rows)
+        table.follow_book(self.graph.owner, self.graph.local)
+        table.rebase(OutEdges.of_base(self.graph.indptr, self.graph.indices))
+        return table
+
+    def _start_table(self) -> None:
+        """The table's refresh loop, on the running loop (``info`` starts it)."""
+        if self.table is None:
+            return
+
+        async def follow() -> None:
+            await self._current(lambda: asyncio.sleep(0))
+
+        self.table.start(TableSources(lambda: self.graph, self.features.gather, follow))
+
     # ---- answering the ingress ---------------------------------------------------------------
     async def embed(self, node_ids: np.ndarray, exact: bool, seed: int | None,
                     timeout_s: float | None) -> np.ndarray | dict[str, Any]:
@@ -144,11 +181,23 @@ class PartitionServer(LivingPartition):
         batch seed; every neighbour per hop when ``exact``), or a refusal: 503 with the
         partition that did not answer, 503 overloaded, 504 past ``timeout_s``."""
         def work() -> Awaitable[np.ndarray]:
+            if exact and (rows := self._from_table(node_ids)) is not None:
+                return _ready(rows)
             return self.exact_batches.submit(node_ids) if exact else \
                 self.batches.submit(node_ids) if seed is None else \
                 self._embed(node_ids, exact, seed)
 
         return await self._admitted(work, timeout_s, "embed")
+
+    def _from_table(self, node_ids: np.ndarray) -> np.ndarray | None:
+        """The exact rows of ``node_ids`` from the table, when it holds every one fresh."""
+        if self.table is None:
+            return None
+        ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
+        rows = self.table.own_rows_of(ids)
+        if rows.numel() != ids.numel() or not self.table.clean(rows):
+            return None
+        return self.table.lookup(rows)
 
     async def embed_new(self, node_ids: np.ndarray, exact: bool, seed: int | None,
                         timeout_s: float | None, features: np.ndarray, offsets: np.ndarray,
@@ -254,12 +303,48 @@ class PartitionServer(LivingPartition):
         except ValueError as exc:
             return {"code": "not_owned", "message": str(exc), "status": 400}
 
+    async def table_rows(self, ids: np.ndarray, layer: int,
+                         ) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
+        """Layer ``layer``'s exact-table rows of the global ``ids`` this partition owns, and
+        their stale flags (a peer's table reads them as its next layer's input)."""
+        async def work() -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
+            table = self.table
+            if table is None or not 0 <= int(layer) < table.num_layers:
+                return {"code": "no_table", "message": f"partition {self.args.part} holds no "
+                        f"exact table of layer {layer}", "status": 400}
+            rows = table.own_rows_of(torch.from_numpy(np.asarray(ids, np.int64)))
+            if rows.numel() != np.size(ids):
+                return {"code": "not_owned", "message": "ids of another partition", "status": 400}
+            return table.layer_rows(int(layer), rows)
+
+        return await self._current(work)
+
+    async def table_mark(self, layer: int, changed: np.ndarray | None,
+                         lists: np.ndarray) -> dict[str, Any]:
+        """Mark the table's rows of ``layer`` an update can change (``table.py``; the ingress
+        calls every server, layer by layer, before it acknowledges the update): the global ids
+        marked, whether every own row was, and the model's layers (0: no table here)."""
+        async def work() -> dict[str, Any]:
+            table = self.table
+            if table is None:
+                return {"layers": 0, "ids": np.empty(0, np.int64), "all": False}
+            got = table.mark(int(layer), None if changed is None else
+                             torch.from_numpy(np.asarray(changed, np.int64)),
+                             torch.from_numpy(np.asarray(lists, np.int64)),
+                             self.live.added_edges(), self.num_nodes)
+            return {"layers": table.num_layers, "all": got is None,
+                    "ids": np.empty(0, np.int64) if got is None else got.numpy()}
+
+        return await self._current(work)
+
     async def _answer_wire(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
         if method == "embed":  # the ingress (decision 0054)
             exact, seed, timeout_s = args
             return await self.embed(ids, bool(exact), seed, timeout_s)
         if method == "sample_hop":  # followed on the loop; the work may go to a thread
             return await self.sample_hop(ids, *args)
+        if method == "table_rows":
+            return await self.table_rows(ids, *args)
         return await self.rows(ids)
 
     async def wire_address(self) -> str:
@@ -275,6 +360,7 @@ class PartitionServer(LivingPartition):
         if self.cfg.partitioned.transport == "wire":
             await self.wire_address()
         self._follow()
+        self._start_table()
         counts = self.features.counts
         return {"partition": self.args.part, "replica": self.args.replica, "pid": os.getpid(),
                 "nodes": self.owned, "graph_nodes": self.num_nodes, "edges": self.edges,
@@ -287,6 +373,7 @@ class PartitionServer(LivingPartition):
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "version": self.graph_version(), "base_version": self.live.base_version,
                 "overlay": self.live.overlay.usage(), "compaction": self.moves.snapshot(),
+                "table": None if self.table is None else self.table.snapshot(),
                 "time_s": time.time()}
 
     def pid(self) -> int:
@@ -296,6 +383,12 @@ class PartitionServer(LivingPartition):
         """Release the partition's log, the wire's port and the links to peers (a server
         started again in this process takes them)."""
         super().close()
+        if self.table is not None:
+            self.table.stop()
         self.wire.close()
         self.peers.link.close()
 
+
+
+async def _ready(value: np.ndarray) -> np.ndarray:
+    return value

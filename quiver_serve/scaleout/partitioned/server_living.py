@@ -36,6 +36,7 @@ from quiver_serve.scaleout.partitioned.live import (
     save_dropped,
 )
 from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, as_tensor
+from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +65,7 @@ class LivingPartition:
     owned: int
     edges: int
     device: Any  # torch.device
+    table: PartitionTable | None
 
     def _open_live(self, folder: Path, book: Any, base: ServingBase) -> PartitionLive:
         """The partition's living graph over its update log, replayed after ``base``: replica
@@ -90,6 +92,8 @@ class LivingPartition:
             self.graph.owner, self.graph.local = live.owner, live.local
             self.features.grow(live.owner, live.local)
             self.num_nodes = int(live.owner.numel())
+            if self.table is not None:
+                self.table.follow_book(live.owner, live.local)
         self.graph.overlay = live.view()
 
     async def _current(self, work: Callable[[], Awaitable[T]]) -> T:
@@ -207,7 +211,7 @@ class LivingPartition:
         after it replayed, placed on the device), then the last records and the swap on it."""
         old, args = self.live, self.args
 
-        def build() -> tuple[PartitionLive, LocalGraph, Any, ServingBase]:
+        def build() -> tuple[PartitionLive, LocalGraph, Any, ServingBase, OutEdges | None]:
             data = load_partition(Path(args.data_dir), args.part, mmap=True)
             base = serving_base(old.directory, data)
             book = grown_book(Path(args.data_dir), base.entries)
@@ -222,9 +226,11 @@ class LivingPartition:
             placed = graph.place(self.device, budget)
             own, _ = self.features.own_rows_on(as_tensor(base.features), self.device,
                                                budget - placed - self.features.hot_bytes)
-            return live, graph, own, base
+            out_edges = None if self.table is None else OutEdges.of_base(graph.indptr,
+                                                                         graph.indices)
+            return live, graph, own, base, out_edges
 
-        live, graph, own, base = await asyncio.to_thread(build)
+        live, graph, own, base, out_edges = await asyncio.to_thread(build)
         if live.base_version <= old.base_version:
             return
         if live.log is not None:  # the records logged while it was built
@@ -234,6 +240,8 @@ class LivingPartition:
         self.graph = self.sampler.graph = graph  # a batch under way keeps the old one
         self.features.rebase(own, live.written)
         self.live, self.base_x = live, base.features
+        if out_edges is not None and self.table is not None:  # with the log it extends
+            self.table.rebase(out_edges)
         self.owned, self.edges = int(base.features.shape[0]), int(base.indices.size)
         self._refresh(moved=True)
         self.moves.moves += 1

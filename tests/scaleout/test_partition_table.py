@@ -1,0 +1,164 @@
+"""The exact table across partitions (``scaleout/partitioned/table.py``, ``table_marks.py``;
+decision 0065), with two primaries and a follower in one process over the wire (no Ray).
+
+* Every server's table becomes fresh without coordination (each waits on its peers' layers) and
+  its rows equal PyG's full-graph output; exact requests are then answered from it.
+* After updates across partitions (edges, feature rows, new nodes), marked by the ingress's
+  code before the answer, an exact answer equals PyG's output over the updated graph at once
+  (stale rows on the fly), and again from the table once it is fresh.
+* A feature write at one partition marks rows at the other (out-edges across partitions);
+  without the marks the table would answer stale rows (checked: the test can fail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from quiver_serve.partition.data import load_book
+from quiver_serve.scaleout.partitioned.links import WireLink
+from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
+from quiver_serve.scaleout.partitioned.table_marks import mark_tables
+from tests.scaleout.test_partition_compaction import Expected, full_rows
+from tests.scaleout.test_partitioned import block_graph, config, partitions
+
+pytestmark = [pytest.mark.slow]
+
+
+class _Remote:
+    """``handle.method.remote(...)`` of a Ray actor, for a server in this process."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class Handle:
+    def __init__(self, server: PartitionServer) -> None:
+        self.table_mark = _Remote(server.table_mark)
+
+
+def servers_for(data_dir: Path, log_dir: Path) -> list[PartitionServer]:
+    cfg = config(inference__device="cpu", exact__materialize="on", exact__refresh_duty=1.0,
+                 graph__update_log_dir=str(log_dir), graph__max_new_nodes=64,
+                 exact__chunk_edges=2048, exact__refresh_chunk_edges=1024)
+    d = cfg.model_dump(mode="json")
+    servers = [PartitionServer(d, ServerArgs("t", str(data_dir), 0, 0, 2)),
+               PartitionServer(d, ServerArgs("t", str(data_dir), 1, 0, 2)),
+               PartitionServer(d, ServerArgs("t", str(data_dir), 1, 1, 2))]
+    addresses = [s.wire.start("127.0.0.1") for s in servers[:2]]
+
+    async def address_of(part: int, replica: int) -> str:
+        return addresses[part]
+
+    for s in servers:
+        s.peers.link = WireLink(address_of)
+    return servers
+
+
+async def fresh(servers: list[PartitionServer], timeout_s: float = 60.0) -> None:
+    for s in servers:
+        await s.info()  # starts the refresh loop
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not all(s.table is not None and s.table.snapshot()["stale_rows"] == 0
+                  for s in servers):
+        assert loop.time() < deadline, [s.table.snapshot() for s in servers if s.table]
+        await asyncio.sleep(0.05)
+
+
+async def exact_of(servers: list[PartitionServer], owner: np.ndarray, n: int) -> np.ndarray:
+    """Every node's exact row, each asked of a server of its owner (as the ingress splits)."""
+    out = np.zeros((n, servers[0].model.out_dim), np.float32)
+    for s in servers:
+        ids = np.flatnonzero(owner[:n] == s.args.part)
+        got = await s.embed(ids, True, None, 30.0)
+        assert isinstance(got, np.ndarray), got
+        out[ids] = got
+    return out
+
+
+def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> None:
+    graph = block_graph()
+    data_dir = partitions(graph, 2, tmp_path)
+    owner = load_book(data_dir).owner.astype(np.int64)
+    expected = Expected(graph)
+
+    async def run() -> None:
+        servers = servers_for(data_dir, tmp_path / "logs")
+        handles = [[Handle(servers[0])], [Handle(servers[1]), Handle(servers[2])]]
+        try:
+            await fresh(servers)
+            served = [s.table.counts.from_table for s in servers]
+            n = graph.num_nodes
+            np.testing.assert_allclose(await exact_of(servers, owner, n), full_rows(expected),
+                                       atol=1e-5, rtol=0)
+            assert all(s.table.counts.from_table > before
+                       for s, before in zip(servers, served, strict=True))
+
+            # a feature write at partition 0 of a node with out-edges into partition 1
+            cross = [(u, v) for v in range(n) for u in expected.lists[v]
+                     if owner[u] == 0 and owner[v] == 1]
+            u, v = cross[0]
+            row = np.full(graph.num_features, 3.0, np.float32)
+            for s in servers:  # as the ingress does: replicated copies dropped first
+                s.drop_hot(np.array([u]))
+            await servers[0].update("features", [u], [row.tolist()])
+            expected.x[u] = torch.from_numpy(row)
+            computed = [s.table.counts.computed_rows for s in servers]
+            done = await mark_tables(handles, np.array([u]), np.empty(0, np.int64), 5.0)
+            assert done["layers"] == servers[0].table.num_layers and done["restarted"] == 0
+            np.testing.assert_allclose(await exact_of(servers, owner, n), full_rows(expected),
+                                       atol=1e-5, rtol=0)
+            await fresh(servers)
+            # partition 1 (both replicas) recomputed rows for a write at partition 0
+            assert all(s.table.counts.computed_rows > before
+                       for s, before in zip(servers, computed, strict=True))
+
+            # edges (base-edge removals among them) and new nodes, then the marks
+            rng = np.random.default_rng(5)
+            add = rng.integers(0, n, (30, 2)).tolist()
+            remove = [[expected.lists[d][0], d] for d in (10, 500, 800)]
+            for p in (0, 1):
+                mine_a = [e for e in add if owner[e[1]] == p]
+                mine_r = [e for e in remove if owner[e[1]] == p]
+                answer = await servers[p].update("edges", mine_a, mine_r)
+                assert "code" not in answer, answer
+            expected.edges(add, remove)
+            lists = np.array([d for _, d in add + remove])
+            await mark_tables(handles, np.empty(0, np.int64), lists, 5.0)
+            rows = rng.standard_normal((2, graph.num_features)).astype(np.float32)
+            await servers[1].update("nodes", [n, 2, 1], rows.tolist())
+            await servers[0].update("nodes", [n, 2, 1], None)
+            expected.nodes(rows)
+            owner_now = np.concatenate([owner, [1, 1]])
+            n += 2
+            np.testing.assert_allclose(await exact_of(servers, owner_now, n),
+                                       full_rows(expected), atol=1e-5, rtol=0)
+            await fresh(servers)
+            served = [s.table.counts.from_table for s in servers]
+            np.testing.assert_allclose(await exact_of(servers, owner_now, n),
+                                       full_rows(expected), atol=1e-5, rtol=0)
+            assert all(s.table.counts.from_table > before
+                       for s, before in zip(servers, served, strict=True))
+
+            # without the marks, the table answers the old rows: the marks are what keeps it exact
+            await servers[0].update("features", [u], [(row * 0).tolist()])
+            expected.x[u] = 0
+            stale = await exact_of(servers, owner_now, n)
+            assert not np.allclose(stale[v], full_rows(expected)[v], atol=1e-5)
+            await mark_tables(handles, np.array([u]), np.empty(0, np.int64), 5.0)
+            np.testing.assert_allclose(await exact_of(servers, owner_now, n),
+                                       full_rows(expected), atol=1e-5, rtol=0)
+        finally:
+            for s in servers:
+                s.close()
+
+    asyncio.run(run())
