@@ -33,8 +33,6 @@ class IngressCounts:
     by_status: dict[int, int] = field(default_factory=dict)
     latency_sum_s: float = 0.0
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    #: servers restarted because their exact table could not be marked for an update
-    table_restarts: int = 0
 
     def observe(self, status: int, latency_s: float) -> None:
         self.by_status[status] = self.by_status.get(status, 0) + 1
@@ -129,11 +127,7 @@ class _Collector:
                              [])
         latency.add_metric([], _cumulative(LATENCY_BUCKETS_S, self.ingress.latency_buckets),
                            self.ingress.latency_sum_s)
-        restarts = CounterMetricFamily(PREFIX + "partitioned_table_restarts", "partition "
-                                       "servers restarted because their exact table could not "
-                                       "be marked for an update (decision 0065)")
-        restarts.add_metric([], float(self.ingress.table_restarts))
-        yield from (answered, latency, restarts)
+        yield from (answered, latency)
 
 
 def exposition(servers: list[dict[str, Any]], ingress: IngressCounts,
@@ -172,6 +166,9 @@ class _Living:
                                             labels=labels)
         self.served = CounterMetricFamily(P + "exact_table_rows_served", "exact rows answered "
                                           "from the table", labels=labels)
+        self.restarts = CounterMetricFamily(P + "exact_table_restarts", "servers this primary "
+                                            "restarted because their table could not be marked "
+                                            "for its update (decision 0065)", labels=labels)
 
     def add(self, s: dict[str, Any]) -> None:
         if "version" not in s:
@@ -190,7 +187,8 @@ class _Living:
             self.stale.add_metric(key, float(table["stale_rows"]))
             self.computed.add_metric(key, float(table["computed_rows"]))
             self.served.add_metric(key, float(table["rows_from_table"]))
+            self.restarts.add_metric(key, float(table.get("restarted", 0)))
 
     def families(self) -> tuple[Metric, ...]:
         return (self.version, self.lag, self.base, self.fill, self.compactions, self.stale,
-                self.computed, self.served)
+                self.computed, self.served, self.restarts)

@@ -1,13 +1,16 @@
 """The exact table across partitions (``scaleout/partitioned/table.py``, ``table_marks.py``;
-decision 0065), with two primaries and a follower in one process over the wire (no Ray).
+decision 0065), with two primaries and a follower in one process over the wire (no Ray; the
+marks' calls go to the servers in place).
 
 * Every server's table becomes fresh without coordination (each waits on its peers' layers) and
   its rows equal PyG's full-graph output; exact requests are then answered from it.
-* After updates across partitions (edges, feature rows, new nodes), marked by the ingress's
-  code before the answer, an exact answer equals PyG's output over the updated graph at once
-  (stale rows on the fly), and again from the table once it is fresh.
-* A feature write at one partition marks rows at the other (out-edges across partitions);
-  without the marks the table would answer stale rows (checked: the test can fail).
+* After updates across partitions (edges, base-edge removals, feature rows, new nodes), marked
+  by their primary before it answers, an exact answer equals PyG's output over the updated
+  graph at once (stale rows on the fly), and again from the table once it is fresh; a write at
+  one partition makes the other recompute rows.
+* A primary whose marks did not reach the other partition (a crash between the write and its
+  marks) leaves that table answering the old rows (checked: the test can fail); started again,
+  it marks what its log holds past its base and the answers are exact again.
 """
 
 from __future__ import annotations
@@ -23,33 +26,30 @@ import torch
 from quiver_serve.partition.data import load_book
 from quiver_serve.scaleout.partitioned.links import WireLink
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
-from quiver_serve.scaleout.partitioned.table_marks import mark_tables
+from quiver_serve.scaleout.partitioned.table_marks import MarkTarget
 from tests.scaleout.test_partition_compaction import Expected, full_rows
 from tests.scaleout.test_partitioned import block_graph, config, partitions
 
 pytestmark = [pytest.mark.slow]
 
 
-class _Remote:
-    """``handle.method.remote(...)`` of a Ray actor, for a server in this process."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
+def in_place(servers: list[PartitionServer]) -> None:
+    """Every server's marks go to every server of the list, in this process."""
+    for s in servers:
+        s.mark_targets = lambda: [MarkTarget(f"{t.args.part}/{t.args.replica}", t.table_mark)
+                                  for t in servers]
 
 
-class Handle:
-    def __init__(self, server: PartitionServer) -> None:
-        self.table_mark = _Remote(server.table_mark)
+def config_dict(log_dir: Path) -> dict[str, Any]:
+    return config(inference__device="cpu", exact__materialize="on", exact__refresh_duty=1.0,
+                  graph__update_log_dir=str(log_dir), graph__max_new_nodes=64,
+                  exact__chunk_edges=2048, exact__refresh_chunk_edges=1024).model_dump(mode="json")
 
 
-def servers_for(data_dir: Path, log_dir: Path) -> list[PartitionServer]:
-    cfg = config(inference__device="cpu", exact__materialize="on", exact__refresh_duty=1.0,
-                 graph__update_log_dir=str(log_dir), graph__max_new_nodes=64,
-                 exact__chunk_edges=2048, exact__refresh_chunk_edges=1024)
-    d = cfg.model_dump(mode="json")
+def servers_for(data_dir: Path, log_dir: Path) -> tuple[list[PartitionServer], list[str]]:
+    """Both primaries and a follower of partition 1, and the primaries' wire addresses (the
+    links read them at each connection)."""
+    d = config_dict(log_dir)
     servers = [PartitionServer(d, ServerArgs("t", str(data_dir), 0, 0, 2)),
                PartitionServer(d, ServerArgs("t", str(data_dir), 1, 0, 2)),
                PartitionServer(d, ServerArgs("t", str(data_dir), 1, 1, 2))]
@@ -60,7 +60,8 @@ def servers_for(data_dir: Path, log_dir: Path) -> list[PartitionServer]:
 
     for s in servers:
         s.peers.link = WireLink(address_of)
-    return servers
+    in_place(servers)
+    return servers, addresses
 
 
 async def fresh(servers: list[PartitionServer], timeout_s: float = 60.0) -> None:
@@ -92,8 +93,7 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
     expected = Expected(graph)
 
     async def run() -> None:
-        servers = servers_for(data_dir, tmp_path / "logs")
-        handles = [[Handle(servers[0])], [Handle(servers[1]), Handle(servers[2])]]
+        servers, addresses = servers_for(data_dir, tmp_path / "logs")
         try:
             await fresh(servers)
             served = [s.table.counts.from_table for s in servers]
@@ -113,8 +113,6 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
             await servers[0].update("features", [u], [row.tolist()])
             expected.x[u] = torch.from_numpy(row)
             computed = [s.table.counts.computed_rows for s in servers]
-            done = await mark_tables(handles, np.array([u]), np.empty(0, np.int64), 5.0)
-            assert done["layers"] == servers[0].table.num_layers and done["restarted"] == 0
             np.testing.assert_allclose(await exact_of(servers, owner, n), full_rows(expected),
                                        atol=1e-5, rtol=0)
             await fresh(servers)
@@ -132,8 +130,6 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
                 answer = await servers[p].update("edges", mine_a, mine_r)
                 assert "code" not in answer, answer
             expected.edges(add, remove)
-            lists = np.array([d for _, d in add + remove])
-            await mark_tables(handles, np.empty(0, np.int64), lists, 5.0)
             rows = rng.standard_normal((2, graph.num_features)).astype(np.float32)
             await servers[1].update("nodes", [n, 2, 1], rows.tolist())
             await servers[0].update("nodes", [n, 2, 1], None)
@@ -149,12 +145,23 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
             assert all(s.table.counts.from_table > before
                        for s, before in zip(servers, served, strict=True))
 
-            # without the marks, the table answers the old rows: the marks are what keeps it exact
+            # a crash between the write and its marks: partition 1's table answers old rows
+            servers[0].mark_targets = lambda: [MarkTarget("0/0", servers[0].table_mark)]
+            for s in servers:
+                s.drop_hot(np.array([u]))
             await servers[0].update("features", [u], [(row * 0).tolist()])
             expected.x[u] = 0
             stale = await exact_of(servers, owner_now, n)
             assert not np.allclose(stale[v], full_rows(expected)[v], atol=1e-5)
-            await mark_tables(handles, np.array([u]), np.empty(0, np.int64), 5.0)
+            servers[0].close()  # started again: it marks what its log holds past its base
+            servers[0] = PartitionServer(config_dict(tmp_path / "logs"),
+                                         ServerArgs("t", str(data_dir), 0, 0, 2))
+            servers[0].peers.link = WireLink(servers[1].peers.link.address_of)
+            addresses[0] = servers[0].wire.start("127.0.0.1")
+            for s in servers[1:]:  # its new port: the others' links ask again
+                s.peers.link.forget(0, 0)
+            in_place(servers)
+            await fresh(servers)
             np.testing.assert_allclose(await exact_of(servers, owner_now, n),
                                        full_rows(expected), atol=1e-5, rtol=0)
         finally:

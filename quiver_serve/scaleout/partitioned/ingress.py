@@ -54,7 +54,6 @@ from quiver_serve.scaleout.partitioned.live_routes import (
     split_rows,
 )
 from quiver_serve.scaleout.partitioned.peers import CALL_BUCKETS_S, Replicas
-from quiver_serve.scaleout.partitioned.table_marks import mark_tables
 from quiver_serve.wire import InductiveNodes
 
 #: how long a readiness or status probe waits for a partition server
@@ -165,11 +164,7 @@ class PartitionedIngress:
             named = [v for pair in (*body.add, *body.remove) for v in pair]
             await self._learn_book(force=max(named, default=-1) >= self.book.num_nodes)
             split = split_edges(self.book, body.add, body.remove)
-            lists = np.concatenate([pairs[:, 1] for add_rm in split.values() for pairs in add_rm])
-            try:
-                answer = await self._update("edges", {p: (a, r) for p, (a, r) in split.items()})
-            finally:  # a partition that answered keeps its update, refused or not
-                await self._mark_tables(lists[:0], lists)
+            answer = await self._update("edges", {p: (a, r) for p, (a, r) in split.items()})
         except errors.ServeError as exc:
             return self._refuse(exc, t0, request.url.path)
         self.counts.observe(200, time.perf_counter() - t0)
@@ -183,12 +178,8 @@ class PartitionedIngress:
             self._admin(request)
             await self._learn_book(force=max(body.node_ids) >= self.book.num_nodes)
             split = split_rows(self.book, body.node_ids, body.features)
-            written = np.asarray(body.node_ids, np.int64)
-            await self._drop_copies(written, set(split))
-            try:
-                answer = await self._update("features", split)
-            finally:
-                await self._mark_tables(written, written[:0])
+            await self._drop_copies(np.asarray(body.node_ids, np.int64), set(split))
+            answer = await self._update("features", split)
         except errors.ServeError as exc:
             return self._refuse(exc, t0, request.url.path)
         self.counts.observe(200, time.perf_counter() - t0)
@@ -340,15 +331,6 @@ class PartitionedIngress:
             if isinstance(answer, BaseException):
                 raise answer
         return merge_answers(dict(zip(split, got, strict=True)))  # type: ignore[arg-type]
-
-    async def _mark_tables(self, changed: np.ndarray, lists: np.ndarray) -> None:
-        """Every server's exact table marked for an update before it is answered
-        (``table_marks.py``); nothing when no server holds one (``exact.materialize: off``)."""
-        if self.cfg.exact.materialize == "off":
-            return
-        done = await mark_tables(self.servers, changed, lists,
-                                 self.cfg.partitioned.remote_timeout_s + MARGIN_S)
-        self.counts.table_restarts += done["restarted"]
 
     async def _add_nodes(self, features: list[list[float]]) -> dict[str, Any]:
         """``features``' nodes at the next global ids: entered at their owner with their rows

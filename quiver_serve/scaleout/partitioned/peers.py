@@ -108,6 +108,13 @@ class Peers:
         self.link: RayLink | WireLink = WireLink(self._address) if settings.transport == "wire" \
             else RayLink(self._handle)
 
+    def handle(self, part: int, replica: int) -> Any:
+        """The Ray actor handle of partition ``part``'s replica ``replica`` (cached)."""
+        return self._handle(part, replica)
+
+    def forget_handle(self, part: int, replica: int) -> None:
+        self._handles.pop((part, replica), None)
+
     def _handle(self, part: int, replica: int) -> Any:
         key = (part, replica)
         handle = self._handles.get(key)

@@ -53,8 +53,11 @@ from quiver_serve.scaleout.partitioned.sampling import (
 )
 from quiver_serve.scaleout.partitioned.server_living import LivingPartition, refusal
 from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable, TableSources
+from quiver_serve.scaleout.partitioned.table_marks import ray_targets
 
 log = logging.getLogger(__name__)
+#: tries of a started primary to mark what it replayed (a second apart)
+REMARK_ATTEMPTS = 120
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class PartitionServer(LivingPartition):
         self.base_x = base.features
         self.moves = Moves()
         self.table: PartitionTable | None = None  # built once the model is (``_table``)
+        self.table_wanted, self.marking, self._remarked = False, set(), False
+        self.mark_targets = lambda: ray_targets(self.peers, (args.part, args.replica),
+                                                self.table_mark)
         self.live = self._open_live(folder, book, base)
         self.device = worker_device(cfg, 0)
         self.device_bytes = self._place()
@@ -152,6 +158,7 @@ class PartitionServer(LivingPartition):
         except ValueError as exc:
             log.info("partition %d: no exact table: %s", self.args.part, exc)
             return None
+        self.table_wanted = True  # the others hold tables alike: this one's updates mark them
         nbytes = self.owned * sum(layerwise.out_dims()) * 4
         device = self.device if self.device.type != "cpu" and nbytes <= ecfg.gpu_bytes \
             else torch.device("cpu")
@@ -173,6 +180,28 @@ class PartitionServer(LivingPartition):
             await self._current(lambda: asyncio.sleep(0))
 
         self.table.start(TableSources(lambda: self.graph, self.features.gather, follow))
+        if self.live.log is not None and not self._remarked:
+            self._remarked = True
+            asyncio.ensure_future(self._mark_replayed())
+
+    async def _mark_replayed(self) -> None:
+        """A started primary marks what its log holds past its base (an update applied before
+        a crash may not have been marked; ``table_marks.py``), until every server took it."""
+        assert self.table is not None
+        own = self.table.own_ids
+        written = np.fromiter(self.live.rows_written, np.int64, len(self.live.rows_written))
+        changed = own[torch.from_numpy(written[written < own.numel()])].numpy()
+        lists = own[torch.from_numpy(self.live.overlay.changed_nodes())].numpy()
+        if changed.size == 0 and lists.size == 0:
+            return
+        for attempt in range(REMARK_ATTEMPTS):
+            try:
+                await self.mark_rows(changed, lists, self.live.version)
+                return
+            except Exception:  # noqa: BLE001 - retried; peers may still be starting
+                log.exception("partition %d: marking the replayed updates failed (attempt %d)",
+                              self.args.part, attempt + 1)
+                await asyncio.sleep(1.0)
 
     # ---- answering the ingress ---------------------------------------------------------------
     async def embed(self, node_ids: np.ndarray, exact: bool, seed: int | None,
@@ -181,23 +210,26 @@ class PartitionServer(LivingPartition):
         batch seed; every neighbour per hop when ``exact``), or a refusal: 503 with the
         partition that did not answer, 503 overloaded, 504 past ``timeout_s``."""
         def work() -> Awaitable[np.ndarray]:
-            if exact and (rows := self._from_table(node_ids)) is not None:
-                return _ready(rows)
+            if exact and self.table is not None:
+                return self._exact(node_ids)
             return self.exact_batches.submit(node_ids) if exact else \
                 self.batches.submit(node_ids) if seed is None else \
                 self._embed(node_ids, exact, seed)
 
         return await self._admitted(work, timeout_s, "embed")
 
-    def _from_table(self, node_ids: np.ndarray) -> np.ndarray | None:
-        """The exact rows of ``node_ids`` from the table, when it holds every one fresh."""
-        if self.table is None:
-            return None
+    async def _exact(self, node_ids: np.ndarray) -> np.ndarray:
+        """Exact rows of ``node_ids``: the table's fresh rows, the others on the fly."""
+        assert self.table is not None
         ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
         rows = self.table.own_rows_of(ids)
-        if rows.numel() != ids.numel() or not self.table.clean(rows):
-            return None
-        return self.table.lookup(rows)
+        if rows.numel() != ids.numel():  # not all owned here: the ingress sends owners theirs
+            return await self.exact_batches.submit(node_ids)
+        stale = self.table.stale_of(rows)
+        out = self.table.lookup(rows, ~stale)
+        if bool(stale.any()):
+            out[stale.numpy()] = await self.exact_batches.submit(ids[stale].numpy())
+        return out
 
     async def embed_new(self, node_ids: np.ndarray, exact: bool, seed: int | None,
                         timeout_s: float | None, features: np.ndarray, offsets: np.ndarray,
@@ -388,7 +420,3 @@ class PartitionServer(LivingPartition):
         self.wire.close()
         self.peers.link.close()
 
-
-
-async def _ready(value: np.ndarray) -> np.ndarray:
-    return value

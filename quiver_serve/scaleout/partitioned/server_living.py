@@ -37,9 +37,12 @@ from quiver_serve.scaleout.partitioned.live import (
 )
 from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, as_tensor
 from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable
+from quiver_serve.scaleout.partitioned.table_marks import MarkTarget, mark_tables
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: a mark call's time beyond ``partitioned.remote_timeout_s`` (the peer follows its log first)
+MARK_MARGIN_S = 1.0
 
 
 def refusal(exc: errors.ServeError) -> dict[str, Any]:
@@ -66,6 +69,12 @@ class LivingPartition:
     edges: int
     device: Any  # torch.device
     table: PartitionTable | None
+    #: whether updates mark the exact tables (``exact.materialize`` not off, a layer-wise model)
+    table_wanted: bool
+    #: the servers an update's marks go to (``table_marks.ray_targets``; tests set their own)
+    mark_targets: Callable[[], list[MarkTarget]]
+    #: versions whose marks are under way: a compaction folds a version only after its marks
+    marking: set[int]
 
     def _open_live(self, folder: Path, book: Any, base: ServingBase) -> PartitionLive:
         """The partition's living graph over its update log, replayed after ``base``: replica
@@ -156,6 +165,8 @@ class LivingPartition:
             else:
                 out = self.live.put_features(first, second)
             self._refresh()
+            if self.table_wanted and kind != "nodes":  # a new node has no edges yet
+                await self._mark(kind, first, second, int(out["version"]))
             if self.live.wants_compaction():
                 self._start_compaction()
             return out
@@ -165,6 +176,27 @@ class LivingPartition:
             return refusal(exc)
         except Exception as exc:  # noqa: BLE001 - a fault: a 500 naming an id in the log
             return refusal(errors.internal_error(exc, f"partition {self.args.part} update", log))
+
+    async def _mark(self, kind: str, first: Any, second: Any, version: int) -> None:
+        """Every server's exact table marked for this update before it is answered
+        (``table_marks.py``): the written rows, or the destinations of the edges."""
+        if kind == "edges":
+            pairs = [np.asarray(a, np.int64).reshape(-1, 2) for a in (first, second)]
+            changed, lists = np.empty(0, np.int64), np.concatenate([p[:, 1] for p in pairs])
+        else:
+            changed, lists = np.asarray(first, np.int64).reshape(-1), np.empty(0, np.int64)
+        await self.mark_rows(changed, lists, version)
+
+    async def mark_rows(self, changed: np.ndarray, lists: np.ndarray, version: int) -> None:
+        """``mark_tables`` for the update of ``version``, counted in ``marking`` meanwhile."""
+        self.marking.add(version)
+        try:
+            done = await mark_tables(self.mark_targets(), changed, lists,
+                                     self.cfg.partitioned.remote_timeout_s + MARK_MARGIN_S)
+        finally:
+            self.marking.discard(version)
+        if self.table is not None:
+            self.table.counts.restarted += done["restarted"]
 
     # ---- compaction (``compaction.py``) -------------------------------------------------------
     async def compact(self) -> dict[str, Any]:
@@ -187,6 +219,8 @@ class LivingPartition:
         version = live.version
         if version == live.base_version:
             return {"version": version, "compacted": False, "reason": "nothing new"}
+        while any(v <= version for v in self.marking):  # bounded by the marks' timeouts
+            await asyncio.sleep(0.005)
         frozen = live.overlay.freeze()
         written, entries = dict(live.rows_written), [list(e) for e in live.entries]
         try:

@@ -91,6 +91,7 @@ class TableCounts:
     passes: int = 0
     marks: int = 0
     from_table: int = 0
+    restarted: int = 0  # servers restarted by this primary's marks (``table_marks.py``)
     built_s: float | None = None
     started_s: float = field(default_factory=time.monotonic)
 
@@ -159,13 +160,14 @@ class PartitionTable:
         self.out_edges = out_edges
 
     # ---- reads ----------------------------------------------------------------------------------
-    def clean(self, rows: Tensor) -> bool:
-        """Whether every row of ``rows`` (local) is fresh at the last layer."""
-        return rows.numel() > 0 and not bool(self.stale[-1].index_select(0, rows).any())
+    def stale_of(self, rows: Tensor) -> Tensor:
+        """bool: which of local ``rows`` are not fresh at the last layer."""
+        return self.stale[-1].index_select(0, rows)
 
-    def lookup(self, rows: Tensor) -> np.ndarray:
-        """float32 last-layer rows of local ``rows`` (``clean`` first)."""
-        self.counts.from_table += int(rows.numel())
+    def lookup(self, rows: Tensor, fresh: Tensor) -> np.ndarray:
+        """float32 last-layer rows of local ``rows`` (those not ``fresh`` are to be
+        overwritten by the caller)."""
+        self.counts.from_table += int(fresh.sum())
         out = self.layers[-1].index_select(0, rows.to(self.device))
         return np.ascontiguousarray(out.cpu().numpy())
 
@@ -355,6 +357,7 @@ class PartitionTable:
                 "fresh": self.counts.built_s is not None, "built_s": self.counts.built_s,
                 "computed_rows": self.counts.computed_rows, "passes": self.counts.passes,
                 "marks": self.counts.marks, "rows_from_table": self.counts.from_table,
+                "restarted": self.counts.restarted,
                 "device": str(self.device)}
 
 
