@@ -172,7 +172,8 @@ class PartitionServer(LivingPartition):
         return table
 
     def _start_table(self) -> None:
-        """The table's refresh loop, on the running loop (``info`` starts it)."""
+        """The table's refresh loop, on the running loop (started by ``info``, an exact
+        request or a mark, whichever comes first after a start)."""
         if self.table is None:
             return
 
@@ -221,6 +222,7 @@ class PartitionServer(LivingPartition):
     async def _exact(self, node_ids: np.ndarray) -> np.ndarray:
         """Exact rows of ``node_ids``: the table's fresh rows, the others on the fly."""
         assert self.table is not None
+        self._start_table()  # a restarted server starts its loop at its first call
         ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
         rows = self.table.own_rows_of(ids)
         if rows.numel() != ids.numel():  # not all owned here: the ingress sends owners theirs
@@ -360,6 +362,7 @@ class PartitionServer(LivingPartition):
             table = self.table
             if table is None:
                 return {"layers": 0, "ids": np.empty(0, np.int64), "all": False}
+            self._start_table()
             got = table.mark(int(layer), None if changed is None else
                              torch.from_numpy(np.asarray(changed, np.int64)),
                              torch.from_numpy(np.asarray(lists, np.int64)),
