@@ -1,6 +1,5 @@
 """The exact table across partitions (``scaleout/partitioned/table.py``, ``table_marks.py``;
-decision 0065), with two primaries and a follower in one process over the wire (no Ray; the
-marks' calls go to the servers in place).
+decision 0065), with two primaries and a follower in one process over the wire (no Ray).
 
 * Every server's table becomes fresh without coordination (each waits on its peers' layers) and
   its rows equal PyG's full-graph output; exact requests are then answered from it.
@@ -33,34 +32,27 @@ from tests.scaleout.test_partitioned import block_graph, config, partitions
 pytestmark = [pytest.mark.slow]
 
 
-def in_place(servers: list[PartitionServer]) -> None:
-    """Every server's marks go to every server of the list, in this process."""
-    for s in servers:
-        s.mark_targets = lambda: [MarkTarget(f"{t.args.part}/{t.args.replica}", t.table_mark)
-                                  for t in servers]
-
-
 def config_dict(log_dir: Path) -> dict[str, Any]:
     return config(inference__device="cpu", exact__materialize="on", exact__refresh_duty=1.0,
                   graph__update_log_dir=str(log_dir), graph__max_new_nodes=64,
                   exact__chunk_edges=2048, exact__refresh_chunk_edges=1024).model_dump(mode="json")
 
 
-def servers_for(data_dir: Path, log_dir: Path) -> tuple[list[PartitionServer], list[str]]:
-    """Both primaries and a follower of partition 1, and the primaries' wire addresses (the
-    links read them at each connection)."""
+def servers_for(data_dir: Path, log_dir: Path,
+                ) -> tuple[list[PartitionServer], dict[tuple[int, int], str]]:
+    """Both primaries and a follower of partition 1, and their wire addresses (the links read
+    them at each connection); the marks go over the wire, as in a deployment."""
     d = config_dict(log_dir)
     servers = [PartitionServer(d, ServerArgs("t", str(data_dir), 0, 0, 2)),
                PartitionServer(d, ServerArgs("t", str(data_dir), 1, 0, 2)),
                PartitionServer(d, ServerArgs("t", str(data_dir), 1, 1, 2))]
-    addresses = [s.wire.start("127.0.0.1") for s in servers[:2]]
+    addresses = {(s.args.part, s.args.replica): s.wire.start("127.0.0.1") for s in servers}
 
-    async def address_of(part: int, replica: int) -> str:
-        return addresses[part]
+    async def address_of(part: int, replica: int) -> str:  # partition 0 has one replica here
+        return addresses.get((part, replica)) or addresses[(part, 0)]
 
     for s in servers:
         s.peers.link = WireLink(address_of)
-    in_place(servers)
     return servers, addresses
 
 
@@ -146,7 +138,7 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
                        for s, before in zip(servers, served, strict=True))
 
             # a crash between the write and its marks: partition 1's table answers old rows
-            servers[0].mark_targets = lambda: [MarkTarget("0/0", servers[0].table_mark)]
+            servers[0].mark_targets = lambda: [MarkTarget("0/0", 0, servers[0].mark_here)]
             for s in servers:
                 s.drop_hot(np.array([u]))
             await servers[0].update("features", [u], [(row * 0).tolist()])
@@ -157,10 +149,9 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
             servers[0] = PartitionServer(config_dict(tmp_path / "logs"),
                                          ServerArgs("t", str(data_dir), 0, 0, 2))
             servers[0].peers.link = WireLink(servers[1].peers.link.address_of)
-            addresses[0] = servers[0].wire.start("127.0.0.1")
+            addresses[(0, 0)] = servers[0].wire.start("127.0.0.1")
             for s in servers[1:]:  # its new port: the others' links ask again
                 s.peers.link.forget(0, 0)
-            in_place(servers)
             await fresh(servers)
             np.testing.assert_allclose(await exact_of(servers, owner_now, n),
                                        full_rows(expected), atol=1e-5, rtol=0)

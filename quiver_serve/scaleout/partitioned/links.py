@@ -25,10 +25,10 @@ import numpy as np
 
 from quiver_serve.wire import disconnect_monitor
 
-#: (method, args) the wire carries: sample_hop(ids, k, hop, base), rows(ids) and
-#: table_rows(ids, layer) between partition servers; embed(ids, exact, seed, timeout_s) from
-#: the ingress
-METHODS = ("sample_hop", "rows", "table_rows", "embed")
+#: (method, args) the wire carries: sample_hop(ids, k, hop, base), rows(ids),
+#: table_rows(ids, layer) and table_mark(ids, layer, every, lists) between partition servers;
+#: embed(ids, exact, seed, timeout_s) from the ingress
+METHODS = ("sample_hop", "rows", "table_rows", "table_mark", "embed")
 #: the calls of peers: local work that never waits on another server, so they alone take the
 #: answering slots (an embed waits on peers; it is bounded by the server's own admission)
 PEER_METHODS = ("sample_hop", "rows", "table_rows")

@@ -51,9 +51,13 @@ from quiver_serve.scaleout.partitioned.sampling import (
     local_hop,
     off_loop,
 )
-from quiver_serve.scaleout.partitioned.server_living import LivingPartition, refusal
+from quiver_serve.scaleout.partitioned.server_living import (
+    MARK_MARGIN_S,
+    LivingPartition,
+    refusal,
+)
 from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable, TableSources
-from quiver_serve.scaleout.partitioned.table_marks import ray_targets
+from quiver_serve.scaleout.partitioned.table_marks import as_answer, link_targets
 
 log = logging.getLogger(__name__)
 #: tries of a started primary to mark what it replayed (a second apart)
@@ -104,8 +108,9 @@ class PartitionServer(LivingPartition):
         self.moves = Moves()
         self.table: PartitionTable | None = None  # built once the model is (``_table``)
         self.table_wanted, self.marking, self._remarked = False, set(), False
-        self.mark_targets = lambda: ray_targets(self.peers, (args.part, args.replica),
-                                                self.table_mark)
+        self.mark_targets = lambda: link_targets(
+            self.peers, (args.part, args.replica), self.mark_here,
+            cfg.partitioned.remote_timeout_s + MARK_MARGIN_S)
         self.live = self._open_live(folder, book, base)
         self.device = worker_device(cfg, 0)
         self.device_bytes = self._place()
@@ -353,24 +358,32 @@ class PartitionServer(LivingPartition):
 
         return await self._current(work)
 
-    async def table_mark(self, layer: int, changed: np.ndarray | None,
-                         lists: np.ndarray) -> dict[str, Any]:
-        """Mark the table's rows of ``layer`` an update can change (``table.py``; the ingress
-        calls every server, layer by layer, before it acknowledges the update): the global ids
-        marked, whether every own row was, and the model's layers (0: no table here)."""
-        async def work() -> dict[str, Any]:
+    async def table_mark(self, changed: np.ndarray, layer: int, every: bool,
+                         lists: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Mark the table's rows of ``layer`` an update can change (``table_marks.py``; the
+        update's primary calls every server, layer by layer, before it answers): from the
+        global ids ``changed`` (every node when ``every``) and ``lists`` (in-lists changed).
+        Answers the global ids marked and [the model's layers (0: no table here), whether every
+        own row was marked]."""
+        async def work() -> tuple[np.ndarray, np.ndarray]:
             table = self.table
             if table is None:
-                return {"layers": 0, "ids": np.empty(0, np.int64), "all": False}
+                return np.empty(0, np.int64), np.zeros(2, np.int64)
             self._start_table()
-            got = table.mark(int(layer), None if changed is None else
+            got = table.mark(int(layer), None if every else
                              torch.from_numpy(np.asarray(changed, np.int64)),
-                             torch.from_numpy(np.asarray(lists, np.int64)),
+                             torch.as_tensor(np.asarray(lists, np.int64).reshape(-1)),
                              self.live.added_edges(), self.num_nodes)
-            return {"layers": table.num_layers, "all": got is None,
-                    "ids": np.empty(0, np.int64) if got is None else got.numpy()}
+            ids = np.empty(0, np.int64) if got is None else got.numpy()
+            return ids, np.array([table.num_layers, got is None], np.int64)
 
         return await self._current(work)
+
+    async def mark_here(self, layer: int, changed: np.ndarray | None,
+                        lists: np.ndarray) -> dict[str, Any]:
+        """``table_mark`` of this server, called in place by its own updates' marks."""
+        ids = np.empty(0, np.int64) if changed is None else changed
+        return as_answer(*await self.table_mark(ids, layer, changed is None, lists.tolist()))
 
     async def _answer_wire(self, method: str, ids: np.ndarray, args: list[Any]) -> Any:
         if method == "embed":  # the ingress (decision 0054)
@@ -380,6 +393,8 @@ class PartitionServer(LivingPartition):
             return await self.sample_hop(ids, *args)
         if method == "table_rows":
             return await self.table_rows(ids, *args)
+        if method == "table_mark":
+            return await self.table_mark(ids, *args)
         return await self.rows(ids)
 
     async def wire_address(self) -> str:

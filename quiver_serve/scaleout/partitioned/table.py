@@ -244,6 +244,9 @@ class PartitionTable:
                     log.info("partition %d: exact table of %d rows fresh after %.2f s",
                              self.part, self.rows, self.counts.built_s)
                 await self._wake.wait()
+                # the other layers' marks of the same update come within milliseconds: one
+                # pass takes them all (``exact.refresh_interval_ms``, as on one machine)
+                await asyncio.sleep(self.cfg.refresh_interval_ms / 1e3)
                 backoff_s = FIRST_BACKOFF_S
                 continue
             if not progress:

@@ -14,10 +14,11 @@ sent it dies. A primary that starts again marks what its log holds past its base
 applied before a crash may not have been marked), and it folds a version into a base only once
 the marks of every update up to it are done (``LivingPartition._compact``).
 
-A server that cannot be marked because it died needs nothing: Ray restarts it, and a started
-server's table is stale everywhere until its refresh recomputes it. One that is alive but does
-not answer in time (or that Ray cannot reach for now) could serve a row the update made stale,
-so it is restarted (``ray.kill`` with restarts allowed).
+The calls go over the servers' link (the wire, or Ray calls: ``partitioned.transport``). A call
+that fails is tried again as a Ray actor call: a server that died needs nothing (Ray restarts
+it, and a started server's table is stale everywhere until its refresh recomputes it); one that
+is alive but does not answer that either could serve a row the update made stale, so it is
+restarted (``ray.kill`` with restarts allowed).
 """
 
 from __future__ import annotations
@@ -33,17 +34,28 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 #: (layer, changed global ids or None: every node, global ids whose in-lists changed) ->
-#: {"layers", "ids", "all"} (``PartitionServer.table_mark``)
+#: {"layers", "ids", "all"} (``PartitionServer.table_mark``'s answer as a dict)
 MarkCall = Callable[[int, np.ndarray | None, np.ndarray], Awaitable[dict[str, Any]]]
+#: the same after the first call failed (its exception last): the answer, or None when the
+#: server died or was restarted (``restarted`` says which)
+Fallback = Callable[[int, np.ndarray | None, np.ndarray, BaseException],
+                    Awaitable[dict[str, Any] | None]]
 
 
 @dataclass(frozen=True)
 class MarkTarget:
-    """One server to mark: its call, and how to restart it (None: this server itself)."""
+    """One server to mark: its call, and what to do when the call fails (None: this server
+    itself, whose failure fails the update)."""
 
     name: str
+    part: int
     mark: MarkCall
-    restart: Callable[[BaseException], int] | None = None
+    fallback: Fallback | None = None
+
+
+def as_answer(ids: np.ndarray, meta: np.ndarray) -> dict[str, Any]:
+    """``table_mark``'s arrays (marked ids; [layers, every row marked]) as a dict."""
+    return {"ids": np.asarray(ids, np.int64), "layers": int(meta[0]), "all": bool(meta[1])}
 
 
 async def mark_tables(targets: list[MarkTarget], changed: np.ndarray, lists: np.ndarray,
@@ -58,76 +70,99 @@ async def mark_tables(targets: list[MarkTarget], changed: np.ndarray, lists: np.
     while layers is None or layer < layers:
         if not every and changed.size == 0 and (layer > 0 or lists.size == 0):
             break
-        calls = [asyncio.wait_for(t.mark(layer, None if every else changed,
-                                         lists if layer == 0 else lists[:0]), timeout_s)
-                 for t in targets]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        marked: list[np.ndarray] = []
-        every = False
-        for target, got in zip(targets, answers, strict=True):
-            if isinstance(got, BaseException):
-                done["restarted"] += _restart(target, got)
-                continue
-            layers = max(layers or 0, int(got["layers"]))
-            every |= bool(got["all"])
-            marked.append(np.asarray(got["ids"], np.int64))
-            done["rows"] += int(np.size(got["ids"]))
+        args = (layer, None if every else changed, lists if layer == 0 else lists[:0])
+        answers = await asyncio.gather(*(_one(t, args, timeout_s, done) for t in targets))
+        ok = [a is not None and "restarted" not in a for a in answers]
+        got = [a for a, k in zip(answers, ok, strict=True) if k and a is not None]
+        layers = max([layers or 0, *(int(a["layers"]) for a in got)])
         if not layers:
             return done
+        # a partition none of whose servers answered: what it would have marked is unknown,
+        # so the next layers mark every row (its own table starts stale anyway)
+        answered = {t.part for t, k in zip(targets, ok, strict=True) if k}
+        every = any(a["all"] for a in got) or any(t.part not in answered for t in targets)
+        marked = [np.asarray(a["ids"], np.int64) for a in got]
+        done["rows"] += sum(int(m.size) for m in marked)
         changed = np.unique(np.concatenate(marked)) if marked else changed[:0]
         layer += 1
         done["layers"] = layer
     return done
 
 
-def _restart(target: MarkTarget, why: BaseException) -> int:
-    log.warning("the exact table of %s could not be marked (%s)", target.name,
-                type(why).__name__)
-    if target.restart is None:
-        raise why
-    return target.restart(why)
+async def _one(target: MarkTarget, args: tuple[int, np.ndarray | None, np.ndarray],
+               timeout_s: float, done: dict[str, int]) -> dict[str, Any] | None:
+    try:
+        return await asyncio.wait_for(target.mark(*args), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the fallback decides; this server's own re-raised
+        if target.fallback is None:
+            raise
+        log.warning("the exact table of %s could not be marked (%s): asking through Ray",
+                    target.name, type(exc).__name__)
+        answer = await target.fallback(*args, exc)
+        if answer is not None:
+            done["restarted"] += int(answer.get("restarted", 0))
+        return answer
 
 
-def ray_targets(peers: Any, me: tuple[int, int], own_mark: MarkCall) -> list[MarkTarget]:
-    """Every replica of every partition as a target (``peers``: ``Peers``, whose Ray handles
-    find each server by name); this server, ``me`` (partition, replica), is called in place."""
+def link_targets(peers: Any, me: tuple[int, int], own_mark: MarkCall,
+                 timeout_s: float) -> list[MarkTarget]:
+    """Every replica of every partition as a target, called over ``peers``' link (``Peers``);
+    this server, ``me`` (partition, replica), in place."""
     settings = peers.settings
     targets = []
     for part in range(settings.num_parts):
         for replica in range(settings.replicas):
             name = f"partition {part} replica {replica}"
             if (part, replica) == me:
-                targets.append(MarkTarget(name, own_mark))
+                targets.append(MarkTarget(name, part, own_mark))
                 continue
-            targets.append(MarkTarget(name, _ray_mark(peers, part, replica),
-                                      _ray_restart(peers, part, replica)))
+            targets.append(MarkTarget(name, part, _link_mark(peers, part, replica),
+                                      _ray_fallback(peers, part, replica, timeout_s)))
     return targets
 
 
-def _ray_mark(peers: Any, part: int, replica: int) -> MarkCall:
+def _link_mark(peers: Any, part: int, replica: int) -> MarkCall:
     async def mark(layer: int, changed: np.ndarray | None, lists: np.ndarray) -> dict[str, Any]:
-        got: dict[str, Any] = await peers.handle(part, replica).table_mark.remote(
-            layer, changed, lists)
-        return got
+        ids = np.empty(0, np.int64) if changed is None else changed
+        out = await peers.link.call(part, replica, "table_mark", ids, layer, changed is None,
+                                    np.asarray(lists, np.int64).tolist())
+        if isinstance(out, dict):
+            raise RuntimeError(f"{out.get('code')}: {out.get('message')}")
+        return as_answer(*out)
 
     return mark
 
 
-def _ray_restart(peers: Any, part: int, replica: int) -> Callable[[BaseException], int]:
-    """None for a server that died or is not there (Ray restarts it, or it is starting: its
-    table starts stale), else ``ray.kill`` with restarts allowed; 1 when asked."""
-    def restart(why: BaseException) -> int:
+def _ray_fallback(peers: Any, part: int, replica: int, timeout_s: float) -> Fallback:
+    """The mark as a Ray actor call; None when the server died or is not there (Ray restarts
+    it, or it is starting: its table starts stale); ``{"restarted": 1}`` after it was restarted
+    because that failed too (``ray.kill`` with restarts allowed)."""
+    async def fallback(layer: int, changed: np.ndarray | None, lists: np.ndarray,
+                       first: BaseException) -> dict[str, Any] | None:
         import ray
         from ray.exceptions import ActorDiedError
 
+        peers.link.forget(part, replica)
         peers.forget_handle(part, replica)
-        if isinstance(why, ActorDiedError | ValueError):  # ValueError: no actor of the name
-            return 0
-        log.warning("restarting it: a started server's table is stale until recomputed")
+        ids = np.empty(0, np.int64) if changed is None else changed
+        try:
+            handle = peers.handle(part, replica)
+            out = await asyncio.wait_for(handle.table_mark.remote(
+                ids, layer, changed is None, np.asarray(lists, np.int64).tolist()), timeout_s)
+            if not isinstance(out, dict):
+                return as_answer(*out)
+            why: BaseException = RuntimeError(f"{out.get('code')}: {out.get('message')}")
+        except (ActorDiedError, ValueError):  # ValueError: no actor of that name
+            return None
+        except Exception as exc:  # noqa: BLE001 - restarted below
+            why = exc
+        log.warning("restarting partition %d replica %d (%s, then %s): a started server's "
+                    "table is stale until recomputed", part, replica, type(first).__name__,
+                    type(why).__name__)
         try:
             ray.kill(peers.handle(part, replica), no_restart=False)
         except Exception:  # noqa: BLE001 - gone already: Ray restarts it or it is dead
             log.exception("restarting a server that could not be marked failed")
-        return 1
+        return {"restarted": 1}
 
-    return restart
+    return fallback
