@@ -25,7 +25,7 @@ import torch
 from quiver_serve.partition.data import load_book
 from quiver_serve.scaleout.partitioned.links import WireLink
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
-from quiver_serve.scaleout.partitioned.table_marks import MarkTarget
+from quiver_serve.scaleout.partitioned.table_marks import MarkGroups, MarkTarget
 from tests.scaleout.test_partition_compaction import Expected, full_rows
 from tests.scaleout.test_partitioned import block_graph, config, partitions
 
@@ -160,3 +160,37 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
                 s.close()
 
     asyncio.run(run())
+
+
+def test_marks_of_updates_arriving_together_go_as_one_marking() -> None:
+    """``MarkGroups``: while one marking runs, the updates that arrive wait and are marked by
+    one marking of their union; a failed marking fails every update of its group."""
+    runs: list[tuple[list[int], list[int]]] = []
+
+    async def run(changed: np.ndarray, lists: np.ndarray) -> dict[str, int]:
+        runs.append((sorted(changed.tolist()), sorted(lists.tolist())))
+        await asyncio.sleep(0.02)
+        if 99 in changed:
+            raise RuntimeError("a peer failed")
+        return {"layers": 2, "rows": len(changed) + len(lists), "restarted": 0}
+
+    async def main() -> None:
+        groups = MarkGroups(run)
+        empty = np.empty(0, np.int64)
+        first = asyncio.ensure_future(groups.mark(np.array([1]), empty))
+        await asyncio.sleep(0.005)  # the first marking runs; these three wait for the next
+        rest = [asyncio.ensure_future(groups.mark(np.array([v]), np.array([v + 10])))
+                for v in (2, 3, 4)]
+        assert (await first)["rows"] == 1
+        assert [(await r)["rows"] for r in rest] == [6, 6, 6]
+        assert runs == [([1], []), ([2, 3, 4], [12, 13, 14])] and groups.groups == 2
+        running = asyncio.ensure_future(groups.mark(np.array([7]), empty))
+        await asyncio.sleep(0.005)
+        bad = [asyncio.ensure_future(groups.mark(np.array([v]), empty)) for v in (99, 5)]
+        await running
+        for r in bad:
+            with pytest.raises(RuntimeError, match="a peer failed"):
+                await r
+        assert (await groups.mark(np.array([6]), empty))["rows"] == 1
+
+    asyncio.run(main())

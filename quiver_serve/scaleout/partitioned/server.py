@@ -57,7 +57,7 @@ from quiver_serve.scaleout.partitioned.server_living import (
     refusal,
 )
 from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable, TableSources
-from quiver_serve.scaleout.partitioned.table_marks import as_answer, link_targets
+from quiver_serve.scaleout.partitioned.table_marks import MarkGroups, as_answer, link_targets
 
 log = logging.getLogger(__name__)
 #: tries of a started primary to mark what it replayed (a second apart)
@@ -108,6 +108,7 @@ class PartitionServer(LivingPartition):
         self.moves = Moves()
         self.table: PartitionTable | None = None  # built once the model is (``_table``)
         self.table_wanted, self.marking, self._remarked = False, set(), False
+        self.mark_groups = MarkGroups(self.mark_all)
         self.mark_targets = lambda: link_targets(
             self.peers, (args.part, args.replica), self.mark_here,
             cfg.partitioned.remote_timeout_s + MARK_MARGIN_S)

@@ -37,7 +37,7 @@ from quiver_serve.scaleout.partitioned.live import (
 )
 from quiver_serve.scaleout.partitioned.sampling import LocalGraph, PartitionSampler, as_tensor
 from quiver_serve.scaleout.partitioned.table import OutEdges, PartitionTable
-from quiver_serve.scaleout.partitioned.table_marks import MarkTarget, mark_tables
+from quiver_serve.scaleout.partitioned.table_marks import MarkGroups, MarkTarget, mark_tables
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +75,7 @@ class LivingPartition:
     mark_targets: Callable[[], list[MarkTarget]]
     #: versions whose marks are under way: a compaction folds a version only after its marks
     marking: set[int]
+    mark_groups: MarkGroups
 
     def _open_live(self, folder: Path, book: Any, base: ServingBase) -> PartitionLive:
         """The partition's living graph over its update log, replayed after ``base``: replica
@@ -188,15 +189,22 @@ class LivingPartition:
         await self.mark_rows(changed, lists, version)
 
     async def mark_rows(self, changed: np.ndarray, lists: np.ndarray, version: int) -> None:
-        """``mark_tables`` for the update of ``version``, counted in ``marking`` meanwhile."""
+        """Every table marked for the update of ``version`` (grouped with the updates marked
+        at the same time: ``MarkGroups``), counted in ``marking`` meanwhile."""
         self.marking.add(version)
+        t0 = time.perf_counter()
         try:
-            done = await mark_tables(self.mark_targets(), changed, lists,
-                                     self.cfg.partitioned.remote_timeout_s + MARK_MARGIN_S)
+            done = await self.mark_groups.mark(changed, lists)
         finally:
             self.marking.discard(version)
         if self.table is not None:
             self.table.counts.restarted += done["restarted"]
+            self.table.counts.observe_marking(time.perf_counter() - t0)
+
+    async def mark_all(self, changed: np.ndarray, lists: np.ndarray) -> dict[str, int]:
+        """One marking of every server (``MarkGroups`` runs it for a group of updates)."""
+        return await mark_tables(self.mark_targets(), changed, lists,
+                                 self.cfg.partitioned.remote_timeout_s + MARK_MARGIN_S)
 
     # ---- compaction (``compaction.py``) -------------------------------------------------------
     async def compact(self) -> dict[str, Any]:

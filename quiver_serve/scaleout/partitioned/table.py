@@ -92,6 +92,16 @@ class TableCounts:
     marks: int = 0
     from_table: int = 0
     restarted: int = 0  # servers restarted by this primary's marks (``table_marks.py``)
+    #: this primary's updates' marks across the deployment (each update's wait for its group's
+    #: marking): how many, seconds in all, longest
+    markings: int = 0
+    marking_s: float = 0.0
+    marking_max_s: float = 0.0
+
+    def observe_marking(self, seconds: float) -> None:
+        self.markings += 1
+        self.marking_s += seconds
+        self.marking_max_s = max(self.marking_max_s, seconds)
     built_s: float | None = None
     started_s: float = field(default_factory=time.monotonic)
 
@@ -360,7 +370,9 @@ class PartitionTable:
                 "fresh": self.counts.built_s is not None, "built_s": self.counts.built_s,
                 "computed_rows": self.counts.computed_rows, "passes": self.counts.passes,
                 "marks": self.counts.marks, "rows_from_table": self.counts.from_table,
-                "restarted": self.counts.restarted,
+                "restarted": self.counts.restarted, "markings": self.counts.markings,
+                "marking_s": round(self.counts.marking_s, 6),
+                "marking_max_s": round(self.counts.marking_max_s, 6),
                 "device": str(self.device)}
 
 

@@ -166,3 +166,46 @@ def _ray_fallback(peers: Any, part: int, replica: int, timeout_s: float) -> Fall
         return {"restarted": 1}
 
     return fallback
+
+
+class MarkGroups:
+    """The marks of a primary's updates, grouped as a log groups its commits: updates that
+    arrive while a marking is under way are marked together, by one ``mark`` of the union of
+    their rows, once it ends; each waits for the marking that covers it. So the calls to the
+    other servers grow with the markings, not with the updates."""
+
+    def __init__(self, run: Callable[[np.ndarray, np.ndarray], Awaitable[dict[str, int]]]) -> None:
+        self.run = run
+        self._next: tuple[list[np.ndarray], list[np.ndarray], asyncio.Future[Any]] | None = None
+        self._running: asyncio.Future[None] | None = None
+        self.groups = 0  # markings run
+
+    async def mark(self, changed: np.ndarray, lists: np.ndarray) -> dict[str, int]:
+        """Mark every table for these rows (with whatever else is waiting); ``run``'s answer."""
+        if self._next is None:
+            self._next = ([], [], asyncio.get_running_loop().create_future())
+        group_changed, group_lists, done = self._next
+        group_changed.append(np.asarray(changed, np.int64).reshape(-1))
+        group_lists.append(np.asarray(lists, np.int64).reshape(-1))
+        if self._running is None:
+            self._start()
+        answer: dict[str, int] = await asyncio.shield(done)
+        return answer
+
+    def _start(self) -> None:
+        assert self._next is not None
+        changed, lists, done = self._next
+        self._next = None
+        self.groups += 1
+        self._running = asyncio.ensure_future(self._go(np.concatenate(changed),
+                                                       np.concatenate(lists), done))
+
+    async def _go(self, changed: np.ndarray, lists: np.ndarray, done: asyncio.Future[Any]) -> None:
+        try:
+            done.set_result(await self.run(changed, lists))
+        except Exception as exc:  # noqa: BLE001 - every update of the group hears it
+            done.set_exception(exc)
+        finally:
+            self._running = None
+            if self._next is not None:
+                self._start()
