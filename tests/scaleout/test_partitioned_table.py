@@ -2,10 +2,13 @@
 table becomes fresh, exact requests through the ingress are answered from it and equal PyG's
 full-graph output, and after edge and feature updates across partitions (marked by the ingress
 before it answers) an exact answer equals PyG's output over the updated graph at once and again
-once the tables are fresh; the table's metrics move."""
+once the tables are fresh; the table's metrics move. A server SIGKILLed while a write's marks
+cannot reach it comes back with a fresh table and exact answers."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -90,5 +93,34 @@ def test_exact_answers_from_the_tables_stay_exact_after_updates(
         assert "quiver_serve_partition_exact_table_rows_served_total" in text
         assert 'quiver_serve_partition_exact_table_stale_rows{partition="1",replica="0"} 0.0' \
             in text
+
+        # partition 1's server SIGKILLed: a write at partition 0 whose marks cannot reach it
+        # is answered (it restarts with a stale table; nothing is restarted on its account),
+        # and once it is back and fresh the answers are exact over both writes
+        victim = served.client.get(served.url + "/v1/graph").json()["partitions"][1][
+            "servers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        node = int(book.global_ids(0)[1])
+        row = rng.standard_normal(graph.num_features).round(3).tolist()
+        put = served.client.put(served.url + "/v1/graph/features",
+                                json={"node_ids": [node], "features": [row]})
+        assert put.status_code == 200, put.text
+        token["0"] = max(token["0"], put.json()["versions"]["0"])
+        written = {**dict(zip(ids, features, strict=True)), node: row}
+        new = full_output(updated(graph, add, remove, written))
+        deadline = time.monotonic() + 90.0
+        while True:
+            now = served.client.get(served.url + "/v1/graph").json()["partitions"][1]["servers"]
+            if not now[0]["down"] and now[0]["pid"] not in (None, victim):
+                break
+            assert time.monotonic() < deadline, "the killed server was not back within 90 s"
+            time.sleep(0.5)
+        wait_fresh(served)
+        deadline = time.monotonic() + 60.0
+        while (r := served.embed(every, exact=True, min_version=token)).status_code != 200:
+            assert time.monotonic() < deadline, r.text  # its peers find its new address
+            time.sleep(0.5)
+        np.testing.assert_allclose(rows(r), new, atol=1e-5, rtol=0)
+        assert all(t["restarted"] == 0 for t in tables(served))
     finally:
         served.close()

@@ -134,13 +134,15 @@ def _link_mark(peers: Any, part: int, replica: int) -> MarkCall:
 
 
 def _ray_fallback(peers: Any, part: int, replica: int, timeout_s: float) -> Fallback:
-    """The mark as a Ray actor call; None when the server died or is not there (Ray restarts
-    it, or it is starting: its table starts stale); ``{"restarted": 1}`` after it was restarted
-    because that failed too (``ray.kill`` with restarts allowed)."""
+    """The mark as a Ray actor call; None when the server died, is restarting or is not there
+    (Ray reports it so: a started server's table starts stale); ``{"restarted": 1}`` after it
+    was restarted because that failed too (``ray.kill`` with restarts allowed). A server Ray
+    cannot reach is taken as restarting, not killed: killing one that is restarting would start
+    it again, and under a stream of updates it would never come back."""
     async def fallback(layer: int, changed: np.ndarray | None, lists: np.ndarray,
                        first: BaseException) -> dict[str, Any] | None:
         import ray
-        from ray.exceptions import ActorDiedError
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
 
         peers.link.forget(part, replica)
         peers.forget_handle(part, replica)
@@ -152,7 +154,7 @@ def _ray_fallback(peers: Any, part: int, replica: int, timeout_s: float) -> Fall
             if not isinstance(out, dict):
                 return as_answer(*out)
             why: BaseException = RuntimeError(f"{out.get('code')}: {out.get('message')}")
-        except (ActorDiedError, ValueError):  # ValueError: no actor of that name
+        except (ActorDiedError, ActorUnavailableError, ValueError):  # ValueError: no actor
             return None
         except Exception as exc:  # noqa: BLE001 - restarted below
             why = exc
