@@ -94,20 +94,19 @@ def test_exact_answers_from_the_tables_stay_exact_after_updates(
         assert 'quiver_serve_partition_exact_table_stale_rows{partition="1",replica="0"} 0.0' \
             in text
 
-        # partition 1's server SIGKILLed: a write at partition 0 whose marks cannot reach it
-        # is answered (it restarts with a stale table; nothing is restarted on its account),
-        # and once it is back and fresh the answers are exact over both writes
+        # partition 1's server SIGKILLed: edges into partition 0, whose marks cannot reach it,
+        # are answered (it restarts with a stale table; nothing is restarted on its account),
+        # and once it is back and fresh the answers are exact over every update
         victim = served.client.get(served.url + "/v1/graph").json()["partitions"][1][
             "servers"][0]["pid"]
         os.kill(victim, signal.SIGKILL)
-        node = int(book.global_ids(0)[1])
-        row = rng.standard_normal(graph.num_features).round(3).tolist()
-        put = served.client.put(served.url + "/v1/graph/features",
-                                json={"node_ids": [node], "features": [row]})
-        assert put.status_code == 200, put.text
-        token["0"] = max(token["0"], put.json()["versions"]["0"])
-        written = {**dict(zip(ids, features, strict=True)), node: row}
-        new = full_output(updated(graph, add, remove, written))
+        more = [[int(book.global_ids(1)[2]), int(book.global_ids(0)[1])],
+                [int(book.global_ids(0)[3]), int(book.global_ids(0)[1])]]
+        post = served.client.post(served.url + "/v1/graph/edges", json={"add": more})
+        assert post.status_code == 200, post.text
+        token["0"] = max(token["0"], post.json()["versions"]["0"])
+        written = dict(zip(ids, features, strict=True))
+        new = full_output(updated(graph, add + more, remove, written))
         deadline = time.monotonic() + 90.0
         while True:
             now = served.client.get(served.url + "/v1/graph").json()["partitions"][1]["servers"]
