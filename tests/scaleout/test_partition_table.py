@@ -6,7 +6,8 @@ decision 0065), with two primaries and a follower in one process over the wire (
 * After updates across partitions (edges, base-edge removals, feature rows, new nodes), marked
   by their primary before it answers, an exact answer equals PyG's output over the updated
   graph at once (stale rows on the fly), and again from the table once it is fresh; a write at
-  one partition makes the other recompute rows.
+  one partition makes the other recompute rows. A request's own new nodes are answered exactly
+  from the tables.
 * A primary whose marks did not reach the other partition (a crash between the write and its
   marks) leaves that table answering the old rows (checked: the test can fail); started again,
   it marks what its log holds past its base and the answers are exact again.
@@ -15,6 +16,7 @@ decision 0065), with two primaries and a follower in one process over the wire (
 from __future__ import annotations
 
 import asyncio
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,24 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
                                        full_rows(expected), atol=1e-5, rtol=0)
             assert all(s.table.counts.from_table > before
                        for s, before in zip(servers, served, strict=True))
+
+            # a request's own new nodes, exact: from the tables (decision 0064 across
+            # partitions), their in-neighbours at both partitions
+            before = servers[1].table.counts.inductive
+            new_x = rng.standard_normal((2, graph.num_features)).astype(np.float32)
+            in_lists = [[u, v, 5, int(np.flatnonzero(owner_now == 0)[7])],
+                        [int(np.flatnonzero(owner_now == 1)[3])]]
+            offsets = np.cumsum([0] + [len(nbrs) for nbrs in in_lists])
+            ask = np.array([3, 650, int(np.flatnonzero(owner_now == 1)[0])])
+            got = await servers[1].embed_new(ask, True, None, 30.0, new_x, offsets,
+                                             np.concatenate(in_lists))
+            assert isinstance(got, np.ndarray), got
+            trial = copy.deepcopy(expected)
+            trial.nodes(new_x)
+            trial.edges([[src, n + i] for i, nbrs in enumerate(in_lists) for src in nbrs], [])
+            np.testing.assert_allclose(got, full_rows(trial)[np.r_[ask, n, n + 1]], atol=1e-5,
+                                       rtol=0)
+            assert servers[1].table.counts.inductive == before + 2
 
             # a crash between the write and its marks: partition 1's table answers old rows
             servers[0].mark_targets = lambda: [MarkTarget("0/0", 0, servers[0].mark_here)]

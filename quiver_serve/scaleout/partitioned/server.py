@@ -183,13 +183,16 @@ class PartitionServer(LivingPartition):
         if self.table is None:
             return
 
-        async def follow() -> None:
-            await self._current(lambda: asyncio.sleep(0))
-
-        self.table.start(TableSources(lambda: self.graph, self.features.gather, follow))
+        self.table.start(self._table_sources())
         if self.live.log is not None and not self._remarked:
             self._remarked = True
             asyncio.ensure_future(self._mark_replayed())
+
+    def _table_sources(self) -> TableSources:
+        async def follow() -> None:
+            await self._current(lambda: asyncio.sleep(0))
+
+        return TableSources(lambda: self.graph, self.features.gather, follow)
 
     async def _mark_replayed(self) -> None:
         """A started primary marks what its log holds past its base (an update applied before
@@ -261,11 +264,29 @@ class PartitionServer(LivingPartition):
                                    torch.from_numpy(feats))
             if virtual.neighbors.numel():
                 errors.check_id_range(virtual.neighbors.numpy(), self.num_nodes)
+            if exact and self.table is not None:
+                return self._exact_new(np.asarray(node_ids, np.int64), virtual)
             ids = np.concatenate([np.asarray(node_ids, np.int64),
                                   np.arange(virtual.first, virtual.first + virtual.count)])
             return self._embed(ids, exact, seed, virtual)
 
         return await self._admitted(work, timeout_s, "embed_new")
+
+    async def _exact_new(self, node_ids: np.ndarray, virtual: VirtualNodes) -> np.ndarray:
+        """Exact rows of ``node_ids`` and then of a request's own new nodes from the tables
+        (``PartitionTable.inductive``); the whole request on the fly when a row it reads is
+        stale."""
+        assert self.table is not None
+        self._start_table()
+        new = await self.table.inductive(virtual.features, virtual.indptr, virtual.neighbors,
+                                         self._table_sources())
+        if new is None:
+            ids = np.concatenate([node_ids, np.arange(virtual.first,
+                                                      virtual.first + virtual.count)])
+            return await self._embed(ids, True, None, virtual)
+        old = await self._exact(node_ids) if node_ids.size else \
+            np.empty((0, self.model.out_dim), np.float32)
+        return np.concatenate([old, np.ascontiguousarray(new.cpu().numpy(), np.float32)])
 
     async def _admitted(self, work: Callable[[], Awaitable[np.ndarray]], timeout_s: float | None,
                         what: str) -> np.ndarray | dict[str, Any]:

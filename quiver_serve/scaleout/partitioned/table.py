@@ -91,6 +91,7 @@ class TableCounts:
     passes: int = 0
     marks: int = 0
     from_table: int = 0
+    inductive: int = 0  # a request's own new nodes answered from the tables
     restarted: int = 0  # servers restarted by this primary's marks (``table_marks.py``)
     #: this primary's updates' marks across the deployment (each update's wait for its group's
     #: marking): how many, seconds in all, longest
@@ -363,6 +364,31 @@ class PartitionTable:
             stale[pos] = as_tensor(np.asarray(flags, np.uint8)).to(torch.bool)
         return x, stale
 
+    async def inductive(self, x_new: Tensor, indptr: Tensor, neighbors: Tensor,
+                        sources: TableSources) -> Tensor | None:
+        """Exact last-layer rows of a request's own new nodes (``x_new``: their features; their
+        in-neighbours as CSR ``indptr``/``neighbors``, global ids of existing nodes), decision
+        0064 across partitions: a new node has no out-edges, so each layer reads only its own
+        row of the layer below and its in-neighbours' rows from the tables (here and at their
+        owners). None when one of those is stale (the caller computes the request on the fly)."""
+        m = int(indptr.numel() - 1)
+        counts = indptr[1:] - indptr[:-1]
+        nbrs = torch.unique(neighbors)
+        col = m + torch.searchsorted(nbrs, neighbors)
+        dst = torch.repeat_interleave(torch.arange(m), counts, output_size=neighbors.numel())
+        edge_index = torch.stack([col, dst]).to(self.device)
+        first = int(self.owner.numel())
+        n_id = torch.cat([torch.arange(first, first + m), nbrs]).to(self.device)
+        h = x_new.float().to(self.device)
+        for layer in range(self.num_layers):
+            x_nbrs, stale = await self._inputs(layer, nbrs, sources)
+            if bool(stale.any()):
+                return None
+            x = torch.cat([h, x_nbrs.to(self.device)])
+            h = await asyncio.to_thread(self.model.forward_layer, layer, x, edge_index, m, n_id)
+        self.counts.inductive += m
+        return h
+
     def snapshot(self) -> dict[str, Any]:
         """The table's state as plain data."""
         return {"rows": self.rows, "layers": self.num_layers, "bytes": self.nbytes,
@@ -370,6 +396,7 @@ class PartitionTable:
                 "fresh": self.counts.built_s is not None, "built_s": self.counts.built_s,
                 "computed_rows": self.counts.computed_rows, "passes": self.counts.passes,
                 "marks": self.counts.marks, "rows_from_table": self.counts.from_table,
+                "new_nodes_from_table": self.counts.inductive,
                 "restarted": self.counts.restarted, "markings": self.counts.markings,
                 "marking_s": round(self.counts.marking_s, 6),
                 "marking_max_s": round(self.counts.marking_max_s, 6),
