@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,6 +39,22 @@ def segment_positions(starts: Tensor, counts: Tensor, total: int) -> tuple[Tenso
     offsets = torch.cumsum(counts, 0) - counts
     return starts.index_select(0, owner) + torch.arange(total, device=counts.device) \
         - offsets.index_select(0, owner), owner
+
+
+def split_by_edges(targets: Tensor, degree: Tensor, max_edges: int,
+                   max_rows: int) -> list[Tensor]:
+    """``targets`` in order, in chunks of at most ``max_edges`` in-edges (``degree``: each
+    one's in-degree; a node with more is a chunk of its own) and ``max_rows`` nodes."""
+    if targets.numel() == 0:
+        return []
+    cum = torch.cumsum(degree, 0).cpu().numpy()
+    n, cuts, prev = len(cum), [], 0
+    while prev < n:
+        reached = int(cum[prev - 1]) if prev else 0
+        nxt = int(np.searchsorted(cum, reached + max_edges, side="right"))
+        prev = min(max(nxt, prev + 1), prev + max_rows, n)
+        cuts.append(prev)
+    return list(torch.tensor_split(targets, cuts[:-1]))
 
 
 @dataclass

@@ -102,11 +102,11 @@ def test_tables_build_serve_and_stay_exact_across_updates(tmp_path: Path) -> Non
                      if owner[u] == 0 and owner[v] == 1]
             u, v = cross[0]
             row = np.full(graph.num_features, 3.0, np.float32)
+            computed = [s.table.counts.computed_rows for s in servers]
             for s in servers:  # as the ingress does: replicated copies dropped first
                 s.drop_hot(np.array([u]))
             await servers[0].update("features", [u], [row.tolist()])
             expected.x[u] = torch.from_numpy(row)
-            computed = [s.table.counts.computed_rows for s in servers]
             np.testing.assert_allclose(await exact_of(servers, owner, n), full_rows(expected),
                                        atol=1e-5, rtol=0)
             await fresh(servers)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from quiver_serve.config import ExactConfig
 from quiver_serve.features.store import FeatureStore
-from quiver_serve.graph.neighbourhood import CurrentGraph, OutIndex
+from quiver_serve.graph.neighbourhood import CurrentGraph, OutIndex, split_by_edges
 from quiver_serve.graph.overlay import DeviceOverlay, Overlay
 from quiver_serve.models.layerwise import LayerwiseModel, unsupported
 from quiver_serve.models.served import ServedModel
@@ -198,16 +198,8 @@ class ExactTable:
         ``exact.chunk_edges``) in-edges (a node with more is a chunk of its own)."""
         if targets.numel() == 0:
             return []
-        max_edges = max_edges or self.cfg.chunk_edges
-        degree = graph.in_degree(targets)
-        cum = torch.cumsum(degree, 0).cpu().numpy()
-        n, cuts, prev = len(cum), [], 0
-        while prev < n:
-            reached = int(cum[prev - 1]) if prev else 0
-            nxt = int(np.searchsorted(cum, reached + max_edges, side="right"))
-            prev = min(max(nxt, prev + 1), prev + MAX_CHUNK_ROWS, n)
-            cuts.append(prev)
-        return list(torch.tensor_split(targets, cuts[:-1]))
+        return split_by_edges(targets, graph.in_degree(targets),
+                              max_edges or self.cfg.chunk_edges, MAX_CHUNK_ROWS)
 
     # ---- building ------------------------------------------------------------------------------
     def build(self, progress: bool = True, yield_fraction: float = 0.0) -> None:

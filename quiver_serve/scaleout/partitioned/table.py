@@ -36,7 +36,12 @@ import torch
 from torch import Tensor
 
 from quiver_serve.config import ExactConfig
-from quiver_serve.graph.neighbourhood import ALL_NODES_FRACTION, CurrentGraph, segment_positions
+from quiver_serve.graph.neighbourhood import (
+    ALL_NODES_FRACTION,
+    CurrentGraph,
+    segment_positions,
+    split_by_edges,
+)
 from quiver_serve.models.layerwise import LayerwiseModel
 from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable
 from quiver_serve.scaleout.partitioned.sampling import LocalGraph, as_tensor
@@ -296,14 +301,7 @@ class PartitionTable:
         more is a chunk of its own) and at most ``MAX_CHUNK_ROWS`` rows."""
         max_edges = self.cfg.refresh_chunk_edges if self.counts.built_s is not None \
             else self.cfg.chunk_edges
-        cum = torch.cumsum(graph.in_degree(targets), 0).numpy()
-        cuts, prev, n = [], 0, len(cum)
-        while prev < n:
-            reached = int(cum[prev - 1]) if prev else 0
-            nxt = int(np.searchsorted(cum, reached + max_edges, side="right"))
-            prev = min(max(nxt, prev + 1), prev + MAX_CHUNK_ROWS, n)
-            cuts.append(prev)
-        return list(torch.tensor_split(targets, cuts[:-1]))
+        return split_by_edges(targets, graph.in_degree(targets), max_edges, MAX_CHUNK_ROWS)
 
     async def _compute(self, layer: int, rows: Tensor, graph: CurrentGraph,
                        sources: TableSources) -> int:
