@@ -71,7 +71,7 @@ class LivingPartition:
     table: PartitionTable | None
     #: whether updates mark the exact tables (``exact.materialize`` not off, a layer-wise model)
     table_wanted: bool
-    #: the servers an update's marks go to (``table_marks.ray_targets``; tests set their own)
+    #: the servers an update's marks go to (``table_marks.link_targets``; tests set their own)
     mark_targets: Callable[[], list[MarkTarget]]
     #: versions whose marks are under way: a compaction folds a version only after its marks
     marking: set[int]
