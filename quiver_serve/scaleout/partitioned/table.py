@@ -13,8 +13,8 @@ bit is clear; a row is computed only from inputs whose bits are clear, else it s
 no coordination between servers is needed: a server starts with every row stale, and the
 refresh loop computes, layer after layer, the rows whose inputs are clean; rows waiting on a
 peer's layer are computed on a later pass (with a back-off). The same loop keeps the table fresh:
-an update's marks (``mark``, called by the ingress on every server before it acknowledges the
-update, layer by layer along out-edges across partitions: ``table_marks.py``) set the bits, and
+an update's marks (``mark``, called by the update's primary on every server before it answers
+the update, layer by layer along out-edges across partitions: ``table_marks.py``) set the bits, and
 a bit set while its row was being computed stays set (``remarked``), so a row computed from an
 input older than a mark is never served.
 
@@ -103,13 +103,13 @@ class TableCounts:
     markings: int = 0
     marking_s: float = 0.0
     marking_max_s: float = 0.0
+    built_s: float | None = None  # seconds from start until the table was first fresh
+    started_s: float = field(default_factory=time.monotonic)
 
     def observe_marking(self, seconds: float) -> None:
         self.markings += 1
         self.marking_s += seconds
         self.marking_max_s = max(self.marking_max_s, seconds)
-    built_s: float | None = None
-    started_s: float = field(default_factory=time.monotonic)
 
 
 def relabel(targets: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
