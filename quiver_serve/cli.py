@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     from quiver_serve.config import resolve_http_workers
 
     workers = resolve_http_workers(cfg.server.http_workers)
+    if cfg.server.spawn_early:  # before this process imports torch, maps the graph, ...
+        from quiver_serve.engine.procs.standby import prime_daemon
+
+        prime_daemon(cfg)
     if workers > 1:
         from quiver_serve.frontend import frontdoor
 

@@ -351,6 +351,8 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (else 413)")
     standby_processes: int = Field(
         1, ge=0, le=8, description="warm spare processes (torch and PyG imported) each supervisor keeps; a restarted engine core, sampler or HTTP front-end takes one instead of a fresh interpreter's imports (2-6 s); 0: spawn fresh")
+    spawn_early: bool = Field(
+        True, description="spawn the engine cores' interpreters as the daemon starts, so their imports of torch and PyG (5-15 s on a loaded or cold host) run beside its own start-up (reading the config, mapping the graph, replaying the log); each then takes its work as a standby does")
     gc_freeze: bool = Field(
         True, description="freeze each daemon process's start-up heap (gc.freeze) so a full garbage collection under load takes microseconds, not ~100 ms; pauses are in quiver_serve_gc_pause_seconds")
     auth_token: str | None = Field(

@@ -46,6 +46,7 @@ from bench.graph import updates
 from bench.models import reload
 from bench.models.reload_report import reload_figures, serving_lines
 from loadtest import faults, results, watch
+from loadtest.cpu_use import CpuMeter
 from loadtest.gen import Generator, add_capacity_options
 from loadtest.harness import Daemon, Session, saved_graph_facts, serve_config
 from loadtest.recorder import OK, RecorderPool
@@ -128,6 +129,7 @@ def window(run: Run, name: str, seconds: float, rate: float = 0.0,
     records."""
     a = run.args
     w = watch.Watch(run.url, run.headers, a.poll_interval_s)
+    meter = CpuMeter(run.url, run.headers, run.daemon.proc.pid)
     threads: list[threading.Thread] = []
 
     def on_start(t_start: float) -> None:
@@ -135,6 +137,7 @@ def window(run: Run, name: str, seconds: float, rate: float = 0.0,
         if rate > 0:
             run.updaters.start(run.update_cmd(rate, t_start, seconds))
         w.start(win0, win0 + seconds)
+        threading.Timer(max(0.0, win0 - time.time()), meter.mark).start()
         if event is not None:
             threads.append(threading.Thread(target=event, args=(win0,), daemon=True))
             threads[0].start()
@@ -142,6 +145,7 @@ def window(run: Run, name: str, seconds: float, rate: float = 0.0,
     print(f"\n== {name}: embed {run.rate():,.0f} req/s open loop, edge updates {rate:,.0f}/s, "
           f"{seconds:g} s ==", flush=True)
     recs = run.rec.run(run.url, run.spec, run.rate(), a.warmup, seconds, a.timeout_s, on_start)
+    cores = meter.cores()  # where the machine's CPU went in the window (the load's tail too)
     upd = run.updaters.collect() if rate > 0 else None
     for t in threads:
         t.join(timeout=max(a.compaction_timeout_s, a.load_timeout_s, a.restart_timeout_s) + 30)
@@ -150,6 +154,9 @@ def window(run: Run, name: str, seconds: float, rate: float = 0.0,
                             run.steady_p99_ms)
     texts = w.texts + [None] * (2 - len(w.texts))
     row["stages"] = report.stage_histograms(texts[0], texts[-1])
+    row["cpu_cores"] = cores
+    if cores:
+        print("cores used: " + ", ".join(f"{k} {v:g}" for k, v in cores.items()), flush=True)
     run.rows.append(row)
     return row, recs
 

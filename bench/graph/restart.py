@@ -36,7 +36,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="inference.device")
     ap.add_argument("--keep", help="state folder to use and keep (default: a temporary one); "
                     "what an earlier run left there is removed first, so the first start is one")
+    ap.add_argument("--then-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="after the restart, kill -9 and start once more with these overrides "
+                         "(repeatable; e.g. server.start_method=spawn): an A/B on the same state")
     return ap.parse_args(argv)
+
+
+def yaml_sets(sets: list[str]) -> dict[str, object]:
+    """``SECTION.KEY=VALUE`` strings as overrides (values parsed as YAML)."""
+    import yaml
+
+    pairs = (item.split("=", 1) for item in sets)
+    return {key: yaml.safe_load(value) for key, value in pairs}
 
 
 def overrides(args: argparse.Namespace, state: Path) -> dict[str, object]:
@@ -54,9 +65,11 @@ def post(url: str, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def start(args: argparse.Namespace, state: Path, env: dict[str, str]) -> tuple[Daemon, float]:
+def start(args: argparse.Namespace, state: Path, env: dict[str, str],
+          extra: dict[str, object] | None = None) -> tuple[Daemon, float]:
     t0 = time.monotonic()
-    d = Daemon(args.config, overrides=overrides(args, state), env=env,
+    d = Daemon(args.config, overrides={**overrides(args, state), **yaml_sets(args.sets),
+                                       **(extra or {})}, env=env,
                ready_timeout_s=args.start_timeout_s, log_path=state / f"daemon-{t0:.0f}.log")
     d.wait_ready()
     return d, time.monotonic() - t0
@@ -106,6 +119,27 @@ def start_timeline(log_text: str, started_wall_s: float, max_chars: int = 400) -
     return rows
 
 
+def kill(d: Daemon) -> None:
+    """kill -9 of every process of the daemon: no shutdown."""
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.proc.wait(timeout=30)
+    d.stop(grace_s=0)
+
+
+def restart_then(args: argparse.Namespace, state: Path, env: dict[str, str],
+                 running: Daemon) -> dict[str, Any]:
+    """``--then-set``: kill -9 of ``running``, then a start with those overrides."""
+    kill(running)
+    wall_s = time.time()
+    d, seconds = start(args, state, env, yaml_sets(args.then_set))
+    timeline = start_timeline(Path(d.log_path).read_text(errors="replace").replace(
+        str(state), "<state>"), wall_s)
+    d.stop()
+    print(f"then with {' '.join(args.then_set)}: ready in {seconds:.1f} s", flush=True)
+    return {"sets": args.then_set, "restart_s": round(seconds, 2),
+            "engine_built": [t for t in timeline if " built in " in t[2]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quiver-restart-"))
@@ -119,15 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         writes = snapshot_writes(Path(d.log_path).read_text(errors="replace"))
         ack = post(d.url, "/v1/graph/edges", {"add": [[1, 2], [3, 2]]})
         before = d.get_json("/v1/graph")
-        os.killpg(d.proc.pid, signal.SIGKILL)  # every process of the daemon, no shutdown
-        d.proc.wait(timeout=30)
-        d.stop(grace_s=0)
+        kill(d)
         restart_wall_s = time.time()
         d2, restart_s = start(args, state, env)
         timeline = start_timeline(Path(d2.log_path).read_text(errors="replace").replace(
             str(state), "<state>"), restart_wall_s)  # no machine's folder in a result
         after = d2.get_json("/v1/graph")
-        d2.stop()
+        then = restart_then(args, state, env, d2) if args.then_set else None
+        if then is None:
+            d2.stop()
         kept = after["version"] >= ack["version"] and after["num_edges"] == before["num_edges"]
         row: dict[str, Any] = {
             "first_start_s": round(first_s, 2), "restart_s": round(restart_s, 2),
@@ -136,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             "state_bytes": folder_bytes(state / "graph"), "snapshot_writes": writes,
             "num_nodes": after["num_nodes"], "num_edges": after["num_edges"],
             "restart_timeline": timeline}
+        if then is not None:
+            row["then"] = then
     finally:
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,12 +89,15 @@ class FeatureStore:
         self.kernel = None
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # hits, misses
         self._host_regions: list[Any] = []
+        self.pin_s = 0.0  # seconds to page-lock the host matrix (the kernel reads it in place)
         if use_kernel:
             from quiver_serve.features.gather import enable_peer_access, kernel_for, word_bytes
 
             self.kernel = kernel_for(device.index)
             enable_peer_access(device, [d for d in self.shard_devices if d.type == "cuda"])
+            t0 = time.perf_counter()
             self._host_regions = [_pin(self.host, device)]
+            self.pin_s = time.perf_counter() - t0
             self.word = word_bytes(self.row_bytes, [self._host_regions[0].device_ptr])
             self._table = torch.zeros(_TABLE_HEADER + MAX_TIERS, dtype=torch.int64, device=device)
         self.layout: Layout | None = None

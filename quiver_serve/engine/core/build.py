@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from quiver_serve.engine.core.graph_sync import GraphSync
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
@@ -84,15 +88,22 @@ def _build_core(cfg: ServeConfig, graph: GraphData, index: int, pool: SamplerPoo
     rows = caps.node_capacity if caps is not None else graph.num_nodes
     plan = plan or start_plan(cfg)
     spec = plan.primary()
-    device, model, features = place_model_and_features(cfg, graph, index, caps, spec)
-    lap("model and features")
+    device = worker_device(cfg, index)
+    cuda_init = start_device(device)
     fanouts = spec.fanouts_or(cfg.sampling.fanouts)
     local = make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
-    gpu = gpu_sampler_or_none(cfg, graph, device)
-    lap("samplers")
     calib = Calibration(cfg, graph, calibration, progress)
-    psgs = calib.psgs_table(fanouts, device, local, caps.node_capacity if caps else None)
-    lap("psgs")
+    # the PSGS table (CPU passes over every node) beside the model and the features (copies):
+    # a start takes the longer of the two, not their sum (docs/decisions/0066-fork-server.md)
+    with ThreadPoolExecutor(1, thread_name_prefix="psgs") as beside:
+        psgs_job = beside.submit(timed, calib.psgs_table, fanouts, device, local,
+                                 caps.node_capacity if caps else None)
+        model, features = place_model_and_features(cfg, graph, device, caps, spec, cuda_init,
+                                                   lap)
+        gpu = gpu_sampler_or_none(cfg, graph, device)
+        lap("samplers")
+        psgs, psgs_s = psgs_job.result()
+    lap(f"psgs ({psgs_s:.2f} s beside the above)")
     former = BatchFormer(cfg.batching.max_batch_nodes, psgs,
                          RequestLog(cfg.features.request_log_size),
                          expected_fill_for(cfg.batching.expected_fill, device))
@@ -247,27 +258,57 @@ def _warm_batches(core: EngineCore, exact_only: bool = False) -> None:
             raise RuntimeError(f"warm-up batch failed: {replies[0].done.errors if replies else 'no reply'}")
 
 
-def place_model_and_features(cfg: ServeConfig, graph: GraphData, index: int,
-                             caps: Capacities | None = None, spec: ModelSpec | None = None,
-                             ) -> tuple[torch.device, ServedModel, FeatureStore]:
-    """Worker ``index``'s device, its model there (weights-only), and its feature store: the
-    hottest rows on the GPU within ``inference.gpu_cache_bytes``, the rest in host memory.
-    With ``caps`` (a living graph) per-node state is sized for ``caps.node_capacity`` nodes,
-    the rows past the graph's nodes unused until nodes are appended."""
-    device = worker_device(cfg, index)
-    if device.type == "cuda":
+def start_device(device: torch.device) -> threading.Thread | None:
+    """Creates ``device``'s CUDA context on a thread of its own (seconds on some hosts), so
+    that the CPU work of a start runs meanwhile; join it before the device's first use. None
+    for a CPU."""
+    if device.type != "cuda":
+        return None
+
+    def init() -> None:
         torch.cuda.set_device(device)
+        torch.cuda.init()
+
+    thread = threading.Thread(target=init, name="cuda-init", daemon=True)
+    thread.start()
+    return thread
+
+
+def timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    """``fn(*args)`` and its seconds."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def place_model_and_features(cfg: ServeConfig, graph: GraphData, device: torch.device,
+                             caps: Capacities | None = None, spec: ModelSpec | None = None,
+                             cuda_init: threading.Thread | None = None,
+                             lap: Callable[[str], None] = lambda _: None,
+                             ) -> tuple[ServedModel, FeatureStore]:
+    """The model on ``device`` (weights-only) and the feature store: the hottest rows on the
+    GPU within ``inference.gpu_cache_bytes``, the rest in host memory. With ``caps`` (a living
+    graph) per-node state is sized for ``caps.node_capacity`` nodes, the rows past the graph's
+    nodes unused until nodes are appended. ``cuda_init`` (``start_device``) is joined once the
+    host-side work is done; ``lap`` is told each phase."""
     rows = caps.node_capacity if caps is not None else graph.num_nodes
     spec = spec or ModelSpec.from_config(cfg.model)
     self_loops = _padded(graph.self_loop_count(), rows) if spec.pyg_class == "GCN" else None
     model = ServedModel(build_model(spec, graph.num_features),
                         _padded(graph.degree(), rows), self_loops,
-                        precision=cfg.inference.precision,
-                        fast=cfg.inference.fast_model).to(device)
+                        precision=cfg.inference.precision, fast=cfg.inference.fast_model)
     x = None
     if rows > graph.num_nodes or (graph.mapped_from is not None and caps is not None):
         x = capacity_copy(graph.x, rows)  # feature updates write the store's rows, not files
-    return device, model, build_feature_store(cfg, graph, device, x)
+    lap("model and features on the host")
+    if cuda_init is not None:
+        cuda_init.join()
+        lap("device (its context created beside the above)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's current device (the init thread set its own)
+    model = model.to(device)
+    store = build_feature_store(cfg, graph, device, x)
+    lap("model and features on the device")
+    return model, store
 
 
 def capacity_copy(x: torch.Tensor, rows: int) -> torch.Tensor:

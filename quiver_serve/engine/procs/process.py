@@ -8,13 +8,14 @@ import queue
 import time
 from typing import Any
 
-import torch.multiprocessing as mp
-
 POLL_S = 0.05  # how often a blocked loop wakes to check for shutdown or a dead parent
 
 
 def spawn_context() -> Any:
-    """Processes that may touch CUDA must be spawned, never forked."""
+    """Processes that may touch CUDA must be spawned, never forked. (torch is imported here,
+    not above: the daemon spawns its first processes before it imports torch, ``standby.prime``.)"""
+    import torch.multiprocessing as mp  # registers the tensor reductions children use
+
     return mp.get_context("spawn")
 
 

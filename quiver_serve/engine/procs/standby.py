@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,11 +62,49 @@ def standby_main(conn: Any, preload: Sequence[str]) -> None:
             return  # the supervisor is gone or closed the pipe
         if msg is None:
             return
-        target, args, name = msg
+        target, args, name, env = msg
         conn.close()
         mp.current_process().name = name
+        os.environ.clear()  # the environment of the hand-over, not of this process's spawn
+        os.environ.update(env)
         target(*args)
         return
+
+
+#: standbys spawned as the daemon starts (``prime``), by preload; a supervisor's pool adopts them
+_primed: dict[tuple[str, ...], list[tuple[Any, Any]]] = {}
+
+
+def prime(preload: Sequence[str], count: int, name: str) -> None:
+    """Spawn ``count`` standbys importing ``preload`` now, before the daemon loads its graph
+    (``server.spawn_early``): the pools created later adopt them, so the first children take
+    processes whose imports (torch and PyG: 5-15 s on a loaded or cold host) ran beside the
+    daemon's own start-up instead of after it (docs/decisions/0066-early-spawn.md)."""
+    waiting = _primed.setdefault(tuple(preload), [])
+    for _ in range(max(0, count)):
+        waiting.append(_spawn(tuple(preload), f"{name}-{len(waiting)}"))
+
+
+def prime_daemon(cfg: Any) -> None:
+    """``prime`` for a daemon of ``cfg``: one standby per engine core (one when the count
+    comes from the GPUs: torch is not imported yet; a pool trims what its supervisor did not
+    take). Only the engine cores: they are what readiness waits for, and on a host whose file
+    reads are slow (gVisor: torch 5 s, PyG 10 s cold) a dozen processes importing at once
+    slowed each of them more than the overlap gained (docs/decisions/0066-early-spawn.md)."""
+    from quiver_serve.metrics.prometheus import multiprocess_dir
+
+    multiprocess_dir()  # the standbys' environment names the metrics folder
+    prime(DAEMON_PRELOAD, cfg.inference.num_workers or 1, "quiver-standby")
+
+
+def _spawn(preload: tuple[str, ...], name: str) -> tuple[Any, Any]:
+    """A started standby process and the parent's end of its pipe."""
+    ctx = spawn_context()
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=standby_main, args=(theirs, preload), name=name, daemon=True)
+    proc.start()
+    theirs.close()
+    return proc, ours
 
 
 class StandbyPool:
@@ -74,7 +113,8 @@ class StandbyPool:
 
     def __init__(self, preload: Sequence[str], size: int, name: str) -> None:
         self.preload, self.size, self.name = tuple(preload), max(0, int(size)), name
-        self._waiting: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
+        #: (process, the parent's end of its pipe); the primed ones first (``prime``)
+        self._waiting: list[tuple[Any, Any]] = _primed.pop(self.preload, [])
         self._warm: set[int] = set()  # pids that said their imports are done
         self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
         self._settled_since: float | None = None  # since when every child has been ready
@@ -88,14 +128,8 @@ class StandbyPool:
             if time.monotonic() - self._spawned_s < SPAWN_GAP_S:
                 return  # one spawn per gap: standbys that keep dying cannot cause a spawn storm
             self._spawned_s = time.monotonic()
-            ctx = spawn_context()
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=standby_main, args=(theirs, self.preload),
-                               name=f"{self.name}-{self.promoted + len(self._waiting)}",
-                               daemon=True)
-            proc.start()
-            theirs.close()
-            self._waiting.append((proc, ours))
+            self._waiting.append(_spawn(self.preload,
+                                        f"{self.name}-{self.promoted + len(self._waiting)}"))
 
     def tick(self, all_ready: bool) -> None:
         """A supervisor's watch step: refill once every child has been ready for ``SETTLE_S``."""
@@ -127,7 +161,7 @@ class StandbyPool:
                 _close(proc, conn)
                 continue
             try:
-                conn.send((target, args, name))
+                conn.send((target, args, name, dict(os.environ)))
             except (OSError, ValueError) as exc:  # broken pipe, or args that cannot be sent
                 log.warning("standby %s refused its hand-over (%s); spawning fresh", proc.pid, exc)
                 proc.kill()
@@ -138,22 +172,32 @@ class StandbyPool:
             return proc
         return None
 
+    def trim(self) -> None:
+        """Stop the waiting standbys beyond ``size`` (primed ones the start did not take)."""
+        extra, self._waiting = self._waiting[self.size:], self._waiting[:self.size]
+        _stop(extra, 2.0)
+
     def stop(self, timeout_s: float = 2.0) -> None:
-        for _, conn in self._waiting:
-            try:
-                conn.send(None)
-            except (OSError, ValueError):
-                pass
-            conn.close()
-        for proc, _ in self._waiting:
-            proc.join(timeout=timeout_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2.0)
+        _stop(self._waiting, timeout_s)
         self._waiting = []
 
     def pids(self) -> list[int]:
         return [p.pid for p, _ in self._waiting if p.is_alive()]
+
+
+def _stop(waiting: list[tuple[Any, Any]], timeout_s: float) -> None:
+    """Tell each waiting standby to exit; kill those that do not within ``timeout_s``."""
+    for _, conn in waiting:
+        try:
+            conn.send(None)
+        except (OSError, ValueError):
+            pass
+        conn.close()
+    for proc, _ in waiting:
+        proc.join(timeout=timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
 
 
 def _close(proc: Any, conn: Any) -> bool:

@@ -363,14 +363,17 @@ class Supervisor:
         # queue): with a core for each starting process they start at once (a restart's
         # seconds), else samplers first, so that they do not share the cores while importing.
         at_once = (os.cpu_count() or 1) >= len(self.samplers) + len(self.engines) + 2
+        # engine cores take the standbys primed as the daemon started (``standby.prime``)
+        first = {"engine": self.standby, "sampler": None}
         if at_once:
-            for child in self.samplers + self.engines:
-                child.start()
+            for child in self.engines + self.samplers:
+                child.start(first[child.role])
         for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
             if not at_once:
                 for child in group:
-                    child.start()
+                    child.start(first[child.role])
             self._wait_ready(group, what)
+        self.standby.trim()
         for child in self.engines:  # they started with the plan, and nothing changed it yet
             self.models.settle(child.index, self._engine_pid(child.index))
         self.models.refresh_dims()
