@@ -148,3 +148,14 @@ def test_sampling_with_the_adjacency_cache_is_bit_identical(share: float,
                 assert other.num_sampled_nodes == ref.num_sampled_nodes
     plain.close()
     cached.close()
+
+
+def test_rows_ranked_on_the_gpu_are_ranked_as_on_the_cpu() -> None:
+    """A start ranks the placement's rows on the engine core's GPU (milliseconds, not seconds
+    for 22 M rows): the same order as the CPU's stable sort, ties in id order."""
+    from quiver_serve.features.placement import hottest_first
+
+    scores = torch.randint(0, 50, (100_003,)).float() / 7  # many ties
+    on_gpu = hottest_first(scores, torch.device("cuda"))
+    assert torch.equal(on_gpu, hottest_first(scores))
+    assert on_gpu.device.type == "cpu"

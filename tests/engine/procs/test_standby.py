@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from quiver_serve.engine.procs.standby import StandbyPool
+from quiver_serve.engine.procs.standby import StandbyPool, prime
 
 
 def write_pid(path: str, tag: str) -> None:
@@ -116,5 +116,35 @@ def test_standbys_wait_until_every_child_has_been_ready_a_while(monkeypatch) -> 
         time.sleep(0.2)
         pool.tick(True)
         assert len(pool.pids()) == 1
+    finally:
+        pool.stop()
+
+
+def write_env(path: str, name: str) -> None:
+    """A child's target: leaves its pid and one environment variable behind."""
+    Path(path).write_text(f"{os.getpid()} {os.environ.get(name)}")
+
+
+def test_primed_standbys_are_adopted_by_the_first_pool_and_trimmed_to_its_size(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001 - pytest's monkeypatch
+    """``server.spawn_early``: standbys spawned before the supervisor exists are the ones its
+    first child takes; the environment of the hand-over, not of the standby's spawn, is the
+    child's (a variable set in between reaches it); what the start did not take is stopped
+    down to the pool's size."""
+    prime(("json",), 2, "test-primed")
+    monkeypatch.setenv("QS_TEST_PRIMED", "after-the-spawn")
+    pool = StandbyPool(("json",), size=0, name="test-standby")
+    try:
+        primed = pool.pids()
+        assert len(primed) == 2  # adopted: no spawn of its own
+        assert StandbyPool(("json",), size=0, name="other").pids() == []  # adopted once
+        out = tmp_path / "out"
+        proc = pool.take(write_env, (str(out), "QS_TEST_PRIMED"), "quiver-engine-0")
+        assert proc is not None and proc.pid == primed[0]
+        assert wait_for(out.exists)
+        assert out.read_text() == f"{primed[0]} after-the-spawn"
+        proc.join(timeout=10)
+        pool.trim()  # size 0: the other primed standby is stopped
+        assert pool.pids() == []
     finally:
         pool.stop()
