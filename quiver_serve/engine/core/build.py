@@ -94,7 +94,7 @@ def _build_core(cfg: ServeConfig, graph: GraphData, index: int, pool: SamplerPoo
     local = make_cpu_sampler(graph.indptr, graph.indices, cfg.sampling.implementation)
     calib = Calibration(cfg, graph, calibration, progress)
     # the PSGS table (CPU passes over every node) beside the model and the features (copies):
-    # a start takes the longer of the two, not their sum (docs/decisions/0066-fork-server.md)
+    # a start takes the longer of the two, not their sum (docs/decisions/0066-early-spawn.md)
     with ThreadPoolExecutor(1, thread_name_prefix="psgs") as beside:
         psgs_job = beside.submit(timed, calib.psgs_table, fanouts, device, local,
                                  caps.node_capacity if caps else None)
