@@ -12,6 +12,10 @@ through the pipe with torch's multiprocessing reductions: the graph's shared mem
 handle, as when spawning) and a replacement standby is spawned in the background. A standby
 that is not warm yet is still used: it runs the target once its imports are done, which is no
 later than a fresh spawn would. A standby exits with its parent, or when its pipe closes.
+
+The same mechanism starts the daemon faster (``server.spawn_early``, decision 0066): the command
+line primes one standby per engine core before it imports torch (``prime_daemon``), the first
+pool of that preload adopts them, and the engine cores' first start takes them.
 """
 
 from __future__ import annotations
