@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from quiver_serve.config import resolve_http_workers
 
     workers = resolve_http_workers(cfg.server.http_workers)
+    from quiver_serve.engine.procs.process import keep_bytecode
+
+    pycache = keep_bytecode()  # before the first child is spawned
+    if pycache:
+        logging.getLogger(__name__).info(
+            "torch's bytecode is not cached beside its sources, which are read-only: children "
+            "keep theirs in %s", shown_path(pycache))
     if cfg.server.spawn_early:  # before this process imports torch, maps the graph, ...
         from quiver_serve.engine.procs.standby import prime_daemon
 

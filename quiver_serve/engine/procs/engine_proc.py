@@ -141,6 +141,11 @@ def engine_process_setup(cfg: ServeConfig, index: int) -> None:
     sys.setswitchinterval(cfg.inference.switch_interval_ms / 1e3)
     log.info("engine %d: interpreter switch interval %.3g ms", index,
              sys.getswitchinterval() * 1e3)
+    from quiver_serve.engine.procs.standby import PRELOAD_S
+
+    if PRELOAD_S:  # a standby's imports, before its hand-over: what the build did not wait for
+        log.info("engine %d: started in a standby whose imports took %s", index,
+                 ", ".join(f"{name} {s:.2f} s" for name, s in PRELOAD_S.items()))
 
 
 def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,

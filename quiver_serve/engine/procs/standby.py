@@ -45,14 +45,21 @@ SPAWN_GAP_S = 1.0
 SETTLE_S = 5.0
 
 
+#: seconds each module of this process's preload took to import, when it was a standby
+#: (the engine core logs them: what a start waited on before its build)
+PRELOAD_S: dict[str, float] = {}
+
+
 def standby_main(conn: Any, preload: Sequence[str]) -> None:
     """The standby process: import ``preload``, then wait for (target, args, name) and run it."""
     for name in preload:
+        t0 = time.perf_counter()
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the target fails the same way and reports it
             # on its control line; a standby that died here would only be respawned
             log.warning("standby: cannot preload %s (%s)", name, exc)
+        PRELOAD_S[name] = time.perf_counter() - t0
     try:
         conn.send("warm")
     except (OSError, ValueError):
