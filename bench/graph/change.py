@@ -137,7 +137,9 @@ def window(run: Run, name: str, seconds: float, rate: float = 0.0,
         if rate > 0:
             run.updaters.start(run.update_cmd(rate, t_start, seconds))
         w.start(win0, win0 + seconds)
-        threading.Timer(max(0.0, win0 - time.time()), meter.mark).start()
+        timer = threading.Timer(max(0.0, win0 - time.time()), meter.mark)
+        timer.daemon = True
+        timer.start()
         if event is not None:
             threads.append(threading.Thread(target=event, args=(win0,), daemon=True))
             threads[0].start()

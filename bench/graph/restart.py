@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.harness import Daemon
-from loadtest.results import add_run_options, doc_parser, result_path, run_meta, write_result
+from loadtest.results import (
+    add_run_options,
+    doc_parser,
+    load_config,
+    result_path,
+    run_meta,
+    write_result,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,12 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def yaml_sets(sets: list[str]) -> dict[str, object]:
-    """``SECTION.KEY=VALUE`` strings as overrides (values parsed as YAML)."""
-    import yaml
-
-    pairs = (item.split("=", 1) for item in sets)
-    return {key: yaml.safe_load(value) for key, value in pairs}
+def set_fields(config: str, sets: list[str]) -> dict[str, object]:
+    """``--set`` / ``--then-set`` strings as the daemon's overrides, parsed and checked by
+    ``ServeConfig.with_overrides`` (a wrong name or value fails here, naming it)."""
+    cfg = load_config(config, sets)
+    names = [item.partition("=")[0].strip().split(".") for item in sets]
+    return {f"{sec}.{key}": getattr(getattr(cfg, sec), key) for sec, key in names}
 
 
 def overrides(args: argparse.Namespace, state: Path) -> dict[str, object]:
@@ -68,7 +75,7 @@ def post(url: str, path: str, body: dict) -> dict:
 def start(args: argparse.Namespace, state: Path, env: dict[str, str],
           extra: dict[str, object] | None = None) -> tuple[Daemon, float]:
     t0 = time.monotonic()
-    d = Daemon(args.config, overrides={**overrides(args, state), **yaml_sets(args.sets),
+    d = Daemon(args.config, overrides={**overrides(args, state), **set_fields(args.config, args.sets),
                                        **(extra or {})}, env=env,
                ready_timeout_s=args.start_timeout_s, log_path=state / f"daemon-{t0:.0f}.log")
     d.wait_ready()
@@ -131,7 +138,7 @@ def restart_then(args: argparse.Namespace, state: Path, env: dict[str, str],
     """``--then-set``: kill -9 of ``running``, then a start with those overrides."""
     kill(running)
     wall_s = time.time()
-    d, seconds = start(args, state, env, yaml_sets(args.then_set))
+    d, seconds = start(args, state, env, set_fields(args.config, args.then_set))
     timeline = start_timeline(Path(d.log_path).read_text(errors="replace").replace(
         str(state), "<state>"), wall_s)
     d.stop()

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: longest wait for a device's CUDA context (``start_device``); past it the start fails by name
+CUDA_INIT_TIMEOUT_S = 300.0
 
 
 def build_core(cfg: ServeConfig, graph: GraphData, index: int,
@@ -301,7 +303,10 @@ def place_model_and_features(cfg: ServeConfig, graph: GraphData, device: torch.d
         x = capacity_copy(graph.x, rows)  # feature updates write the store's rows, not files
     lap("model and features on the host")
     if cuda_init is not None:
-        cuda_init.join()
+        cuda_init.join(timeout=CUDA_INIT_TIMEOUT_S)
+        if cuda_init.is_alive():
+            raise RuntimeError(f"the CUDA context of {device} was not created within "
+                               f"{CUDA_INIT_TIMEOUT_S:.0f} s")
         lap("device (its context created beside the above)")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread's current device (the init thread set its own)
