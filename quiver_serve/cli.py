@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -62,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     from quiver_serve.config import resolve_http_workers
 
     workers = resolve_http_workers(cfg.server.http_workers)
-    from quiver_serve.engine.procs.process import keep_bytecode
+    from quiver_serve.engine.procs.bytecode import COMPILE_ENV, keep_bytecode
 
-    pycache = keep_bytecode()  # before the first child is spawned
+    pycache = keep_bytecode()  # before the first child is spawned (decision 0067)
     if pycache:
         logging.getLogger(__name__).info(
-            "torch's bytecode is not cached beside its sources, which are read-only: children "
-            "keep theirs in %s", shown_path(pycache))
+            "no compiled bytecode beside torch's sources and none written there: the daemon's "
+            "processes keep theirs in %s%s", shown_path(pycache),
+            " (compiled beside the start: writing bytecode is off)"
+            if os.environ.get(COMPILE_ENV) else "")
     if cfg.server.spawn_early:  # before this process imports torch, maps the graph, ...
         from quiver_serve.engine.procs.standby import prime_daemon
 
@@ -100,12 +103,14 @@ def serve_in_process(cfg: ServeConfig, log_level: str) -> int:
     """One front-end, in this process beside the supervisor (the cheapest path)."""
     import uvicorn
 
+    from quiver_serve.engine.procs.bytecode import compile_later
     from quiver_serve.engine.procs.heap import start_gc_watch
     from quiver_serve.engine.procs.supervisor import StartFailed
     from quiver_serve.frontend.app import create_app
     from quiver_serve.frontend.listen import DrainingServer, uvicorn_options
 
     app = create_app(cfg)
+    compile_later("main")  # decision 0067: a no-op unless bytecode is kept aside
     state = app.state.qs
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,

@@ -216,6 +216,7 @@ class _StopDuringStart(BaseException):
 def run(cfg: ServeConfig, count: int, log_level: str) -> int:
     """The daemon with ``count`` front-end processes; returns the exit code."""
     from quiver_serve.engine.client.pipeline import Pipeline
+    from quiver_serve.engine.procs.bytecode import compile_later
     from quiver_serve.metrics.prometheus import Metrics, multiprocess_dir
 
     multiprocess_dir()  # before any child starts, so every child inherits it
@@ -246,6 +247,7 @@ def run(cfg: ServeConfig, count: int, log_level: str) -> int:
         return 1
     door.kids.on_fatal = on_fatal
     pipeline = Pipeline(door.cfg, observer=metrics)
+    compile_later("main")  # decision 0067: a no-op unless bytecode is kept aside
     failed = _start(door, pipeline, starting, on_fatal, fatal)
     if failed is not None:
         return failed

@@ -31,6 +31,7 @@ from quiver_serve.engine.client.graph_client import (
     graph_timeout_s,
     model_timeout_s,
 )
+from quiver_serve.engine.procs.bytecode import compile_later
 from quiver_serve.engine.procs.control import Reporter, exit_failed
 from quiver_serve.engine.procs.graph_service import unavailable
 from quiver_serve.engine.procs.heap import GcWatch, start_gc_watch
@@ -205,6 +206,7 @@ def frontend_main(index: int, cfg: ServeConfig, run_dir: str, log_level: str) ->
     except Exception as exc:  # noqa: BLE001 - e.g. FastAPI missing: said once, then exit 1
         exit_failed(reporter, exc)
     watch.thread.start()
+    compile_later(f"frontend {index}")  # decision 0067: a no-op unless bytecode is kept aside
     server.run(sockets=[sock])
 
 

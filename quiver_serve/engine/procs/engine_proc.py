@@ -30,6 +30,7 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.batch import SamplerPool
 from quiver_serve.engine.core.build import build_core
 from quiver_serve.engine.core.core import EngineCore, MicroBatch, Reply
+from quiver_serve.engine.procs.bytecode import compile_later
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
@@ -146,6 +147,7 @@ def engine_process_setup(cfg: ServeConfig, index: int) -> None:
     if PRELOAD_S:  # a standby's imports, before its hand-over: what the build did not wait for
         log.info("engine %d: started in a standby whose imports took %s", index,
                  ", ".join(f"{name} {s:.2f} s" for name, s in PRELOAD_S.items()))
+    compile_later(f"engine {index}")  # decision 0067: a no-op unless bytecode is kept aside
 
 
 def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,
@@ -171,6 +173,7 @@ def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGrap
 
         plan = current_plan(cfg, Path(addrs.run_dir) / PLAN_FILE)
         core = build_core(cfg, graph, index, pool, live=live, plan=plan)
+        compile_later(f"engine {index}")  # what the build imported (the model's modules)
         from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 
         core.on_stats = EngineMetrics().observe

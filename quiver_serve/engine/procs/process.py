@@ -5,42 +5,10 @@ from __future__ import annotations
 import multiprocessing as std_mp
 import os
 import queue
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 POLL_S = 0.05  # how often a blocked loop wakes to check for shutdown or a dead parent
-
-
-def keep_bytecode(module: str = "torch", folder: Path | None = None) -> str | None:
-    """Where the daemon's children keep compiled bytecode when the interpreter cannot keep it
-    beside ``module``'s sources (no ``.pyc`` there, and a folder it may not write): a spawned
-    child would otherwise compile torch and PyG from source at every start. Sets
-    ``PYTHONPYCACHEPREFIX`` (children inherit it) to ``folder`` (default
-    ``$QUIVER_SERVE_CACHE/pycache``) and returns it; None when nothing needs it (the bytecode is
-    there or can be written, a prefix is already set, or writing bytecode is turned off)."""
-    import importlib.util
-
-    if sys.pycache_prefix or os.environ.get("PYTHONPYCACHEPREFIX") or sys.dont_write_bytecode:
-        return None
-    spec = importlib.util.find_spec(module)  # finds, does not import
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    cached = Path(importlib.util.cache_from_source(spec.origin))
-    if cached.exists() or os.access(cached.parent if cached.parent.exists()
-                                    else Path(spec.origin).parent, os.W_OK):
-        return None
-    if folder is None:
-        from quiver_serve import envs
-
-        folder = envs.QUIVER_SERVE_CACHE / "pycache"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
-    return str(folder)
 
 
 def spawn_context() -> Any:

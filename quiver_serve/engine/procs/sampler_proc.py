@@ -14,6 +14,7 @@ import zmq
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.rebase import apply_structure
+from quiver_serve.engine.procs.bytecode import compile_later
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.heap import start_gc_watch
 from quiver_serve.engine.procs.process import parent_alive
@@ -113,6 +114,7 @@ def sampler_main(index: int, cfg: ServeConfig, given: GraphData | MappedGraph,
     torch.set_num_threads(cfg.sampling.cpu_threads_per_worker)
     ctx = zmq.Context()
     reporter = Reporter(ctx, addrs, "sampler", index)
+    compile_later(f"sampler {index}")  # decision 0067: a no-op unless bytecode is kept aside
     try:
         graph = received(given)
         indptr, indices = graph.indptr, graph.indices

@@ -18,6 +18,7 @@ from quiver_serve.config import ServeConfig
 from quiver_serve.engine.core.devices import worker_device
 from quiver_serve.engine.core.typed_core import TypedEngineCore, build_typed_core
 from quiver_serve.engine.core.typed_sync import TypedSync
+from quiver_serve.engine.procs.bytecode import compile_later
 from quiver_serve.engine.procs.control import Reporter, bind_fresh, exit_failed
 from quiver_serve.engine.procs.engine_proc import (
     IDLE_POLL_MS,
@@ -72,6 +73,7 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
                 log.info("engine %d: %d typed update(s) replayed (version %d)", index, replayed,
                          sync.version)
         core = build_engine_core(cfg, graph, index)
+        compile_later(f"engine {index}")  # what the build imported (decision 0067)
         core.sync = sync
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
