@@ -89,13 +89,28 @@ def missing_sources() -> list[str]:
     return sorted(set(found))
 
 
-def compile_later(role: str) -> subprocess.Popen | None:
+def compile_later(role: str) -> threading.Thread | None:
     """Hand what this process imported without bytecode to a low-priority compiling child
-    (only where :func:`keep_bytecode` turned it on); a watcher thread reaps it and logs what it
-    did. Each source is handed once per process; returns the child, or None."""
-    prefix = sys.pycache_prefix
-    if not os.environ.get(COMPILE_ENV) or not prefix:
+    (only where :func:`keep_bytecode` turned it on), from a thread: the scan of the imported
+    modules (a file check each) stays off the caller's start-up. The thread reaps the child and
+    logs what it did; each source is handed once per process. Returns the thread, or None."""
+    if not os.environ.get(COMPILE_ENV) or not sys.pycache_prefix:
         return None
+    thread = threading.Thread(target=_compile, args=(role,), name="bytecode-compile",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _compile(role: str) -> None:
+    child = hand_over(sys.pycache_prefix or "")
+    if child is not None:
+        _reap(*child, role)
+
+
+def hand_over(prefix: str) -> tuple[subprocess.Popen, int, float] | None:
+    """Start a compiling child for the imported sources without bytecode in ``prefix``:
+    (the child, how many sources, when), or None when there are none."""
     with _lock:
         todo = missing_sources()
         if not todo:
@@ -108,12 +123,10 @@ def compile_later(role: str) -> subprocess.Popen | None:
             [sys.executable, "-m", __name__, listing, str(COMPILE_TIMEOUT_S)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _children.append(child)
-    threading.Thread(target=_reap, args=(child, role, len(todo), time.monotonic()),
-                     name="bytecode-compile-watch", daemon=True).start()
-    return child
+    return child, len(todo), time.monotonic()
 
 
-def _reap(child: subprocess.Popen, role: str, count: int, t0: float) -> None:
+def _reap(child: subprocess.Popen, count: int, t0: float, role: str) -> None:
     try:
         _, err = child.communicate(timeout=COMPILE_TIMEOUT_S + 30.0)
     except subprocess.TimeoutExpired:
@@ -122,12 +135,14 @@ def _reap(child: subprocess.Popen, role: str, count: int, t0: float) -> None:
     with _lock:
         if child in _children:
             _children.remove(child)
+    failed = (err or b"").decode(errors="replace").strip()
     if child.returncode == 0:
         log.info("%s: compiled %d imported modules' bytecode into the cache in %.1f s (the next "
-                 "start reads it)", role, count, time.monotonic() - t0)
+                 "start reads it)%s", role, count, time.monotonic() - t0,
+                 f"; {failed}" if failed else "")
     else:
         log.warning("%s: compiling imported modules' bytecode ended with %s: %s", role,
-                    child.returncode, (err or b"").decode(errors="replace").strip()[-300:])
+                    child.returncode, failed[-300:])
 
 
 @atexit.register
@@ -150,7 +165,7 @@ def compile_listed(listing: Path, timeout_s: float) -> int:
     parent, deadline = os.getppid(), time.monotonic() + timeout_s
     sources = listing.read_text().split("\n")
     listing.unlink(missing_ok=True)
-    failed = 0
+    failed: list[str] = []
     for src in sources:
         if time.monotonic() > deadline or os.getppid() != parent:
             break
@@ -159,8 +174,10 @@ def compile_listed(listing: Path, timeout_s: float) -> int:
                 continue  # another process's child compiled it
             py_compile.compile(src, doraise=True)  # written atomically: racing writers are safe
         except (py_compile.PyCompileError, OSError):
-            failed += 1
-    return failed
+            failed.append(src)
+    if failed:  # the parent logs it
+        print(f"{len(failed)} could not be compiled, such as {failed[0]}", file=sys.stderr)
+    return len(failed)
 
 
 if __name__ == "__main__":

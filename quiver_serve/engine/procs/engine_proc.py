@@ -173,7 +173,6 @@ def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGrap
 
         plan = current_plan(cfg, Path(addrs.run_dir) / PLAN_FILE)
         core = build_core(cfg, graph, index, pool, live=live, plan=plan)
-        compile_later(f"engine {index}")  # what the build imported (the model's modules)
         from quiver_serve.metrics.prometheus import EngineMetrics, GraphApplyMetrics
 
         core.on_stats = EngineMetrics().observe
@@ -208,6 +207,7 @@ def engine_core_main(index: int, cfg: ServeConfig, given: GraphData | MappedGrap
     loop = EngineLoop(core, front, pool, poller, reporter, cfg.inference.engine_spin_ms / 1e3,
                       gc_watch.flush, table_sync)
     loop.admin = ModelCalls(core, admin)
+    compile_later(f"engine {index}")  # what the build imported (the model's, the metrics')
     loop.run()
 
 

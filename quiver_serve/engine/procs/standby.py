@@ -45,13 +45,20 @@ SPAWN_GAP_S = 1.0
 SETTLE_S = 5.0
 
 
+#: a start's front-ends and CPU samplers wait at most this long for the engine cores' primed
+#: standbys to finish their imports: on a host whose file reads are slow, processes importing at
+#: once slow each other, and the engine cores' imports are what readiness waits for (0067)
+PRIMED_GATE_S = 15.0
+
+
 #: seconds each module of this process's preload took to import, when it was a standby
 #: (the engine core logs them: what a start waited on before its build)
 PRELOAD_S: dict[str, float] = {}
 
 
-def standby_main(conn: Any, preload: Sequence[str]) -> None:
-    """The standby process: import ``preload``, then wait for (target, args, name) and run it."""
+def standby_main(conn: Any, preload: Sequence[str], imported: Any = None) -> None:
+    """The standby process: import ``preload`` (then set ``imported``, an event, when given),
+    then wait for (target, args, name, environment) and run it."""
     for name in preload:
         t0 = time.perf_counter()
         try:
@@ -60,6 +67,8 @@ def standby_main(conn: Any, preload: Sequence[str]) -> None:
             # on its control line; a standby that died here would only be respawned
             log.warning("standby: cannot preload %s (%s)", name, exc)
         PRELOAD_S[name] = time.perf_counter() - t0
+    if imported is not None:
+        imported.set()
     try:
         conn.send("warm")
     except (OSError, ValueError):
@@ -84,6 +93,8 @@ def standby_main(conn: Any, preload: Sequence[str]) -> None:
 
 #: standbys spawned as the daemon starts (``prime``), by preload; a supervisor's pool adopts them
 _primed: dict[tuple[str, ...], list[tuple[Any, Any]]] = {}
+#: (process, event set when its imports are done) of every primed standby (``wait_primed``)
+_primed_imports: list[tuple[Any, Any]] = []
 
 
 def prime(preload: Sequence[str], count: int, name: str) -> None:
@@ -93,7 +104,20 @@ def prime(preload: Sequence[str], count: int, name: str) -> None:
     daemon's own start-up instead of after it (docs/decisions/0066-early-spawn.md)."""
     waiting = _primed.setdefault(tuple(preload), [])
     for _ in range(max(0, count)):
-        waiting.append(_spawn(tuple(preload), f"{name}-{len(waiting)}"))
+        imported = spawn_context().Event()
+        waiting.append(_spawn(tuple(preload), f"{name}-{len(waiting)}", imported))
+        _primed_imports.append((waiting[-1][0], imported))
+
+
+def wait_primed(timeout_s: float = PRIMED_GATE_S) -> float:
+    """Wait until every primed standby has finished its imports (or died), at most
+    ``timeout_s``; at once when none was primed. Returns the seconds waited."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    for proc, imported in _primed_imports:
+        while not imported.wait(0.02) and proc.is_alive() and time.monotonic() < deadline:
+            pass
+    return time.monotonic() - t0
 
 
 def prime_daemon(cfg: Any) -> None:
@@ -108,11 +132,12 @@ def prime_daemon(cfg: Any) -> None:
     prime(DAEMON_PRELOAD, cfg.inference.num_workers or 1, "quiver-standby")
 
 
-def _spawn(preload: tuple[str, ...], name: str) -> tuple[Any, Any]:
+def _spawn(preload: tuple[str, ...], name: str, imported: Any = None) -> tuple[Any, Any]:
     """A started standby process and the parent's end of its pipe."""
     ctx = spawn_context()
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=standby_main, args=(theirs, preload), name=name, daemon=True)
+    proc = ctx.Process(target=standby_main, args=(theirs, preload, imported), name=name,
+                       daemon=True)
     proc.start()
     theirs.close()
     return proc, ours
@@ -126,6 +151,7 @@ class StandbyPool:
         self.preload, self.size, self.name = tuple(preload), max(0, int(size)), name
         #: (process, the parent's end of its pipe); the primed ones first (``prime``)
         self._waiting: list[tuple[Any, Any]] = _primed.pop(self.preload, [])
+        self.primed = len(self._waiting)  # adopted from ``prime``
         self._warm: set[int] = set()  # pids that said their imports are done
         self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
         self._settled_since: float | None = None  # since when every child has been ready

@@ -40,7 +40,7 @@ from quiver_serve.engine.procs.engine_proc import engine_core_main
 from quiver_serve.engine.procs.graph_owner import GraphOwner
 from quiver_serve.engine.procs.process import spawn_context
 from quiver_serve.engine.procs.sampler_proc import sampler_main
-from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool
+from quiver_serve.engine.procs.standby import DAEMON_PRELOAD, StandbyPool, wait_primed
 from quiver_serve.engine.procs.typed_engine_proc import config_is_typed, typed_engine_main
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.living import handed
@@ -360,18 +360,22 @@ class Supervisor:
         self.graph.share_memory_()
         self.owner.open(self._live_readers)
         # An engine core's start needs no sampler (a batch sent early waits in the sampler's
-        # queue): with a core for each starting process they start at once (a restart's
-        # seconds), else samplers first, so that they do not share the cores while importing.
+        # queue): engine cores that take the standbys primed as the daemon started
+        # (``standby.prime``) go first, and samplers once those standbys' imports are done
+        # (``wait_primed``: processes importing at once slow each other); with a core for each
+        # starting process all start at once (a restart's seconds); else samplers first, so
+        # that they do not share the cores while importing.
         at_once = (os.cpu_count() or 1) >= len(self.samplers) + len(self.engines) + 2
-        # engine cores take the standbys primed as the daemon started (``standby.prime``)
-        first = {"engine": self.standby, "sampler": None}
-        if at_once:
-            for child in self.engines + self.samplers:
-                child.start(first[child.role])
+        if at_once or self.standby.primed:
+            for child in self.engines:
+                child.start(self.standby)
+            wait_primed()
+            for child in self.samplers:
+                child.start()
         for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
-            if not at_once:
+            if not (at_once or self.standby.primed):
                 for child in group:
-                    child.start(first[child.role])
+                    child.start()
             self._wait_ready(group, what)
         self.standby.trim()
         for child in self.engines:  # they started with the plan, and nothing changed it yet

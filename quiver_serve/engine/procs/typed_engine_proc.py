@@ -73,7 +73,6 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
                 log.info("engine %d: %d typed update(s) replayed (version %d)", index, replayed,
                          sync.version)
         core = build_engine_core(cfg, graph, index)
-        compile_later(f"engine {index}")  # what the build imported (decision 0067)
         core.sync = sync
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
@@ -88,6 +87,7 @@ def typed_engine_main(index: int, cfg: ServeConfig, given: object, addrs: RunAdd
                   gpu_sampler=None if gpu is None else gpu.name,
                   dim=dims[0] if len(dims) == 1 else 0, node_types=dict(core.graph.num_nodes),
                   dims=core.out_dims)
+    compile_later(f"engine {index}")  # what the build imported (decision 0067)
     TypedEngineLoop(core, front, poller, reporter).run()
 
 

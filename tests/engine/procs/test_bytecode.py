@@ -54,14 +54,16 @@ def test_writing_turned_off_compiles_what_was_imported_for_the_next_start(
     mod = importlib.import_module(fake_module)
     cached = Path(importlib.util.cache_from_source(mod.__file__))
     assert str(cached).startswith(str(folder)) and not cached.exists()  # nothing written
-    child = bytecode.compile_later("test")
-    assert child is not None and child.wait(timeout=60) == 0
+    thread = bytecode.compile_later("test")
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
     data = cached.read_bytes()  # a timestamp pyc of this very source: what the next start reads
     assert int.from_bytes(data[8:12], "little") == int(os.stat(mod.__file__).st_mtime)
     space: dict = {}
     exec(marshal.loads(data[16:]), space)
     assert space["VALUE"] == 42
-    assert bytecode.compile_later("test") is None  # each source is handed once
+    assert bytecode.hand_over(str(folder)) is None  # each source is handed once
     assert not list(folder.glob("compile-*.txt"))  # the child removed its list
 
 

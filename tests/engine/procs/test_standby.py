@@ -148,3 +148,34 @@ def test_primed_standbys_are_adopted_by_the_first_pool_and_trimmed_to_its_size(
         assert pool.pids() == []
     finally:
         pool.stop()
+
+
+def test_a_start_waits_for_the_primed_standbys_imports_within_a_bound(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001 - pytest's monkeypatch
+    """Front-ends and CPU samplers of a start are spawned once the engine cores' primed
+    standbys have imported (``wait_primed``; decision 0067), never later than the bound, and at
+    once when nothing was primed or the standby died."""
+    from quiver_serve.engine.procs import standby
+
+    monkeypatch.setattr(standby, "_primed_imports", [])
+    assert standby.wait_primed(30.0) < 0.1  # nothing primed
+    (tmp_path / "qs_slow_import.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned standby inherits sys.path
+    prime(("qs_slow_import",), 1, "test-gate")
+    pool = StandbyPool(("qs_slow_import",), size=0, name="test-gate")
+    try:
+        assert standby.wait_primed(0.3) < 1.0  # bounded: the imports are not done yet
+        waited_s = standby.wait_primed(60.0)
+        assert 0.5 < waited_s < 60.0  # waited for the import itself
+        assert wait_for(lambda: pool.warm() == 1, 10.0)  # and said so on its pipe after
+        assert standby.wait_primed(60.0) < 0.1  # done once
+        pool.stop()
+        monkeypatch.setattr(standby, "_primed_imports", [])
+        prime(("qs_slow_import",), 1, "test-gate")
+        dead = StandbyPool(("qs_slow_import",), size=0, name="test-gate")
+        for proc in [p for p, _ in standby._primed_imports]:
+            proc.kill()
+        assert standby.wait_primed(60.0) < 5.0  # a dead standby does not hold the start
+        dead.stop()
+    finally:
+        pool.stop()
