@@ -79,7 +79,7 @@ def missing_sources() -> list[str]:
     found = []
     for mod in list(sys.modules.values()):
         src = getattr(mod, "__file__", None)
-        if not src or not src.endswith(".py") or src in _handed:
+        if not src or not src.endswith(".py") or not os.path.isabs(src) or src in _handed:
             continue
         try:
             if not os.path.exists(importlib.util.cache_from_source(src)):
