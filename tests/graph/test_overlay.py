@@ -70,12 +70,30 @@ def test_random_updates_match_the_list_model(seed: int) -> None:
     assert ov.self_loops(nodes).tolist() == [x.count(v) for v, x in enumerate(lists)]
 
 
-def test_device_copy_follows_the_patches() -> None:
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_device_copy_follows_the_patches(device: str) -> None:
+    """On a GPU the patches travel from page-locked buffers without waiting for the host: many
+    in a row, none synchronised, still leave the copy equal to the host overlay."""
     rng = np.random.default_rng(1)
     g = random_graph(rng, 30, 90)
     ov = Overlay(g.indptr, g.indices, node_capacity=40, edge_capacity=5_000)
     ov.apply_edges(rng.integers(0, 30, (10, 2)), np.empty((0, 2), np.int64))
-    dev = DeviceOverlay(ov, torch.device("cpu"))
+    dev = DeviceOverlay(ov, torch.device(device))
+    for _ in range(30):
+        present = ov.to_csc()
+        src = present[1][:3].numpy()
+        dst = np.searchsorted(present[0].numpy(), np.arange(3), side="right") - 1
+        _, patch = ov.apply_edges(rng.integers(0, 30, (15, 2)), np.stack([src, dst], 1))
+        dev.apply(patch)
+    host = ov.view()
+    assert host is not None
+    view = dev.view()
+    assert torch.equal(view.start.cpu(), host.start) and torch.equal(view.length.cpu(), host.length)
+    assert torch.equal(view.tail[:ov.top].cpu(), host.tail[:ov.top])
     for _ in range(10):
         present = ov.to_csc()
         src = present[1][:3].numpy()
