@@ -74,6 +74,24 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 
 
+def _patch_and_compare(ov: Overlay, dev: DeviceOverlay, rng: np.random.Generator, rounds: int,
+                       each: bool) -> None:
+    """``rounds`` updates (adds, and removals of present edges) applied to ``ov`` and their
+    patches to ``dev``; the copy compared with the host after each round or after the last."""
+    for i in range(rounds):
+        present = ov.to_csc()
+        src = present[1][:3].numpy()
+        dst = np.searchsorted(present[0].numpy(), np.arange(3), side="right") - 1
+        _, patch = ov.apply_edges(rng.integers(0, 30, (15, 2)), np.stack([src, dst], 1))
+        dev.apply(patch)
+        if each or i == rounds - 1:
+            host, view = ov.view(), dev.view()
+            assert host is not None
+            assert torch.equal(view.start.cpu(), host.start)
+            assert torch.equal(view.length.cpu(), host.length)
+            assert torch.equal(view.tail[:ov.top].cpu(), host.tail[:ov.top])
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_device_copy_follows_the_patches(device: str) -> None:
     """On a GPU the patches travel from page-locked buffers without waiting for the host: many
@@ -83,29 +101,8 @@ def test_device_copy_follows_the_patches(device: str) -> None:
     ov = Overlay(g.indptr, g.indices, node_capacity=40, edge_capacity=5_000)
     ov.apply_edges(rng.integers(0, 30, (10, 2)), np.empty((0, 2), np.int64))
     dev = DeviceOverlay(ov, torch.device(device))
-    for _ in range(30):
-        present = ov.to_csc()
-        src = present[1][:3].numpy()
-        dst = np.searchsorted(present[0].numpy(), np.arange(3), side="right") - 1
-        _, patch = ov.apply_edges(rng.integers(0, 30, (15, 2)), np.stack([src, dst], 1))
-        dev.apply(patch)
-    host = ov.view()
-    assert host is not None
-    view = dev.view()
-    assert torch.equal(view.start.cpu(), host.start) and torch.equal(view.length.cpu(), host.length)
-    assert torch.equal(view.tail[:ov.top].cpu(), host.tail[:ov.top])
-    for _ in range(10):
-        present = ov.to_csc()
-        src = present[1][:3].numpy()
-        dst = np.searchsorted(present[0].numpy(), np.arange(3), side="right") - 1
-        _, patch = ov.apply_edges(rng.integers(0, 30, (15, 2)), np.stack([src, dst], 1))
-        dev.apply(patch)
-        host = ov.view()
-        assert host is not None
-        view = dev.view()
-        assert torch.equal(view.start.cpu(), host.start)
-        assert torch.equal(view.length.cpu(), host.length)
-        assert torch.equal(view.tail[:ov.top].cpu(), host.tail[:ov.top])
+    _patch_and_compare(ov, dev, rng, 30, each=False)
+    _patch_and_compare(ov, dev, rng, 10, each=True)
 
 
 def test_a_full_overlay_refuses_and_changes_nothing() -> None:
