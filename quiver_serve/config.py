@@ -75,7 +75,7 @@ class GraphConfig(_Section):
     snapshot: bool = Field(
         True, description="write the loaded or generated graph as the base of version 0 in the update-log folder on a first start, so later starts map it instead of loading or generating it again (with its content hashes; a changed dataset file is refused)")
     apply_budget_ms: float = Field(
-        2.0, gt=0, description="engine-loop time per step for applying updates while requests wait (the writer plans each update; an engine core applies the planned writes of as many records as fit, at least one per step; idle, it applies every record read); see quiver_serve_graph_apply_seconds")
+        2.0, gt=0, description="engine-loop time per step for applying updates while requests wait (the writer plans each update; an engine core applies the planned writes of as many records as fit, at least one per step; idle, it applies every record read; while requests wait, reading, applying and the PSGS entries take separate steps); see quiver_serve_graph_apply_seconds")
     compact_interval_s: float = Field(
         600.0, ge=0, description="also compact this long after the last compaction when anything changed (0: only by fill or on request)")
 

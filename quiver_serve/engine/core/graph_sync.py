@@ -127,6 +127,8 @@ class GraphSync:
         self.follower = LogFollower(log_dir, base_version)
         #: records read from the log and not applied yet, and the last version read
         self.pending: deque[Record] = deque()
+        #: (nodes, their in-degrees) whose PSGS entries follow at the next step (``poll``)
+        self._psgs_due: list[tuple[np.ndarray, np.ndarray]] = []
         self.read_version = base_version
         #: loop time per step for applying updates while requests wait (``graph.apply_budget_ms``)
         self.budget_s = (cfg.graph.apply_budget_ms if cfg is not None else 2.0) / 1e3
@@ -154,21 +156,35 @@ class GraphSync:
              budget_s: float | None = None) -> list[Reply]:
         """Apply what was acknowledged since the last poll, within ``budget_s`` of loop time
         while requests wait (default ``graph.apply_budget_ms``; None when idle: every record
-        read). Records read but not applied stay for the next step. Replies of batches finished
-        first. Also moves the core onto a newer compacted base once it is built beside."""
+        read). While requests wait, one stage per step: the PSGS entries of the nodes the last
+        step changed, or reading records (when none is pending), or applying the pending ones
+        (each gap between batches holds only one; the routing sizes lag by a step). Records
+        read but not applied stay for the next step. Replies of batches finished first. Also moves the core onto a newer compacted
+        base once it is built beside."""
+        busy = bool(core.waiting or core.in_flight)
+        if self._psgs_due:
+            self._update_psgs(core)
+            if busy:
+                return []
         if self.state is not None and self.cfg is not None:
             self._follow_base(core)
         timer = StageTimer()
-        if len(self.pending) < max_records and (self.state is None
-                                                or self.state.acked > self.read_version):
+        fresh = False
+        if not (busy and self.pending) and len(self.pending) < max_records and (
+                self.state is None or self.state.acked > self.read_version):
             records = self.follower.poll(max_records - len(self.pending))
             if records:
                 self.pending.extend(records)
                 self.read_version = records[-1].version
+                fresh = True
         timer.lap("read")
         if not self.pending:
             return []
-        if budget_s is None and (core.waiting or core.in_flight):
+        if busy and fresh:  # applied at the next step
+            if self.on_poll is not None:
+                self.on_poll(timer.seconds, 0)
+            return []
+        if budget_s is None and busy:
             budget_s = self.budget_s
         replies: list[Reply] = []
         applied: list[Record] = []
@@ -181,7 +197,7 @@ class GraphSync:
                 timer.lap("drain")
             self.apply(core, self.pending.popleft(), changed, timer)
             applied.append(record)
-        self._changes_applied(core, changed, timer)
+        self._changes_applied(core, changed, timer, defer_psgs=busy)
         self._publish(applied[-1])
         if core.exact_table is not None:
             self._mark_table(core, applied, changed)
@@ -300,7 +316,7 @@ class GraphSync:
             self.on_applied(kind, max(0.0, time.time() - float(record.accepted_s)))
 
     def _changes_applied(self, core: SyncedCore, changed: Changes,
-                         timer: StageTimer | None = None) -> None:
+                         timer: StageTimer | None = None, defer_psgs: bool = False) -> None:
         """What follows the nodes whose in-lists the applied records changed, once for all of
         them: the device copy (one patch: the host overlay's entries now), degrees and PSGS
         entries."""
@@ -319,9 +335,23 @@ class GraphSync:
         if core.degree_weighted():
             core.update_degrees(t_nodes, degree, torch.from_numpy(self.overlay.self_loops(nodes)))
         if core.psgs is not None:
-            core.psgs.update_nodes(t_nodes, degree)
+            self._psgs_due.append((nodes, degree.numpy()))
+            if not defer_psgs:
+                self._update_psgs(core, report=False)  # timed in "degrees"
         if timer is not None:
             timer.lap("degrees")
+
+    def _update_psgs(self, core: SyncedCore, report: bool = True) -> None:
+        """The PSGS entries (routing's size predictions) of the nodes changed since the last
+        call, in the order they changed; timed as the stage "psgs" when ``report``."""
+        due, self._psgs_due = self._psgs_due, []
+        if core.psgs is None or not due:
+            return
+        t0 = time.perf_counter()
+        for nodes, degree in due:
+            core.psgs.update_nodes(nodes, degree)
+        if report and self.on_poll is not None:
+            self.on_poll({"psgs": time.perf_counter() - t0}, 0)
 
     def _nodes_added(self, core: SyncedCore, ids: np.ndarray, features: np.ndarray) -> None:
         self.attach_views(core)  # the samplers must know the new ids even before any edge

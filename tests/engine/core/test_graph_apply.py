@@ -67,6 +67,51 @@ def test_a_busy_core_applies_one_record_per_step_within_a_zero_budget(tmp_path: 
     assert sync.overlay.records_applied == {"writer": 12, "here": 0}
 
 
+def test_a_busy_core_reads_applies_and_updates_psgs_in_separate_steps(tmp_path: Path) -> None:
+    """While requests wait, each gap between batches holds one stage: reading the records, then
+    applying them, then the PSGS entries of the nodes they changed; the entries end as an idle
+    core's that applied everything at once."""
+    writer_a, busy = _setup(tmp_path, "a")
+    writer_b, idle = _setup(tmp_path, "b")
+    for writer in (writer_a, writer_b):
+        _write(writer, 6, seed=3)
+    sync = busy.graph_sync
+    assert sync is not None and busy.psgs is not None and idle.psgs is not None
+    seen: list[tuple[set, int]] = []
+    sync.on_poll = lambda stages, n: seen.append((set(stages), n))
+
+    def entries(core: object) -> list[float]:  # each node's PSGS entry as the router reads it
+        return [core.psgs.draws(np.array([v])) for v in range(200)]  # type: ignore[attr-defined]
+
+    before = entries(busy)
+    busy.waiting.append(object())  # a request waits (poll only asks whether one does)
+    try:
+        sync.poll(busy)
+        assert sync.version == 0 and len(sync.pending) == 6 and seen[-1][1] == 0
+        assert "read" in seen[-1][0] and "overlay" not in seen[-1][0]
+        sync.poll(busy)
+        applied = sync.version
+        assert applied >= 1 and seen[-1][1] == applied and "overlay" in seen[-1][0]
+        assert entries(busy) == before  # the routing sizes lag a step
+        sync.poll(busy)
+        assert seen[-1] == ({"psgs"}, 0) and sync.version == applied
+        assert entries(busy) != before
+        while sync.version < writer_a.acked or sync._psgs_due:
+            sync.poll(busy)
+        for i in range(5):  # a record per few steps while busy: none waits for more to come
+            _write(writer_a, 1, seed=10 + i)
+            for _ in range(3):  # read, apply, PSGS
+                sync.poll(busy)
+            assert sync.version == writer_a.acked
+    finally:
+        busy.waiting.clear()
+    for i in range(5):
+        _write(writer_b, 1, seed=10 + i)  # the same calls as the busy core's
+    idle.graph_sync.poll(idle)  # idle: read, applied and PSGS in one step
+    assert idle.graph_sync.version == sync.version == 11
+    assert entries(busy) == entries(idle)
+
+
 def test_grouped_application_equals_one_record_at_a_time(tmp_path: Path) -> None:
     writer_a, one = _setup(tmp_path, "a")
     writer_b, grouped = _setup(tmp_path, "b")
