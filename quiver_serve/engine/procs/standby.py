@@ -56,9 +56,9 @@ PRIMED_GATE_S = 15.0
 PRELOAD_S: dict[str, float] = {}
 
 
-def standby_main(conn: Any, preload: Sequence[str], imported: Any = None) -> None:
-    """The standby process: import ``preload`` (then set ``imported``, an event, when given),
-    then wait for (target, args, name, environment) and run it."""
+def standby_main(conn: Any, preload: Sequence[str], imported: Any) -> None:
+    """The standby process: import ``preload``, set ``imported`` (an event: it is warm), then
+    wait for (target, args, name, environment) and run it."""
     for name in preload:
         t0 = time.perf_counter()
         try:
@@ -67,12 +67,7 @@ def standby_main(conn: Any, preload: Sequence[str], imported: Any = None) -> Non
             # on its control line; a standby that died here would only be respawned
             log.warning("standby: cannot preload %s (%s)", name, exc)
         PRELOAD_S[name] = time.perf_counter() - t0
-    if imported is not None:
-        imported.set()
-    try:
-        conn.send("warm")
-    except (OSError, ValueError):
-        pass  # taken before it was warm: the supervisor sent its hand-over, then closed its end
+    imported.set()
     while parent_alive():
         try:
             if not conn.poll(POLL_S):
@@ -93,8 +88,8 @@ def standby_main(conn: Any, preload: Sequence[str], imported: Any = None) -> Non
 
 #: standbys spawned as the daemon starts (``prime``), by preload; a supervisor's pool adopts them
 _primed: dict[tuple[str, ...], list[tuple[Any, Any]]] = {}
-#: (process, event set when its imports are done) of every primed standby (``wait_primed``)
-_primed_imports: list[tuple[Any, Any]] = []
+#: every primed standby process (``wait_primed``)
+_primed_procs: list[Any] = []
 
 
 def prime(preload: Sequence[str], count: int, name: str) -> None:
@@ -104,9 +99,8 @@ def prime(preload: Sequence[str], count: int, name: str) -> None:
     daemon's own start-up instead of after it (docs/decisions/0066-early-spawn.md)."""
     waiting = _primed.setdefault(tuple(preload), [])
     for _ in range(max(0, count)):
-        imported = spawn_context().Event()
-        waiting.append(_spawn(tuple(preload), f"{name}-{len(waiting)}", imported))
-        _primed_imports.append((waiting[-1][0], imported))
+        waiting.append(_spawn(tuple(preload), f"{name}-{len(waiting)}"))
+        _primed_procs.append(waiting[-1][0])
 
 
 def wait_primed(timeout_s: float = PRIMED_GATE_S) -> float:
@@ -114,8 +108,8 @@ def wait_primed(timeout_s: float = PRIMED_GATE_S) -> float:
     ``timeout_s``; at once when none was primed. Returns the seconds waited."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    for proc, imported in _primed_imports:
-        while not imported.wait(0.02) and proc.is_alive() and time.monotonic() < deadline:
+    for proc in _primed_procs:
+        while not proc.imported.wait(0.02) and proc.is_alive() and time.monotonic() < deadline:
             pass
     return time.monotonic() - t0
 
@@ -132,12 +126,15 @@ def prime_daemon(cfg: Any) -> None:
     prime(DAEMON_PRELOAD, cfg.inference.num_workers or 1, "quiver-standby")
 
 
-def _spawn(preload: tuple[str, ...], name: str, imported: Any = None) -> tuple[Any, Any]:
-    """A started standby process and the parent's end of its pipe."""
+def _spawn(preload: tuple[str, ...], name: str) -> tuple[Any, Any]:
+    """A started standby process (its ``imported`` event set once it is warm) and the parent's
+    end of its pipe."""
     ctx = spawn_context()
     ours, theirs = ctx.Pipe()
+    imported = ctx.Event()
     proc = ctx.Process(target=standby_main, args=(theirs, preload, imported), name=name,
                        daemon=True)
+    proc.imported = imported
     proc.start()
     theirs.close()
     return proc, ours
@@ -152,7 +149,6 @@ class StandbyPool:
         #: (process, the parent's end of its pipe); the primed ones first (``prime``)
         self._waiting: list[tuple[Any, Any]] = _primed.pop(self.preload, [])
         self.primed = len(self._waiting)  # adopted from ``prime``
-        self._warm: set[int] = set()  # pids that said their imports are done
         self._spawned_s = -SPAWN_GAP_S  # monotonic time of the last spawn
         self._settled_since: float | None = None  # since when every child has been ready
         self.promoted = 0
@@ -181,13 +177,7 @@ class StandbyPool:
 
     def warm(self) -> int:
         """How many waiting standbys have finished their imports."""
-        for proc, conn in self._waiting:
-            try:
-                if proc.pid not in self._warm and conn.poll(0) and conn.recv() == "warm":
-                    self._warm.add(proc.pid)
-            except (EOFError, OSError):
-                continue
-        return sum(1 for p, _ in self._waiting if p.pid in self._warm and p.is_alive())
+        return sum(1 for p, _ in self._waiting if p.imported.is_set() and p.is_alive())
 
     def take(self, target: Callable[..., None], args: tuple, name: str) -> Any | None:
         """A live standby now running ``target(*args)``, or None (none left, or the hand-over

@@ -365,15 +365,16 @@ class Supervisor:
         # (``wait_primed``: processes importing at once slow each other); with a core for each
         # starting process all start at once (a restart's seconds); else samplers first, so
         # that they do not share the cores while importing.
-        at_once = (os.cpu_count() or 1) >= len(self.samplers) + len(self.engines) + 2
-        if at_once or self.standby.primed:
+        together = bool(self.standby.primed) or \
+            (os.cpu_count() or 1) >= len(self.samplers) + len(self.engines) + 2
+        if together:
             for child in self.engines:
                 child.start(self.standby)
             wait_primed()
             for child in self.samplers:
                 child.start()
         for group, what in ((self.samplers, "CPU sampler"), (self.engines, "engine core")):
-            if not (at_once or self.standby.primed):
+            if not together:
                 for child in group:
                     child.start()
             self._wait_ready(group, what)

@@ -157,7 +157,7 @@ def test_a_start_waits_for_the_primed_standbys_imports_within_a_bound(
     once when nothing was primed or the standby died."""
     from quiver_serve.engine.procs import standby
 
-    monkeypatch.setattr(standby, "_primed_imports", [])
+    monkeypatch.setattr(standby, "_primed_procs", [])
     assert standby.wait_primed(30.0) < 0.1  # nothing primed
     (tmp_path / "qs_slow_import.py").write_text("import time\ntime.sleep(1.5)\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # the spawned standby inherits sys.path
@@ -167,13 +167,13 @@ def test_a_start_waits_for_the_primed_standbys_imports_within_a_bound(
         assert standby.wait_primed(0.3) < 1.0  # bounded: the imports are not done yet
         waited_s = standby.wait_primed(60.0)
         assert 0.5 < waited_s < 60.0  # waited for the import itself
-        assert wait_for(lambda: pool.warm() == 1, 10.0)  # and said so on its pipe after
+        assert wait_for(lambda: pool.warm() == 1, 10.0)  # and the pool sees it warm
         assert standby.wait_primed(60.0) < 0.1  # done once
         pool.stop()
-        monkeypatch.setattr(standby, "_primed_imports", [])
+        monkeypatch.setattr(standby, "_primed_procs", [])
         prime(("qs_slow_import",), 1, "test-gate")
         dead = StandbyPool(("qs_slow_import",), size=0, name="test-gate")
-        for proc in [p for p, _ in standby._primed_imports]:
+        for proc in list(standby._primed_procs):
             proc.kill()
         assert standby.wait_primed(60.0) < 5.0  # a dead standby does not hold the start
         dead.stop()
