@@ -40,7 +40,7 @@ import zmq
 
 from quiver_serve.config import ServeConfig
 from quiver_serve.engine.procs.graph_service import GraphService
-from quiver_serve.engine.procs.standby import FRONTEND_PRELOAD, StandbyPool, wait_primed
+from quiver_serve.engine.procs.standby import FRONTEND_PRELOAD, StandbyPool
 from quiver_serve.engine.procs.supervisor import Child, ChildSet, StartFailed
 from quiver_serve.frontend.listen import check_port_free, reuseport_socket
 from quiver_serve.metrics.observer import PipelineObserver
@@ -106,8 +106,8 @@ class FrontDoor:
         self._thread = threading.Thread(target=self._watch, name="quiver-frontdoor", daemon=True)
 
     def start(self) -> None:
-        """Listen; the watch thread spawns the front-ends once the engine cores' primed
-        standbys have imported (``standby.wait_primed``: at once when none was primed)."""
+        for child in self.children:
+            child.start()
         self._thread.start()
         log.info("%d HTTP front-end processes on %s:%d (SO_REUSEPORT)%s", len(self.children),
                  self.cfg.server.host, self.cfg.server.port,
@@ -164,13 +164,6 @@ class FrontDoor:
     # ---- the watch thread (owns both sockets) --------------------------------------------------
     def _watch(self) -> None:
         try:
-            waited_s = wait_primed()
-            if waited_s > 0.1:
-                log.info("front-ends spawned after the engine cores' standbys imported (%.1f s)",
-                         waited_s)
-            for child in self.children:
-                if not self._stop.is_set():
-                    child.start()
             self.kids.watch(self._stop, PUBLISH_S, tick=self._publish)
         except Exception:  # noqa: BLE001 - without this thread nothing is supervised: stop
             log.exception("front door: the watch thread failed; stopping the daemon")

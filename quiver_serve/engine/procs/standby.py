@@ -45,7 +45,7 @@ SPAWN_GAP_S = 1.0
 SETTLE_S = 5.0
 
 
-#: a start's front-ends and CPU samplers wait at most this long for the engine cores' primed
+#: a start's CPU samplers wait at most this long for the engine cores' primed
 #: standbys to finish their imports: on a host whose file reads are slow, processes importing at
 #: once slow each other, and the engine cores' imports are what readiness waits for (0067)
 PRIMED_GATE_S = 15.0

@@ -152,7 +152,7 @@ def test_primed_standbys_are_adopted_by_the_first_pool_and_trimmed_to_its_size(
 
 def test_a_start_waits_for_the_primed_standbys_imports_within_a_bound(
         tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001 - pytest's monkeypatch
-    """Front-ends and CPU samplers of a start are spawned once the engine cores' primed
+    """CPU samplers of a start are spawned once the engine cores' primed
     standbys have imported (``wait_primed``; decision 0067), never later than the bound, and at
     once when nothing was primed or the standby died."""
     from quiver_serve.engine.procs import standby
