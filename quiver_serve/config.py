@@ -280,6 +280,8 @@ class ExactConfig(_Section):
         1 << 20, ge=1024, description="in-edges per refresh chunk: a serving batch waits behind at most one chunk on the device (chunk_edges bounds the start-up build's)")
     refresh_duty: float = Field(
         0.5, gt=0, le=1.0, description="most share of time a refresh round computes: after each chunk it leaves the device and the interpreter to serving for the chunk's time x (1 - duty) / duty (1: no pause)")
+    quiet_wait_ms: float = Field(
+        50.0, ge=0, le=60000, description="background table work (a refresh chunk; a step of a new model version's table build) runs when the engine loop is quiet (nothing waiting, sampling or in flight); after waiting this long for a quiet loop it runs anyway, so the table progresses under a load that never leaves the loop quiet (docs/decisions/0068-quiet-gate.md)")
     refresh_interval_ms: float = Field(
         5.0, ge=0, description="a refresh round starts at most this often, so changes arriving together are refreshed together")
     stale_rows: Literal["auto", "on_the_fly", "wait"] = Field(

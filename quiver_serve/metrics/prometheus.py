@@ -300,6 +300,12 @@ class TableMetrics:
             PREFIX + "exact_table_build_progress", "share of a new model version's table built "
             "(1: none building)", ["engine"], multiprocess_mode="max", registry=None).labels(label)
         self.build_progress.set(1.0)
+        turns = Counter(PREFIX + "exact_table_turns_total", "chunks of background table work "
+                        "(refresh rounds, new versions' builds) by when they ran: at a quiet "
+                        "engine loop, or after exact.quiet_wait_ms without one", ["engine", "when"],
+                        registry=None)
+        self.turns = (turns.labels(label, "quiet"), turns.labels(label, "waited"))
+        self._turns_seen = (0, 0)
         self._seen = (0, 0, 0, 0)
 
     def follow(self, build_s: float, num_bytes: int, version: int) -> None:
@@ -321,6 +327,13 @@ class TableMetrics:
         self.staleness.observe(staleness_s)
         self.version.set(version)
         self.backlog.set(0)
+
+    def sync_turns(self, quiet: int, waited: int) -> None:
+        """The quiet gate's counts (``engine/core/quiet.py``), as they are now."""
+        for metric, new, old in zip(self.turns, (quiet, waited), self._turns_seen, strict=True):
+            if new > old:
+                metric.inc(new - old)
+        self._turns_seen = (quiet, waited)
 
     def sync(self, counters: object, backlog_rows: int) -> None:
         now = (counters.from_table, counters.on_the_fly,  # type: ignore[attr-defined]

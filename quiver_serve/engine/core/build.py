@@ -27,6 +27,7 @@ from quiver_serve.engine.core.micro_batch import MicroBatch, Reply
 from quiver_serve.engine.core.model_load import LoadSettings
 from quiver_serve.engine.core.model_tables import ExactTables, TableArgs
 from quiver_serve.engine.core.parts import CoreParts
+from quiver_serve.engine.core.quiet import QuietGate
 from quiver_serve.engine.core.samplers import gpu_sampler_or_none
 from quiver_serve.engine.core.slot_checks import capture_graphs, check_fast_model
 from quiver_serve.features.build import build_feature_store
@@ -167,7 +168,7 @@ def core_parts(cfg: ServeConfig, graph: GraphData, index: int, former: BatchForm
     parts = CoreParts(former=former, router=EngineRouter(
         cfg.sampling.route, quiver_threshold=cfg.sampling.quiver_threshold), tables=tables,
         pool=pool, gpu_sampler=gpu_sampler, replacer=Replacer(cfg, graph, features),
-        max_waiting=cfg.batching.queue_capacity)
+        max_waiting=cfg.batching.queue_capacity, quiet=QuietGate(cfg.exact.quiet_wait_ms / 1e3))
     if cfg.sampling.pool_overlap != "off" and cfg.sampling.route == "auto" and pool is not None:
         from quiver_serve.engine.core.overlap import PoolOverlap
 

@@ -75,7 +75,7 @@ class EngineCore:
         self.replacer, self.current_degrees = parts.replacer, parts.current_degrees
         self.local_sampler, self.gpu_sampler = local_sampler, parts.gpu_sampler
         self.fanouts, self.num_nodes, self.index = list(fanouts), num_nodes, index
-        self.max_waiting = parts.max_waiting
+        self.max_waiting, self.quiet = parts.max_waiting, parts.quiet
         #: while above 0, no update is applied (a GCN's degrees or a new exact table being read)
         self.updates_held = 0
         self.sampling: dict[int, Batch] = {}  # batch_id -> batch at the CPU pool
@@ -196,7 +196,9 @@ class EngineCore:
         return None
 
     def enqueue(self, mb: MicroBatch) -> None:
-        """Queue a checked micro-batch for the batch former."""
+        """Queue a checked micro-batch for the batch former (background table work waits
+        from now: ``quiet.py``)."""
+        self.quiet.note(False)
         self.former.push(mb, self.num_nodes)
 
     def ids_in_hand(self) -> int:
@@ -263,7 +265,13 @@ class EngineCore:
             replies += self.overlap.step(self)
         if not replies and not self.has_ready_work() and self.in_flight:
             replies += self._finish(block=not self.waiting)
+        self.quiet.note(self.serving_quiet())
         return replies
+
+    def serving_quiet(self) -> bool:
+        """No batch to form, sample or finish (requests parked for a version or waiting for
+        the table's round do not count: background work is what they wait for)."""
+        return not (self.waiting or self.sampled or self.in_flight or self.sampling)
 
     def may_form(self) -> bool:
         """Form the next batch now (``BatchFormer.may_form``)."""

@@ -88,6 +88,8 @@ class LoadingCore(TablesCore, SlotCore, Protocol):
     model: ServedModel
     current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None
 
+    def serving_quiet(self) -> bool: ...
+
 
 class ModelLoads:
     """Builds in flight and slots draining, for one engine core; see the module docstring."""
@@ -97,6 +99,7 @@ class ModelLoads:
         self.cuda_graph_max_seeds = settings.cuda_graph_max_seeds
         self.unload_drain_s = settings.unload_drain_s
         self.table_build_step_s = settings.table_build_step_s
+        self._last_build_s = 0.0  # time.monotonic() of the last build step (``quiet.py``)
         #: exact tables of installed versions being built by the loop thread, by ``id(slot)``
         self._builds: dict[int, tuple[ModelSlot, StepwiseBuild]] = {}
         #: after each step of a table build: its chunks' seconds and the build's progress (0..1)
@@ -251,14 +254,20 @@ class ModelLoads:
             model_tables.release_hold(core, slot)
         else:  # the graph stays held until the table is built and swapped in
             self._builds[id(slot)] = (slot, build)
+            self._last_build_s = time.monotonic()  # a busy loop's first step waits too
         log.info("engine %d: %s version %d serving (load %s)", core.index, slot.name,
                  slot.version, {k: round(v, 3) for k, v in slot.load_s.items()})
         return None
 
     def _build_tables(self) -> None:
-        """One step's budget of exact-table work (the oldest build first); a built table waits
+        """One step's budget of exact-table work (the oldest build first) when the loop is quiet
+        or ``exact.quiet_wait_ms`` after the last (``quiet.py``); a built table waits
         in ``slot.pending_table`` and is swapped in at once if its version is the model's main
         one (else when the traffic split makes it so: ``follow_table``)."""
+        now_s = time.monotonic()
+        if not self.core.quiet.due(self.core.serving_quiet(), self._last_build_s, now_s):
+            return  # serving first: a step runs when the loop is quiet, or after quiet_wait_ms
+        self._last_build_s = now_s
         key = next(iter(self._builds))
         slot, build = self._builds[key]
         try:

@@ -30,6 +30,7 @@ from quiver_serve.config import ExactConfig
 from quiver_serve.engine.core.exact_table import ExactTable, TableGraph, new_exact_table
 from quiver_serve.engine.core.micro_batch import MicroBatch
 from quiver_serve.engine.core.model_slots import Hold, ModelSlot, ModelTable
+from quiver_serve.engine.core.quiet import QuietGate
 from quiver_serve.engine.core.table_build import StepwiseBuild
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.neighbourhood import CurrentGraph
@@ -64,6 +65,8 @@ class TablesCore(Protocol):
     updates_held: int
     exact_waiting: list[MicroBatch]
     num_nodes: int
+    #: whether the loop is quiet (background table work runs then: ``quiet.py``)
+    quiet: QuietGate
 
     @property
     def device(self) -> torch.device: ...
@@ -162,7 +165,7 @@ class ExactTables:
             from quiver_serve.engine.core.table_refresh import Refresher
 
             table.version = table.marked_version = sync.version
-            refresher = Refresher(table)
+            refresher = Refresher(table, core.quiet)
             table.refresher = refresher
             refresher.start()
 

@@ -5,7 +5,7 @@ through its public methods (docs/architecture.md, "Engine core")."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -14,6 +14,7 @@ from quiver_serve.engine.core.batch import SamplerPool
 from quiver_serve.engine.core.forming import BatchFormer
 from quiver_serve.engine.core.model_load import LoadSettings
 from quiver_serve.engine.core.model_tables import ExactTables
+from quiver_serve.engine.core.quiet import QuietGate, open_gate
 from quiver_serve.routing.router import EngineRouter
 from quiver_serve.sampling.base import BaseSampler
 
@@ -49,3 +50,5 @@ class CoreParts:
     current_degrees: Callable[[], tuple[Tensor, Tensor | None]] | None = None
     #: micro-batches the core holds at most (waiting, exact or parked); more are refused 503
     max_waiting: int = 4096
+    #: whether the loop is quiet, for background table work (``quiet.py``)
+    quiet: QuietGate = field(default_factory=open_gate)

@@ -2,10 +2,13 @@
 
 A round takes every row marked so far (``ExactTable.pending``, per layer), clears the marks, and
 recomputes those rows layer by layer, in chunks of at most ``exact.refresh_chunk_edges`` in-edges,
-on its own CUDA stream, pausing after each chunk so that it computes at most
-``exact.refresh_duty`` of the time (a serving batch waits behind at most one chunk). A layer whose marked rows exceed ``exact.full_recompute_fraction`` of the nodes is
-recomputed whole from there on (contiguous chunks: a full recompute). Rows marked while the round
-runs stay marked for the next one. When the round's last chunk has finished on the device, the
+on its own CUDA stream. A round's marks and each chunk wait for a quiet engine loop
+(``quiet.py``: nothing waiting, sampling or in flight; at most ``exact.quiet_wait_ms``), and the
+round pauses after each chunk so that it computes at most ``exact.refresh_duty`` of the time (a
+serving batch meets at most the one chunk running when its request came). A layer whose marked
+rows exceed ``exact.full_recompute_fraction`` of the nodes is recomputed whole from there on
+(contiguous chunks: a full recompute). Rows marked while the round runs stay marked for the next
+one. When the round's last chunk has finished on the device, the
 last layer's stale rows become exactly those marked since the round began, and the table's version
 becomes the version marked when it began.
 
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from quiver_serve.engine.core.quiet import QuietGate, open_gate
+
 if TYPE_CHECKING:
     from quiver_serve.engine.core.exact_table import ExactTable
 
@@ -39,8 +44,10 @@ IDLE_WAIT_S = 0.1
 class Refresher:
     """The refresh thread of one :class:`~quiver_serve.engine.core.exact_table.ExactTable`."""
 
-    def __init__(self, table: ExactTable) -> None:
+    def __init__(self, table: ExactTable, gate: QuietGate | None = None) -> None:
         self.table = table
+        #: the engine loop's quiet flag: the round's marks and each chunk wait for it
+        self.gate = gate if gate is not None else open_gate()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exact-table-refresh", daemon=True)
@@ -118,9 +125,10 @@ class Refresher:
     def round(self) -> None:
         """Recompute every row marked so far; see the module docstring."""
         t = self.table
+        self.busy = True  # before the marks are taken: never idle with a round due
+        self.gate.wait_turn(self._stop)
         self._last_round_s = time.monotonic()
         with t.lock, t.on_stream(t.mark_stream):
-            self.busy = True  # before the marks are taken: never idle with a round due
             since_s = t.take_pending_since()
             if since_s is None:
                 self.busy = False
@@ -168,6 +176,7 @@ class Refresher:
             with t.on_stream(t.stream):
                 pieces = t.chunks(targets, t.graph_of(), t.cfg.refresh_chunk_edges)
             for chunk in pieces:
+                self.gate.wait_turn(self._stop)  # a serving step meets at most this chunk
                 started_s = time.perf_counter()
                 with t.work_lock, t.on_stream(t.stream):
                     t.compute_rows(layer, chunk, t.graph_of())

@@ -35,6 +35,8 @@ class TableWatch:
             table.refresher.on_round = self.metrics.on_round
 
     def __call__(self) -> None:
+        gate = self.core.quiet
+        self.metrics.sync_turns(gate.quiet_turns, gate.waited_turns)
         table = self.core.exact_table
         if table is None:
             return

@@ -128,7 +128,8 @@ def test_no_request_fails_across_a_load_under_concurrent_requests(cora: GraphDat
                                                                   tmp_path: Path) -> None:
     """Sampled and exact requests keep arriving through the load, the swap and the table's
     build: every one is answered, none with an error, each by the version it resolved to."""
-    core = make_core(cora, exact__materialize="on", models__table_build_step_ms=0.2)
+    core = make_core(cora, exact__materialize="on", models__table_build_step_ms=0.2,
+                     exact__quiet_wait_ms=1.0)  # never quiet here: a step after each 1 ms
     name = core.primary.name
     path, _ = save_weights(tmp_path, "GraphSAGE", SAGE_KW, cora.num_features, 22)
     done: list[tuple[object, object]] = []
