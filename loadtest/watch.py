@@ -36,7 +36,8 @@ APPLY_STAGES = ("read", "drain", "overlay", "device", "degrees", "features", "ma
 #: the engine's per-batch stage histograms
 ENGINE_STAGES = ("quiver_serve_sample_duration_seconds", "quiver_serve_gather_duration_seconds",
                  "quiver_serve_compute_duration_seconds", "quiver_serve_queue_duration_seconds")
-COUNTERS = ("quiver_serve_graph_updates_total", "quiver_serve_graph_compactions_total")
+COUNTERS = ("quiver_serve_graph_updates_total", "quiver_serve_graph_compactions_total",
+            "quiver_serve_exact_table_turns_total", "quiver_serve_exact_table_rows_refreshed_total")
 
 
 def http_json(url: str, method: str = "GET", body: Any = None, timeout_s: float = 10.0,
@@ -83,11 +84,12 @@ def hist_window(before: str, after: str, name: str,
 
 
 def counters(text: str) -> dict[str, float]:
-    """Counter and gauge samples named in ``COUNTERS`` (and every ``quiver_serve_graph_*`` gauge),
-    as ``name{label=value,...}`` -> value."""
+    """Counter samples named in ``COUNTERS`` (the graph's, the exact table's background work)
+    and every ``quiver_serve_graph_*`` gauge, as ``name{label=value,...}`` -> value."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.type not in ("counter", "gauge") or not fam.name.startswith("quiver_serve_graph"):
+        if fam.type not in ("counter", "gauge") or not (
+                fam.name.startswith("quiver_serve_graph") or fam.type == "counter"):
             continue
         for s in fam.samples:
             if fam.type == "counter" and s.name not in COUNTERS:

@@ -1,8 +1,9 @@
 """QuietGate: when background device work may take the engine's device and interpreter
 (docs/architecture.md, "The exact table", refresh; docs/decisions/0068-quiet-gate.md).
 
-The engine loop notes after every step whether it is quiet: no request waiting, sampling,
-parked or in flight. Background work that competes with serving for the device, the host's
+The engine loop notes after every step whether it is quiet: no request waiting, no batch
+sampling, sampled or in flight (requests parked for a graph version or waiting for the table's
+round do not count: background work is what they wait for). Background work that competes with serving for the device, the host's
 memory bandwidth and the interpreter lock (the exact table's refresh chunks on their thread, a new
 model version's table build between steps) runs a chunk when the loop is quiet, so a serving batch
 meets at most the chunk that was running when its request came. Under a load that never leaves
