@@ -26,10 +26,11 @@ the CPU); :class:`GraphedForward` holds the captured graphs on one GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,6 +275,22 @@ class GraphedForward:
         return graphed
 
 
+@contextlib.contextmanager
+def beside_serving(graph: torch.cuda.CUDAGraph, pool: object,
+                   stream: torch.cuda.Stream) -> Iterator[None]:
+    """Capture into ``graph`` on ``stream`` (thread-local mode: other threads keep launching)
+    without what ``torch.cuda.graph`` does first: a device-wide synchronize and emptying the
+    caching allocator's and the pinned-host allocator's free blocks. Beside a serving loop those
+    stall it once per captured bucket (the allocator's lock is held while the device drains),
+    and its next batches allocate device and pinned memory afresh (docs/decisions/0040)."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
 def _capture_one(model: ModelFn, gather: GatherFn, dev: torch.device, layout: PaddedLayout,
                  pool: object, thread_local: bool = False) -> _Graph:
     first = layout.new_flat()
@@ -288,8 +305,9 @@ def _capture_one(model: ModelFn, gather: GatherFn, dev: torch.device, layout: Pa
             padded_forward(model, gather, layout, buf)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool,
-                          capture_error_mode="thread_local" if thread_local else "global"):
+    capturing = beside_serving(graph, pool, side) if thread_local else torch.cuda.graph(
+        graph, pool=pool, capture_error_mode="global")
+    with capturing:
         out = padded_forward(model, gather, layout, buf)
     ring = []
     for _ in range(HOST_RING):

@@ -154,3 +154,34 @@ def test_engine_core_replays_graphs_for_small_batches(cora: GraphData) -> None:
         b = run(eager, mb(i, [ids], seed=1234 + i, deadline_s=deadline))[i]
         assert a.rows is not None and b.rows is not None
         np.testing.assert_allclose(a.rows, b.rows, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_capture_beside_serving_replays_and_leaves_the_allocators_caches(
+        awkward: GraphData) -> None:
+    """A model loaded beside the serving loop captures on its own stream (thread-local mode)
+    and replays the eager rows; the capture frees none of the cached device blocks the serving
+    batches allocate from (``torch.cuda.graph`` empties the caches at every capture)."""
+    dev = torch.device("cuda")
+    served = served_model("GraphSAGE", {}, awkward).to(dev)
+    x = awkward.x.to(dev)
+    sampler = ReferenceSampler(awkward.indptr, awkward.indices)
+
+    def sample(k: int) -> SamplerOutput:
+        return sampler.sample(torch.randint(0, NUM_NODES, (k,)), FANOUTS, seed=k)
+
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # a serving batch's block
+    del held  # freed into the caching allocator, still reserved
+    reserved = torch.cuda.memory_reserved(dev)
+    loader = torch.cuda.Stream(dev)
+    with torch.cuda.stream(loader):
+        graphed = GraphedForward.capture(model_fn(served), partial(torch.index_select, x, 0),
+                                         dev, FANOUTS, 8, sample, thread_local=True)
+    loader.synchronize()
+    assert [g.layout.max_seeds for g in graphed.graphs] == [1, 2, 4, 8]
+    assert torch.cuda.memory_reserved(dev) >= reserved
+    for k in (1, 3, 8):
+        sb = sample(k)
+        got = graphed.run(sb)
+        assert got is not None
+        torch.testing.assert_close(got, eager_rows(served, x, sb).float(), atol=1e-4, rtol=1e-4)
