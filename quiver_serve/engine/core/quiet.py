@@ -38,9 +38,6 @@ class QuietGate:
             else:
                 self._quiet.clear()
 
-    def quiet(self) -> bool:
-        return self._quiet.is_set()
-
     def wait_turn(self, stop: threading.Event | None = None) -> bool:
         """Another thread, before a chunk: block until the loop is quiet, or ``max_wait_s``
         has passed (or ``stop`` is set, checked every 50 ms). True: the loop was quiet."""
@@ -67,6 +64,6 @@ class QuietGate:
         return False
 
 
-#: a gate that never holds anything back (tables without an engine loop: tests, tools)
 def open_gate() -> QuietGate:
+    """A gate that never holds anything back (tables without an engine loop: tests, tools)."""
     return QuietGate(0.0)
