@@ -211,26 +211,41 @@ struct LivingGraph {
   int64_t n_base;     // nodes with a base list
   int64_t num_nodes;  // valid ids: [0, num_nodes)
   const int64_t* tail_start = nullptr;
-  const int64_t* tail_length = nullptr;  // length | kReplaced
+  const int64_t* tail_length = nullptr;  // tail length | cut << kCutShift | kReplaced
   const int64_t* tail = nullptr;
   int64_t tail_capacity = 0;
 };
 
-// overlay_view.REPLACED and LENGTH_MASK
+// overlay_view.REPLACED, LENGTH_MASK, CUT_SHIFT and CUT_MASK
 constexpr int64_t kReplaced = int64_t{1} << 62;
-constexpr int64_t kLengthMask = kReplaced - 1;
+constexpr int64_t kLengthMask = (int64_t{1} << 32) - 1;
+constexpr int kCutShift = 32;
+constexpr int64_t kCutMask = (int64_t{1} << 30) - 1;
 
-// One node's current neighbour list: `base_count` entries at `base`, then the rest at `tail`.
+// One node's current neighbour list: `base_count` entries at `base` (place r overridden by the
+// pair naming it among `pairs`' `cut` (position, value) pairs, sorted), then the rest at `tail`.
 struct NodeList {
   const int64_t* base;
   int64_t base_count;
   const int64_t* tail;
   int64_t degree;
+  const int64_t* pairs = nullptr;
+  int64_t cut = 0;
   inline int64_t operator[](int64_t q) const {
-    return q < base_count ? base[q] : tail[q - base_count];
+    if (q >= base_count) return tail[q - base_count];
+    return cut ? override_or(q, base[q]) : base[q];
   }
   inline const int64_t* address(int64_t q) const {
     return q < base_count ? base + q : tail + (q - base_count);
+  }
+  // The value at base place q: its pair's when one names q, else `value`.
+  inline int64_t override_or(int64_t q, int64_t value) const {
+    int64_t lo = 0, hi = cut;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (pairs[2 * mid] < q) lo = mid + 1; else hi = mid;
+    }
+    return lo < cut && pairs[2 * lo] == q ? pairs[2 * lo + 1] : value;
   }
 };
 
@@ -239,21 +254,30 @@ enum class ListError { kNone, kIndptr, kOverlay };
 // The list of node v (0 <= v < num_nodes), or the reason it cannot be read.
 inline ListError node_list(const LivingGraph& g, int64_t v, NodeList* list) {
   const int64_t raw_length = g.tail_start ? g.tail_length[v] : 0;
+  int64_t cut = 0;  // only a counted base list has one
   list->base = g.indices;
   list->base_count = 0;
+  list->pairs = nullptr;
+  list->cut = 0;
   if (v < g.n_base && (raw_length & kReplaced) == 0) {
     const int64_t start = g.indptr[v], end = g.indptr[v + 1];
     if (end < start || start < 0 || end > g.num_indices) return ListError::kIndptr;
+    cut = (raw_length >> kCutShift) & kCutMask;
+    if (cut > end - start) return ListError::kOverlay;
     list->base = g.indices + start;
-    list->base_count = end - start;
+    list->base_count = end - start - cut;
+    list->cut = cut;
   }
   list->tail = g.tail;
   list->degree = list->base_count;
   if (g.tail_start && g.tail_start[v] >= 0) {
     const int64_t start = g.tail_start[v], length = raw_length & kLengthMask;
-    if (length > g.tail_capacity - start) return ListError::kOverlay;
-    list->tail = g.tail + start;
+    if (start + 2 * cut + length > g.tail_capacity) return ListError::kOverlay;
+    list->pairs = g.tail + start;
+    list->tail = g.tail + start + 2 * cut;
     list->degree += length;
+  } else if (list->cut) {
+    return ListError::kOverlay;
   }
   return ListError::kNone;
 }
@@ -301,6 +325,9 @@ inline void copy_list(const NodeList& list, int64_t count, int64_t k, const int6
   if (count == list.degree) {
     const int64_t from_base = std::min(count, list.base_count);
     if (from_base > 0) std::memcpy(out, list.base, sizeof(int64_t) * from_base);
+    for (int64_t c = 0; c < list.cut; ++c) {  // pairs at places >= base_count are spent
+      if (list.pairs[2 * c] < from_base) out[list.pairs[2 * c]] = list.pairs[2 * c + 1];
+    }
     if (count > from_base) {
       std::memcpy(out + from_base, list.tail, sizeof(int64_t) * (count - from_base));
     }

@@ -26,9 +26,11 @@
 // edges per hop (L).
 //
 // The living graph (quiver_serve/graph/overlay_view.py): with an overlay (P_OV_START non-null),
-// node v's list is its base list (v < n_base and not REPLACED), then its tail in the overlay's
-// int64 `tail` (device memory in both modes); entry q of that combined list is what a draw at
-// offset q reads, so sampling is the reference's over the same lists. Without one, every tail is
+// node v's list is its counted base list (v < n_base and not REPLACED: its first B - cut entries,
+// a place named by one of its override pairs reading the pair's value), then its tail in the
+// overlay's int64 `tail` (device memory in both modes; the block at ov_start[v] holds the cut's
+// pairs, then the tail); entry q of that combined list is what a draw at offset q reads, so
+// sampling is the reference's over the same lists. Without one, every tail is
 // empty and nothing below reads the overlay.
 
 typedef long long i64;
@@ -50,9 +52,11 @@ typedef unsigned long long u64;
 #define STATUS_OVERFLOW 1
 #define STATUS_BAD_SEED 2
 #define COUNTS_HEADER 4
-// overlay_view.REPLACED and LENGTH_MASK
+// overlay_view.REPLACED, LENGTH_MASK, CUT_SHIFT and CUT_MASK
 #define OV_REPLACED (1LL << 62)
-#define OV_LENGTH_MASK (OV_REPLACED - 1)
+#define OV_LENGTH_MASK ((1LL << 32) - 1)
+#define OV_CUT_SHIFT 32
+#define OV_CUT_MASK ((1LL << 30) - 1)
 
 // Data written inside the kernel by one block and read by another goes through L2 (ld.cg):
 // an SM's L1 is not coherent with the other SMs' stores.
@@ -352,9 +356,10 @@ __device__ void relabel(i64* rows, i64 lo, i64 hi, const int* state) {
 // a cached node's range is stored as -(start + 1) in that copy: the draw phase then reads the
 // same neighbours, in the same order, from GPU memory instead of over the bus. The cache holds
 // base lists only, which an overlay never changes, so it serves a node's base part as before.
-// front_csc per node: (start, degree); with an overlay (ov_start != 0) four words: (start, base
-// count, tail start, tail count), where a node with no counted base list has base count 0 and
-// its id never indexes indptr or the cache.
+// front_csc per node: (start, degree); with an overlay (ov_start != 0) four words: (start, counted
+// base count, tail start, tail count | cut << 32), where a node with no counted base list has
+// base count 0 and its id never indexes indptr or the cache; its cut's pairs lie just before its
+// tail (2 words each).
 __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier, i64 lo, i64 hi,
                              i64 k, int* front_off, i64* front_csc,
                              const i64* __restrict__ cache_off, const i64* __restrict__ ov_start,
@@ -365,20 +370,21 @@ __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier
         i64 cnt = 0;
         if (i < hi) {
             const i64 v = LOAD(frontier + i);
-            i64 tail_start = 0, tail_deg = 0;
+            i64 tail_start = 0, tail_deg = 0, cut = 0;
             bool has_base = true;
             if (ov_start) {
                 const i64 raw_length = ov_length[v], first = ov_start[v];
+                has_base = v < n_base && (raw_length & OV_REPLACED) == 0;
+                if (has_base) cut = (raw_length >> OV_CUT_SHIFT) & OV_CUT_MASK;
                 if (first >= 0) {
-                    tail_start = first;
+                    tail_start = first + 2 * cut;
                     tail_deg = raw_length & OV_LENGTH_MASK;
                 }
-                has_base = v < n_base && (raw_length & OV_REPLACED) == 0;
             }
             i64 start = 0, base_deg = 0, cached = -1;
             if (has_base) {
                 start = indptr[v];
-                base_deg = indptr[v + 1] - start;
+                base_deg = indptr[v + 1] - start - cut;
                 if (cache_off) cached = cache_off[v];
             }
             const i64 deg = base_deg + tail_deg;
@@ -387,7 +393,7 @@ __device__ i64 plan_frontier(const i64* __restrict__ indptr, const i64* frontier
                 front_csc[4 * i] = cached >= 0 ? -(cached + 1) : start;
                 front_csc[4 * i + 1] = base_deg;
                 front_csc[4 * i + 2] = tail_start;
-                front_csc[4 * i + 3] = tail_deg;
+                front_csc[4 * i + 3] = tail_deg | (cut << 32);
             } else {
                 front_csc[2 * i] = cached >= 0 ? -(cached + 1) : start;
                 front_csc[2 * i + 1] = deg;
@@ -481,6 +487,17 @@ __device__ i64 sample_seeds(i64 num_nodes, int* state, const i64* request, i64* 
 #define P_EDGES (P_N_ID + P_N_CAP)
 #define P_SEED_INDEX (P_EDGES + 2 * P_E_CAP)
 
+// The value at base place q of a list with a cut: its override pair's when one of the `cut`
+// (position, value) pairs at `pairs` (sorted by position) names q, else `value`.
+__device__ __forceinline__ i64 override_or(const i64* pairs, i64 cut, i64 q, i64 value) {
+    i64 lo = 0, hi = cut;
+    while (lo < hi) {
+        const i64 mid = (lo + hi) >> 1;
+        if (pairs[2 * mid] < q) lo = mid + 1; else hi = mid;
+    }
+    return lo < cut && pairs[2 * lo] == q ? pairs[2 * lo + 1] : value;
+}
+
 // One warp writes the sampled neighbours of frontier node i (its list as plan_frontier described
 // it in front_csc) at hop-local position carry + front_off[i] on: the whole list in list order
 // when k < 0 or deg <= k, else the entries at Floyd's offsets, in draw order. The list's start
@@ -491,7 +508,8 @@ __device__ __forceinline__ void expand_node(const volatile i64* P, i64 i, i64 k,
     const bool overlay = P_OV_START != 0;
     const i64* node_csc = P_FRONT_CSC + (overlay ? 4 * i : 2 * i);
     const i64 start = LOAD(node_csc);  // < 0: in the adjacency cache
-    const i64 deg = overlay ? LOAD(node_csc + 1) + LOAD(node_csc + 3) : LOAD(node_csc + 1);
+    const i64 deg = overlay ? LOAD(node_csc + 1) + (LOAD(node_csc + 3) & OV_LENGTH_MASK)
+                            : LOAD(node_csc + 1);
     const i64 p0 = carry + LOAD(P_FRONT_OFF + i);
     i64* rows = P_EDGES + edges_before;
     const bool whole = k < 0 || deg <= k;
@@ -505,9 +523,12 @@ __device__ __forceinline__ void expand_node(const volatile i64* P, i64 i, i64 k,
     i64 first = cached ? -start - 1 : start;
     ListReader list{cached ? (const void*)P_CACHE_INDICES : (const void*)P_INDICES,
                     cached ? cache_bits : 64u, 0u};
+    // a cut's pairs: the 2 * cut words before the tail (base places >= split are spent)
+    const i64 cut = overlay ? LOAD(node_csc + 3) >> 32 : 0;
+    const i64* pairs = tail + split - 2 * cut;
     if (cached && cache_bits == 0) {  // Elias-Fano: the offset is the block, l above it
         list.base = (const u32*)P_CACHE_INDICES + (first & EF_OFFSET_MASK);
-        list.ef = (u32)split | ((u32)(first >> EF_L_SHIFT) << EF_DEG_BITS);
+        list.ef = (u32)(split + cut) | ((u32)(first >> EF_L_SHIFT) << EF_DEG_BITS);
         first = 0;
     }
     const int owner = (int)(front_lo + i);
@@ -515,7 +536,9 @@ __device__ __forceinline__ void expand_node(const volatile i64* P, i64 i, i64 k,
     const i64 count = whole ? deg : k;
     for (i64 j = lane; j < count; j += 32) {
         const i64 q = whole ? j : rows[p0 + j];
-        emit_edge(p0 + j, q < split ? list[first + q] : tail[q], owner, rows, cols, P_STATE);
+        i64 u = q < split ? list[first + q] : tail[q];
+        if (cut && q < split) u = override_or(pairs, cut, q, u);
+        emit_edge(p0 + j, u, owner, rows, cols, P_STATE);
     }
 }
 

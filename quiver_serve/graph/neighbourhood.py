@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView, cut_of
 
 #: above this fraction of the nodes, "every node" is cheaper to mark than the set's out-lists
 ALL_NODES_FRACTION = 0.125
@@ -89,9 +89,11 @@ class CurrentGraph:
         cap = self.view.node_capacity
         safe = nodes.clamp(max=cap - 1)
         raw = self.view.length.index_select(0, safe)
-        base = torch.where((raw & REPLACED) != 0, 0, base)
+        cut = torch.where(in_base & ((raw & REPLACED) == 0), cut_of(raw), 0)
+        base = torch.where((raw & REPLACED) != 0, 0, base - cut)
         t_start = self.view.start.index_select(0, safe)
         t_len = torch.where(t_start >= 0, raw & LENGTH_MASK, 0)
+        t_start = torch.where(t_start >= 0, t_start + 2 * cut, t_start)
         arena = int(self.view.tail.numel())
         t_start = t_start.clamp(0, arena)
         t_len = torch.minimum(t_len, arena - t_start)
@@ -121,7 +123,25 @@ class CurrentGraph:
             dest = pos - t_start.index_select(0, owner) + node_off.index_select(0, owner) \
                 + base.index_select(0, owner)
             out.index_copy_(0, dest, self.view.tail.index_select(0, pos))
+        if self.view is not None:
+            self._overrides(nodes, base, node_off, out)
         return counts, out.clamp_(0, max(self.num_nodes - 1, 0))
+
+    def _overrides(self, nodes: Tensor, base: Tensor, node_off: Tensor, out: Tensor) -> None:
+        """Write the live override pairs of nodes with a cut over their base entries in
+        ``out`` (laid out per node at ``node_off``; ``graph/overlay_view.py``)."""
+        assert self.view is not None
+        safe = nodes.clamp(max=self.view.node_capacity - 1)
+        cut = torch.where(base > 0, cut_of(self.view.length.index_select(0, safe)), 0)
+        total = int(cut.sum())
+        if total == 0:
+            return
+        first = self.view.start.index_select(0, safe)
+        pos, owner = segment_positions(first, 2 * cut, 2 * total)
+        flat = self.view.tail.index_select(0, pos)
+        owner, at, val = owner[0::2], flat[0::2], flat[1::2]
+        live = at < base.index_select(0, owner)
+        out.index_copy_(0, node_off.index_select(0, owner[live]) + at[live], val[live])
 
     def edge_list(self, chunk_nodes: int = 1 << 20) -> tuple[Tensor, Tensor]:
         """Every current edge as (sources, targets), int64."""

@@ -1,11 +1,13 @@
 """The overlay: the graph's edges and nodes since its base CSC, applied version by version.
 
-Layout (``overlay_view.py``): per node a tail block in one preallocated arena; a node that gains
-edges appends to its tail (a block grows by half again when full, so appends cost O(1) amortised);
-a node that loses an edge of its base list has its surviving list copied into a fresh tail once
-(its base list is then marked replaced); a node that loses tail entries has each removed entry's
-place filled from the end of its tail, in place, costing what is removed (so a list's order is
-its history of appends and removals, the same in every process). Every process that samples keeps
+Layout (``overlay_view.py``): per node a block in one preallocated arena (override pairs, then
+its tail); a node that gains edges appends to its tail (a block grows by half again when full, so
+appends cost O(1) amortised); a node that loses entries of its base list keeps it and takes a cut
+(``base_cut.py``: each removed place filled from the list's end, as an override pair, in a new
+block), unless its pairs would outgrow half its base list: then its surviving list is copied into
+a fresh tail once (its base list is then marked replaced); a node that loses only tail entries
+has each removed entry's place filled from the end of its tail, in place, costing what is removed
+(so a list's order is its history of appends and removals, the same in every process). Every process that samples keeps
 its own overlay and applies the same records in the same order, so all agree at each version;
 :class:`Patch` carries one application's writes to a device copy (:class:`DeviceOverlay`) or to
 a follower in the writer's state without recomputing them there.
@@ -24,7 +26,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+from quiver_serve.graph import base_cut
+from quiver_serve.graph.base_cut import Pairs
+from quiver_serve.graph.list_ranges import (
+    gather_ranges,
+    interleave,
+    range_positions,
+    rank_within,
+)
+from quiver_serve.graph.overlay_view import (
+    CUT_SHIFT,
+    LENGTH_MASK,
+    REPLACED,
+    OverlayView,
+    cut_of,
+)
 from quiver_serve.graph.records import EdgeRecord, PlannedEdgeRecord
 
 #: smallest tail block, in entries
@@ -94,26 +110,11 @@ def plan_record(record: EdgeRecord, patch: Patch) -> PlannedEdgeRecord:
 FOLD_CHUNK_EDGES = 1 << 17
 
 
-def range_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concat(arange(s, s + c) for s, c in zip(starts, counts))``, vectorised."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.empty(0, np.int64)
-    offsets = np.cumsum(counts) - counts
-    within = np.arange(total, dtype=np.int64) - np.repeat(offsets, counts)
-    return np.repeat(starts, counts) + within
-
-
-def gather_ranges(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concat(values[s:s + c] for s, c in zip(starts, counts))``, vectorised."""
-    return values[range_positions(starts, counts)]
-
-
 class Overlay:
     """Host overlay over one base CSC; see the module docstring. Not thread-safe: one owner."""
 
     def __init__(self, indptr: Tensor, indices: Tensor, node_capacity: int,
-                 edge_capacity: int, base_version: int = -1) -> None:
+                 edge_capacity: int, base_version: int = -1, cut_base: bool = True) -> None:
         self.indptr = indptr.numpy() if isinstance(indptr, Tensor) else np.asarray(indptr)
         self.indices = indices.numpy() if isinstance(indices, Tensor) else np.asarray(indices)
         self.n_base = int(self.indptr.size - 1)
@@ -134,6 +135,9 @@ class Overlay:
         self._block: np.ndarray | None = None  # block capacity of each node's tail
         self._tail: np.ndarray | None = None
         self._base_sorted: bool | None = None
+        #: removals from base lists take cuts (``base_cut``); False: every such node's list is
+        #: copied whole (the layout before decision 0069, kept for its benchmark)
+        self.cut_base = cut_base
         #: frozen copies being read (``freeze``): while any is, no plan rewrites an arena
         #: entry in place (a removal's survivors go to a new block), so their lists stay intact
         self.frozen = 0
@@ -167,8 +171,17 @@ class Overlay:
             return base, np.full(nodes.size, -1, np.int64), np.zeros(nodes.size, np.int64)
         assert self._length is not None
         start, raw = self._start[nodes], self._length[nodes]
-        base[(raw & REPLACED) != 0] = 0
-        return base, start, raw & LENGTH_MASK
+        cut = np.where((nodes < self.n_base) & ((raw & REPLACED) == 0), cut_of(raw), 0)
+        base = np.where((raw & REPLACED) != 0, 0, base - cut)
+        return base, np.where(start >= 0, start + 2 * cut, start), raw & LENGTH_MASK
+
+    def _pairs(self, nodes: np.ndarray) -> Pairs:
+        """The override pairs of ``nodes`` (``base_cut.Pairs``, owners index ``nodes``)."""
+        if self._start is None:
+            z = np.empty(0, np.int64)
+            return Pairs(z, z, z)
+        assert self._length is not None and self._tail is not None
+        return Pairs.read(self._tail, self._start[nodes], cut_of(self._length[nodes]))
 
     def degree(self, nodes: np.ndarray) -> np.ndarray:
         """Current in-degree of each node."""
@@ -188,8 +201,9 @@ class Overlay:
         owner_base = np.repeat(np.arange(nodes.size), base)
         owner_tail = np.repeat(np.arange(nodes.size), tail)
         node_off = np.cumsum(counts) - counts
-        out[node_off[owner_base] + _rank_within(owner_base)] = base_vals
-        out[node_off[owner_tail] + base[owner_tail] + _rank_within(owner_tail)] = tail_vals
+        out[node_off[owner_base] + rank_within(owner_base)] = base_vals
+        out[node_off[owner_tail] + base[owner_tail] + rank_within(owner_tail)] = tail_vals
+        base_cut.apply_pairs(out, node_off, base, self._pairs(nodes))
         return out, counts
 
     def self_loops(self, nodes: np.ndarray) -> np.ndarray:
@@ -349,15 +363,6 @@ class Overlay:
                 "nodes_capacity": self.node_capacity - self.n_base}
 
 
-def _rank_within(owner: np.ndarray) -> np.ndarray:
-    """Position of each entry among the entries of its owner (``owner`` sorted ascending)."""
-    if owner.size == 0:
-        return owner
-    first = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
-    counts = np.diff(np.r_[first, owner.size])
-    return np.arange(owner.size) - np.repeat(first, counts)
-
-
 def _matches(pairs: np.ndarray, dsts: np.ndarray, values: np.ndarray, counts: np.ndarray,
              cap: int) -> tuple[np.ndarray, np.ndarray]:
     """Which list entries (``values``, grouped per ``dsts`` node) are a removed (src, dst)
@@ -381,19 +386,9 @@ def _matches(pairs: np.ndarray, dsts: np.ndarray, values: np.ndarray, counts: np
     return drop, np.unique(ck[match])
 
 
-def _lower_bound(values: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                 target: np.ndarray) -> np.ndarray:
-    """Per query, the first position in ``values[lo:hi]`` (sorted) not below ``target``."""
-    lo, hi = lo.copy(), hi.copy()
-    last = max(values.size - 1, 0)
-    while True:
-        open_ = lo < hi
-        if not open_.any():
-            return lo
-        mid = (lo + hi) // 2
-        below = open_ & (values[np.minimum(mid, last)] < target)
-        lo = np.where(below, mid + 1, lo)
-        hi = np.where(open_ & ~below, mid, hi)
+def _span(length: np.ndarray) -> np.ndarray:
+    """Entries of a node's block in use, from its length words: its pairs, then its tail."""
+    return (length & LENGTH_MASK) + 2 * cut_of(length)
 
 
 def _block_for(entries: np.ndarray) -> np.ndarray:
@@ -418,7 +413,7 @@ class _Plan:
                    content: np.ndarray, content_counts: np.ndarray, spare: np.ndarray) -> np.ndarray:
         """Blocks for ``nodes`` holding ``content`` (grouped per node) with room for ``spare``
         more; returns their starts."""
-        caps = _block_for(lengths + spare)
+        caps = _block_for(content_counts + spare)
         starts = self.ov.top + self.alloc + np.cumsum(caps) - caps
         self.alloc += int(caps.sum())
         self.new_blocks["node"].append(nodes)
@@ -430,53 +425,107 @@ class _Plan:
         return starts
 
     def remove(self, pairs: np.ndarray) -> tuple[int, int]:
-        """Plan the removals. A node that loses an edge of its base list has its whole
-        surviving list written into a new tail (its base list then no longer counts); a node
-        that loses only tail entries (edges added since the base, or any edge of a node whose
-        list was rewritten before) has its tail rewritten in place. So each node's base list is
-        copied into the overlay at most once, and removing a recently added edge costs its
-        tail, not its degree."""
+        """Plan the removals. A node that loses entries of its counted base list takes a cut
+        (``base_cut``: it writes its pairs and tail into a new block, costing what it removed
+        so far, not its degree), or, once its pairs would outgrow half its base list, has its
+        whole surviving list written into a new tail (its base list then no longer counts); a
+        node that loses only tail entries (and has no cut) has its tail rewritten in place."""
         ov = self.ov
         assert ov._start is not None and ov._length is not None and ov._block is not None
         cap = ov.node_capacity
         dsts = np.unique(pairs[:, 1])
-        in_base = self._base_hits(pairs, dsts)
-        whole, tails = dsts[in_base], dsts[~in_base]
+        counted, t_start, t_len = ov._parts(dsts)
+        cuts = cut_of(ov._length[dsts])
+        route = self._route(pairs, dsts, counted, cuts)
+        whole, cutting, tails = dsts[route == 2], np.flatnonzero(route == 1), dsts[route == 0]
         values, counts = ov.neighbour_lists(whole)
         drop_w, found_w = _matches(pairs, whole, values, counts, cap)
-        _, t_start, t_len = ov._parts(tails)
-        t_vals = gather_ranges(ov._tail, np.maximum(t_start, 0), t_len)
-        drop_t, found_t = _matches(pairs, tails, t_vals, t_len, cap)
+        t_vals = gather_ranges(ov._tail, np.maximum(t_start[route == 0], 0), t_len[route == 0])
+        drop_t, found_t = _matches(pairs, tails, t_vals, t_len[route == 0], cap)
+        hit_c, removed_c, found_c = self._cut(pairs, dsts[cutting], counted[cutting],
+                                              cuts[cutting], t_start[cutting], t_len[cutting])
         requested = pairs[:, 1] * cap + pairs[:, 0]
-        missing = int((~np.isin(requested, np.concatenate([found_w, found_t]))).sum())
-        removed = int(drop_w.sum() + drop_t.sum())
+        missing = int((~np.isin(requested, np.concatenate([found_w, found_t, found_c]))).sum())
+        removed = int(drop_w.sum() + drop_t.sum()) + removed_c
         if removed == 0:
             return missing, 0
         hit_w = self._rewrite(whole, values, counts, drop_w, whole_list=True)
-        hit_t = self._rewrite(tails, t_vals, t_len, drop_t, whole_list=False)
-        hit = np.sort(np.concatenate([hit_w, hit_t]))
+        hit_t = self._rewrite(tails, t_vals, t_len[route == 0], drop_t, whole_list=False)
+        hit = np.sort(np.concatenate([hit_w, hit_t, hit_c]))
         self.state = (hit, *self._planned(hit))
         return missing, removed
 
-    def _base_hits(self, pairs: np.ndarray, dsts: np.ndarray) -> np.ndarray:
-        """Per node of ``dsts``: whether a pair matches an entry of its counted base list
-        (base lists are sorted by id: a vectorised binary search per pair)."""
+    def _route(self, pairs: np.ndarray, dsts: np.ndarray, counted: np.ndarray,
+               cuts: np.ndarray) -> np.ndarray:
+        """Per node of ``dsts``: 2 to rewrite its whole list, 1 to cut (or rewrite the block of
+        a node that has a cut), 0 to remove from its tail alone. Without sorted base lists
+        every node with a counted base list is rewritten whole (no binary search)."""
         ov = self.ov
-        base, _, _ = ov._parts(dsts)
+        route = np.where(cuts > 0, 1, 0)
         node_of = np.searchsorted(dsts, pairs[:, 1])
-        counted = base[node_of] > 0
-        out = np.zeros(dsts.size, dtype=bool)
-        if not counted.any():
-            return out
-        if not ov.base_sorted():  # no binary search: every counted base list is matched whole
-            out[node_of[counted]] = True
-            return out
-        d, src = pairs[counted, 1], pairs[counted, 0]
-        lo, hi = ov.indptr[d], ov.indptr[d + 1]
-        first = _lower_bound(ov.indices, lo, hi, src)
-        found = (first < hi) & (ov.indices[np.minimum(first, ov.indices.size - 1)] == src)
-        out[node_of[counted][found]] = True
-        return out
+        if not (counted[node_of] > 0).any():
+            return route
+        if not ov.base_sorted():
+            route[node_of[counted[node_of] > 0]] = 2
+            return route
+        hits = base_cut.base_hits(ov.indptr, ov.indices, pairs, dsts, counted,
+                                  ov._pairs(dsts), ov.node_capacity)
+        removed = np.bincount(hits.owner, minlength=dsts.size)
+        keep = base_cut.worth_cut(ov.base_degree(dsts), cuts, removed) & ov.cut_base
+        route[(removed > 0) & keep] = 1
+        route[(removed > 0) & ~keep] = 2
+        return route
+
+    def _cut(self, pairs: np.ndarray, nodes: np.ndarray, counted: np.ndarray, cuts: np.ndarray,
+             t_start: np.ndarray, t_len: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+        """Plan the new blocks of cut nodes that lose entries (``base_cut.cut_blocks``):
+        (nodes written, entries removed, pair keys found)."""
+        ov = self.ov
+        assert ov._tail is not None
+        z = np.empty(0, np.int64)
+        if nodes.size == 0:
+            return z, 0, z
+        overrides = ov._pairs(nodes)
+        hits = base_cut.base_hits(ov.indptr, ov.indices, pairs, nodes, counted, overrides,
+                                  ov.node_capacity)
+        t_vals = gather_ranges(ov._tail, np.maximum(t_start, 0), t_len)
+        drop, found_t = _matches(pairs, nodes, t_vals, t_len, ov.node_capacity)
+        owner = np.repeat(np.arange(nodes.size), t_len)
+        lost = np.bincount(hits.owner, minlength=nodes.size) \
+            + np.bincount(owner[drop], minlength=nodes.size)
+        hit = np.flatnonzero(lost > 0)
+        if hit.size == 0:
+            return z, 0, found_t
+        keep_t = np.isin(owner, hit)
+        hits = base_cut.Hits(np.searchsorted(hit, hits.owner), hits.pos, hits.found)
+        blocks = base_cut.cut_blocks(
+            ov.indptr[nodes[hit]], ov.indices, counted[hit], cuts[hit],
+            overrides.select(np.isin(overrides.owner, hit)).renumbered(hit), hits,
+            t_vals[keep_t], t_len[hit], drop[keep_t])
+        self._write_cut(nodes[hit], blocks)
+        return nodes[hit], int(lost.sum()), np.concatenate([hits.found, found_t])
+
+    def _write_cut(self, nodes: np.ndarray, blocks: base_cut.CutBlocks) -> None:
+        """Write cut blocks: in place where the node's block has room and no frozen copy reads
+        the arena (only the entries that change: the pairs and the tail's first ``2m``, moved
+        to its end), else into new blocks with as much room again for the next calls."""
+        ov = self.ov
+        assert ov._start is not None and ov._block is not None and ov._tail is not None
+        start, block = ov._start[nodes], ov._block[nodes]
+        length = blocks.tail_len | (blocks.cut << CUT_SHIFT)
+        fits = (start >= 0) & (blocks.content_counts <= block) & (ov.frozen == 0)
+        owner = np.repeat(np.arange(nodes.size), blocks.content_counts)
+        here = fits[owner]
+        pos = range_positions(start[fits], blocks.content_counts[fits])
+        changed = ov._tail[pos] != blocks.content[here]
+        self.writes_pos.append(pos[changed])
+        self.writes_val.append(blocks.content[here][changed])
+        self._set(nodes[fits], start[fits], length[fits], block[fits])
+        moved = ~fits
+        if moved.any():
+            counts = blocks.content_counts[moved]
+            self._new_block(nodes[moved], blocks.tail_len[moved], length[moved] & ~LENGTH_MASK,
+                            blocks.content[~here], counts, counts)
 
     def _rewrite(self, nodes: np.ndarray, values: np.ndarray, counts: np.ndarray,
                  drop: np.ndarray, whole_list: bool) -> np.ndarray:
@@ -501,7 +550,7 @@ class _Plan:
         # In place, costing what is removed: each removed entry before the new length takes
         # one surviving entry from past it (the list's order is not kept; readers see the new
         # length once it is written, after the entries)
-        rank = _rank_within(owner)
+        rank = rank_within(owner)
         beyond = rank >= keep_counts[owner]
         holes, movers = np.flatnonzero(drop & ~beyond), np.flatnonzero(~drop & beyond)
         self.writes_pos.append(start[owner[holes]] + rank[holes])  # per node as many of each,
@@ -541,30 +590,32 @@ class _Plan:
         nodes, first, counts = np.unique(dst, return_index=True, return_counts=True)
         start, length, block = self._current(nodes)
         used = length & LENGTH_MASK
-        flags = length & REPLACED
-        fits = (start >= 0) & (used + counts <= block)
+        flags = length & ~LENGTH_MASK  # REPLACED and the cut
+        span = _span(length)  # the block's entries in use: pairs, then the tail
+        fits = (start >= 0) & (span + counts <= block)
         # In place: appended after each tail, beyond what readers see until the length moves.
         rank = np.arange(dst.size) - np.repeat(first, counts)
         node_of = np.repeat(np.arange(nodes.size), counts)
         in_place = fits[node_of]
-        self.writes_pos.append(start[node_of[in_place]] + used[node_of[in_place]] + rank[in_place])
+        self.writes_pos.append(start[node_of[in_place]] + span[node_of[in_place]] + rank[in_place])
         self.writes_val.append(src[in_place])
         self.new_blocks["node"].append(nodes[fits])
         self.new_blocks["start"].append(start[fits])
         self.new_blocks["length"].append((used[fits] + counts[fits]) | flags[fits])
         self.new_blocks["block"].append(block[fits])
-        # Moved: the old tail (plan state or arena) and the new entries into a bigger block.
+        # Moved: the old block (plan state or arena) and the new entries into a bigger block.
         moved = np.flatnonzero(~fits)
         if moved.size:
-            old = self._old_tails(nodes[moved], start[moved], used[moved])
+            old = self._old_tails(nodes[moved], start[moved], span[moved])
             new_vals = src[~in_place]
-            m_used, m_counts = used[moved], counts[moved]
-            content = _interleave(old, m_used, new_vals, m_counts)
-            self._new_block(nodes[moved], m_used + m_counts, flags[moved], content,
-                            m_used + m_counts, m_used + m_counts)
+            m_span, m_counts = span[moved], counts[moved]
+            content = interleave(old, m_span, new_vals, m_counts)
+            self._new_block(nodes[moved], used[moved] + m_counts, flags[moved], content,
+                            m_span + m_counts, m_span + m_counts)
 
     def _old_tails(self, nodes: np.ndarray, start: np.ndarray, used: np.ndarray) -> np.ndarray:
-        """Current tail contents of ``nodes`` (blocks this plan made are not in the arena yet)."""
+        """Current block contents of ``nodes``, ``used`` entries each (blocks this plan made
+        are not in the arena yet)."""
         ov = self.ov
         assert ov._tail is not None
         pending = {int(p): v for pos, val in zip(self.writes_pos, self.writes_val, strict=True)
@@ -588,23 +639,10 @@ class _Plan:
         uniq, rev_first = np.unique(cols["node"][::-1], return_index=True)
         last = cols["node"].size - 1 - rev_first
         length = cols["length"][last]
-        live_delta = int((length & LENGTH_MASK).sum()) - int((ov._length[uniq] & LENGTH_MASK).sum())
+        live_delta = int(_span(length).sum()) - int(_span(ov._length[uniq]).sum())
         return Patch(uniq, cols["start"][last], length, pos, val, ov.num_nodes,
                      block=cols["block"][last],
                      head=(ov.base_version, ov.top, self.alloc, live_delta, edges_delta))
-
-
-def _interleave(old: np.ndarray, old_counts: np.ndarray, new: np.ndarray,
-                new_counts: np.ndarray) -> np.ndarray:
-    """Per node: its old entries, then its new ones (both grouped by node in the same order)."""
-    counts = old_counts + new_counts
-    out = np.empty(int(counts.sum()), np.int64)
-    node_off = np.cumsum(counts) - counts
-    owner_old = np.repeat(np.arange(counts.size), old_counts)
-    owner_new = np.repeat(np.arange(counts.size), new_counts)
-    out[node_off[owner_old] + _rank_within(owner_old)] = old
-    out[node_off[owner_new] + old_counts[owner_new] + _rank_within(owner_new)] = new
-    return out
 
 
 class DeviceOverlay:

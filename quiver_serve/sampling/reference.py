@@ -3,7 +3,8 @@
 It defines the semantics the compiled samplers must reproduce bit for bit (see ``base``), and it
 is the fallback wherever no compiler or GPU is present. With an overlay, a node's list is read in
 two parts (:func:`node_lists`: base range, then tail range) and a hop's draws are offsets into
-their concatenation.
+their concatenation; a draw into a base list with a cut reads its override pair where one names
+the place (``graph/overlay_view.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView, cut_of
 from quiver_serve.sampling.base import (
     BaseSampler,
     SamplerOutput,
@@ -92,16 +93,39 @@ def node_lists(
     raw_length = overlay.length[frontier]
     has_base = (frontier < n_base) & ((raw_length & REPLACED) == 0)
     zero = torch.zeros_like(frontier)
+    cut = torch.where(has_base, cut_of(raw_length), zero)  # only a counted base list has one
     if n_base > 0:
         v = torch.where(has_base, frontier, zero)
         start = torch.where(has_base, indptr[v], zero)
-        base_count = torch.where(has_base, indptr[v + 1] - indptr[v], zero)
+        base_count = torch.where(has_base, indptr[v + 1] - indptr[v] - cut, zero)
     else:
         start, base_count = zero, zero
     tail_start = overlay.start[frontier]
     has_tail = tail_start >= 0
     tail_count = torch.where(has_tail, raw_length & LENGTH_MASK, zero)
-    return start, base_count, torch.where(has_tail, tail_start, zero), tail_count
+    return start, base_count, torch.where(has_tail, tail_start + 2 * cut, zero), tail_count
+
+
+def _override_positions(overlay: OverlayView, frontier: Tensor, node: Tensor, local: Tensor,
+                        split: Tensor, edge_pos: Tensor, num_indices: int) -> Tensor:
+    """``edge_pos`` with each base read of a node with a cut moved to its override pair's value
+    when a pair names its place (a binary search over the node's pairs, by position)."""
+    cut = cut_of(overlay.length[frontier])[node]
+    pick = ((local < split) & (cut > 0)).nonzero().flatten()  # split > 0: a counted base list
+    if pick.numel() == 0:
+        return edge_pos
+    first, n, target = overlay.start[frontier][node[pick]], cut[pick], local[pick]
+    lo, hi = torch.zeros_like(n), n.clone()
+    for _ in range(int(n.max()).bit_length()):
+        mid = (lo + hi) // 2
+        below = (lo < hi) & (overlay.tail[first + 2 * torch.minimum(mid, n - 1)] < target)
+        hi = torch.where((lo < hi) & ~below, mid, hi)
+        lo = torch.where(below, mid + 1, lo)
+    at = first + 2 * torch.minimum(lo, n - 1)
+    found = (lo < n) & (overlay.tail[at] == target)
+    out = edge_pos.clone()
+    out[pick[found]] = num_indices + at[found] + 1
+    return out
 
 
 def hop_edge_positions(
@@ -124,6 +148,9 @@ def hop_edge_positions(
         in_tail = local >= split
         tail_pos = int(indptr[-1]) + tail_start[node] + local - split
         edge_pos = torch.where(in_tail, tail_pos, edge_pos)
+        assert overlay is not None
+        edge_pos = _override_positions(overlay, frontier, node, local, split, edge_pos,
+                                       int(indptr[-1]))
     return edge_pos, count
 
 

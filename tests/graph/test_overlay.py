@@ -9,6 +9,7 @@ import torch
 
 from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.overlay import DeviceOverlay, Overlay, OverlayFull
+from quiver_serve.graph.overlay_view import REPLACED
 
 
 def random_graph(rng: np.random.Generator, n: int, e: int) -> GraphData:
@@ -44,20 +45,27 @@ def as_multisets(lists: list[list[int]]) -> list[list[int]]:
     return [sorted(lst) for lst in lists]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_updates_match_the_list_model(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "edges", "takes", "frozen"),
+                         [(s, 160, 6, False) for s in range(6)]
+                         + [(s, 1600, 40, s % 2 == 1) for s in range(6, 12)])
+def test_random_updates_match_the_list_model(seed: int, edges: int, takes: int,
+                                             frozen: bool) -> None:
+    """Random adds and removals (dense graphs: cuts that grow, fill from pairs and turn into
+    whole copies; some while a frozen copy is being read) keep every list, count and degree."""
     rng = np.random.default_rng(seed)
-    g = random_graph(rng, 40, 160)
-    ov = Overlay(g.indptr, g.indices, node_capacity=60, edge_capacity=20_000)
+    g = random_graph(rng, 40, edges)
+    ov = Overlay(g.indptr, g.indices, node_capacity=60, edge_capacity=200_000)
     lists = model_lists(g)
     for step in range(40):
         if step % 7 == 3:
             ids = ov.add_nodes(int(rng.integers(1, 3)))
             lists += [[] for _ in ids]
+        if frozen and step % 10 == 0:
+            copy, before = ov.freeze(), overlay_lists(ov)
         n = ov.num_nodes
         add = rng.integers(0, n, (int(rng.integers(0, 30)), 2))
         present = [(u, d) for d, lst in enumerate(lists) for u in lst]
-        take = rng.integers(0, len(present), int(rng.integers(0, 6))) if present else []
+        take = rng.integers(0, len(present), int(rng.integers(0, takes))) if present else []
         remove = np.array([present[i] for i in take] + [[int(rng.integers(0, n)), 0]],
                           np.int64).reshape(-1, 2)
         removed, missing = model_apply(lists, add, remove)
@@ -65,6 +73,9 @@ def test_random_updates_match_the_list_model(seed: int) -> None:
         assert (result.added, result.removed, result.missing) == (len(add), removed, missing)
         assert as_multisets(overlay_lists(ov)) == as_multisets(lists)
         assert ov.num_edges == sum(map(len, lists))
+        if frozen and step % 10 == 9:
+            assert overlay_lists(copy) == before  # what the frozen copy read stayed intact
+            ov.thaw()
     nodes = np.arange(ov.num_nodes)
     assert ov.degree(nodes).tolist() == [len(x) for x in lists]
     assert ov.self_loops(nodes).tolist() == [x.count(v) for v, x in enumerate(lists)]
@@ -118,42 +129,49 @@ def test_a_full_overlay_refuses_and_changes_nothing() -> None:
         ov.add_nodes(1)
 
 
-def test_a_node_is_copied_into_the_overlay_once_whatever_it_loses() -> None:
-    """Only a node's first removal copies its list; later removals rewrite that tail in place."""
-    src = torch.arange(1, 201)
-    g = GraphData.from_edge_index(torch.stack([src, torch.zeros(200, dtype=torch.int64)]),
-                                  torch.zeros(201, 1), "star")
-    ov = Overlay(g.indptr, g.indices, node_capacity=201, edge_capacity=10_000)
-    ov.apply_edges(np.empty((0, 2), np.int64), np.array([[1, 0]]))
-    after_first = ov.top
-    assert after_first >= 199
-    for u in range(2, 60):
-        result, _ = ov.apply_edges(np.array([[u + 100, 0]]) if u % 7 == 0 else
-                                   np.empty((0, 2), np.int64), np.array([[u, 0]]))
-        assert result.removed == 1
-    assert ov.top == after_first  # removals in place; the few adds fit the block's slack
-    lists = overlay_lists(ov)
-    assert sorted(lists[0]) == sorted(list(range(60, 201)) + [u + 100 for u in range(2, 60)
-                                                             if u % 7 == 0])
+def star(n: int) -> GraphData:
+    """Node 0 with in-edges from 1 .. n (a hub)."""
+    src = torch.arange(1, n + 1)
+    return GraphData.from_edge_index(torch.stack([src, torch.zeros(n, dtype=torch.int64)]),
+                                     torch.zeros(n + 1, 1), "star")
 
 
-def test_a_removal_from_a_long_tail_writes_what_it_removes() -> None:
-    """After a hub's list is in the overlay, each removal writes at most as many arena entries
-    as it removes (filled from the end), not the hub's degree."""
-    src = torch.arange(1, 5001)
-    g = GraphData.from_edge_index(torch.stack([src, torch.zeros(5000, dtype=torch.int64)]),
-                                  torch.zeros(5001, 1), "star")
+def test_a_base_removal_writes_what_it_removed_not_the_degree() -> None:
+    """A hub that loses base entries keeps its base list and takes a cut: each call writes the
+    node's pairs (two entries per entry removed since the base) and its tail, never its degree."""
+    g = star(5000)
     ov = Overlay(g.indptr, g.indices, node_capacity=5001, edge_capacity=100_000)
     _, first = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[1, 0]]))
-    assert first.tail_pos.size == 4999  # the one copy of the list
-    for u in (17, 4000, 5000, 2):
+    assert first.tail_pos.size == 2  # one pair: place 0 takes the list's last entry
+    removed = 1
+    for batch in ([[17, 0]], [[4000, 0], [5000, 0]], [[u, 0] for u in range(100, 140)]):
+        _, patch = ov.apply_edges(np.array([[7, 0]]), np.array(batch))
+        removed += len(batch)
+        tail = int(ov.degree(np.array([0]))[0]) - (5000 - removed)
+        assert patch.tail_pos.size <= 2 * removed + tail
+    assert ov.top < 500
+    assert sorted(overlay_lists(ov)[0]) == sorted(
+        [u for u in range(2, 5001) if u not in (17, 4000, 5000) and not 100 <= u < 140] + [7] * 3)
+
+
+def test_a_list_whose_pairs_would_outgrow_half_of_it_is_copied_once() -> None:
+    """Past half its base list a node's surviving list is copied into a tail once; later
+    removals rewrite that tail in place, costing what they remove."""
+    g = star(40)
+    ov = Overlay(g.indptr, g.indices, node_capacity=41, edge_capacity=10_000)
+    for u in range(1, 21):  # 20 of 40: the pairs still fit half the list
+        ov.apply_edges(np.empty((0, 2), np.int64), np.array([[u, 0]]))
+        view = ov.view()
+        assert view is not None and int(view.length[0]) & REPLACED == 0
+    _, patch = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[21, 0]]))
+    view = ov.view()
+    assert view is not None and int(view.length[0]) & REPLACED and patch.tail_pos.size == 19
+    top = ov.top
+    for u in range(22, 30):
         _, patch = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[u, 0]]))
         assert patch.tail_pos.size <= 1
-    _, patch = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[u, 0] for u in range(
-        100, 140)]))
-    assert patch.tail_pos.size <= 40
-    assert sorted(overlay_lists(ov)[0]) == [u for u in range(3, 5000)
-                                            if u not in (17, 4000) and not 100 <= u < 140]
+    assert ov.top == top
+    assert sorted(overlay_lists(ov)[0]) == list(range(30, 41))
 
 
 def test_unsorted_base_lists_still_lose_every_copy() -> None:

@@ -22,7 +22,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from quiver_serve.graph.overlay_view import LENGTH_MASK, REPLACED, OverlayView
+from quiver_serve.graph.overlay_view import (
+    CUT_MASK,
+    CUT_SHIFT,
+    LENGTH_MASK,
+    REPLACED,
+    SPENT_POS,
+    OverlayView,
+    cut_of,
+)
 from quiver_serve.sampling import cpu as cpu_mod
 from quiver_serve.sampling.base import BaseSampler, SamplerOutput, seed_base
 from quiver_serve.sampling.graph_cache import elias_fano
@@ -62,30 +70,53 @@ def base_csc(n_base: int, num_edges: int, gen: torch.Generator) -> tuple[Tensor,
 
 
 def make_view(n_base: int, num_nodes: int, tails: dict[int, list[int]], replaced: set[int],
-              gen: torch.Generator, node_slack: int = 5, edge_slack: int = 3) -> OverlayView:
-    """An overlay whose node ``v`` has tail ``tails[v]`` (an empty list: a tail of length 0) and a
-    replaced base list when ``v in replaced``; tails lie in random order with random gaps."""
+              gen: torch.Generator, node_slack: int = 5, edge_slack: int = 3,
+              cuts: dict[int, list[tuple[int, int]]] | None = None) -> OverlayView:
+    """An overlay whose node ``v`` has tail ``tails[v]`` (an empty list: a tail of length 0), a
+    replaced base list when ``v in replaced`` and the cut ``cuts[v]`` (its (position, value)
+    pairs, sorted; ``v`` needs a tail entry); blocks lie in random order with random gaps."""
+    cuts = cuts or {}
     capacity = num_nodes + node_slack
     start = torch.full((capacity,), -1, dtype=torch.int64)
     length = torch.zeros(capacity, dtype=torch.int64)
-    total = sum(len(t) for t in tails.values())
+    total = sum(len(t) for t in tails.values()) + 2 * sum(len(c) for c in cuts.values())
     tail = torch.full((total + edge_slack * (len(tails) + 1),), -7, dtype=torch.int64)
     at = int(torch.randint(0, edge_slack + 1, (1,), generator=gen))
     for v in torch.randperm(num_nodes, generator=gen).tolist():
         if v not in tails:
             continue
+        block = [x for pair in cuts.get(v, []) for x in pair] + tails[v]
         start[v] = at
-        length[v] = len(tails[v])
-        tail[at : at + len(tails[v])] = torch.tensor(tails[v], dtype=torch.int64)
-        at += len(tails[v]) + int(torch.randint(0, edge_slack + 1, (1,), generator=gen))
+        length[v] = len(tails[v]) | (len(cuts.get(v, [])) << CUT_SHIFT)
+        tail[at : at + len(block)] = torch.tensor(block, dtype=torch.int64)
+        at += len(block) + int(torch.randint(0, edge_slack + 1, (1,), generator=gen))
     for v in replaced:
         length[v] |= REPLACED
     return OverlayView(n_base, num_nodes, start, length, tail)
 
 
+def random_cuts(indptr: Tensor, num_nodes: int, skip: set[int], gen: torch.Generator,
+                ) -> dict[int, list[tuple[int, int]]]:
+    """Cuts for about a third of the base nodes with two or more in-edges (not in ``skip``):
+    up to half the list, pairs at random places (some spent, some fillers)."""
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for v in range(indptr.numel() - 1):
+        deg = int(indptr[v + 1] - indptr[v])
+        if v in skip or deg < 2 or int(torch.randint(0, 3, (1,), generator=gen)) != 0:
+            continue
+        c = int(torch.randint(1, deg // 2 + 1, (1,), generator=gen))
+        places = sorted(torch.randperm(deg, generator=gen)[:c].tolist())
+        if c >= 2 and int(torch.randint(0, 2, (1,), generator=gen)):
+            places[-1] = SPENT_POS
+        values = torch.randint(0, num_nodes, (c,), generator=gen).tolist()
+        cuts[v] = list(zip(places, values, strict=True))
+    return cuts
+
+
 def random_living_graph(n_base: int, num_edges: int, added: int, gen: torch.Generator,
                         ) -> tuple[Tensor, Tensor, OverlayView]:
-    """(indptr, indices, view): a random base plus an overlay touching about half the nodes."""
+    """(indptr, indices, view): a random base plus an overlay touching about half the nodes
+    (tails, replaced base lists and cuts)."""
     indptr, indices = base_csc(n_base, num_edges, gen)
     num_nodes = n_base + added
     tails: dict[int, list[int]] = {}
@@ -99,18 +130,27 @@ def random_living_graph(n_base: int, num_edges: int, added: int, gen: torch.Gene
                 values[2] = v  # a self loop
             tails[v] = values
     replaced = {v for v in range(n_base) if int(torch.randint(0, 5, (1,), generator=gen)) == 0}
-    return indptr, indices, make_view(n_base, num_nodes, tails, replaced, gen)
+    cuts = random_cuts(indptr, num_nodes, replaced, gen)
+    for v in cuts:
+        tails.setdefault(v, [])
+    return indptr, indices, make_view(n_base, num_nodes, tails, replaced, gen, cuts=cuts)
 
 
 def current_list(indptr: Tensor, indices: Tensor, view: OverlayView, v: int) -> list[int]:
     """Node ``v``'s neighbour list as the overlay's contract defines it (one node, no tricks)."""
     raw = int(view.length[v])
     out: list[int] = []
+    cut = 0
+    s = int(view.start[v])
     if v < view.n_base and not raw & REPLACED:
-        out += indices[int(indptr[v]) : int(indptr[v + 1])].tolist()
-    if int(view.start[v]) >= 0:
-        s = int(view.start[v])
-        out += view.tail[s : s + (raw & LENGTH_MASK)].tolist()
+        cut = (raw >> CUT_SHIFT) & CUT_MASK
+        out += indices[int(indptr[v]) : int(indptr[v + 1]) - cut].tolist()
+        for i in range(cut):
+            place, value = int(view.tail[s + 2 * i]), int(view.tail[s + 2 * i + 1])
+            if place < len(out):
+                out[place] = value
+    if s >= 0:
+        out += view.tail[s + 2 * cut : s + 2 * cut + (raw & LENGTH_MASK)].tolist()
     return out
 
 
@@ -294,17 +334,20 @@ def append_and_replace(indptr: Tensor, indices: Tensor, view: OverlayView) -> in
     added (with a tail), node 0's tail grown (moved to fresh room), node 1's base list replaced
     by a new tail. Needs free room at the end of ``view.tail``; returns the new node's id."""
     cpu_view = view_on(view, "cpu")
-    used = torch.where(cpu_view.start >= 0, cpu_view.start + (cpu_view.length & LENGTH_MASK), 0)
+    span = (cpu_view.length & LENGTH_MASK) + 2 * cut_of(cpu_view.length)
+    used = torch.where(cpu_view.start >= 0, cpu_view.start + span, 0)
     top = int(used.max()) + 1
     new = view.num_nodes
     raw0, start0 = int(cpu_view.length[0]), int(cpu_view.start[0])
-    old0 = cpu_view.tail[start0 : start0 + (raw0 & LENGTH_MASK)].tolist() if start0 >= 0 else []
-    writes = [(0, old0 + [new, new, 0], raw0 & REPLACED), (1, [new, 1, 1], REPLACED),
-              (new, [0, 1], 0)]
-    for v, values, flag in writes:
+    span0 = (raw0 & LENGTH_MASK) + 2 * cut_of(raw0)
+    old0 = cpu_view.tail[start0 : start0 + span0].tolist() if start0 >= 0 else []
+    pairs0 = 2 * cut_of(raw0)  # block entries of node 0 that are its cut's pairs
+    writes = [(0, old0 + [new, new, 0], raw0 & ~LENGTH_MASK, pairs0), (1, [new, 1, 1], REPLACED, 0),
+              (new, [0, 1], 0, 0)]
+    for v, values, flag, pairs in writes:
         view.tail[top : top + len(values)] = torch.tensor(values, device=view.tail.device)
         view.start[v] = top
-        view.length[v] = len(values) | flag
+        view.length[v] = (len(values) - pairs) | flag
         top += len(values) + 1
     view.num_nodes = new + 1
     return new
