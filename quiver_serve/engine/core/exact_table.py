@@ -397,7 +397,7 @@ class TableGraph:
 
     def __init__(self, device: torch.device, static: tuple[Tensor, Tensor]) -> None:
         self.device, self.static = device, static
-        #: (host indices it copies, device indptr, device indices)
+        #: (host indices it copies, device indptr, device indices), copied once per base
         self._copy: tuple[Tensor, Tensor, Tensor] | None = None
 
     def current(self, gpu: BaseSampler | None, overlay: Overlay | None,
@@ -422,7 +422,9 @@ class TableGraph:
     def _device_copy(self, graph: CurrentGraph, device_overlay: DeviceOverlay | None,
                      num_nodes: int) -> CurrentGraph:
         cached = self._copy
-        if cached is None or cached[0] is not graph.indices:
+        # the same host arrays (an overlay's base hands out a new tensor over them each call)
+        if cached is None or cached[0].data_ptr() != graph.indices.data_ptr() \
+                or cached[0].numel() != graph.indices.numel():
             cached = (graph.indices, graph.indptr.to(self.device), graph.indices.to(
                 self.device, torch.int32 if num_nodes < 2 ** 31 else torch.int64))
             self._copy = cached

@@ -34,6 +34,14 @@ class RowCounts:
         return self.hot / elsewhere if elsewhere else 1.0
 
 
+def resolved(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` alone names the current device; tensors on it report
+    ``cuda:N``, so an unindexed device never equals theirs)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class PartitionFeatures:
     """``gather(n_id)`` over one partition's rows (see the module docstring). Which rows are
     replicated here is a dense map (global id -> hot row, -1: none; 4 bytes per node), so a
@@ -81,6 +89,7 @@ class PartitionFeatures:
         placed = 0
         if device.type == "cpu":
             return placed
+        device = resolved(device)
         hot_bytes = self.hot_rows.numel() * self.hot_rows.element_size()
         if hot_bytes > budget_bytes:
             return placed
@@ -101,6 +110,7 @@ class PartitionFeatures:
         """``rows`` (own rows) on ``device`` when the hot rows are there and they fit in
         ``budget_bytes``, else as they are; and the bytes placed."""
         nbytes = rows.numel() * rows.element_size()
+        device = resolved(device)
         if device.type == "cpu" or self.hot_rows.device != device or nbytes > budget_bytes:
             return rows, 0
         return rows.to(device), nbytes

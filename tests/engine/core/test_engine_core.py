@@ -43,8 +43,12 @@ def run(core: EngineCore, *mbs: MicroBatch, timeout_s: float = 30.0) -> dict[int
             replies[m.seq] = refused
     end = time.monotonic() + timeout_s
     while len(replies) < len(mbs) and time.monotonic() < end:
-        for r in core.step():
+        answered = core.step()
+        for r in answered:
             replies[r.done.seq] = r
+        if not answered and not (core.waiting or core.sampled or core.in_flight):
+            time.sleep(0.001)  # as the daemon's loop polls its socket (engine_proc.run): a loop
+            # spinning on the interpreter lock would starve the table's refresh thread
     assert len(replies) == len(mbs), "not every micro-batch was answered"
     return replies
 
