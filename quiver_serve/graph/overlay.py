@@ -1,16 +1,18 @@
 """The overlay: the graph's edges and nodes since its base CSC, applied version by version.
 
 Layout (``overlay_view.py``): per node a block in one preallocated arena (override pairs, then
-its tail); a node that gains edges appends to its tail (a block grows by half again when full, so
-appends cost O(1) amortised); a node that loses entries of its base list keeps it and takes a cut
-(``base_cut.py``: each removed place filled from the list's end, as an override pair, in a new
-block), unless its pairs would outgrow half its base list: then its surviving list is copied into
-a fresh tail once (its base list is then marked replaced); a node that loses only tail entries
-has each removed entry's place filled from the end of its tail, in place, costing what is removed
-(so a list's order is its history of appends and removals, the same in every process). Every process that samples keeps
-its own overlay and applies the same records in the same order, so all agree at each version;
-:class:`Patch` carries one application's writes to a device copy (:class:`DeviceOverlay`) or to
-a follower in the writer's state without recomputing them there.
+its tail). A node that gains edges appends to its tail (a block grows by half again when full,
+so appends cost O(1) amortised). A node that loses entries of its base list keeps it and takes a
+cut (``base_cut.py``: each removed place filled from the list's end, as an override pair; the
+block rewritten in place when it has room, else moved), unless its pairs would outgrow half its
+base list: then its surviving list is copied into a fresh tail once (its base list is then
+marked replaced). A node that loses only tail entries has each removed entry's place filled from
+the end of its tail, in place, costing what is removed. So a list's order is its history of
+appends and removals, the same in every process. Every process that samples keeps its own
+overlay and applies the same records in the same order, so all agree at each version;
+:class:`Patch` carries one application's writes to a device copy
+(``device_overlay.DeviceOverlay``) or to a follower in the writer's state without recomputing
+them there.
 
 Applying is all-or-nothing: the space a call needs is computed first, and a call that would not
 fit raises :class:`OverlayFull` with nothing changed.
@@ -643,44 +645,3 @@ class _Plan:
         return Patch(uniq, cols["start"][last], length, pos, val, ov.num_nodes,
                      block=cols["block"][last],
                      head=(ov.base_version, ov.top, self.alloc, live_delta, edges_delta))
-
-
-class DeviceOverlay:
-    """A copy of an :class:`Overlay` on a device, kept equal by applying its patches in order
-    (on the current stream, so earlier sampling kernels finish reading first)."""
-
-    def __init__(self, host: Overlay, device: torch.device) -> None:
-        self.device = device
-        self.n_base, self.num_nodes = host.n_base, host.num_nodes
-        self.start = torch.full((host.node_capacity,), -1, dtype=torch.int64, device=device)
-        self.length = torch.zeros(host.node_capacity, dtype=torch.int64, device=device)
-        self.tail = torch.zeros(host.edge_capacity, dtype=torch.int64, device=device)
-        if host.active:
-            view = host.view()
-            assert view is not None
-            self.start.copy_(view.start)
-            self.length.copy_(view.length)
-            self.tail[:host.top].copy_(view.tail[:host.top])
-
-    def view(self) -> OverlayView:
-        return OverlayView(self.n_base, self.num_nodes, self.start, self.length, self.tail)
-
-    def apply(self, patch: Patch) -> None:
-        """Write ``patch`` on the current stream: its five arrays travel in one copy from
-        page-locked memory that does not wait for the host (a copy from pageable memory would
-        block the engine loop until the stream's queued kernels finished); the caching host
-        allocator keeps the buffer until the copy is done."""
-        parts = (patch.tail_pos, patch.tail_val, patch.nodes, patch.start, patch.length)
-        sizes = [int(p.size) for p in parts]
-        if sum(sizes):
-            staged = torch.empty(sum(sizes), dtype=torch.int64,
-                                 pin_memory=self.device.type == "cuda")
-            np.concatenate(parts, out=staged.numpy(), casting="same_kind")
-            pos, val, nodes, start, length = torch.split(
-                staged.to(self.device, non_blocking=True), sizes)
-            if sizes[0]:
-                self.tail[pos] = val
-            if sizes[2]:
-                self.start[nodes] = start
-                self.length[nodes] = length
-        self.num_nodes = patch.num_nodes

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from quiver_serve.graph.csc import GraphData
-from quiver_serve.graph.overlay import DeviceOverlay, Overlay, OverlayFull
+from quiver_serve.graph.device_overlay import DeviceOverlay
+from quiver_serve.graph.overlay import Overlay, OverlayFull
 from quiver_serve.graph.overlay_view import REPLACED
 
 

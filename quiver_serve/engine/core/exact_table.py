@@ -33,8 +33,9 @@ from torch import Tensor
 
 from quiver_serve.config import ExactConfig
 from quiver_serve.features.store import FeatureStore
+from quiver_serve.graph.device_overlay import DeviceOverlay
 from quiver_serve.graph.neighbourhood import CurrentGraph, OutIndex, split_by_edges
-from quiver_serve.graph.overlay import DeviceOverlay, Overlay
+from quiver_serve.graph.overlay import Overlay
 from quiver_serve.models.layerwise import LayerwiseModel, unsupported
 from quiver_serve.models.served import ServedModel
 from quiver_serve.sampling.base import BaseSampler

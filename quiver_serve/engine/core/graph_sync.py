@@ -32,8 +32,9 @@ from quiver_serve.engine.core.exact_table import ExactTable, union_of
 from quiver_serve.engine.core.micro_batch import Reply
 from quiver_serve.features.store import FeatureStore
 from quiver_serve.graph.csc import GraphData
+from quiver_serve.graph.device_overlay import DeviceOverlay
 from quiver_serve.graph.living import Capacities
-from quiver_serve.graph.overlay import DeviceOverlay, Overlay, Patch
+from quiver_serve.graph.overlay import Overlay, Patch
 from quiver_serve.graph.overlay_view import OverlayView
 from quiver_serve.graph.records import EdgeRecord, FeatureRecord, NodeRecord, Record
 from quiver_serve.graph.state import GraphState
