@@ -78,6 +78,8 @@ class GraphConfig(_Section):
         2.0, gt=0, description="engine-loop time per step for applying updates while requests wait (the writer plans each update; an engine core applies the planned writes of as many records as fit, at least one per step; idle, it applies every record read; while requests wait, reading, applying and the PSGS entries take separate steps); see quiver_serve_graph_apply_seconds")
     compact_interval_s: float = Field(
         600.0, ge=0, description="also compact this long after the last compaction when anything changed (0: only by fill or on request)")
+    compact_threads: int = Field(
+        1, ge=1, description="intra-op threads of a compaction's fold, sort and write in the daemon's main process (torch's default, every core, left the front-ends and callers on the same machine without a core for 200 ms at a time); the main process's other torch work keeps its threads")
 
 
 #: how ``to_hetero`` combines the relations into one node type (PyG's choices)

@@ -3,8 +3,10 @@
 A random graph (--nodes, --edges, --features) behind a ``GraphWriter`` on a temporary log;
 --prefill calls of --edges-per-call edges fill the overlay; then one thread posts a call every
 --gap-ms and a heartbeat thread sleeps 1 ms at a time, for a quiet second, through ``compact()``
-and the writer's move to the new base (``maybe_rebase``), and a second after. Reports update-call
-and heartbeat-oversleep p50 / p99 / max, quiet against during the compaction, and the phases.
+and the writer's move to the new base (``maybe_rebase``), and a second after; a second process
+sleeps 1 ms at a time throughout (what a front-end on the same machine gets of its cores). Reports
+update-call and heartbeat-oversleep p50 / p99 / max (both heartbeats), quiet against during the
+compaction, and the phases.
 
     python -m bench.graph.compact_stall --nodes 233000 --edges 100000000 --features 602
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import tempfile
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,19 @@ def summary(samples: list[tuple[float, float]], lo: float, hi: float) -> dict[st
             "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
 
 
+def probe(conn: Connection) -> None:
+    """Another process's heartbeat (a front-end's share of the machine): sleep 1 ms at a time
+    until told to stop; send back (wall time, oversleep seconds) of each."""
+    conn.send("ready")
+    beats = []
+    while not conn.poll():
+        t0, wall = time.perf_counter(), time.time()
+        time.sleep(0.001)
+        beats.append((wall, time.perf_counter() - t0 - 0.001))
+    conn.recv()
+    conn.send(beats)
+
+
 def run(args: argparse.Namespace, folder: Path) -> dict:
     rng = np.random.default_rng(0)
     ei = torch.from_numpy(rng.integers(0, args.nodes, (2, args.edges)))
@@ -43,7 +60,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     del ei
     log = UpdateLog(folder)
     log.open()
-    writer = GraphWriter(GraphConfig(overlay_capacity_edges=1 << 26, fsync=args.fsync), base, 0, log)
+    writer = GraphWriter(GraphConfig(overlay_capacity_edges=1 << 26, fsync=args.fsync,
+                                     compact_threads=args.compact_threads), base, 0, log)
     none = np.empty((0, 2), np.int64)
 
     def call() -> float:
@@ -71,21 +89,31 @@ def run(args: argparse.Namespace, folder: Path) -> dict:
     threads = [threading.Thread(target=caller), threading.Thread(target=heart)]
     for t in threads:
         t.start()
+    spawn = mp.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    other = spawn.Process(target=probe, args=(theirs,), daemon=True)
+    other.start()
+    assert ours.poll(120) and ours.recv() == "ready"
     time.sleep(1.0)
-    c0 = time.perf_counter()
+    c0, w0 = time.perf_counter(), time.time()
     result = writer.compact()
     c1 = time.perf_counter()
     rebased = writer.maybe_rebase()
-    c2 = time.perf_counter()
+    c2, w2 = time.perf_counter(), time.time()
     time.sleep(1.0)
     stop.set()
     for t in threads:
         t.join()
+    ours.send("stop")
+    far = ours.recv() if ours.poll(60) else []
+    other.join(10)
     return {"compaction": result, "compact_s": c1 - c0, "rebase_s": c2 - c1, "rebased": rebased,
             "update_quiet": summary(calls, 0, c0 - 0.05),
             "update_compacting": summary(calls, c0, c2),
             "heartbeat_quiet": summary(beats, 0, c0 - 0.05),
-            "heartbeat_compacting": summary(beats, c0, c2)}
+            "heartbeat_compacting": summary(beats, c0, c2),
+            "other_process_quiet": summary(far, 0, w0 - 0.05),
+            "other_process_compacting": summary(far, w0, w2)}
 
 
 def main() -> None:
@@ -97,6 +125,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=300)
     ap.add_argument("--gap-ms", type=float, default=10.0)
     ap.add_argument("--fsync", default="group")
+    ap.add_argument("--compact-threads", type=int, default=1,
+                    help="graph.compact_threads (torch's default: every core)")
     ap.add_argument("--machine", default="cpu2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

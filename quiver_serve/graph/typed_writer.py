@@ -41,6 +41,7 @@ from quiver_serve.graph.state import GraphState, readers_reach
 from quiver_serve.graph.typed import TypedGraph
 from quiver_serve.graph.typed_living import TypedLiveGraph, check_log_meta
 from quiver_serve.graph.update_log import UpdateLog
+from quiver_serve.graph.writer import intra_op_threads
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class TypedGraphWriter:
     def compact(self) -> dict[str, Any]:
         """The graph at the acknowledged version as the log's new base; see the module
         docstring."""
-        with self._compact_lock:
+        with self._compact_lock, intra_op_threads(self.cfg.compact_threads):
             t0 = time.perf_counter()
             with self.lock:  # held only to list what the base is made of
                 version = self.version

@@ -10,10 +10,11 @@ same records in the same order. One lock orders the calls; it is held across the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,18 @@ REBASE_LAG_RECORDS = 4
 #: interpreter lock while it sorts, so this bounds only the chunk's memory)
 SORT_CHUNK_EDGES = 1 << 20
 
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run torch's operations of the block on at most ``threads`` threads (process-wide while
+    it lasts; ``graph.compact_threads``): a compaction is background work beside serving."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(threads, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def sort_lists(indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray,
@@ -237,7 +250,7 @@ class GraphWriter:
         overlay's per-node arrays are copied (``Overlay.freeze``); the fold and the write run
         beside them, and serving does not wait at all. The processes that sample keep their overlays
         until they start again, on the new base."""
-        with self._compact_lock:
+        with self._compact_lock, intra_op_threads(self.cfg.compact_threads):
             t0 = time.perf_counter()
             with self.lock:  # held only to copy what the fold reads
                 version = self.version

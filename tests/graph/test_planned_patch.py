@@ -137,3 +137,37 @@ def test_compaction_folds_outside_the_writers_lock(tmp_path, monkeypatch) -> Non
     release.set()
     t.join(10)
     assert result["compacted"] and result["version"] == 1  # the base holds version 1 exactly
+
+
+def test_a_compaction_runs_torch_on_its_own_thread_budget(tmp_path, monkeypatch) -> None:
+    """The fold, sort and write run on ``graph.compact_threads`` intra-op threads (background
+    work beside serving); the process's own setting comes back after."""
+    import torch
+
+    from quiver_serve.config import GraphConfig
+    from quiver_serve.graph import writer as writer_mod
+    from quiver_serve.graph.csc import GraphData
+    from quiver_serve.graph.update_log import UpdateLog
+    from quiver_serve.graph.writer import GraphWriter
+
+    base = GraphData.from_edge_index(torch.randint(0, 50, (2, 300)), torch.zeros(50, 2), "g")
+    log = UpdateLog(tmp_path)
+    log.open()
+    writer = GraphWriter(GraphConfig(compact_threads=1), base, 0, log)
+    writer.reader_versions = lambda: [writer.version]
+    writer.add_edges([[1, 2], [3, 2]], [[base.indices[0].item(), 0]])
+    seen: list[int] = []
+    real = writer_mod.sort_lists
+
+    def sort_watched(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_mod, "sort_lists", sort_watched)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert writer.compact()["compacted"]
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
