@@ -173,8 +173,9 @@ def node_hash(base: int, hop: int, nodes: Tensor) -> Tensor:
     return mix32(base ^ mix32(((nodes & MASK32) + hop_term) & MASK32))
 
 
-def draw32(node_h: Tensor, draw: int) -> Tensor:
-    """The ``draw``-th 32-bit random number of a node, from its :func:`node_hash`."""
+def draw32(node_h: Tensor, draw: int | Tensor) -> Tensor:
+    """The ``draw``-th 32-bit random number of a node, from its :func:`node_hash` (``draw`` an
+    int, or int64 draw numbers broadcast against ``node_h``)."""
     return mix32(node_h ^ ((draw * _DRAW_MUL) & MASK32))
 
 

@@ -38,17 +38,29 @@ def unique_first(values: Tensor) -> tuple[Tensor, Tensor]:
     return uniq[order], rank[inverse]
 
 
+#: draws held at once by ``floyd_select`` (rows x k), so a hop over every node of a large graph
+#: (the PSGS tables) draws in chunks instead of materialising all its draws
+FLOYD_CHUNK_DRAWS = 1 << 22
+
+
 def floyd_select(degree: Tensor, k: int, node_h: Tensor) -> Tensor:
-    """Floyd's k-of-d sampling for nodes with ``degree > k``: local offsets [P, k], draw order."""
+    """Floyd's k-of-d sampling for nodes with ``degree > k``: local offsets [P, k], draw order.
+    Every random number is drawn up front ([P, k] at once); only the collision check, which
+    depends on the draws before it, runs draw by draw (a fifth of the operations of drawing
+    in that loop: on a small frontier the cost is their count)."""
     num = degree.numel()
     chosen = torch.empty((num, k), dtype=torch.int64, device=degree.device)
-    for i in range(k):  # loop over draws, vectorised over nodes
-        t = degree - k + i
-        j = (draw32(node_h, i) * (t + 1)) >> 32
-        if i:
-            taken = (chosen[:, :i] == j.unsqueeze(1)).any(dim=1)
-            j = torch.where(taken, t, j)
-        chosen[:, i] = j
+    rows = max(1, FLOYD_CHUNK_DRAWS // max(k, 1))
+    draws = torch.arange(k, device=degree.device)
+    for lo in range(0, num, rows):
+        hi = min(num, lo + rows)
+        top = degree[lo:hi].unsqueeze(1) - k + draws  # [rows, k]: the last offset of each draw
+        j = (draw32(node_h[lo:hi].unsqueeze(1), draws) * (top + 1)) >> 32
+        out = chosen[lo:hi]
+        out.copy_(j)
+        for i in range(1, k):  # a draw already taken takes its range's top instead
+            taken = (out[:, :i] == j[:, i:i + 1]).any(dim=1)
+            out[:, i] = torch.where(taken, top[:, i], j[:, i])
     return chosen
 
 
