@@ -79,7 +79,7 @@ class GraphConfig(_Section):
     compact_interval_s: float = Field(
         600.0, ge=0, description="also compact this long after the last compaction when anything changed (0: only by fill or on request)")
     compact_threads: int = Field(
-        1, ge=1, description="intra-op threads of a compaction's fold, sort and write in the daemon's main process (torch's default, every core, left the front-ends and callers on the same machine without a core for 200 ms at a time); the main process's other torch work keeps its threads")
+        1, ge=1, description="intra-op threads of a compaction's fold, sort and write in the daemon's main process: background work, which should not take every core (torch's default) from the front-ends and callers on the same machine; the main process's other torch work keeps its threads")
 
 
 #: how ``to_hetero`` combines the relations into one node type (PyG's choices)
