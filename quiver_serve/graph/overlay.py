@@ -428,10 +428,11 @@ class _Plan:
 
     def remove(self, pairs: np.ndarray) -> tuple[int, int]:
         """Plan the removals. A node that loses entries of its counted base list takes a cut
-        (``base_cut``: it writes its pairs and tail into a new block, costing what it removed
-        so far, not its degree), or, once its pairs would outgrow half its base list, has its
-        whole surviving list written into a new tail (its base list then no longer counts); a
-        node that loses only tail entries (and has no cut) has its tail rewritten in place."""
+        (``base_cut``: its block, pairs then tail, is rewritten, in place when it has room,
+        costing what it removed so far, not its degree), or, once its pairs would outgrow half
+        its base list, has its whole surviving list written into a new tail (its base list then
+        no longer counts); a node that loses only tail entries (and has no cut) has its tail
+        rewritten in place."""
         ov = self.ov
         assert ov._start is not None and ov._length is not None and ov._block is not None
         cap = ov.node_capacity
