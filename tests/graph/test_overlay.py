@@ -55,7 +55,8 @@ def test_random_updates_match_the_list_model(seed: int, edges: int, takes: int,
     whole copies; some while a frozen copy is being read) keep every list, count and degree."""
     rng = np.random.default_rng(seed)
     g = random_graph(rng, 40, edges)
-    ov = Overlay(g.indptr, g.indices, node_capacity=60, edge_capacity=200_000)
+    ov = Overlay(g.indptr, g.indices, node_capacity=60, edge_capacity=200_000,
+                 cut_base=seed % 2 == 0)
     lists = model_lists(g)
     for step in range(40):
         if step % 7 == 3:
@@ -141,7 +142,7 @@ def test_a_base_removal_writes_what_it_removed_not_the_degree() -> None:
     """A hub that loses base entries keeps its base list and takes a cut: each call writes the
     node's pairs (two entries per entry removed since the base) and its tail, never its degree."""
     g = star(5000)
-    ov = Overlay(g.indptr, g.indices, node_capacity=5001, edge_capacity=100_000)
+    ov = Overlay(g.indptr, g.indices, node_capacity=5001, edge_capacity=100_000, cut_base=True)
     _, first = ov.apply_edges(np.empty((0, 2), np.int64), np.array([[1, 0]]))
     assert first.tail_pos.size == 2  # one pair: place 0 takes the list's last entry
     removed = 1
@@ -159,7 +160,7 @@ def test_a_list_whose_pairs_would_outgrow_half_of_it_is_copied_once() -> None:
     """Past half its base list a node's surviving list is copied into a tail once; later
     removals rewrite that tail in place, costing what they remove."""
     g = star(40)
-    ov = Overlay(g.indptr, g.indices, node_capacity=41, edge_capacity=10_000)
+    ov = Overlay(g.indptr, g.indices, node_capacity=41, edge_capacity=10_000, cut_base=True)
     for u in range(1, 21):  # 20 of 40: the pairs still fit half the list
         ov.apply_edges(np.empty((0, 2), np.int64), np.array([[u, 0]]))
         view = ov.view()
