@@ -129,7 +129,7 @@ def run_zmq(sizes: tuple[int, ...], calls: int, address: str) -> dict[str, Any]:
 def run_ray(sizes: tuple[int, ...], calls: int) -> dict[str, Any]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=300 << 20)
     try:
         server = ray.remote(RowServer).options(num_cpus=0.5).remote()

@@ -80,7 +80,8 @@ def test_ray_serve_two_replicas_exact_errors_and_a_killed_replica(
 
     from quiver_serve.scaleout.ray_serve import build_app
 
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              object_store_memory=200 << 20, log_to_driver=False)
     try:
         port = free_port()
