@@ -116,7 +116,7 @@ class Overlay:
     """Host overlay over one base CSC; see the module docstring. Not thread-safe: one owner."""
 
     def __init__(self, indptr: Tensor, indices: Tensor, node_capacity: int,
-                 edge_capacity: int, base_version: int = -1, cut_base: bool = False) -> None:
+                 edge_capacity: int, base_version: int = -1, cut_base: bool = True) -> None:
         self.indptr = indptr.numpy() if isinstance(indptr, Tensor) else np.asarray(indptr)
         self.indices = indices.numpy() if isinstance(indices, Tensor) else np.asarray(indices)
         self.n_base = int(self.indptr.size - 1)
@@ -137,9 +137,9 @@ class Overlay:
         self._block: np.ndarray | None = None  # block capacity of each node's tail
         self._tail: np.ndarray | None = None
         self._base_sorted: bool | None = None
-        #: removals from base lists take cuts (``base_cut``); False (the default until a
-        #: partitioned follower's divergence with cuts is found, decision 0069): every such
-        #: node's list is copied whole. Every reader reads both layouts.
+        #: removals from base lists take cuts (``base_cut``, decision 0069); False: every
+        #: such node's list is copied whole (the old layout, kept for the benchmark). Every
+        #: reader reads both layouts.
         self.cut_base = cut_base
         #: frozen copies being read (``freeze``): while any is, no plan rewrites an arena
         #: entry in place (a removal's survivors go to a new block), so their lists stay intact

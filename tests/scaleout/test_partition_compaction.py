@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ from quiver_serve.graph.csc import GraphData
 from quiver_serve.graph.log_reader import list_segments
 from quiver_serve.models.served import build_model
 from quiver_serve.partition.data import load_book
-from quiver_serve.scaleout.partitioned.compaction import base_in_force
+from quiver_serve.scaleout.partitioned.compaction import Moves, base_in_force
 from quiver_serve.scaleout.partitioned.links import WireLink
 from quiver_serve.scaleout.partitioned.server import PartitionServer, ServerArgs
+from quiver_serve.scaleout.partitioned.server_living import LivingPartition
 from tests.scaleout.test_partitioned import block_graph, config, partitions
 
 pytestmark = [pytest.mark.slow]
@@ -203,3 +205,35 @@ def test_updates_past_the_overlay_compact_and_a_restart_maps_the_base(tmp_path: 
         link.close()
 
     asyncio.run(second_life())
+
+
+class _Following(LivingPartition):
+    """A follower whose primary compacted twice while it read nothing: its first move lands on
+    a base that the records after it were already folded out of, so it moves again."""
+
+    def __init__(self, moves_needed: int, timeout_s: float = 5.0) -> None:
+        self.cfg = config(server__request_timeout_s=timeout_s)
+        self.moves, self.left = Moves(), moves_needed
+        self.live = SimpleNamespace(stalled=True, version=0)
+
+    def _follow(self) -> None:
+        if self.left == 0:
+            self.live.stalled = False
+        elif self.moves.running is None:
+            self.moves.start(self._move())
+
+    async def _move(self) -> None:
+        await asyncio.sleep(0.02)
+        self.left -= 1
+        self.live.version += 1
+
+
+def test_a_read_waits_for_every_move_its_primarys_compactions_need() -> None:
+    async def read(server: _Following) -> tuple[int, bool]:
+        return await server._current(
+            lambda: asyncio.sleep(0, (server.live.version, server.live.stalled)))
+
+    assert asyncio.run(read(_Following(2))) == (2, False)
+    # a read waits at most server.request_timeout_s, then answers at the version it holds
+    version, stalled = asyncio.run(read(_Following(1000, timeout_s=0.1)))
+    assert stalled and 0 < version < 1000

@@ -108,10 +108,18 @@ class LivingPartition:
 
     async def _current(self, work: Callable[[], Awaitable[T]]) -> T:
         """``work()`` once this server holds every record its primary logged: a follower whose
-        next records were folded into a base first waits for its move to that base."""
+        next records were folded into a base first waits for its move to that base, and for
+        the next one when its primary compacted again meanwhile (for
+        ``server.request_timeout_s`` at most: then it answers at the version it holds)."""
         self._follow()
-        if self.live.stalled and self.moves.running is not None:
-            await asyncio.shield(self.moves.running)
+        deadline = time.monotonic() + self.cfg.server.request_timeout_s
+        while self.live.stalled and self.moves.running is not None \
+                and time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.moves.running),
+                                       deadline - time.monotonic())
+            except TimeoutError:
+                break
             self._follow()
         return await work()
 

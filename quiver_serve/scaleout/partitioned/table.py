@@ -283,11 +283,10 @@ class PartitionTable:
             if not targets.numel():
                 continue
             pending = True
-            graph = sources.current_graph()
-            for chunk in self._chunks(targets, graph):
+            for chunk in self._chunks(targets, sources.current_graph()):
                 t0 = time.perf_counter()
                 try:
-                    done = await self._compute(layer, chunk, graph, sources)
+                    done = await self._compute(layer, chunk, sources)
                 except PartitionUnavailable as exc:
                     log.debug("partition %d: exact table waits: %s", self.part, exc)
                     break
@@ -303,12 +302,14 @@ class PartitionTable:
             else self.cfg.chunk_edges
         return split_by_edges(targets, graph.in_degree(targets), max_edges, MAX_CHUNK_ROWS)
 
-    async def _compute(self, layer: int, rows: Tensor, graph: CurrentGraph,
-                       sources: TableSources) -> int:
+    async def _compute(self, layer: int, rows: Tensor, sources: TableSources) -> int:
         """Layer ``layer`` of local ``rows`` whose inputs are clean, written and their bits
-        cleared unless marked meanwhile; how many were computed."""
+        cleared unless marked meanwhile; how many were computed. The in-edges are read from
+        the graph as it is now, in the same step as the bits are watched: a graph taken
+        before an await may be one a move to a newer base left behind, older than marks
+        already made."""
         self.remarked[layer][rows] = False
-        counts, src = graph.in_edges(rows)
+        counts, src = sources.current_graph().in_edges(rows)
         targets = self.own_ids.index_select(0, rows)
         n_id, col = relabel(targets, src)
         x, stale_in = await self._inputs(layer, n_id, sources)
