@@ -214,3 +214,59 @@ def test_marks_of_updates_arriving_together_go_as_one_marking() -> None:
         assert (await groups.mark(np.array([6]), empty))["rows"] == 1
 
     asyncio.run(main())
+
+
+class _RestartingPeer:
+    """Peers whose other server is being restarted by Ray: a call to it gets Ray's
+    ``ActorUnavailableError`` after ``unavailable_s`` (about 2 s in Ray), or answers at once
+    when it is alive; ``killed`` records ``ray.kill``."""
+
+    def __init__(self, unavailable_s: float | None) -> None:
+        from types import SimpleNamespace
+
+        self.settings = SimpleNamespace(num_parts=2, replicas=1)
+        self.link = SimpleNamespace(forget=lambda part, replica: None)
+        self.unavailable_s = unavailable_s
+
+        async def table_mark(*_args: Any) -> tuple[np.ndarray, np.ndarray]:
+            from ray.exceptions import ActorUnavailableError
+
+            if self.unavailable_s is None:
+                return np.array([5]), np.array([2, 0])
+            await asyncio.sleep(self.unavailable_s)
+            raise ActorUnavailableError("the actor is restarting", None)
+
+        self.actor = SimpleNamespace(table_mark=SimpleNamespace(remote=table_mark))
+
+    def forget_handle(self, part: int, replica: int) -> None:
+        pass
+
+    def handle(self, part: int, replica: int) -> Any:
+        return self.actor
+
+
+def test_a_server_ray_is_restarting_is_not_restarted_again(monkeypatch) -> None:
+    """The primary's marks of a server whose wire call failed go through Ray: Ray says a
+    restarting actor is unavailable only about 2 s after the call, so the fallback waits for
+    that even when ``partitioned.remote_timeout_s`` is shorter; killing it then would start it
+    over and, under a stream of updates, keep it down. A live server's answer is used."""
+    import ray
+
+    from quiver_serve.scaleout.partitioned.table_marks import link_targets
+
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+
+    async def own(*_args: Any) -> dict[str, Any]:
+        return {"ids": np.empty(0, np.int64), "layers": 2, "all": False}
+
+    async def fallback_of(peers: _RestartingPeer) -> dict[str, Any] | None:
+        other = [t for t in link_targets(peers, (0, 0), own, 0.5) if t.part == 1][0]
+        assert other.fallback is not None
+        return await other.fallback(0, np.array([3]), np.empty(0, np.int64),
+                                    ConnectionError("the wire dropped"))
+
+    assert asyncio.run(fallback_of(_RestartingPeer(2.2))) is None  # restarting: left alone
+    assert killed == []
+    got = asyncio.run(fallback_of(_RestartingPeer(None)))
+    assert got is not None and got["ids"].tolist() == [5] and got["layers"] == 2

@@ -33,6 +33,12 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+#: the shortest wait of the Ray fallback's call: Ray answers a call to an actor it is
+#: restarting with ``ActorUnavailableError`` about 2 s after the call (measured, ray 2.60), and
+#: only that answer tells a restarting server (left alone) from a live one that does not answer
+#: (restarted); a shorter wait would restart a server that is still starting, again and again
+FALLBACK_MIN_S = 5.0
+
 #: (layer, changed global ids or None: every node, global ids whose in-lists changed) ->
 #: {"layers", "ids", "all"} (``PartitionServer.table_mark``'s answer as a dict)
 MarkCall = Callable[[int, np.ndarray | None, np.ndarray], Awaitable[dict[str, Any]]]
@@ -150,7 +156,8 @@ def _ray_fallback(peers: Any, part: int, replica: int, timeout_s: float) -> Fall
         try:
             handle = peers.handle(part, replica)
             out = await asyncio.wait_for(handle.table_mark.remote(
-                ids, layer, changed is None, np.asarray(lists, np.int64).tolist()), timeout_s)
+                ids, layer, changed is None, np.asarray(lists, np.int64).tolist()),
+                max(timeout_s, FALLBACK_MIN_S))
             if not isinstance(out, dict):
                 return as_answer(*out)
             why: BaseException = RuntimeError(f"{out.get('code')}: {out.get('message')}")
