@@ -266,7 +266,7 @@ def start(args: argparse.Namespace, cfg: ServeConfig) -> str:
     except OSError as exc:
         raise StartError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
     end = time.monotonic() + args.start_timeout_s
-    # "local": a new instance even where /tmp/ray names another cluster (an old or a foreign one)
+    # "local": a new instance, never one that Ray's session files name (an old or a foreign one)
     ray.init(address=args.address or "local", include_dashboard=False)
     if args.partitions > 1:
         app = partitioned_app(args, cfg, max(1.0, end - time.monotonic()))
