@@ -399,6 +399,8 @@ class PartitionedConfig(_Section):
 
     remote_timeout_s: float = Field(
         2.0, gt=0, le=60, description="longest wait for one call between partition servers (a sampling hop or a feature batch); past it the partition counts as unavailable and the request is answered 503 with Retry-After")
+    rows_ride_max_seeds: int = Field(
+        16, ge=0, le=1 << 20, description="a batch of at most this many seeds has its feature rows ride with the sampling calls' answers: a peer drawing a hop for it also sends the rows of the ids it drew from and, at the last hop, of the neighbours it drew that it owns (less the rows replicated here), and the rows the last hop's own draws name are asked for at once, so no rows call waits for the sampling (decision 0070; one network round less per request, more work per call: measured worth it for small batches only); 0: never")
     transport_delay_ms: float = Field(
         0.0, ge=0, le=1000, description="delay added before every call between partition servers (tests and benches: a slower network)")
     transport: Literal["wire", "ray"] = Field(

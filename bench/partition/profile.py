@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", default=None,
                     help="workloads to run (single_id, b_48_ids, b_48_ids_load; default all)")
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--compare-set", dest="compare", action="append", default=[],
+                    help="KEY=VALUE: a second pair of servers with this override too, driven "
+                         "with the same requests, alternating with the first (A/B in one run)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --compare-set: A then B this many times per workload")
     return ap.parse_args(argv)
 
 
@@ -120,7 +125,9 @@ def servers(cfg: Any, parts: Path, clock: Clock) -> list[Any]:
     caller.sampler.hop = clock.wrap("sample.hop_total", caller.sampler.hop)
     caller.peers.sample_hop = clock.wrap("sample.remote_wait", caller.peers.sample_hop)
     caller.sampler.remote = caller.peers.sample_hop
-    sampling_mod.local_hop = clock.wrap("sample.local_draws", sampling_mod.local_hop)
+    if not getattr(sampling_mod.local_hop, "timed", False):  # once per process
+        sampling_mod.local_hop = clock.wrap("sample.local_draws", sampling_mod.local_hop)
+        sampling_mod.local_hop.timed = True
     caller.sampler.sample = clock.wrap("sample", caller.sampler.sample)
     caller.features.gather = clock.wrap("gather", caller.features.gather)
     caller.peers.rows = clock.wrap("gather.remote_wait", caller.peers.rows)
@@ -156,21 +163,39 @@ async def drive(server: Any, ids_of: Callable[[int], np.ndarray], requests: int,
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cfg, parts = build(args)
     clock = Clock()
-    made = servers(cfg, parts, clock)
-    caller = made[0]
+    variants = {"a": servers(cfg, parts, clock)}
+    if args.compare:
+        logs_b = Path(args.out_dir) / "updates_b"  # each primary holds its log's lock
+        variants["b"] = servers(cfg.with_overrides([*args.compare,
+                                                    f"graph.update_log_dir={logs_b}"]),
+                                parts, clock)
+    caller = variants["a"][0]
     rng = np.random.default_rng(0)
     owned = np.flatnonzero(caller.graph.owner.numpy() == 0)
-    out: dict[str, Any] = {"scale": args.scale, "nodes": caller.num_nodes}
+    out: dict[str, Any] = {"scale": args.scale, "nodes": caller.num_nodes, "sets": args.sets,
+                           "compare_set": args.compare}
     for name, size, concurrent, seeded in (("single_id", 1, 1, True), ("b_48_ids", 48, 1, True),
                                            ("b_48_ids_load", 48, args.concurrent, False)):
         if args.only and name not in args.only:
             continue
         ids = [rng.choice(owned, size) for _ in range(args.requests + 3)]
-        clock.rows.clear()
-        out[name] = await drive(caller, lambda i, ids=ids: ids[i], args.requests, concurrent,
-                                clock, seeded)
-        print(name, json.dumps(out[name]), flush=True)
+        for _ in range(args.rounds if args.compare else 1):
+            for key, made in variants.items():
+                clock.rows.clear()
+                before = received_bytes(made[0])
+                got = await drive(made[0], lambda i, ids=ids: ids[i], args.requests,
+                                  concurrent, clock, seeded)
+                got["bytes_received_per_request"] = round(
+                    (received_bytes(made[0]) - before) / (args.requests + 3))
+                label = name if key == "a" else f"{name}.compare"
+                out.setdefault(label, []).append(got)
+                print(label, json.dumps(got), flush=True)
     return out
+
+
+def received_bytes(server: Any) -> int:
+    """Bytes the caller received from its peer so far (hop answers and rows)."""
+    return sum(s.received_bytes for s in server.peers.stats.values())
 
 
 def main(argv: list[str] | None = None) -> int:

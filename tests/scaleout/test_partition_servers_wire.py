@@ -106,3 +106,55 @@ def test_a_requests_own_new_nodes_are_embedded_as_if_added(tmp_path: Path) -> No
         assert servers[0].num_nodes == n, "nothing was added"
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_rows_that_ride_with_the_hops_give_the_same_answers_in_fewer_calls(
+        tmp_path: Path, parts: int) -> None:
+    """Decision 0070: with ``partitioned.rows_ride_max_seeds`` the peers send the feature rows a batch
+    will gather with their hop answers (less the rows replicated at the caller), and the last
+    hop's own draws ask for theirs at once: seeded and exact answers equal those of the rows
+    calls after the sampling, bit for bit, and the calls after the sampling mostly go away
+    (with three partitions a peer's draws may name a third's rows: asked for as they arrive)."""
+    rng = np.random.default_rng(parts)
+    n = 600  # random edges: most cross partitions, so every path of the rows is taken
+    graph = GraphData.from_edge_index(torch.from_numpy(rng.integers(0, n, (2, 6 * n))),
+                                      torch.from_numpy(rng.standard_normal(
+                                          (n, block_graph().num_features)).astype(np.float32)),
+                                      "random")
+    data_dir = partitions(graph, parts, tmp_path)
+    batches = [rng.integers(0, graph.num_nodes, size) for size in (1, 5, 48)]
+
+    async def answers(ride: bool) -> tuple[list[np.ndarray], int, int]:
+        cfg = config(inference__device="cpu",
+                     partitioned__rows_ride_max_seeds=1 << 20 if ride else 0)
+        servers = [PartitionServer(cfg.model_dump(mode="json"),
+                                   ServerArgs("t", str(data_dir), p, 0, 1)) for p in range(parts)]
+        addresses = [s.wire.start("127.0.0.1") for s in servers]
+
+        async def address_of(part: int, replica: int) -> str:
+            return addresses[part]
+
+        for s in servers:
+            s.peers.link = WireLink(address_of)
+        out = []
+        for s in servers:
+            mine = [b[s.graph.owner[torch.from_numpy(b)].numpy() == s.args.part] for b in batches]
+            for ids in mine:
+                if ids.size:
+                    out.append(await s._embed(ids, False, 9))
+                    out.append(await s._embed(ids[:2], True, None))
+        counts = [s.features.counts for s in servers]
+        for s in servers:
+            s.close()
+        return out, counts
+
+    riding, riding_counts = asyncio.run(answers(True))
+    called, counts = asyncio.run(answers(False))
+    assert len(riding) == len(called) > 0
+    for a, b in zip(riding, called, strict=True):
+        np.testing.assert_array_equal(a, b)
+    remote = sum(c.remote for c in counts)
+    assert sum(c.remote for c in riding_counts) == remote > 0, "the same rows, from the peers"
+    assert sum(c.riding for c in riding_counts) == remote, "every one rode or came early"
+    assert sum(c.late_calls for c in riding_counts) == 0 < sum(c.late_calls for c in counts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,10 @@ class RowCounts:
     local: int = 0
     hot: int = 0
     remote: int = 0
+    #: of ``remote``: rows that rode with the hop answers or were asked for during the last
+    #: hop (``RidingRows``), and the calls the gather itself had to make after the sampling
+    riding: int = 0
+    late_calls: int = 0
 
     def hot_hit_rate(self) -> float:
         """Of the rows owned elsewhere, the share a replicated hot row answered (1.0: none)."""
@@ -169,21 +174,28 @@ class PartitionFeatures:
                              f"{self.part}")
         return self._own(self.local[t]).cpu().numpy()
 
-    async def gather(self, n_id: Tensor) -> Tensor:
+    async def gather(self, n_id: Tensor, riding: RidingRows | None = None) -> Tensor:
         """float32 [len(n_id), F] on :attr:`device`: the rows of global ids ``n_id``, in order.
-        The remote calls go first; own and hot rows are gathered while they travel."""
+        Rows that rode with the hop answers (``riding``) are taken first; the remote calls for
+        the rest go next, and own and hot rows are gathered while they travel."""
         n_id = n_id.to(torch.int64)
         owners = self.owner[n_id].to(torch.int64)
         slot = self.hot_slot[n_id]
         mine = owners == self.part
         hot = (slot >= 0) & ~mine
-        calls = []
-        for q in range(self.num_parts):
-            pos = ((owners == q) & ~hot).nonzero().flatten() if q != self.part else None
-            if pos is not None and pos.numel():
-                calls.append((pos, asyncio.ensure_future(self.remote(q, n_id[pos].numpy()))))
         dev = self.device
         out = torch.empty((n_id.numel(), self.dim), dtype=torch.float32, device=dev)
+        arrived = ~(mine | hot)
+        if riding is not None:
+            arrived &= self._take_riding(n_id, await riding.settle(), out)
+        else:
+            arrived[:] = False
+        calls = []
+        for q in range(self.num_parts):
+            pos = ((owners == q) & ~hot & ~arrived).nonzero().flatten() \
+                if q != self.part else None
+            if pos is not None and pos.numel():
+                calls.append((pos, asyncio.ensure_future(self.remote(q, n_id[pos].numpy()))))
         mine_pos, hot_pos = mine.nonzero().flatten(), hot.nonzero().flatten()
         if mine_pos.numel():
             out.index_copy_(0, mine_pos.to(dev), self._own(self.local[n_id[mine_pos]]))
@@ -202,5 +214,75 @@ class PartitionFeatures:
             remote += int(pos.numel())
         self.counts.local += int(mine_pos.numel())
         self.counts.hot += int(hot_pos.numel())
-        self.counts.remote += remote
+        self.counts.remote += remote + int(arrived.sum())
+        self.counts.riding += int(arrived.sum())
+        self.counts.late_calls += len(calls)
         return out
+
+    def _take_riding(self, n_id: Tensor, got: tuple[np.ndarray, np.ndarray],
+                     out: Tensor) -> Tensor:
+        """Write the rows of ``n_id`` that rode with the hop answers (``got``: sorted ids,
+        rows) into ``out``; which positions they filled."""
+        ids, rows = got
+        if not ids.size:
+            return torch.zeros(n_id.numel(), dtype=torch.bool)
+        at = np.minimum(np.searchsorted(ids, n_id.numpy()), ids.size - 1)
+        found = ids[at] == n_id.numpy()
+        pos = torch.from_numpy(np.flatnonzero(found))
+        if pos.numel():
+            out.index_copy_(0, pos.to(out.device),
+                            torch.from_numpy(rows[at[found]]).to(out.device))
+        return torch.from_numpy(found)
+
+
+class RidingRows:
+    """Feature rows of one batch that reach this server before its gather (decision 0070):
+    sent by the peers with their hop answers (the rows of the ids they were asked to draw
+    from, and at the last hop of the neighbours they drew that they own), or asked for as soon
+    as a last hop's draws name rows no answer brings. ``PartitionFeatures.gather`` takes what
+    arrived and calls only for the rest, so the rows round mostly overlaps the last hop."""
+
+    def __init__(self, features: PartitionFeatures) -> None:
+        self.features = features
+        self._ids: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []
+        self._calls: list[tuple[np.ndarray, asyncio.Future[Any]]] = []
+
+    @property
+    def part(self) -> int:
+        return self.features.part
+
+    def arrived(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Rows of global ``ids`` a peer sent with its hop answer."""
+        if np.size(ids):
+            self._ids.append(np.asarray(ids, np.int64))
+            self._rows.append(np.asarray(rows, np.float32))
+
+    def drawn(self, nbr: Tensor, answered_by: int | None) -> None:
+        """A last hop's neighbours (drawn here, or by partition ``answered_by``, which sent the
+        rows it owns): ask each other owner for the rows of its ids that are not replicated
+        here, at once."""
+        f = self.features
+        nbr = nbr[nbr < f.owner.numel()].to(torch.int64)  # a request's new nodes have no owner
+        owners = f.owner[nbr].to(torch.int64)
+        need = (owners != f.part) & (f.hot_slot[nbr] < 0)
+        if answered_by is not None:
+            need &= owners != answered_by
+        for q in torch.unique(owners[need]).tolist():
+            ids = torch.unique(nbr[need & (owners == q)]).numpy()
+            self._calls.append((ids, asyncio.ensure_future(f.remote(int(q), ids))))
+
+    async def settle(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every row that arrived or was asked for: (sorted unique global ids, their rows)."""
+        try:
+            got = await asyncio.gather(*(fut for _, fut in self._calls))
+        except BaseException:
+            for _, fut in self._calls:
+                fut.cancel()
+            raise
+        ids = self._ids + [i for i, _ in self._calls]
+        rows = self._rows + [np.asarray(r, np.float32) for r in got]
+        if not ids:
+            return np.empty(0, np.int64), np.empty((0, self.features.dim), np.float32)
+        all_ids, first = np.unique(np.concatenate(ids), return_index=True)
+        return all_ids, np.concatenate(rows)[first]

@@ -131,11 +131,14 @@ class Peers:
                                               self.settings.timeout_s)
         return address
 
-    async def sample_hop(self, part: int, ids: np.ndarray, k: int, hop: int,
-                         base: int) -> tuple[np.ndarray, np.ndarray]:
-        """Partition ``part``'s draws of hop ``hop`` for the global ``ids`` it owns."""
-        nbr, count = await self._call(part, str(hop), "sample_hop", ids, k, hop, base)
-        return nbr, count
+    async def sample_hop(self, part: int, ids: np.ndarray, k: int, hop: int, base: int,
+                         *rows_for: Any) -> tuple[np.ndarray, ...]:
+        """Partition ``part``'s draws of hop ``hop`` for the global ``ids`` it owns: (neighbours,
+        counts); given ``rows_for`` (this partition, last hop) also the rows riding with them
+        (``PartitionServer.sample_hop``)."""
+        out: tuple[np.ndarray, ...] = await self._call(part, str(hop), "sample_hop", ids, k, hop,
+                                                       base, *rows_for)
+        return out
 
     async def rows(self, part: int, ids: np.ndarray) -> np.ndarray:
         """Partition ``part``'s feature rows of the global ``ids`` it owns."""

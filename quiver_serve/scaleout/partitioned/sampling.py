@@ -17,7 +17,7 @@ import asyncio
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -29,8 +29,21 @@ from quiver_serve.sampling.reference import SubgraphBuilder, hop_edge_positions,
 
 T = TypeVar("T")
 
-#: (partition, global ids it owns, fanout, hop, seed base) -> (neighbours, count per id)
-RemoteHop = Callable[[int, np.ndarray, int, int, int], Awaitable[tuple[np.ndarray, np.ndarray]]]
+#: (partition, global ids it owns, fanout, hop, seed base[, rows for partition, last hop]) ->
+#: (neighbours, count per id[, row ids, rows]): with a partition to send rows to, the owner's
+#: answer also carries feature rows that partition's gather will need (``RidingRows``)
+RemoteHop = Callable[..., Awaitable[tuple[np.ndarray, ...]]]
+
+
+class RowSink(Protocol):
+    """Where a batch's hops leave the feature rows they learn about (``features.RidingRows``)."""
+
+    @property
+    def part(self) -> int: ...
+
+    def arrived(self, ids: np.ndarray, rows: np.ndarray) -> None: ...
+
+    def drawn(self, nbr: Tensor, answered_by: int | None) -> None: ...
 
 
 def as_tensor(a: np.ndarray) -> Tensor:
@@ -166,53 +179,70 @@ class PartitionSampler:
         self.graph, self.num_parts, self.remote = graph, num_parts, remote
 
     async def hop(self, frontier: Tensor, k: int, hop: int, base: int,
-                  virtual: VirtualNodes | None = None) -> tuple[Tensor, Tensor]:
+                  virtual: VirtualNodes | None = None, rows: RowSink | None = None,
+                  last: bool = False) -> tuple[Tensor, Tensor]:
         """One hop of ``frontier`` (global ids): remote calls sent first, then the local draws,
         then the remote answers awaited (one call per other partition holding frontier nodes).
-        Ids of ``virtual`` nodes are drawn here from their own lists."""
+        Ids of ``virtual`` nodes are drawn here from their own lists. With ``rows``, the
+        answers carry feature rows for this batch's gather, and the ``last`` hop's draws ask
+        for the rows no answer brings (decision 0070)."""
+        extra = () if rows is None else (rows.part, last)
         if virtual is None:
             owners = self.graph.owner[frontier].to(torch.int64)
         else:
             real = frontier < virtual.first
             owners = torch.full_like(frontier, -1)
             owners[real] = self.graph.owner[frontier[real]].to(torch.int64)
-        calls: list[tuple[Tensor, Awaitable[tuple[np.ndarray, np.ndarray]]]] = []
+        calls: list[tuple[int, Tensor, Awaitable[tuple[np.ndarray, ...]]]] = []
         for q in range(self.num_parts):
             if q == self.graph.part:
                 continue
             pos = (owners == q).nonzero().flatten()
             if pos.numel():
                 ids = frontier[pos].numpy()
-                calls.append((pos, asyncio.ensure_future(self.remote(q, ids, k, hop, base))))
+                calls.append((q, pos, asyncio.ensure_future(self.remote(q, ids, k, hop, base,
+                                                                        *extra))))
         answers: list[tuple[Tensor, Tensor, Tensor]] = []
         if virtual is not None and (pos := (owners < 0).nonzero().flatten()).numel():
             answers.append((pos, *virtual.hop(frontier[pos], k, hop, base)))
+            if rows is not None and last:
+                rows.drawn(answers[-1][1], None)
         mine = (owners == self.graph.part).nonzero().flatten()
         if mine.numel():
             got, cnt = await off_loop(local_hop, int(mine.numel()), self.graph, frontier[mine],
                                       k, hop, base)
             answers.append((mine, got, cnt))
+            if rows is not None and last:
+                rows.drawn(got, None)
         try:
-            remote = await asyncio.gather(*(fut for _, fut in calls))
+            remote = await asyncio.gather(*(fut for _, _, fut in calls))
         except BaseException:
-            for _, fut in calls:
-                fut.cancel()
+            for _, _, fut in calls:
+                fut.cancel()  # type: ignore[attr-defined]
             raise
-        for (pos, _), (got, cnt) in zip(calls, remote, strict=True):
-            answers.append((pos, as_tensor(np.asarray(got, np.int64)),
-                            as_tensor(np.asarray(cnt, np.int64))))
+        for (q, pos, _), answer in zip(calls, remote, strict=True):
+            got, cnt = as_tensor(np.asarray(answer[0], np.int64)), \
+                as_tensor(np.asarray(answer[1], np.int64))
+            answers.append((pos, got, cnt))
+            if rows is not None and len(answer) == 4:
+                rows.arrived(answer[2], answer[3])
+                if last:
+                    rows.drawn(got, q)
         return _place(int(frontier.numel()), answers)
 
     async def sample(self, seeds: Tensor, fanouts: list[int], seed: int,
-                     virtual: VirtualNodes | None = None) -> SamplerOutput:
+                     virtual: VirtualNodes | None = None,
+                     rows: RowSink | None = None) -> SamplerOutput:
         """The ``len(fanouts)``-hop subgraph of global ``seeds`` (``virtual`` nodes' ids among
         them) with batch seed ``seed``; the same tensors ``ReferenceSampler.sample`` gives on
-        the whole graph (with the virtual nodes added)."""
+        the whole graph (with the virtual nodes added). ``rows`` collects the feature rows the
+        hops bring (``hop``)."""
         base = seed_base(seed)
         seeds = seeds.to(torch.int64)
         bound = self.graph.num_nodes if virtual is None else virtual.first + virtual.count
         check_seed_range(seeds, bound)
         sub = SubgraphBuilder(seeds)
         for hop, k in enumerate(fanouts, start=1):
-            sub.add_hop(*await self.hop(sub.frontier, k, hop, base, virtual))
+            sub.add_hop(*await self.hop(sub.frontier, k, hop, base, virtual, rows,
+                                        hop == len(fanouts)))
         return sub.output()

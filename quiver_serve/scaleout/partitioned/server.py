@@ -39,7 +39,7 @@ from quiver_serve.partition.data import load_partition
 from quiver_serve.sampling.base import new_batch_seed
 from quiver_serve.scaleout.partitioned.batching import Coalescer
 from quiver_serve.scaleout.partitioned.compaction import Moves, grown_book, serving_base
-from quiver_serve.scaleout.partitioned.features import PartitionFeatures
+from quiver_serve.scaleout.partitioned.features import PartitionFeatures, RidingRows
 from quiver_serve.scaleout.partitioned.links import WireService
 from quiver_serve.scaleout.partitioned.live import log_folder
 from quiver_serve.scaleout.partitioned.peers import PartitionUnavailable, Peers, PeerSettings
@@ -106,6 +106,8 @@ class PartitionServer(LivingPartition):
         #: the own rows of the base in force, in host memory (what a compaction folds)
         self.base_x = base.features
         self.moves = Moves()
+        #: the hot ids of the other partitions (``peer_hot``), read at their first call
+        self._peer_hot: dict[int, np.ndarray] = {}
         self.table: PartitionTable | None = None  # built once the model is (``_table``)
         self.table_wanted, self.marking, self._remarked = False, set(), False
         self.mark_groups = MarkGroups(self.mark_all)
@@ -317,15 +319,17 @@ class PartitionServer(LivingPartition):
                      virtual: VirtualNodes | None = None) -> np.ndarray:
         ids = torch.from_numpy(np.ascontiguousarray(node_ids, np.int64))
         fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
+        riding = RidingRows(self.features) \
+            if ids.numel() <= self.cfg.partitioned.rows_ride_max_seeds else None
         sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
-                                            else seed, virtual)
+                                            else seed, virtual, riding)
         if virtual is None:
-            x = await self.features.gather(sampled.n_id)
+            x = await self.features.gather(sampled.n_id, riding)
         else:  # the virtual nodes' rows are the request's
             real = sampled.n_id < virtual.first
             x = torch.empty((sampled.n_id.numel(), self.features.dim), dtype=torch.float32,
                             device=self.features.device)
-            x[real.to(x.device)] = await self.features.gather(sampled.n_id[real])
+            x[real.to(x.device)] = await self.features.gather(sampled.n_id[real], riding)
             x[(~real).to(x.device)] = virtual.features[sampled.n_id[~real] - virtual.first].to(
                 x.device)
         return await asyncio.to_thread(self.forward, x, sampled, exact)
@@ -339,20 +343,46 @@ class PartitionServer(LivingPartition):
         return np.ascontiguousarray(rows.cpu().numpy())
 
     # ---- answering the other partition servers -------------------------------------------------
-    async def sample_hop(self, ids: np.ndarray, k: int, hop: int,
-                         base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
-        """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id)."""
+    async def sample_hop(self, ids: np.ndarray, k: int, hop: int, base: int,
+                         rows_for: int = -1, last: bool = False,
+                         ) -> tuple[np.ndarray, ...] | dict[str, Any]:
+        """Hop ``hop`` of the global ``ids`` this partition owns: (neighbours, count per id);
+        with ``rows_for`` (the calling partition) also (row ids, rows): the feature rows its
+        gather will want from here, those of ``ids`` and, at the ``last`` hop, of the drawn
+        neighbours owned here, less the rows it replicates (decision 0070)."""
         return await self._current(lambda: off_loop(self._hop, int(np.size(ids)), ids, k, hop,
-                                                    base))
+                                                    base, rows_for, last))
 
-    def _hop(self, ids: np.ndarray, k: int, hop: int,
-             base: int) -> tuple[np.ndarray, np.ndarray] | dict[str, Any]:
+    def _hop(self, ids: np.ndarray, k: int, hop: int, base: int, rows_for: int = -1,
+             last: bool = False) -> tuple[np.ndarray, ...] | dict[str, Any]:
         try:
             nbr, count = local_hop(self.graph, torch.from_numpy(np.asarray(ids, np.int64)), k,
                                    hop, base)
         except ValueError as exc:
             return {"code": "not_owned", "message": str(exc), "status": 400}
-        return nbr.numpy(), count.numpy()
+        if rows_for < 0:
+            return nbr.numpy(), count.numpy()
+        want = np.asarray(ids, np.int64)
+        if last:
+            owned = nbr[self.graph.owner[nbr].to(torch.int64) == self.args.part]
+            want = np.concatenate([want, owned.numpy()])
+        want = np.unique(want)
+        hot = self.peer_hot(int(rows_for))
+        if hot.size:  # sorted: a binary search per row, not a sort of the hot set per call
+            at = np.minimum(np.searchsorted(hot, want), hot.size - 1)
+            want = want[hot[at] != want]
+        return nbr.numpy(), count.numpy(), want, self.features.own_rows(want)
+
+    def peer_hot(self, part: int) -> np.ndarray:
+        """The sorted global ids partition ``part`` replicates (its snapshot's hot rows; empty
+        when its folder is not on this host: then every row rides)."""
+        if part not in self._peer_hot:
+            try:
+                hot = load_partition(Path(self.args.data_dir), part, mmap=True).hot_ids
+                self._peer_hot[part] = np.asarray(hot, np.int64)
+            except (OSError, ValueError):
+                self._peer_hot[part] = np.empty(0, np.int64)
+        return self._peer_hot[part]
 
     async def rows(self, ids: np.ndarray) -> np.ndarray | dict[str, Any]:
         """Feature rows of the global ``ids`` this partition owns."""
@@ -441,7 +471,8 @@ class PartitionServer(LivingPartition):
                 "requests": self.requests, "refused": self.refused, "ongoing": self.ongoing,
                 "batches": self.batches.batches + self.exact_batches.batches,
                 "transport": self.peers.settings.transport,
-                "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote},
+                "rows": {"local": counts.local, "hot": counts.hot, "remote": counts.remote,
+                         "riding": counts.riding, "late_calls": counts.late_calls},
                 "hot_hit_rate": counts.hot_hit_rate(), "calls": self.peers.snapshot(),
                 "version": self.graph_version(), "base_version": self.live.base_version,
                 "overlay": self.live.overlay.usage(), "compaction": self.moves.snapshot(),
