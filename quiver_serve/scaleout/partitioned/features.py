@@ -272,6 +272,11 @@ class RidingRows:
             ids = torch.unique(nbr[need & (owners == q)]).numpy()
             self._calls.append((ids, asyncio.ensure_future(f.remote(int(q), ids))))
 
+    def close(self) -> None:
+        """Cancel the calls still under way (the batch failed before its gather)."""
+        for _, fut in self._calls:
+            fut.cancel()
+
     async def settle(self) -> tuple[np.ndarray, np.ndarray]:
         """Every row that arrived or was asked for: (sorted unique global ids, their rows)."""
         try:

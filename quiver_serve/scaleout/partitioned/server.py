@@ -321,17 +321,21 @@ class PartitionServer(LivingPartition):
         fanouts = [-1] * len(self.fanouts) if exact else self.fanouts
         riding = RidingRows(self.features) \
             if ids.numel() <= self.cfg.partitioned.rows_ride_max_seeds else None
-        sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
-                                            else seed, virtual, riding)
-        if virtual is None:
-            x = await self.features.gather(sampled.n_id, riding)
-        else:  # the virtual nodes' rows are the request's
-            real = sampled.n_id < virtual.first
-            x = torch.empty((sampled.n_id.numel(), self.features.dim), dtype=torch.float32,
-                            device=self.features.device)
-            x[real.to(x.device)] = await self.features.gather(sampled.n_id[real], riding)
-            x[(~real).to(x.device)] = virtual.features[sampled.n_id[~real] - virtual.first].to(
-                x.device)
+        try:
+            sampled = await self.sampler.sample(ids, fanouts, new_batch_seed() if seed is None
+                                                else seed, virtual, riding)
+            if virtual is None:
+                x = await self.features.gather(sampled.n_id, riding)
+            else:  # the virtual nodes' rows are the request's
+                real = sampled.n_id < virtual.first
+                x = torch.empty((sampled.n_id.numel(), self.features.dim),
+                                dtype=torch.float32, device=self.features.device)
+                x[real.to(x.device)] = await self.features.gather(sampled.n_id[real], riding)
+                x[(~real).to(x.device)] = virtual.features[
+                    sampled.n_id[~real] - virtual.first].to(x.device)
+        finally:
+            if riding is not None:
+                riding.close()
         return await asyncio.to_thread(self.forward, x, sampled, exact)
 
     def forward(self, x: Tensor, sampled: Any, exact: bool) -> np.ndarray:
